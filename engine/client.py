@@ -1,0 +1,447 @@
+"""The engine client: lives in the caller's process (ComfyUI's), starts and owns the rank processes,
+submits jobs, watches their health, and replaces the ranks after a failure. It is never a rank and
+never joins the process group.
+
+Control: one inherited Unix socketpair per rank (nothing listens anywhere); rendezvous through a
+FileStore in the engine's private 0700 directory; gloo/NCCL bound to loopback for a local engine.
+Every wait has a deadline; a dead or silent rank becomes an EngineError naming the rank and phase.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import bridge
+from .errors import EngineError, JobCancelled
+from .protocol import Channel, ChannelClosed
+
+PACK_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_RANKS = 8
+PHASES = ("sent", "broadcast", "compute", "return")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds. A phase that runs past its deadline, or a busy rank silent past `heartbeat_s`, fails the job."""
+
+    start_s: float = 180.0       # all ranks up and the process group formed
+    broadcast_s: float = 120.0   # job received and verified on every rank ("sent" counts here too)
+    compute_s: float = 3600.0    # the job itself
+    return_s: float = 120.0      # results written to shared memory
+    heartbeat_s: float = 15.0    # a busy rank that says nothing for this long is hung
+    error_grace_s: float = 3.0   # after one rank fails, how long the others get to report
+    shutdown_s: float = 10.0
+
+    def for_phase(self, phase: str) -> float:
+        return {"sent": self.broadcast_s, "broadcast": self.broadcast_s,
+                "compute": self.compute_s, "return": self.return_s}[phase]
+
+    def validate(self) -> None:
+        for name, value in self.__dict__.items():
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"deadline {name}={value!r} is invalid: use a number of seconds > 0")
+
+
+@dataclass
+class JobResult:
+    outputs: dict[str, torch.Tensor]
+    timings: dict[str, float]
+    ranks: list[dict] = field(default_factory=list)  # what each rank reported (job id, crc32, ...)
+    job_id: int = 0
+    crc32: int = 0
+
+
+def _signal_name(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _kill_all(procs: list, chans: list, engine_dir: str | None) -> None:
+    """Hard stop: SIGKILL every rank we have not reaped (a zombie keeps its pid, so this never hits a
+    stranger), close channels, remove shared memory. Also the finalizer for a forgotten Engine."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.kill()
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    for c in chans:
+        c.close()
+    if engine_dir:
+        bridge.remove_engine_dir(engine_dir)
+
+
+class Engine:
+    """A persistent group of rank processes. Use as a context manager or call close().
+
+    ranks: 1..8. device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank from `gpus`).
+    """
+
+    def __init__(self, ranks: int = 1, *, device: str = "cpu", gpus: list[int] | None = None,
+                 deadlines: Deadlines | None = None, heartbeat_interval_s: float = 0.5,
+                 collective_timeout_s: float = 1800.0, rank_stdio: str = "log", start: bool = True):
+        if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+            raise ValueError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r} is invalid: use 'cpu' (gloo) or 'cuda' (NCCL)")
+        if device == "cuda":
+            gpus = list(range(ranks)) if gpus is None else [int(g) for g in gpus]
+            if len(gpus) != ranks or len(set(gpus)) != ranks:
+                raise ValueError(f"gpus={gpus} is invalid for {ranks} ranks: list {ranks} distinct GPU indices, "
+                                 f"e.g. {list(range(ranks))}")
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' but this torch sees no CUDA device: use device='cpu'")
+            if max(gpus) >= torch.cuda.device_count():
+                raise ValueError(f"gpus={gpus} names GPU {max(gpus)} but only {torch.cuda.device_count()} "
+                                 f"are visible (0..{torch.cuda.device_count() - 1})")
+        elif gpus:
+            raise ValueError(f"gpus={gpus} given with device='cpu': drop gpus or use device='cuda'")
+        if rank_stdio not in ("log", "inherit"):
+            raise ValueError(f"rank_stdio={rank_stdio!r} is invalid: use 'log' or 'inherit'")
+        self.world = ranks
+        self.device = device
+        self.gpus = gpus
+        self.deadlines = deadlines or Deadlines()
+        self.deadlines.validate()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.collective_timeout_s = collective_timeout_s
+        self.rank_stdio = rank_stdio
+        self.generation = 0          # how many times the rank group was (re)started
+        self.restarts: list[str] = []  # why each replacement happened
+        self._procs: list[subprocess.Popen] = []
+        self._chans: list[Channel] = []
+        self.engine_dir: str | None = None
+        self.rank_info: list[dict] = []
+        self._broken: str | None = None
+        self._job_ids = itertools.count(1)
+        self._finalizer = None
+        if start:
+            self.start()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def running(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def start(self) -> None:
+        if self._procs:
+            raise RuntimeError("engine already started")
+        bridge.sweep_stale_dirs()
+        self.engine_dir = bridge.make_engine_dir()
+        self.generation += 1
+        store_path = os.path.join(self.engine_dir, f"store-{self.generation}")
+        env = dict(os.environ)
+        # Subprocesses must find the engine even when the pack is not on sys.path (ComfyUI imports by path).
+        env["PYTHONPATH"] = os.pathsep.join([PACK_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # a local engine talks over loopback only
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        if self.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        threads = max(1, (os.cpu_count() or 1) // self.world)
+        self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._chans, self.engine_dir)
+        pgid = 0
+        try:
+            for rank in range(self.world):
+                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                if self.rank_stdio == "log":
+                    log = open(os.path.join(self.engine_dir, f"rank{rank}.log"), "wb")
+                    stdio = {"stdout": log, "stderr": subprocess.STDOUT}
+                else:
+                    log, stdio = None, {}
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "engine.rank", "--fd", str(child_sock.fileno())],
+                        pass_fds=(child_sock.fileno(),), env=env, cwd=PACK_ROOT, stdin=subprocess.DEVNULL,
+                        process_group=pgid, **stdio)
+                finally:
+                    child_sock.close()
+                    if log:
+                        log.close()
+                pgid = pgid or proc.pid  # all ranks share one process group, led by rank 0
+                self._procs.append(proc)
+                chan = Channel(parent_sock)
+                self._chans.append(chan)
+                chan.send({"op": "init", "rank": rank, "world": self.world,
+                           "backend": "nccl" if self.device == "cuda" else "gloo",
+                           "local_device": rank, "engine_dir": self.engine_dir, "store_path": store_path,
+                           "heartbeat_interval_s": self.heartbeat_interval_s,
+                           "collective_timeout_s": self.collective_timeout_s, "threads": threads})
+            self.rank_info = self._wait_ready()
+        except BaseException:
+            self._teardown()
+            raise
+        self._broken = None
+
+    def _wait_ready(self) -> list[dict]:
+        ready: dict[int, dict] = {}
+        deadline = time.monotonic() + self.deadlines.start_s
+        sel = selectors.DefaultSelector()
+        for rank, chan in enumerate(self._chans):
+            sel.register(chan.sock, selectors.EVENT_READ, rank)
+        try:
+            while len(ready) < self.world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in range(self.world) if r not in ready]
+                    raise EngineError(f"ranks {missing} did not start within {self.deadlines.start_s:.0f} s "
+                                      f"(deadline start_s){self._log_tail(missing[0])}", rank=missing[0], phase="start")
+                for key, _ in sel.select(timeout=min(left, 0.5)):
+                    rank = key.data
+                    try:
+                        for message in self._chans[rank].recv_ready():
+                            if message.get("op") == "ready":
+                                ready[rank] = message
+                    except ChannelClosed:
+                        status = self._reap(rank)
+                        raise EngineError(f"rank {rank} exited during start-up ({status})"
+                                          f"{self._log_tail(rank)}", rank=rank, phase="start") from None
+        finally:
+            sel.close()
+        return [ready[r] for r in range(self.world)]
+
+    def _reap(self, rank: int, timeout_s: float = 2.0) -> str:
+        try:
+            self._procs[rank].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        return _signal_name(self._procs[rank].poll())
+
+    def _log_tail(self, rank: int, lines: int = 15) -> str:
+        if not self.engine_dir:
+            return ""
+        try:
+            with open(os.path.join(self.engine_dir, f"rank{rank}.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                text = f.read().decode(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return ("\n--- rank %d log (last lines) ---\n" % rank + "\n".join(text)) if text else ""
+
+    def _teardown(self) -> None:
+        _kill_all(self._procs, self._chans, self.engine_dir)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._procs.clear()
+        self._chans.clear()
+        self.engine_dir = None
+
+    def close(self) -> None:
+        """Ask the ranks to exit, wait up to deadlines.shutdown_s, then make sure they are gone."""
+        for chan in self._chans:
+            try:
+                chan.send({"op": "shutdown"})
+            except (ChannelClosed, OSError):
+                pass
+        end = time.monotonic() + self.deadlines.shutdown_s
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._teardown()
+
+    def restart(self, reason: str = "requested") -> None:
+        self.restarts.append(reason)
+        self._teardown()
+        self.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _ensure_healthy(self) -> None:
+        if not self._procs:
+            self.start()
+            return
+        if self._broken:
+            self.restart(self._broken)
+            return
+        dead = [r for r, p in enumerate(self._procs) if p.poll() is not None]
+        if dead:
+            self.restart(f"rank {dead[0]} had exited while idle ({_signal_name(self._procs[dead[0]].poll())})")
+
+    # ---- jobs ----------------------------------------------------------------------------------
+    def submit(self, kind: str, spec: dict | None = None, inputs: dict[str, torch.Tensor] | None = None, *,
+               on_progress=None, should_cancel=None, deadlines: Deadlines | None = None) -> JobResult:
+        """Run one job on all ranks and return its outputs. Blocks; callbacks run on this thread.
+
+        on_progress(step, total) is called as rank 0 reports steps; should_cancel() is polled about
+        every 0.1 s and, once true, the ranks stop together at their next step boundary (JobCancelled).
+        """
+        t_submit = time.perf_counter()
+        deadlines = deadlines or self.deadlines
+        deadlines.validate()
+        inputs = dict(inputs or {})
+        spec = dict(spec or {})
+        self._ensure_healthy()
+        t_ready = time.perf_counter()
+        job_id = next(self._job_ids)
+        segment_path = os.path.join(self.engine_dir, f"j{job_id}-in")
+        try:
+            manifest = bridge.write_segment(segment_path, inputs) if inputs else None
+            entries = manifest["entries"] if manifest else []
+            doc = json.dumps({"job_id": job_id, "kind": kind, "spec": spec, "entries": entries},
+                             sort_keys=True, separators=(",", ":"))
+            crc = bridge.checksum(doc.encode(), manifest["crc32"] if manifest else 0)
+            t_written = time.perf_counter()
+            segment = {"path": segment_path, "nbytes": manifest["nbytes"]} if manifest else None
+            for rank, chan in enumerate(self._chans):
+                message = {"op": "job", "job_id": job_id, "crc32": crc}
+                if rank == 0:
+                    message.update(doc=doc, segment=segment)
+                chan.send(message)
+            t_sent = time.perf_counter()
+            reports = self._await_job(job_id, deadlines, on_progress, should_cancel)
+            t_read0 = time.perf_counter()
+            outputs: dict[str, torch.Tensor] = {}
+            for report in reports:
+                if report.get("outputs"):
+                    for name, tensor in bridge.read_segment(report["outputs"]).items():
+                        if name in outputs:
+                            raise EngineError(f"job {job_id}: output {name!r} returned by more than one rank",
+                                              rank=report["info"]["rank"], phase="return")
+                        outputs[name] = tensor
+            t_done = time.perf_counter()
+        except (ChannelClosed, OSError) as e:
+            self._fail(f"control channel failed: {e}")
+            raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
+                              f"replaced", phase="sent") from e
+        finally:
+            bridge.unlink_quietly(segment_path)
+            if self.engine_dir:
+                for path in glob.glob(os.path.join(self.engine_dir, f"j{job_id}-out-r*")):
+                    bridge.unlink_quietly(path)
+        rank_t = [r["timings"] for r in reports]
+        timings = {
+            "queue_s": t_ready - t_submit,
+            "write_s": t_written - t_ready,
+            "broadcast_s": max(t.get("broadcast_s", 0.0) for t in rank_t),
+            "compute_s": max(t.get("compute_s", 0.0) for t in rank_t),
+            "return_s": max(t.get("return_s", 0.0) for t in rank_t) + (t_done - t_read0),
+            "total_s": t_done - t_submit,
+        }
+        return JobResult(outputs=outputs, timings=timings, ranks=[r["info"] for r in reports],
+                         job_id=job_id, crc32=crc)
+
+    def _fail(self, reason: str) -> None:
+        """The group may be mid-collective: kill it now (frees GPUs at once); start anew on the next job."""
+        self._broken = reason
+        _kill_all(self._procs, [], None)
+
+    @staticmethod
+    def _call(should_cancel) -> bool:
+        return bool(should_cancel()) if should_cancel is not None else False
+
+    def _await_job(self, job_id: int, deadlines: Deadlines, on_progress, should_cancel) -> list[dict]:
+        now = time.monotonic()
+        phase = {r: "sent" for r in range(self.world)}
+        phase_start = {r: now for r in range(self.world)}
+        last_seen = {r: now for r in range(self.world)}
+        final: dict[int, dict] = {}
+        first_error_at = None
+        cancel_sent = False
+        caller_error: BaseException | None = None  # a callback raised: cancel, let ranks finish, re-raise
+        sel = selectors.DefaultSelector()
+        for rank, chan in enumerate(self._chans):
+            sel.register(chan.sock, selectors.EVENT_READ, rank)
+        try:
+            while len(final) < self.world:
+                if not cancel_sent and (caller_error is not None or self._call(should_cancel)):
+                    for chan in self._chans:
+                        chan.send({"op": "cancel", "job_id": job_id})
+                    cancel_sent = True
+                for key, _ in sel.select(timeout=0.1):
+                    rank = key.data
+                    try:
+                        messages = self._chans[rank].recv_ready()
+                    except ChannelClosed:
+                        sel.unregister(key.fileobj)
+                        status = self._reap(rank)
+                        where = phase[rank] if rank not in final else "after finishing its part"
+                        self._fail(f"rank {rank} died ({status})")
+                        raise EngineError(f"job {job_id}: rank {rank} died during phase {where} ({status}); "
+                                          f"the ranks will be replaced before the next job{self._log_tail(rank)}",
+                                          rank=rank, phase=phase[rank]) from None
+                    now = time.monotonic()
+                    last_seen[rank] = now
+                    for m in messages:
+                        if m.get("job_id", job_id) != job_id:
+                            continue
+                        op = m["op"]
+                        if op == "phase":
+                            phase[rank], phase_start[rank] = m["phase"], now
+                        elif op == "progress" and on_progress is not None and caller_error is None:
+                            try:
+                                on_progress(m["step"], m["total"])
+                            except BaseException as e:  # e.g. ComfyUI's interrupt, raised by its progress bar
+                                caller_error = e
+                        elif op in ("done", "error", "cancelled"):
+                            final[rank] = m
+                            if op == "error" and first_error_at is None:
+                                first_error_at = now
+                now = time.monotonic()
+                if first_error_at is not None and len(final) < self.world and \
+                        now - first_error_at > deadlines.error_grace_s:
+                    r, m = next((r, m) for r, m in sorted(final.items()) if m["op"] == "error")
+                    self._fail(f"rank {r} failed in phase {m['phase']}; others did not finish")
+                    raise EngineError(f"job {job_id}: rank {r} failed in phase {m['phase']}: {m['message']}; "
+                                      f"the ranks will be replaced before the next job", rank=r, phase=m["phase"])
+                for rank in range(self.world):
+                    if rank in final:
+                        continue
+                    if now - last_seen[rank] > deadlines.heartbeat_s:
+                        self._fail(f"rank {rank} stopped answering in phase {phase[rank]}")
+                        raise EngineError(f"job {job_id}: rank {rank} stopped answering during phase "
+                                          f"{phase[rank]} (no heartbeat for {deadlines.heartbeat_s:g} s, deadline "
+                                          f"heartbeat_s; pid {self._procs[rank].pid}); the ranks will be replaced",
+                                          rank=rank, phase=phase[rank])
+                    limit = deadlines.for_phase(phase[rank])
+                    if now - phase_start[rank] > limit:
+                        name = "broadcast" if phase[rank] == "sent" else phase[rank]
+                        self._fail(f"rank {rank} exceeded the {name} deadline")
+                        raise EngineError(f"job {job_id}: rank {rank} exceeded the {name} deadline "
+                                          f"({limit:g} s, deadline {name}_s); the ranks will be replaced",
+                                          rank=rank, phase=name)
+        finally:
+            sel.close()
+        if caller_error is not None:
+            raise caller_error
+        errors = [(r, m) for r, m in sorted(final.items()) if m["op"] == "error"]
+        if errors:  # every rank answered, so the group is back in step and stays up
+            r, m = errors[0]
+            raise EngineError(f"job {job_id}: rank {r} failed in phase {m['phase']}: {m['message']}",
+                              rank=r, phase=m["phase"])
+        if any(m["op"] == "cancelled" for m in final.values()):
+            steps = sorted({m.get("step") for m in final.values() if m["op"] == "cancelled"})
+            raise JobCancelled(f"job {job_id} cancelled at step {steps[0]}; the engine is ready", phase="compute")
+        return [final[r] for r in range(self.world)]

@@ -1,0 +1,18 @@
+"""Errors the engine raises to its caller; each names the input or rank, the value, and what would work."""
+
+
+class EngineError(RuntimeError):
+    """A job or the rank group failed. `rank` and `phase` say where, when known."""
+
+    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.phase = phase
+
+
+class JobCancelled(EngineError):
+    """The caller cancelled the job; the ranks stopped together and the engine is ready again."""
+
+
+class PlanError(ValueError):
+    """A parallel plan that cannot run; raised before any rank starts."""

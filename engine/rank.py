@@ -1,0 +1,235 @@
+"""One rank process: joins the process group, receives jobs from rank 0's broadcast, runs them, and
+returns results through the bridge. Started by engine.client as `python -m engine.rank --fd N`.
+
+Threads: the main thread runs jobs; a reader thread takes control messages off the socket (so a
+cancel arrives while a job runs); a ticker thread sends heartbeats while busy and notices when the
+client is gone. When the client dies (EOF or a new parent) the rank removes the engine's shared
+memory and kills its whole rank group, so no rank outlives its client, stopped ones included.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import bridge
+from .errors import EngineError
+from .jobs import HANDLERS, JobContext, JobCancelledSignal
+from .protocol import Channel, ChannelClosed
+
+
+class RankRuntime:
+    def __init__(self, chan: Channel, init: dict):
+        self.chan = chan
+        self.rank: int = init["rank"]
+        self.world: int = init["world"]
+        self.backend: str = init["backend"]
+        self.engine_dir: str = init["engine_dir"]
+        self.heartbeat_interval_s: float = init["heartbeat_interval_s"]
+        self.ppid = os.getppid()
+        self.inbox: queue.Queue = queue.Queue()
+        self.busy = False
+        self.cancel_job_id: int | None = None
+        self.stopping = False
+        if self.backend == "nccl":
+            # Before init_process_group, and no device_id: see FIELD_NOTES (xDiT #735).
+            torch.cuda.set_device(init["local_device"])
+            self.device = torch.device("cuda", init["local_device"])
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(max(1, int(init.get("threads", 1))))
+        self.group = None
+        self._init = init
+
+    def connect(self) -> None:
+        """Join the process group (none at world size 1: no collective, no send, ever)."""
+        init = self._init
+        if self.world > 1:
+            store = dist.FileStore(init["store_path"], self.world)
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
+                                    timeout=timedelta(seconds=init["collective_timeout_s"]))
+            self.group = dist.group.WORLD
+
+    # ---- threads -------------------------------------------------------------------------------
+    def start_threads(self) -> None:
+        threading.Thread(target=self._reader, name="xdit-reader", daemon=True).start()
+        threading.Thread(target=self._ticker, name="xdit-ticker", daemon=True).start()
+
+    def _reader(self) -> None:
+        try:
+            while True:
+                message = self.chan.recv()
+                if message.get("op") == "cancel":
+                    self.cancel_job_id = message["job_id"]
+                else:
+                    self.inbox.put(message)
+        except (ChannelClosed, OSError, ValueError):
+            if not self.stopping:
+                self._client_gone()
+
+    def _ticker(self) -> None:
+        while True:
+            time.sleep(self.heartbeat_interval_s)
+            if os.getppid() != self.ppid and not self.stopping:
+                self._client_gone()
+            if self.busy:
+                try:
+                    self.chan.send({"op": "hb"})
+                except (ChannelClosed, OSError):
+                    pass
+
+    def _client_gone(self) -> None:
+        """The client died: release shared memory and take the whole rank group down with us."""
+        bridge.remove_engine_dir(self.engine_dir)
+        try:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        finally:
+            os._exit(0)
+
+    # ---- jobs ----------------------------------------------------------------------------------
+    def serve(self) -> None:
+        self.chan.send({"op": "ready", "rank": self.rank, "pid": os.getpid(), "device": str(self.device),
+                        "backend": self.backend if self.world > 1 else "none", "torch": torch.__version__})
+        while True:
+            message = self.inbox.get()
+            op = message.get("op")
+            if op == "shutdown":
+                self.stopping = True
+                return
+            if op == "job":
+                self.run_job(message)
+
+    def run_job(self, message: dict) -> None:
+        job_id = message["job_id"]
+        phase = "broadcast"
+        self.busy = True
+        timings = {}
+        try:
+            self.chan.send({"op": "phase", "job_id": job_id, "phase": phase})
+            t0 = time.perf_counter()
+            doc, manifest, buf = self._receive_job(message)
+            crc = bridge.checksum(doc.encode(), bridge.payload_crc(buf, manifest))
+            self._verify_job(job_id, message["crc32"], crc)
+            timings["broadcast_s"] = time.perf_counter() - t0
+            job = json.loads(doc)
+            if job["job_id"] != job_id:
+                raise EngineError(f"rank {self.rank} was told job {job_id} but received job {job['job_id']}",
+                                  rank=self.rank, phase=phase)
+            handler = HANDLERS.get(job["kind"])
+            if handler is None:
+                raise EngineError(f"job kind {job['kind']!r} is unknown to the ranks; known: {sorted(HANDLERS)}")
+            inputs = bridge.tensors_from_buffer(buf, manifest)
+
+            phase = "compute"
+            self.chan.send({"op": "phase", "job_id": job_id, "phase": phase})
+            t0 = time.perf_counter()
+            ctx = JobContext(self, job_id)
+            outputs = handler(ctx, job["spec"], inputs)
+            timings["compute_s"] = time.perf_counter() - t0
+
+            phase = "return"
+            self.chan.send({"op": "phase", "job_id": job_id, "phase": phase})
+            t0 = time.perf_counter()
+            out_manifest = None
+            if outputs:
+                path = os.path.join(self.engine_dir, f"j{job_id}-out-r{self.rank}")
+                out_manifest = bridge.write_segment(path, outputs)
+            timings["return_s"] = time.perf_counter() - t0
+            self.chan.send({"op": "done", "job_id": job_id, "timings": timings, "outputs": out_manifest,
+                            "info": {"rank": self.rank, "job_id": job_id, "crc32": crc, **ctx.info}})
+        except JobCancelledSignal as e:
+            self.chan.send({"op": "cancelled", "job_id": job_id, "phase": phase, "step": e.step})
+        except Exception as e:  # reported to the client, which decides whether the group is still sound
+            self.chan.send({"op": "error", "job_id": job_id, "phase": phase,
+                            "message": f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e),
+                            "traceback": traceback.format_exc(limit=20)})
+        finally:
+            self.busy = False
+            if self.cancel_job_id == job_id:
+                self.cancel_job_id = None
+
+    def _receive_job(self, message: dict) -> tuple[str, dict, torch.Tensor]:
+        """Rank 0 reads the job from shared memory and broadcasts document + payload to all ranks."""
+        if self.rank == 0:
+            doc = message["doc"]
+            segment = message["segment"]
+            payload = bridge.map_buffer(segment) if segment else torch.empty(0, dtype=torch.uint8)
+            if self.world == 1:
+                return doc, self._manifest(doc, segment), payload
+            raw = doc.encode()
+            doc_bytes = torch.zeros(-(-len(raw) // bridge.ALIGN) * bridge.ALIGN, dtype=torch.uint8)
+            doc_bytes[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            # sizes: document, document padded (the payload stays aligned for typed views), payload
+            sizes = torch.tensor([len(raw), doc_bytes.numel(), payload.numel()], dtype=torch.int64)
+        else:
+            sizes = torch.zeros(3, dtype=torch.int64)
+        sizes = self._bcast(sizes)
+        n_doc, n_padded, n_payload = (int(v) for v in sizes)
+        if self.rank == 0:
+            data = torch.cat([doc_bytes, payload])
+        else:
+            data = torch.empty(n_padded + n_payload, dtype=torch.uint8)
+        data = self._bcast(data)
+        doc = bytes(data[:n_doc].numpy()).decode()
+        segment = {"nbytes": n_payload} if n_payload else None
+        return doc, self._manifest(doc, segment), data[n_padded:]
+
+    @staticmethod
+    def _manifest(doc: str, segment: dict | None) -> dict:
+        entries = json.loads(doc)["entries"]
+        return {"entries": entries, "nbytes": segment["nbytes"] if segment else 0}
+
+    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.backend == "nccl":
+            dev = t.to(self.device)
+            dist.broadcast(dev, src=0, group=self.group)
+            return dev.cpu()
+        dist.broadcast(t, src=0, group=self.group)
+        return t
+
+    def _verify_job(self, job_id: int, client_crc: int, crc: int) -> None:
+        """Every rank checks its copy against the client's checksum, then all ranks compare notes."""
+        if self.world == 1:
+            if crc != client_crc:
+                raise EngineError(f"job {job_id}: rank 0 read a job with crc32 {crc:08x}, the client wrote "
+                                  f"{client_crc:08x}; shared memory was altered", rank=0, phase="broadcast")
+            return
+        mine = torch.tensor([job_id, crc, int(crc == client_crc)], dtype=torch.int64)
+        everyone = torch.zeros(self.world * 3, dtype=torch.int64)
+        if self.backend == "nccl":
+            mine, everyone = mine.to(self.device), everyone.to(self.device)
+        dist.all_gather_into_tensor(everyone, mine, group=self.group)
+        rows = everyone.cpu().view(self.world, 3).tolist()
+        bad = [r for r, (jid, c, ok) in enumerate(rows) if jid != job_id or not ok]
+        if bad:
+            detail = ", ".join(f"rank {r}: job {rows[r][0]} crc32 {rows[r][1]:08x}" for r in bad)
+            raise EngineError(f"job {job_id}: ranks disagree on the job (client crc32 {client_crc:08x}; {detail})",
+                              rank=bad[0], phase="broadcast")
+
+
+def main(argv: list[str]) -> None:
+    fd = int(argv[argv.index("--fd") + 1])
+    chan = Channel(socket.socket(fileno=fd))
+    init = chan.recv()
+    runtime = RankRuntime(chan, init)
+    runtime.start_threads()  # first, so a client that dies during rendezvous still takes us down
+    runtime.connect()
+    runtime.serve()
+    if runtime.group is not None:
+        dist.destroy_process_group()
+    chan.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,37 @@
+"""Shared fixtures: real rank processes on CPU (gloo), reused across tests where a test leaves them sound."""
+import os
+
+import pytest
+
+from engine import bridge
+from engine.client import Deadlines, Engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = Deadlines(start_s=120, broadcast_s=60, compute_s=120, return_s=60, heartbeat_s=5, error_grace_s=2)
+
+
+def engine_dirs() -> set[str]:
+    return {n for n in os.listdir(bridge.SHM_ROOT) if n.startswith(bridge.DIR_PREFIX)}
+
+
+def pid_gone(pid: int) -> bool:
+    """True once pid is gone or a zombie (killed, waiting only to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")
+def engine(request):
+    with Engine(request.param, device="cpu", deadlines=FAST) as e:
+        yield e
+
+
+@pytest.fixture
+def fresh_engine():
+    """A 2-rank engine for tests that break it on purpose."""
+    e = Engine(2, device="cpu", deadlines=FAST)
+    yield e
+    e.close()

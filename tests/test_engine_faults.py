@@ -1,0 +1,129 @@
+"""Faults with real processes: a killed or stopped rank becomes an EngineError naming it, the ranks are
+replaced, and a killed client takes its ranks and shared memory with it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.client import Deadlines, Engine
+from engine.errors import EngineError
+
+from conftest import FAST, ROOT, engine_dirs, pid_gone
+
+
+def run_until_step(engine, step, action, steps=400):
+    """Submit a slow job and call action() on the caller's thread when rank 0 reports `step`."""
+    def on_progress(s, total):
+        if s == step:
+            action()
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        engine.submit("echo", {"steps": steps, "step_sleep_s": 0.05}, {"x": torch.zeros(4)}, on_progress=on_progress)
+    return info.value, time.monotonic() - t0
+
+
+def test_kill_9_of_a_rank_mid_job_names_it_within_10_s_and_the_next_job_succeeds(fresh_engine):
+    victim = fresh_engine.pids[1]
+    t_kill = []
+    err, _ = run_until_step(fresh_engine, 3, lambda: (t_kill.append(time.monotonic()), os.kill(victim, signal.SIGKILL)))
+    detected_after = time.monotonic() - t_kill[0]
+    print(f"kill -9 detected after {detected_after:.2f} s: {str(err).splitlines()[0]}")
+    assert detected_after < 10
+    assert err.rank == 1 and err.phase == "compute"
+    assert "rank 1 died" in str(err) and "SIGKILL" in str(err)
+    x = torch.randn(100)
+    assert torch.equal(fresh_engine.submit("echo", {"return_rank": 1}, {"x": x}).outputs["x"], x)
+    assert victim not in fresh_engine.pids
+    assert fresh_engine.restarts and "rank 1 died" in fresh_engine.restarts[0]
+
+
+def test_sigstop_of_a_rank_gives_a_deadline_error_naming_it_and_the_next_job_succeeds(fresh_engine):
+    victim = fresh_engine.pids[0]
+    t_stop = []
+    err, _ = run_until_step(fresh_engine, 2, lambda: (t_stop.append(time.monotonic()), os.kill(victim, signal.SIGSTOP)))
+    detected_after = time.monotonic() - t_stop[0]
+    print(f"SIGSTOP detected after {detected_after:.2f} s (heartbeat deadline {FAST.heartbeat_s} s): "
+          f"{str(err).splitlines()[0]}")
+    assert err.rank == 0 and "stopped answering" in str(err) and "heartbeat_s" in str(err)
+    assert detected_after < FAST.heartbeat_s + 3
+    assert pid_gone(victim)  # the stopped rank was killed, not left behind
+    assert fresh_engine.submit("echo", {}, {"x": torch.ones(2)}).outputs["x"].sum().item() == 2.0
+
+
+def test_a_phase_that_runs_past_its_deadline_names_the_rank_and_phase():
+    deadlines = Deadlines(compute_s=1.0, heartbeat_s=5, error_grace_s=1)
+    with Engine(2, device="cpu", deadlines=deadlines) as e:
+        with pytest.raises(EngineError, match="exceeded the compute deadline.*compute_s") as info:
+            e.submit("echo", {"steps": 100, "step_sleep_s": 0.1}, {"x": torch.zeros(1)})
+        assert info.value.phase == "compute" and info.value.rank in (0, 1)
+        assert e.submit("echo", {}, {"x": torch.ones(1)}, deadlines=FAST).outputs["x"].item() == 1.0
+
+
+def test_a_rank_that_died_while_idle_is_replaced_before_the_next_job(fresh_engine):
+    victim = fresh_engine.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    time.sleep(0.5)
+    assert fresh_engine.submit("echo", {}, {"x": torch.ones(3)}).outputs["x"].sum().item() == 3.0
+    assert "rank 1 had exited while idle" in fresh_engine.restarts[-1]
+
+
+CLIENT = r"""
+import json, sys, time, torch
+from engine.client import Engine
+e = Engine(int(sys.argv[1]), device="cpu")
+print(json.dumps({"pids": e.pids, "dir": e.engine_dir}), flush=True)
+e.submit("echo", {"steps": 10000, "step_sleep_s": 0.05}, {"x": torch.zeros(1 << 20)},
+         on_progress=lambda s, t: print("step", s, flush=True) if s == 2 else None)
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_kill_9_of_the_client_mid_job_takes_all_ranks_and_shared_memory_within_10_s(ranks):
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(ranks)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "step 2"  # mid-job: a segment is in flight
+        assert os.path.basename(info["dir"]) in engine_dirs()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and not (all(pid_gone(p) for p in info["pids"])
+                                                  and not os.path.exists(info["dir"])):
+            time.sleep(0.05)
+        elapsed = time.monotonic() - t0
+        print(f"{ranks} ranks gone and shared memory removed {elapsed:.2f} s after kill -9 of the client")
+        assert all(pid_gone(p) for p in info["pids"]), "orphaned ranks"
+        assert not os.path.exists(info["dir"]), "shared memory left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kill_9_of_the_client_while_idle_takes_all_ranks_too():
+    code = ("import json; from engine.client import Engine; e = Engine(2, device='cpu'); "
+            "print(json.dumps({'pids': e.pids, 'dir': e.engine_dir}), flush=True); import time; time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    info = json.loads(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=5)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10 and not all(pid_gone(p) for p in info["pids"]):
+        time.sleep(0.05)
+    assert all(pid_gone(p) for p in info["pids"])
+    assert not os.path.exists(info["dir"])
+
+
+def test_close_stops_the_ranks_and_removes_shared_memory():
+    e = Engine(2, device="cpu", deadlines=FAST)
+    pids, path = e.pids, e.engine_dir
+    e.submit("echo", {}, {"x": torch.ones(1)})
+    e.close()
+    assert all(pid_gone(p) for p in pids)
+    assert not os.path.exists(path)
