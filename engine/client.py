@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -138,6 +139,7 @@ class Engine:
         self._broken: str | None = None
         self._job_ids = itertools.count(1)
         self._finalizer = None
+        self._lock = threading.RLock()  # one job (or lifecycle change) at a time
         if start:
             self.start()
 
@@ -151,6 +153,10 @@ class Engine:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
     def start(self) -> None:
+        with self._lock:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
         if self._procs:
             raise RuntimeError("engine already started")
         bridge.sweep_stale_dirs()
@@ -255,6 +261,10 @@ class Engine:
 
     def close(self) -> None:
         """Ask the ranks to exit, wait up to deadlines.shutdown_s, then make sure they are gone."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         for chan in self._chans:
             try:
                 chan.send({"op": "shutdown"})
@@ -269,6 +279,10 @@ class Engine:
         self._teardown()
 
     def restart(self, reason: str = "requested") -> None:
+        with self._lock:
+            self._restart_locked(reason)
+
+    def _restart_locked(self, reason: str = "requested") -> None:
         self.restarts.append(reason)
         self._teardown()
         self.start()
@@ -297,7 +311,13 @@ class Engine:
 
         on_progress(step, total) is called as rank 0 reports steps; should_cancel() is polled about
         every 0.1 s and, once true, the ranks stop together at their next step boundary (JobCancelled).
+        If a callback raises, the job is cancelled the same way and the exception re-raised.
+        Jobs on one engine run one at a time; a second caller waits for the first.
         """
+        with self._lock:
+            return self._submit(kind, spec, inputs, on_progress, should_cancel, deadlines)
+
+    def _submit(self, kind, spec, inputs, on_progress, should_cancel, deadlines) -> JobResult:
         t_submit = time.perf_counter()
         deadlines = deadlines or self.deadlines
         deadlines.validate()
@@ -358,10 +378,6 @@ class Engine:
         self._broken = reason
         _kill_all(self._procs, [], None)
 
-    @staticmethod
-    def _call(should_cancel) -> bool:
-        return bool(should_cancel()) if should_cancel is not None else False
-
     def _await_job(self, job_id: int, deadlines: Deadlines, on_progress, should_cancel) -> list[dict]:
         now = time.monotonic()
         phase = {r: "sent" for r in range(self.world)}
@@ -369,14 +385,19 @@ class Engine:
         last_seen = {r: now for r in range(self.world)}
         final: dict[int, dict] = {}
         first_error_at = None
-        cancel_sent = False
+        cancel_sent = cancel_requested = False
         caller_error: BaseException | None = None  # a callback raised: cancel, let ranks finish, re-raise
         sel = selectors.DefaultSelector()
         for rank, chan in enumerate(self._chans):
             sel.register(chan.sock, selectors.EVENT_READ, rank)
         try:
             while len(final) < self.world:
-                if not cancel_sent and (caller_error is not None or self._call(should_cancel)):
+                if caller_error is None and should_cancel is not None:
+                    try:
+                        cancel_requested = bool(should_cancel())
+                    except BaseException as e:
+                        caller_error = e
+                if not cancel_sent and (caller_error is not None or cancel_requested):
                     for chan in self._chans:
                         chan.send({"op": "cancel", "job_id": job_id})
                     cancel_sent = True
@@ -443,5 +464,5 @@ class Engine:
                               rank=r, phase=m["phase"])
         if any(m["op"] == "cancelled" for m in final.values()):
             steps = sorted({m.get("step") for m in final.values() if m["op"] == "cancelled"})
-            raise JobCancelled(f"job {job_id} cancelled at step {steps[0]}; the engine is ready", phase="compute")
+            raise JobCancelled(f"job {job_id} cancelled at step {steps[0]}; the engine is ready", step=steps[0])
         return [final[r] for r in range(self.world)]

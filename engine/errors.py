@@ -11,7 +11,11 @@ class EngineError(RuntimeError):
 
 
 class JobCancelled(EngineError):
-    """The caller cancelled the job; the ranks stopped together and the engine is ready again."""
+    """The caller cancelled the job; the ranks stopped together at `step` and the engine is ready again."""
+
+    def __init__(self, message: str, *, step: int | None = None):
+        super().__init__(message, phase="compute")
+        self.step = step
 
 
 class PlanError(ValueError):
