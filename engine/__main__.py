@@ -22,6 +22,26 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--prefix", action="store_true", help="prefix keys with model.diffusion_model.")
     tiny.add_argument("--full", action="store_true", help="full checkpoint: prefix + text encoder / VAE keys")
 
+    gen = sub.add_parser("generate", help="sample a latent with a FLUX/SD3 checkpoint, as ComfyUI's KSampler does")
+    gen.add_argument("--model", required=True, help="checkpoint file or diffusers folder")
+    gen.add_argument("--cond", required=True, help="safetensors with cond, pooled [, neg_cond, neg_pooled]")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--steps", type=int, default=20)
+    gen.add_argument("--cfg", type=float, default=1.0)
+    gen.add_argument("--sampler", default="euler")
+    gen.add_argument("--scheduler", default="simple")
+    gen.add_argument("--width", type=int, default=1024)
+    gen.add_argument("--height", type=int, default=1024)
+    gen.add_argument("--batch", type=int, default=1)
+    gen.add_argument("--denoise", type=float, default=1.0)
+    gen.add_argument("--latent", help="input LATENT safetensors ('samples'), for denoise < 1 (img2img)")
+    gen.add_argument("--guidance", type=float, default=3.5, help="FLUX guidance (FluxGuidance)")
+    gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--device", choices=["cpu"], help="run the ranks on the CPU (default)")
+    where.add_argument("--gpus", help="comma-separated GPU indices, one rank each, e.g. 0 or 0,1")
+    gen.add_argument("--out", required=True, help="output LATENT safetensors ('samples')")
+
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="what", required=True)
     bb = bench_sub.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path")
@@ -42,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         print(f"wrote {path}")
         return 0
+    if args.command == "generate":
+        from .cli_generate import run_generate
+        return run_generate(args, parser)
     if args.command == "bench" and args.what == "bridge":
         from .bench import bench_bridge
         sizes = [int(s) for s in args.sizes_mb.split(",") if s]

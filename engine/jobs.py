@@ -33,6 +33,7 @@ class JobContext:
         self.world: int = runtime.world
         self.group = runtime.group
         self.device: torch.device = runtime.device
+        self.cache: dict = runtime.cache  # lives as long as the rank: loaded models stay between jobs
         self.info: dict = {}
 
     def progress(self, step: int, total: int) -> None:
@@ -88,3 +89,39 @@ def inspect_checkpoint(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tens
     ctx.info["checkpoint"] = {"tensors": len(keys), "parameters": numel,
                               **{k: v for k, v in blocks.items() if v}}
     return inputs if ctx.rank == ctx.world - 1 else None
+
+
+@job("generate")
+def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """One KSampler run of a FLUX/SD3 transformer. The loaded model stays in the rank for the next job."""
+    from .generate import model_key
+    from .models.adapters import Conditioning, FlowAdapter
+    from .models.load import load_transformer
+    from .sampling.ksampler import ksample
+
+    if ctx.world > 1:
+        raise ValueError(f"generate runs on one rank for now; this engine has {ctx.world} (parallel plans are not "
+                         f"built yet)")
+    key = model_key(spec["model"], spec["dtype"])
+    cache = ctx.cache.setdefault("models", {})
+    if key not in cache:
+        cache.clear()  # one model per rank group: a new model replaces the old one
+        cache[key] = FlowAdapter(load_transformer(spec["model"], dtype=spec["dtype"], device=ctx.device))
+        ctx.info["loaded"] = cache[key].loaded.stats
+    adapter = cache[key]
+    positive = Conditioning(inputs["cond"], inputs["pooled"], spec.get("guidance"))
+    negative = Conditioning(inputs["neg_cond"], inputs["neg_pooled"], spec.get("guidance")) \
+        if "neg_cond" in inputs else None
+
+    def on_step(step_index: int, total: int) -> None:
+        ctx.progress(step_index + 1, total)
+        ctx.check_cancel(step_index + 1)
+
+    ctx.check_cancel(0)
+    latent_raw = inputs["latent_raw"].float().to(ctx.device)  # noise is still drawn on the CPU, as ComfyUI does
+    samples = ksample(adapter.predictor(positive, negative), latent_raw, family=adapter.family,
+                      seed=spec["seed"], steps=spec["steps"], cfg=spec["cfg"], sampler=spec["sampler"],
+                      scheduler=spec["scheduler"], denoise=spec["denoise"], batch_index=spec.get("batch_index"),
+                      callback=on_step)
+    ctx.info["model"] = {"variant": adapter.loaded.info.variant, "layout": adapter.loaded.info.layout}
+    return {"samples": samples.cpu()}

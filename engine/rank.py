@@ -41,6 +41,7 @@ class RankRuntime:
         self.busy = False
         self.cancel_job_id: int | None = None
         self.stopping = False
+        self.cache: dict = {}
         if self.backend == "nccl":
             # Before init_process_group, and no device_id: see FIELD_NOTES (xDiT #735).
             torch.cuda.set_device(init["local_device"])

@@ -1,0 +1,176 @@
+"""Load the FLUX.1 / SD3 transformer of a checkpoint into an unmodified diffusers transformer, streaming one
+tensor at a time (no full-file read, no text encoders or VAE, no hub). fp8 weights stay fp8 in memory and
+are cast to the compute dtype per layer call, as ComfyUI does with fp8 files."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from .convert import apply_op, key_map
+from .detect import CheckpointInfo, detect
+from .safetensors_file import CheckpointError, TensorInfo, read_header
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class LoadedTransformer:
+    info: CheckpointInfo
+    model: torch.nn.Module
+    dtype: torch.dtype            # compute dtype
+    path: str
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.info.family
+
+
+class CastLinear(torch.nn.Module):
+    """A Linear whose weight stays in its stored dtype (fp8) and is cast to the input's dtype per call."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+def _files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint: one file, or a diffusers folder (transformer/ or its own)."""
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        folder = os.path.join(path, "transformer") if os.path.isdir(os.path.join(path, "transformer")) else path
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if files:
+            return files
+        raise CheckpointError(f"model folder {path!r} holds no .safetensors files (a diffusers transformer folder "
+                              f"has diffusion_pytorch_model*.safetensors and config.json)")
+    raise CheckpointError(f"model path {path!r} does not exist")
+
+
+def _headers(files: list[str]) -> tuple[dict[str, tuple[str, TensorInfo]], dict]:
+    where: dict[str, tuple[str, TensorInfo]] = {}
+    metadata: dict = {}
+    for f in files:
+        tensors, meta = read_header(f)
+        metadata.update(meta)
+        for k, v in tensors.items():
+            where[k] = (f, v)
+    return where, metadata
+
+
+def inspect_checkpoint(path: str) -> CheckpointInfo:
+    """Family, layout and config of a checkpoint from its headers alone (cheap: reads no weights)."""
+    files = _files(path)
+    where, metadata = _headers(files)
+    stated = None
+    folder_config = os.path.join(os.path.dirname(files[0]), "config.json")
+    if os.path.isdir(path) and os.path.isfile(folder_config):
+        with open(folder_config) as f:
+            stated = json.load(f)
+    return detect(path, {k: v for k, (_, v) in where.items()}, metadata, stated)
+
+
+def model_class(family: str):
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+    return FluxTransformer2DModel if family == "flux" else SD3Transformer2DModel
+
+
+def build_empty(info: CheckpointInfo) -> torch.nn.Module:
+    """The diffusers transformer for `info`, on the meta device (no memory until weights are assigned)."""
+    with torch.device("meta"):
+        return model_class(info.family)(**info.config)
+
+
+def _few(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.device = "cpu") -> LoadedTransformer:
+    """Load the transformer in `path` for compute in `dtype` (fp32 | bf16 | fp16) on `device`."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
+    compute = COMPUTE_DTYPES[dtype]
+    t0 = time.perf_counter()
+    files = _files(path)
+    where, _ = _headers(files)
+    info = inspect_checkpoint(path)
+    model = build_empty(info)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    mapping = key_map(info.layout, info.family, info.config) or [(k, k, None) for k in expected]
+    sources = {src for _, src, _ in mapping}
+    present = set(info.keys)
+    missing = sources - present
+    if missing:
+        raise CheckpointError(f"{path}: {info.variant} ({info.layout} layout) is missing {len(missing)} keys: "
+                              f"{_few(missing)}; the file is incomplete or not the variant its shapes suggest")
+    unexpected = present - sources
+    if unexpected:
+        raise CheckpointError(f"{path}: {info.variant} ({info.layout} layout) has {len(unexpected)} unexpected keys: "
+                              f"{_few(unexpected)}; scaled-fp8, quantized or merged formats are not supported")
+    targets = {dst for dst, _, _ in mapping}
+    if targets != set(expected):
+        raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
+                              f"{_few(set(expected) ^ targets)}")
+    by_source: dict[str, list] = {}
+    for dst, src, op in mapping:
+        by_source.setdefault(src, []).append((dst, op))
+    state: dict[str, torch.Tensor] = {}
+    bytes_read, fp8_tensors = 0, 0
+    handles = {}
+    try:
+        for src, outs in by_source.items():
+            file, tinfo = where[info.prefix + src]
+            if file not in handles:
+                handles[file] = safe_open(file, "pt", device="cpu").__enter__()
+            raw = handles[file].get_tensor(info.prefix + src)
+            bytes_read += tinfo.end - tinfo.begin
+            for dst, op in outs:
+                t = apply_op(raw, op)
+                if tuple(t.shape) != expected[dst]:
+                    raise CheckpointError(f"{path}: tensor {src!r} gives {dst} shape {list(t.shape)}, the model "
+                                          f"expects {list(expected[dst])}")
+                keep_fp8 = t.dtype in FP8 and t.ndim == 2
+                if keep_fp8:
+                    fp8_tensors += 1
+                t = t.to(device=device, dtype=t.dtype if keep_fp8 else compute).contiguous()
+                state[dst] = t
+            del raw
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    cast_layers = _wrap_fp8_linears(model)
+    leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers()) if b.is_meta]
+    if leftovers:
+        raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
+    model.eval().requires_grad_(False)
+    stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
+             "files": len(files), "ignored_tensors": info.ignored}
+    return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats)
+
+
+def _wrap_fp8_linears(model: torch.nn.Module) -> int:
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.weight.dtype in FP8:
+                setattr(parent, name, CastLinear(child))
+                count += 1
+    return count

@@ -1,0 +1,81 @@
+"""A safetensors file, validated before anything is loaded: magic, header, dtypes, offsets, file size.
+
+safetensors' own reader fails late and vaguely on a truncated or lying file (or maps garbage); these
+checks name the file, the tensor and the numbers, before any rank spends time on it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100 << 20
+
+
+class CheckpointError(ValueError):
+    """A model file that cannot be used; the message names the file and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header; return {name: TensorInfo} and the metadata."""
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"model file {path!r} does not exist")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{name} is not a safetensors file: it has only {size} bytes")
+        (n_header,) = struct.unpack("<Q", head)
+        if n_header > MAX_HEADER_BYTES or n_header > size - 8:
+            raise CheckpointError(
+                f"{name} is not a safetensors file (or is truncated): its first 8 bytes declare a "
+                f"{n_header}-byte header but the file has {size} bytes; .ckpt/.pt/.gguf files are not supported, "
+                f"use the .safetensors release")
+        raw = f.read(n_header)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{name} is not a safetensors file: its header is not JSON ({e})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data_bytes = size - 8 - n_header
+    tensors: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{name}: header entry {key!r} is malformed: {entry!r}") from None
+        if dtype not in DTYPE_SIZES:
+            raise CheckpointError(f"{name}: tensor {key!r} has dtype {dtype!r}, which is not supported "
+                                  f"(supported: {sorted(TORCH_DTYPES)})")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * DTYPE_SIZES[dtype] or begin < 0:
+            raise CheckpointError(f"{name}: header lies about tensor {key!r}: shape {list(shape)} {dtype} needs "
+                                  f"{numel * DTYPE_SIZES[dtype]} bytes but its offsets [{begin}, {end}] span {end - begin}")
+        if end > data_bytes:
+            raise CheckpointError(f"{name} is truncated: tensor {key!r} ends at byte {end} of the data section but "
+                                  f"the file holds only {data_bytes} data bytes ({size} bytes in all); download it again")
+        tensors[key] = TensorInfo(dtype, shape, begin, end)
+    if not tensors:
+        raise CheckpointError(f"{name} holds no tensors")
+    return tensors, metadata

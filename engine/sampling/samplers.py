@@ -1,0 +1,162 @@
+"""The k-diffusion samplers ComfyUI's KSampler runs for flow (CONST) models, step for step and in the same float32 op order.
+
+Every sampler integrates x from sigmas[0] down to sigmas[-1] using denoise_fn(x, sigma) -> denoised (the CFG-combined
+x0 estimate). ComfyUI's defaults are fixed here: no churn (euler, heun), eta = 1 and s_noise = 1 (euler_ancestral,
+dpmpp_2m_sde), midpoint solver (dpmpp_2m_sde). Scalar coefficients are 0-d float32 tensors computed in ComfyUI's
+order, because the aim is the same rounding, not just the same maths.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .noise import brownian_noise_sampler, gaussian_noise_sampler
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, sigma 0-d) -> denoised x0 estimate
+StepCallback = Callable[[int, int], None]  # (step_index, total_steps), after the step's update
+PercentToSigma = Callable[[float], float]  # the model sampling's percent_to_sigma
+
+SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde")
+
+ETA = 1.0  # ComfyUI's default for its ancestral and SDE samplers
+S_NOISE = 1.0
+SNR_OFFSET_PERCENT = 1e-4  # ComfyUI moves a first sigma of 1 (infinite -logSNR) to percent_to_sigma(1e-4)
+
+
+def _slope(x: torch.Tensor, denoised: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    # k-diffusion's ODE derivative dx/dsigma = (x - x0) / sigma; for CONST models this is the flow velocity.
+    return (x - denoised) / sigma
+
+
+def _euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None]) -> torch.Tensor:
+    for i in range(len(sigmas) - 1):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        x = x + _slope(x, denoise(x, sigma), sigma) * (sigma_next - sigma)
+        done(i)
+    return x
+
+
+def _heun(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None]) -> torch.Tensor:
+    for i in range(len(sigmas) - 1):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        slope = _slope(x, denoise(x, sigma), sigma)
+        dsigma = sigma_next - sigma
+        if sigma_next == 0:  # the corrector would evaluate the model at sigma 0; ComfyUI ends with a plain Euler step
+            x = x + slope * dsigma
+        else:
+            x_euler = x + slope * dsigma
+            slope_next = _slope(x_euler, denoise(x_euler, sigma_next), sigma_next)
+            x = x + (slope + slope_next) / 2 * dsigma
+        done(i)
+    return x
+
+
+def _euler_ancestral_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int,
+                          done: Callable[[int], None]) -> torch.Tensor:
+    # ComfyUI's sample_euler_ancestral_RF (what euler_ancestral runs for CONST models): step deterministically to a
+    # lower sigma_down, then rescale the signal and add fresh noise so the marginal matches sigma_next.
+    noise = gaussian_noise_sampler(x, seed)
+    for i in range(len(sigmas) - 1):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        denoised = denoise(x, sigma)
+        if sigma_next == 0:
+            x = denoised
+        else:
+            sigma_down = sigma_next * (1 + (sigma_next / sigma - 1) * ETA)
+            alpha_next, alpha_down = 1 - sigma_next, 1 - sigma_down
+            renoise = (sigma_next ** 2 - sigma_down ** 2 * alpha_next ** 2 / alpha_down ** 2) ** 0.5
+            keep = sigma_down / sigma
+            x = keep * x + (1 - keep) * denoised
+            if ETA > 0:
+                x = (alpha_next / alpha_down) * x + noise(sigma, sigma_next) * S_NOISE * renoise
+        done(i)
+    return x
+
+
+def _dpmpp_2m(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None]) -> torch.Tensor:
+    # DPM-Solver++(2M) in t = -log(sigma); ComfyUI runs the same code for CONST models (no alpha).
+    def t_of(sigma: torch.Tensor) -> torch.Tensor:
+        return sigma.log().neg()
+
+    def sigma_of(t: torch.Tensor) -> torch.Tensor:
+        return t.neg().exp()
+
+    previous: torch.Tensor | None = None
+    for i in range(len(sigmas) - 1):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        denoised = denoise(x, sigma)
+        t, t_next = t_of(sigma), t_of(sigma_next)
+        h = t_next - t
+        if previous is None or sigma_next == 0:  # first order on the first step and onto sigma 0
+            target = denoised
+        else:
+            r = (t - t_of(sigmas[i - 1])) / h
+            target = (1 + 1 / (2 * r)) * denoised - (1 / (2 * r)) * previous
+        x = (sigma_of(t_next) / sigma_of(t)) * x - (-h).expm1() * target
+        previous = denoised
+        done(i)
+    return x
+
+
+def _dpmpp_2m_sde_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None],
+                       percent_to_sigma: PercentToSigma | None) -> torch.Tensor:
+    # ComfyUI's sample_dpmpp_2m_sde (midpoint) for CONST models: steps in half-logSNR lambda = log((1 - sigma) / sigma)
+    # with alpha = 1 - sigma, Brownian-tree noise seeded with the plain seed.
+    if len(sigmas) <= 1:
+        return x
+    # The tree spans the schedule as given, before the first sigma is moved off 1.
+    noise = brownian_noise_sampler(x, sigmas[sigmas > 0].min(), sigmas.max(), seed)
+    if sigmas[0] >= 1:
+        if percent_to_sigma is None:
+            raise ValueError("dpmpp_2m_sde with a first sigma of 1 needs percent_to_sigma (the model sampling's), "
+                             "to move that sigma to percent_to_sigma(1e-4) as ComfyUI does")
+        sigmas = sigmas.clone()
+        sigmas[0] = percent_to_sigma(SNR_OFFSET_PERCENT)
+
+    previous: torch.Tensor | None = None
+    h_previous: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+    for i in range(len(sigmas) - 1):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        denoised = denoise(x, sigma)
+        if sigma_next == 0:
+            x = denoised
+        else:
+            lam, lam_next = sigma.logit().neg(), sigma_next.logit().neg()
+            h = lam_next - lam
+            h_eta = h * (ETA + 1)
+            alpha_next = sigma_next * lam_next.exp()
+            x = sigma_next / sigma * (-h * ETA).exp() * x + alpha_next * (-h_eta).expm1().neg() * denoised
+            if previous is not None:
+                r = h_previous / h
+                x = x + 0.5 * alpha_next * (-h_eta).expm1().neg() * (1 / r) * (denoised - previous)
+            if ETA > 0 and S_NOISE > 0:
+                x = x + noise(sigma, sigma_next) * sigma_next * (-2 * h * ETA).expm1().neg().sqrt() * S_NOISE
+        previous, h_previous = denoised, h
+        done(i)
+    return x
+
+
+def sample(sampler_name: str, denoise_fn: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,
+           callback: StepCallback | None = None, percent_to_sigma: PercentToSigma | None = None) -> torch.Tensor:
+    """Run `sampler_name` from x (already noise-scaled to sigmas[0]) over `sigmas`; returns x at sigmas[-1].
+
+    seed is the KSampler seed: the per-step noise of the stochastic samplers derives from it as in ComfyUI.
+    callback(step_index, total_steps) runs after each step's update; an exception from it aborts sampling.
+    percent_to_sigma is only used by dpmpp_2m_sde when sigmas[0] >= 1.
+    """
+    if sampler_name not in SAMPLERS:
+        raise ValueError(f"sampler={sampler_name!r} is not supported; use one of {', '.join(SAMPLERS)}")
+    sigmas = sigmas.to(device=x.device)
+    total_steps = len(sigmas) - 1
+
+    def done(step_index: int) -> None:
+        if callback is not None:
+            callback(step_index, total_steps)
+
+    with torch.no_grad():
+        if sampler_name == "dpmpp_2m_sde":
+            return _dpmpp_2m_sde_flow(denoise_fn, x, sigmas, seed, done, percent_to_sigma)
+        run = {"euler": _euler, "euler_ancestral": _euler_ancestral_flow, "heun": _heun, "dpmpp_2m": _dpmpp_2m}[sampler_name]
+        return run(denoise_fn, x, sigmas, seed, done)

@@ -1,0 +1,244 @@
+"""Loading the transformer out of the checkpoints ComfyUI users have: every layout gives the same model,
+conversion agrees with diffusers' own single-file converters, fp8 stays fp8, bad files fail clearly, and
+nothing touches the network."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers.loaders.single_file_utils import (
+    convert_flux_transformer_checkpoint_to_diffusers,
+    convert_sd3_transformer_checkpoint_to_diffusers,
+)
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.models.adapters import Conditioning, FlowAdapter
+from engine.models.convert import apply_op, flux_bfl_map
+from engine.models.load import CastLinear, inspect_checkpoint, load_transformer
+from engine.models.safetensors_file import CheckpointError
+from engine.tiny import REAL, shapes_for, write_tiny, FluxDims
+from dataclasses import replace
+
+from conftest import ROOT
+
+
+def tensors(path):
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def forward(loaded, seed=0):
+    """One prediction on fixed inputs: the transformer output that every layout must reproduce."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = loaded.info.config
+    pooled = cfg["pooled_projection_dim"]
+    x = torch.randn(1, 16, 8, 8, generator=g)
+    side = Conditioning(torch.randn(1, 12, 4096, generator=g), torch.randn(1, pooled, generator=g), 3.5)
+    adapter = FlowAdapter(loaded)
+    try:
+        return adapter.predictor(side, None)(x, torch.tensor(0.6), ("pos",))[0]
+    finally:
+        adapter.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    paths = {}
+    for kind, variant in (("flux", "flux-dev"), ("flux", "flux-schnell"), ("sd3", "sd3-medium"),
+                          ("sd3", "sd3.5-medium"), ("sd3", "sd3.5-large")):
+        paths[variant] = write_tiny(kind, str(d), variant=variant)
+        paths[variant + "/prefixed"] = write_tiny(kind, str(d), variant=variant, prefix=True)
+        paths[variant + "/full"] = write_tiny(kind, str(d), variant=variant, full=True)
+    return d, paths
+
+
+def diffusers_layouts(loaded, out_dir):
+    """The same weights as a diffusers-format single file and as a sharded diffusers folder."""
+    state = {k: v.contiguous() for k, v in loaded.model.state_dict().items()}
+    single = os.path.join(out_dir, "diffusers-single.safetensors")
+    with safe_open(loaded.path, "pt") as f:
+        metadata = f.metadata()  # tiny FLUX states its RoPE axes here; a real 128-wide FLUX needs nothing
+    save_file(state, single, metadata=metadata)
+    folder = os.path.join(out_dir, "diffusers-folder")
+    loaded.model.save_pretrained(folder, max_shard_size="2MB")
+    return single, folder
+
+
+@pytest.mark.parametrize("variant", ["flux-dev", "flux-schnell", "sd3-medium", "sd3.5-medium", "sd3.5-large"])
+def test_every_layout_of_the_same_weights_gives_identical_transformer_outputs(tiny_dir, tmp_path, variant):
+    _, paths = tiny_dir
+    reference = load_transformer(paths[variant])
+    single, folder = diffusers_layouts(reference, str(tmp_path))
+    assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 1  # really sharded
+    want = forward(reference)
+    for path in (paths[variant + "/prefixed"], paths[variant + "/full"], single, folder):
+        loaded = load_transformer(path)
+        assert loaded.info.variant == variant and loaded.info.config == reference.info.config, path
+        got = forward(loaded)
+        print(f"{variant} {os.path.basename(path)} ({loaded.info.layout}): max abs diff {(got - want).abs().max():.3g}")
+        assert torch.equal(got, want)
+
+
+def test_a_full_checkpoint_loads_only_the_transformer(tiny_dir):
+    _, paths = tiny_dir
+    loaded = load_transformer(paths["sd3-medium/full"])
+    assert loaded.stats["ignored_tensors"] == 4
+    assert loaded.info.prefix == "model.diffusion_model."
+
+
+def test_sd3_conversion_equals_diffusers_single_file_converter_value_for_value(tiny_dir):
+    _, paths = tiny_dir
+    for variant in ("sd3-medium", "sd3.5-medium", "sd3.5-large"):
+        theirs = convert_sd3_transformer_checkpoint_to_diffusers(tensors(paths[variant + "/prefixed"]))
+        ours = load_transformer(paths[variant]).model.state_dict()
+        assert sorted(theirs) == sorted(ours)
+        diffs = [(theirs[k] - ours[k]).abs().max().item() for k in ours]
+        print(f"{variant}: {len(ours)} tensors, max abs diff {max(diffs)}")
+        assert max(diffs) == 0
+
+
+def test_flux_conversion_equals_diffusers_single_file_converter_at_full_width():
+    # diffusers' FLUX converter hard-codes FLUX.1's 3072 width, so compare at full width with one block of each
+    # kind. Each tensor is a random column broadcast across its rows' width: distinct rows (any mix-up of
+    # q/k/v, mlp or shift/scale rows shows) for the memory of a vector.
+    dims = replace(REAL["flux-dev"], depth=1, depth_single=1)
+    g = torch.Generator().manual_seed(0)
+    checkpoint = {}
+    for k, shape in shapes_for("flux-dev", dims).items():
+        checkpoint[k] = torch.randn(shape[0], generator=g) if len(shape) == 1 else \
+            torch.randn(shape[0], 1, generator=g).expand(shape)
+    info_config = {"num_attention_heads": dims.heads, "attention_head_dim": dims.head_dim, "guidance_embeds": True,
+                   "num_layers": 1, "num_single_layers": 1}
+    ours = {dst: apply_op(checkpoint[src], op) for dst, src, op in flux_bfl_map(info_config)}
+    theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(checkpoint))
+    assert sorted(ours) == sorted(theirs)
+    for k in ours:
+        assert ours[k].shape == theirs[k].shape and torch.equal(ours[k][:, :1] if ours[k].ndim == 2 else ours[k],
+                                                                theirs[k][:, :1] if theirs[k].ndim == 2 else theirs[k]), k
+    print(f"flux-dev at width 3072: {len(ours)} tensors identical to diffusers' converter")
+
+
+def test_fp8_weights_stay_fp8_and_compute_in_the_requested_dtype(tmp_path):
+    path = write_tiny("flux", str(tmp_path), dtype="fp8_e4m3fn")
+    fp32 = load_transformer(path, dtype="fp32")
+    linears = [m for m in fp32.model.modules() if isinstance(m, CastLinear)]
+    assert len(linears) == fp32.stats["fp8_linears"] > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in fp32.model.modules())
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    fp8_bytes = sum(p.numel() * p.element_size() for p in fp32.model.parameters())
+    full_bytes = sum(p.numel() * 4 for p in fp32.model.parameters())
+    print(f"fp8 model holds {fp8_bytes / 2**20:.1f} MiB of weights; an fp32 copy would be {full_bytes / 2**20:.1f} MiB")
+    assert fp8_bytes < 0.3 * full_bytes
+    # reference: the same fp8 values upcast to fp32 once, up front
+    upcast = write_upcast(path, tmp_path)
+    want = forward(load_transformer(upcast, dtype="fp32"))
+    got = forward(fp32)
+    print(f"fp8 weights, fp32 compute vs pre-upcast fp32: max abs diff {(got - want).abs().max():.3g}")
+    assert torch.equal(got, want)
+    bf16 = forward(load_transformer(path, dtype="bf16"))
+    rel = ((bf16 - want).norm() / want.norm()).item()
+    print(f"fp8 weights, bf16 compute vs fp32 compute: relative L2 {rel:.3g}")
+    assert torch.isfinite(bf16).all() and rel < 0.05
+
+
+def write_upcast(path, tmp_path):
+    out = str(tmp_path / "upcast.safetensors")
+    with safe_open(path, "pt") as f:
+        save_file({k: f.get_tensor(k).float() for k in f.keys()}, out, metadata=f.metadata())
+    return out
+
+
+def test_bf16_compute_embeds_the_timestep_in_fp32(tiny_dir):
+    _, paths = tiny_dir
+    loaded = load_transformer(paths["flux-dev"], dtype="bf16")
+    seen = []
+    hook = loaded.model.time_text_embed.time_proj.register_forward_hook(lambda m, a, out: seen.append(a[0]))
+    forward(loaded)
+    hook.remove()
+    assert seen[0].dtype == torch.float32
+    assert seen[0][0].item() == pytest.approx(600.0, abs=1e-4)  # sigma 0.6 * 1000 in fp32 (bf16 would give 600 too,
+    assert seen[1].dtype == torch.float32                       # but 0.6 itself is not a bf16 value)
+    assert seen[1][0].item() == pytest.approx(3500.0)
+
+
+# ---- bad files ---------------------------------------------------------------------------------------------
+def test_a_file_that_is_not_safetensors_is_named_as_such(tmp_path):
+    p = tmp_path / "model.ckpt"
+    p.write_bytes(b"PK\x03\x04" + os.urandom(4000))
+    with pytest.raises(CheckpointError, match="model.ckpt is not a safetensors file"):
+        inspect_checkpoint(str(p))
+
+
+def test_a_truncated_file_says_so_with_the_numbers(tiny_dir, tmp_path):
+    _, paths = tiny_dir
+    data = open(paths["flux-dev"], "rb").read()
+    p = tmp_path / "cut.safetensors"
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cut.safetensors is truncated: tensor .* ends at byte \d+ .* "
+                                              r"holds only \d+ data bytes"):
+        inspect_checkpoint(str(p))
+
+
+def test_a_header_that_lies_about_sizes_is_caught(tiny_dir, tmp_path):
+    _, paths = tiny_dir
+    data = open(paths["flux-dev"], "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    key = "img_in.weight"
+    header[key]["shape"] = [header[key]["shape"][0] * 2, header[key]["shape"][1]]
+    raw = json.dumps(header).encode()
+    p = tmp_path / "liar.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    with pytest.raises(CheckpointError, match=r"header lies about tensor 'img_in.weight': shape \[256, 64\] F32 needs "
+                                              r"65536 bytes but its offsets .* span 32768"):
+        inspect_checkpoint(str(p))
+
+
+def test_an_sdxl_unet_is_recognised_and_refused_by_name(tmp_path):
+    p = tmp_path / "sdxl.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4),
+               "model.diffusion_model.label_emb.0.0.weight": torch.zeros(4, 4)}, str(p))
+    with pytest.raises(CheckpointError, match="looks like an SDXL UNet, not a FLUX.1 or SD3/SD3.5 transformer"):
+        inspect_checkpoint(str(p))
+
+
+def test_missing_and_unexpected_keys_are_named(tiny_dir, tmp_path):
+    _, paths = tiny_dir
+    weights = tensors(paths["sd3-medium"])
+    del weights["joint_blocks.1.x_block.mlp.fc1.weight"]
+    save_file(weights, str(tmp_path / "missing.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing 1 keys: joint_blocks.1.x_block.mlp.fc1.weight"):
+        load_transformer(str(tmp_path / "missing.safetensors"))
+    weights = tensors(paths["flux-dev"])
+    weights["double_blocks.0.img_attn.qkv.scale_weight"] = torch.ones(1)
+    save_file(weights, str(tmp_path / "extra.safetensors"), metadata={"xdit.synthetic": json.dumps(
+        {"dims": {"axes_dim": [4, 14, 14]}})})
+    with pytest.raises(CheckpointError, match=r"1 unexpected keys: double_blocks.0.img_attn.qkv.scale_weight"):
+        load_transformer(str(tmp_path / "extra.safetensors"))
+
+
+def test_a_missing_path_and_an_empty_folder_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        inspect_checkpoint(str(tmp_path / "nope.safetensors"))
+    with pytest.raises(CheckpointError, match="holds no .safetensors files"):
+        inspect_checkpoint(str(tmp_path))
+
+
+def test_loading_works_with_networking_disabled(tiny_dir):
+    _, paths = tiny_dir
+    code = (
+        "import socket\n"
+        "def refuse(*a, **k):\n    raise OSError('network disabled in this test')\n"
+        "socket.socket.connect = refuse\nsocket.create_connection = refuse\nsocket.getaddrinfo = refuse\n"
+        "import sys\nfrom engine.models.load import load_transformer\n"
+        "for p in sys.argv[1:]:\n    m = load_transformer(p)\n    print(m.info.variant)\n")
+    args = [paths["flux-dev/full"], paths["sd3.5-medium/prefixed"]]
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["flux-dev", "sd3.5-medium"]
