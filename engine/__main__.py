@@ -49,6 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     bb.add_argument("--repeats", type=int, default=5)
     bb.add_argument("--xdit-repeats", type=int, default=2, help="the xDiT-style path takes seconds per 64 MB")
 
+    bg = bench_sub.add_parser("generate", help="one-rank generate job vs a plain in-process diffusers loop")
+    bg.add_argument("--model", default="flux-dev", help="synthetic variant: flux-dev, flux-schnell, sd3-medium, "
+                                                         "sd3.5-medium, sd3.5-large (random weights)")
+    bg.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
+    bg.add_argument("--gpus", help="one GPU index to run on (default: CPU)")
+    bg.add_argument("--width", type=int, default=256)
+    bg.add_argument("--height", type=int, default=256)
+    bg.add_argument("--steps", type=int, default=28)
+    bg.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    bg.add_argument("--repeats", type=int, default=3)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -69,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import bench_bridge
         sizes = [int(s) for s in args.sizes_mb.split(",") if s]
         return bench_bridge(sizes, args.repeats, args.xdit_repeats)
+    if args.command == "bench" and args.what == "generate":
+        from .bench import bench_generate
+        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+        return bench_generate(args.model, args.size, gpus, args.width, args.height, args.steps, args.dtype,
+                              args.repeats)
     return 2
 
 

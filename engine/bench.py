@@ -102,3 +102,105 @@ def bench_bridge(sizes_mb: list[int], repeats: int = 5, xdit_repeats: int = 2) -
           "all-gather check.\nxDiT-style: rank 0 -> rank 1 -> rank 0, each way pickle.dumps -> "
           "torch.ByteTensor(list(bytes)) -> dist.send (gloo) -> pickle.loads.")
     return 0
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def _plain_loop(loaded, family: str, noise: torch.Tensor, sigmas: torch.Tensor, cond, pooled, neg, neg_pooled,
+                cfg: float, device: str) -> tuple[torch.Tensor, float]:
+    """A plain in-process Euler loop over the diffusers transformer: the baseline without any engine around it."""
+    model, dtype = loaded.model, loaded.dtype
+    x = (sigmas[0] * noise).to(device)
+    b, c, h, w = x.shape
+    cond, pooled = cond.to(device, dtype), pooled.to(device, dtype)
+    if cfg != 1.0:
+        cond = torch.cat([cond, neg.to(device, dtype)])
+        pooled = torch.cat([pooled, neg_pooled.to(device, dtype)])
+    n = cond.shape[0]
+    if family == "flux":
+        rows = torch.arange(h // 2, device=device).repeat_interleave(w // 2)
+        cols = torch.arange(w // 2, device=device).repeat(h // 2)
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], 1).float()
+        txt_ids = torch.zeros(cond.shape[1], 3, device=device)
+        guidance = torch.full((n,), 3.5, device=device) if model.config.guidance_embeds else None
+    _sync(device)
+    t0 = time.perf_counter()
+    for sigma, nxt in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        xin = x.to(dtype).repeat(n // b, 1, 1, 1)
+        if family == "flux":
+            packed = xin.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, -1, c * 4)
+            out = model(hidden_states=packed, encoder_hidden_states=cond, pooled_projections=pooled,
+                        timestep=torch.full((n,), sigma, device=device), img_ids=img_ids, txt_ids=txt_ids,
+                        guidance=guidance, return_dict=False)[0]
+            v = out.reshape(n, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w).float()
+        else:
+            v = model(hidden_states=xin, encoder_hidden_states=cond, pooled_projections=pooled,
+                      timestep=torch.full((n,), sigma * 1000.0, device=device), return_dict=False)[0].float()
+        if cfg != 1.0:
+            v_pos, v_neg = v.chunk(2)
+            v = v_neg + cfg * (v_pos - v_neg)  # CFG on denoised = x - sigma*v is CFG on v
+        x = x + v * (nxt - sigma)
+    _sync(device)
+    return x.cpu(), time.perf_counter() - t0
+
+
+def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
+                   dtype: str, repeats: int) -> int:
+    """One rank: the engine's generate job vs a plain in-process diffusers loop, same weights and inputs."""
+    from .generate import GenerateRequest
+    from .models.load import load_model
+    from .sampling.noise import prepare_noise
+    from .sampling.schedules import FlowSampling, compute_sigmas
+
+    device = "cuda" if gpus else "cpu"
+    source = f"synthetic:{variant}" + (":tiny" if size == "tiny" else "")
+    gen = torch.Generator().manual_seed(0)
+    family = "flux" if variant.startswith("flux") else "sd3"
+    pooled_dim, tokens = (768, 512) if family == "flux" else (2048, 333)
+    cfg = 1.0 if family == "flux" else 4.5
+    request = GenerateRequest(model=source, cond=torch.randn(1, tokens, 4096, generator=gen),
+                              pooled=torch.randn(1, pooled_dim, generator=gen),
+                              latent_raw=torch.zeros(1, 16, height // 8, width // 8), seed=0, steps=steps, cfg=cfg,
+                              neg_cond=torch.randn(1, tokens, 4096, generator=gen),
+                              neg_pooled=torch.randn(1, pooled_dim, generator=gen), dtype=dtype)
+    request.validate()
+    spec, inputs = request.to_job()
+    print(f"{source} {width}x{height}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
+          f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; median of {repeats} after a warm-up")
+    with Engine(1, device=device, gpus=gpus[:1] if gpus else None) as engine:
+        first = engine.submit("generate", spec, inputs)
+        runs = [engine.submit("generate", spec, inputs) for _ in range(repeats)]
+    engine_total = statistics.median(r.timings["total_s"] for r in runs)
+    engine_compute = statistics.median(r.timings["compute_s"] for r in runs)
+    loaded = load_model(source, dtype=dtype, device=device)
+    noise = prepare_noise(request.latent_raw, request.seed)
+    sampling = FlowSampling.flux() if family == "flux" else FlowSampling.sd3()
+    sigmas = compute_sigmas(sampling, "simple", steps)
+    _plain_loop(loaded, family, noise, sigmas, request.cond, request.pooled, request.neg_cond, request.neg_pooled,
+                cfg, device)  # warm-up
+    plain = [_plain_loop(loaded, family, noise, sigmas, request.cond, request.pooled, request.neg_cond,
+                         request.neg_pooled, cfg, device) for _ in range(repeats)]
+    plain_s = statistics.median(t for _, t in plain)
+    scale, shift = (0.3611, 0.1159) if family == "flux" else (1.5305, 0.0609)
+    plain_latent = plain[-1][0] / scale + shift
+    diff = (runs[-1].outputs["samples"] - plain_latent).abs().max().item()
+    params = first.ranks[0].get("loaded", {}).get("parameters", 0)
+    rows = [("engine: generate job, 1 rank", f"{engine_total:.3f} s", f"{engine_total / steps * 1e3:.1f} ms",
+             f"{engine_total / plain_s:.3f}x"),
+            ("  of which compute on the rank", f"{engine_compute:.3f} s", f"{engine_compute / steps * 1e3:.1f} ms",
+             f"{engine_compute / plain_s:.3f}x"),
+            ("plain diffusers loop, in process", f"{plain_s:.3f} s", f"{plain_s / steps * 1e3:.1f} ms", "1.000x")]
+    header = ("path", "per image", "per step", "vs plain")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    for row in [header, tuple("-" * w for w in widths)] + rows:
+        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print(f"model {params / 1e6:,.1f} M parameters, built on the rank in {first.ranks[0].get('loaded', {}).get('load_s', 0):.1f} s; "
+          f"engine breakdown: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in runs[-1].timings.items()))
+    note = (f" (the plain loop rounds timestep*1000 to {dtype} inside diffusers' FLUX; the engine embeds it in fp32 "
+            f"as ComfyUI does)") if family == "flux" and dtype != "fp32" else ""
+    print(f"latents: engine vs plain loop max abs diff {diff:.3g}{note}")
+    return 0

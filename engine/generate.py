@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, asdict
 
 import torch
 
-from .models.load import COMPUTE_DTYPES, inspect_checkpoint
+from .models.load import COMPUTE_DTYPES, inspect_model
 
 
 
@@ -35,7 +35,7 @@ class GenerateRequest:
         from .sampling.samplers import SAMPLERS
         from .sampling.schedules import SCHEDULERS
 
-        info = inspect_checkpoint(self.model)  # CheckpointError (a ValueError) for a bad file
+        info = inspect_model(self.model)  # CheckpointError (a ValueError) for a bad file
         self.family = info.family
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
@@ -86,7 +86,7 @@ class GenerateRequest:
     def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
         spec = {k: v for k, v in asdict(self).items()
                 if k not in ("cond", "pooled", "latent_raw", "neg_cond", "neg_pooled")}
-        spec["model"] = os.path.abspath(self.model)
+        spec["model"] = self.model if self.model.startswith("synthetic:") else os.path.abspath(self.model)
         inputs = {"cond": self.cond, "pooled": self.pooled, "latent_raw": self.latent_raw}
         if self.cfg != 1.0:
             inputs.update(neg_cond=self.neg_cond, neg_pooled=self.neg_pooled)
@@ -94,5 +94,8 @@ class GenerateRequest:
 
 
 def model_key(path: str, dtype: str) -> tuple:
+    """What identifies loaded weights: a changed file (mtime, size) is loaded again."""
+    if path.startswith("synthetic:"):
+        return (path, dtype)
     st = os.stat(path)
     return (os.path.abspath(path), dtype, st.st_mtime_ns, st.st_size)

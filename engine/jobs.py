@@ -96,7 +96,7 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     """One KSampler run of a FLUX/SD3 transformer. The loaded model stays in the rank for the next job."""
     from .generate import model_key
     from .models.adapters import Conditioning, FlowAdapter
-    from .models.load import load_transformer
+    from .models.load import load_model
     from .sampling.ksampler import ksample
 
     if ctx.world > 1:
@@ -106,7 +106,7 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     cache = ctx.cache.setdefault("models", {})
     if key not in cache:
         cache.clear()  # one model per rank group: a new model replaces the old one
-        cache[key] = FlowAdapter(load_transformer(spec["model"], dtype=spec["dtype"], device=ctx.device))
+        cache[key] = FlowAdapter(load_model(spec["model"], dtype=spec["dtype"], device=ctx.device))
         ctx.info["loaded"] = cache[key].loaded.stats
     adapter = cache[key]
     positive = Conditioning(inputs["cond"], inputs["pooled"], spec.get("guidance"))

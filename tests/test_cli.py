@@ -33,3 +33,14 @@ def test_make_tiny_rejects_an_unknown_variant_naming_the_valid_ones(tmp_path):
     out = run("make-tiny", "--kind", "flux", "--variant", "flux-pro", "--out", str(tmp_path))
     assert out.returncode == 2
     assert "variant='flux-pro'" in out.stderr and "flux-dev" in out.stderr
+
+
+def test_bench_generate_compares_the_engine_with_a_plain_loop_on_the_same_synthetic_model():
+    out = run("bench", "generate", "--model", "flux-schnell", "--steps", "2", "--repeats", "1", "--width", "64",
+              "--height", "64")
+    print(out.stdout)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("engine:", "plain diffusers loop"))]
+    assert len(rows) == 2 and all(line.rstrip().endswith("x") for line in rows)
+    diff = float(out.stdout.split("max abs diff ")[1].split()[0])
+    assert diff < 1e-3  # same weights, same inputs: the two loops agree to float rounding

@@ -54,28 +54,38 @@ class FlowAdapter:
         return (timestep, args[1])
 
     def predictor(self, positive: Conditioning, negative: Conditioning | None):
-        """A Predict callable for the sampler, bound to this job's conditioning."""
+        """A Predict callable for the sampler, bound to this job's conditioning (prepared once, not per step)."""
+        prepared: dict[tuple, tuple] = {}
+
+        def prepare(sides: list[Conditioning], batch: int) -> tuple:
+            key = (tuple(id(s) for s in sides), batch)
+            if key not in prepared:
+                cond = torch.cat([_batch(s.cond, batch) for s in sides]).to(self.device, self.dtype)
+                pooled = torch.cat([_batch(s.pooled, batch) for s in sides]).to(self.device, self.dtype)
+                guidance = [3.5 if s.guidance is None else float(s.guidance) for s in sides]
+                prepared[key] = (cond, pooled, guidance)
+            return prepared[key]
+
         def predict(x_model: torch.Tensor, sigma: torch.Tensor, which: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
             sides = [positive if w == "pos" else negative for w in which]
             if any(s is None for s in sides):
                 raise ValueError("the sampler asked for the negative pass but the job has no negative conditioning")
+            batch = x_model.shape[0]
             # batch both passes in one forward when their text lengths agree (exactly the same math)
             if len(sides) == 2 and sides[0].cond.shape[1] == sides[1].cond.shape[1]:
-                v = self.forward(torch.cat([x_model, x_model]), sigma, sides, split=True)
+                v = self.forward(torch.cat([x_model, x_model]), sigma, prepare(sides, batch), batch)
                 return tuple(v.chunk(2))
-            return tuple(self.forward(x_model, sigma, [s]) for s in sides)
+            return tuple(self.forward(x_model, sigma, prepare([s], batch), batch) for s in sides)
         return predict
 
     @torch.no_grad()
-    def forward(self, x_model: torch.Tensor, sigma: torch.Tensor, sides: list[Conditioning], split: bool = False):
-        batch = x_model.shape[0] // len(sides)
-        cond = torch.cat([_batch(s.cond, batch) for s in sides]).to(self.device, self.dtype)
-        pooled = torch.cat([_batch(s.pooled, batch) for s in sides]).to(self.device, self.dtype)
+    def forward(self, x_model: torch.Tensor, sigma: torch.Tensor, prepared: tuple, batch: int) -> torch.Tensor:
+        cond, pooled, guidance = prepared
         n = x_model.shape[0]
         sigma32 = sigma.detach().to(torch.float32).reshape(-1).expand(n).to(self.device)
         x = x_model.to(self.device, self.dtype)
         if self.family == "flux":
-            v = self._flux(x, sigma32, cond, pooled, sides, batch)
+            v = self._flux(x, sigma32, cond, pooled, guidance, batch)
         else:
             self._exact = (sigma32 * 1000.0, None)
             try:
@@ -85,7 +95,7 @@ class FlowAdapter:
                 self._exact = None
         return v.to(torch.float32)
 
-    def _flux(self, x, sigma32, cond, pooled, sides, batch):
+    def _flux(self, x, sigma32, cond, pooled, guidance_values, batch):
         b, c, h, w = x.shape
         if h % 2 or w % 2:
             raise ValueError(f"FLUX latent {h}x{w} is not a multiple of its 2x2 patches: width and height must be "
@@ -97,8 +107,7 @@ class FlowAdapter:
         txt_ids = torch.zeros(cond.shape[1], 3, device=self.device)
         guidance = None
         if self.model.config.guidance_embeds:
-            values = [3.5 if s.guidance is None else float(s.guidance) for s in sides]
-            guidance = torch.tensor(values, dtype=torch.float32, device=self.device).repeat_interleave(batch)
+            guidance = torch.tensor(guidance_values, dtype=torch.float32, device=self.device).repeat_interleave(batch)
         self._exact = (sigma32 * 1000.0, guidance * 1000.0 if guidance is not None else None)
         try:
             out = self.model(hidden_states=packed, encoder_hidden_states=cond, pooled_projections=pooled,

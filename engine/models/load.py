@@ -166,6 +166,31 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats)
 
 
+def inspect_model(source: str) -> CheckpointInfo:
+    """inspect_checkpoint for a path, or the info of a synthetic model source."""
+    from .synthetic import is_synthetic, synthetic_info
+    return synthetic_info(source) if is_synthetic(source) else inspect_checkpoint(source)
+
+
+def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0) -> LoadedTransformer:
+    """load_transformer for a path; for a synthetic source, random weights built directly on `device` in `dtype`."""
+    from .synthetic import init_random_, is_synthetic, synthetic_info
+    if not is_synthetic(source):
+        return load_transformer(source, dtype=dtype, device=device)
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
+    t0 = time.perf_counter()
+    info = synthetic_info(source)
+    model = build_empty(info)
+    # nn.Module.to, not diffusers' override: the same cast on meta tensors, without its from_pretrained advice
+    model = torch.nn.Module.to(model, COMPUTE_DTYPES[dtype]).to_empty(device=device)  # never materialised in fp32
+    init_random_(model, seed)
+    model.eval().requires_grad_(False)
+    params = sum(p.numel() for p in model.parameters())
+    return LoadedTransformer(info=info, model=model, dtype=COMPUTE_DTYPES[dtype], path=source,
+                             stats={"load_s": time.perf_counter() - t0, "parameters": params})
+
+
 def _wrap_fp8_linears(model: torch.nn.Module) -> int:
     count = 0
     for parent in list(model.modules()):
