@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--device", choices=["cpu"], help="run the ranks on the CPU (default)")
     where.add_argument("--gpus", help="comma-separated GPU indices, one rank each, e.g. 0 or 0,1")
     gen.add_argument("--out", required=True, help="output LATENT safetensors ('samples')")
+    gen.add_argument("--ulysses", type=int, default=1, help="Ulysses sequence-parallel degree")
+    gen.add_argument("--ring", type=int, default=1, help="Ring sequence-parallel degree")
+    gen.add_argument("--cfg-parallel", action="store_true", help="positive and negative passes on different ranks")
+    gen.add_argument("--dp", type=int, default=1, help="data-parallel degree over the batch")
+    gen.add_argument("--pipefusion", type=int, default=1, help="PipeFusion stages (not built yet: 1)")
+    gen.add_argument("--ranks", type=int, help="rank count (default: the product of the plan's degrees)")
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="what", required=True)

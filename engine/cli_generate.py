@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from .client import Engine
 from .errors import EngineError
 from .generate import GenerateRequest
+from .plan import ParallelPlan
 
 
 def _read(path: str, what: str) -> dict[str, torch.Tensor]:
@@ -43,7 +44,9 @@ def build_request(args) -> GenerateRequest:
         if args.denoise < 1:
             raise ValueError(f"--denoise {args.denoise} needs an input --latent to denoise from (img2img)")
         latent = torch.zeros(args.batch, 16, args.height // 8, args.width // 8)
-    return GenerateRequest(model=args.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=latent,
+    plan = ParallelPlan(dp=args.dp, cfg=2 if args.cfg_parallel else 1, pipefusion=args.pipefusion,
+                        ulysses=args.ulysses, ring=args.ring)
+    return GenerateRequest(plan=plan, model=args.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=latent,
                            seed=args.seed, steps=args.steps, cfg=args.cfg, sampler=args.sampler,
                            scheduler=args.scheduler, denoise=args.denoise, neg_cond=cond.get("neg_cond"),
                            neg_pooled=cond.get("neg_pooled"), guidance=args.guidance, dtype=args.dtype)
@@ -53,15 +56,16 @@ def run_generate(args, parser) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     try:
         request = build_request(args)
+        ranks = args.ranks or request.plan.world_size
+        request.plan.check_world(ranks)
+        if gpus and len(gpus) != ranks:
+            raise ValueError(f"--gpus {args.gpus} names {len(gpus)} GPUs for {ranks} ranks: give one GPU per rank")
         request.validate()
-        if gpus and len(gpus) > 1:
-            raise ValueError(f"--gpus {args.gpus} asks for {len(gpus)} ranks, but parallel plans are not built yet: "
-                             f"give one GPU")
     except ValueError as e:
         parser.error(str(e))
     spec, inputs = request.to_job()
     t0 = time.perf_counter()
-    with Engine(1, device="cuda" if gpus else "cpu", gpus=gpus) as engine:
+    with Engine(ranks, device="cuda" if gpus else "cpu", gpus=gpus) as engine:
         t_start = time.perf_counter() - t0
 
         def progress(step: int, total: int) -> None:
@@ -78,5 +82,9 @@ def run_generate(args, parser) -> int:
     model = result.ranks[0].get("model", {})
     print(f"wrote {args.out}: samples {list(samples.shape)} {samples.dtype} ({model.get('variant')}, "
           f"{model.get('layout')} layout, {args.dtype})")
-    print(f"engine start {t_start:.2f} s; " + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
+    print(f"plan {request.plan.describe()} on {ranks} rank(s); engine start {t_start:.2f} s; "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
+    sent = result.ranks[0].get("bytes_sent_per_step")
+    if sent:
+        print("rank 0 sent per step: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sent.items()))
     return 0

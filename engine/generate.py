@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, asdict
 import torch
 
 from .models.load import COMPUTE_DTYPES, inspect_model
+from .plan import ParallelPlan, validate_plan
 
 
 
@@ -28,6 +29,7 @@ class GenerateRequest:
     guidance: float = 3.5                 # FLUX only (FluxGuidance)
     dtype: str = "fp32"
     batch_index: list[int] | None = None
+    plan: ParallelPlan = field(default_factory=ParallelPlan)
     family: str = field(default="", init=False)
 
     def validate(self) -> None:
@@ -66,8 +68,10 @@ class GenerateRequest:
             self._check_side("neg_cond", self.neg_cond, self.neg_pooled, info, batch)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
-        if info.family == "flux" and not info.config["guidance_embeds"] and self.guidance != 3.5:
-            pass  # schnell has no guidance input; the value is simply unused, as in ComfyUI
+        patch = info.config["patch_size"] if info.family == "sd3" else 2
+        validate_plan(self.plan, self.plan.world_size, heads=info.heads,
+                      image_tokens=(lat.shape[2] // patch) * (lat.shape[3] // patch), batch=batch,
+                      negative_pass=needs_negative, sampler=self.sampler, layers=info.layers)
 
     @staticmethod
     def _check_side(name, cond, pooled, info, batch) -> None:
@@ -85,7 +89,8 @@ class GenerateRequest:
 
     def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
         spec = {k: v for k, v in asdict(self).items()
-                if k not in ("cond", "pooled", "latent_raw", "neg_cond", "neg_pooled")}
+                if k not in ("cond", "pooled", "latent_raw", "neg_cond", "neg_pooled", "plan")}
+        spec["plan"] = self.plan.as_dict()
         spec["model"] = self.model if self.model.startswith("synthetic:") else os.path.abspath(self.model)
         inputs = {"cond": self.cond, "pooled": self.pooled, "latent_raw": self.latent_raw}
         if self.cfg != 1.0:

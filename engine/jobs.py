@@ -93,35 +93,65 @@ def inspect_checkpoint(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tens
 
 @job("generate")
 def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
-    """One KSampler run of a FLUX/SD3 transformer. The loaded model stays in the rank for the next job."""
+    """One KSampler run of a FLUX/SD3 transformer under the job's parallel plan. The loaded model (and the mesh
+    for a plan) stay in the rank for the next job."""
     from .generate import model_key
     from .models.adapters import Conditioning, FlowAdapter
     from .models.load import load_model
+    from .parallel.mesh import Mesh
+    from .plan import ParallelPlan
     from .sampling.ksampler import ksample
+    from .sampling.noise import prepare_noise
 
+    plan = ParallelPlan(**spec.get("plan", {}))
+    plan.check_world(ctx.world)
+    mesh = None
     if ctx.world > 1:
-        raise ValueError(f"generate runs on one rank for now; this engine has {ctx.world} (parallel plans are not "
-                         f"built yet)")
+        meshes = ctx.cache.setdefault("meshes", {})
+        plan_key = tuple(sorted(plan.as_dict().items()))
+        if plan_key not in meshes:
+            meshes[plan_key] = Mesh(plan, ctx.rank, ctx.world)  # collective: every rank builds the same groups
+        mesh = meshes[plan_key]
+        mesh.stats.reset()
     key = model_key(spec["model"], spec["dtype"])
     cache = ctx.cache.setdefault("models", {})
-    if key not in cache:
+    if cache.get("key") != key:
+        if cache.get("adapter") is not None:
+            cache["adapter"].close()
         cache.clear()  # one model per rank group: a new model replaces the old one
-        cache[key] = FlowAdapter(load_model(spec["model"], dtype=spec["dtype"], device=ctx.device))
-        ctx.info["loaded"] = cache[key].loaded.stats
-    adapter = cache[key]
-    positive = Conditioning(inputs["cond"], inputs["pooled"], spec.get("guidance"))
-    negative = Conditioning(inputs["neg_cond"], inputs["neg_pooled"], spec.get("guidance")) \
-        if "neg_cond" in inputs else None
+        cache.update(key=key, loaded=load_model(spec["model"], dtype=spec["dtype"], device=ctx.device))
+        ctx.info["loaded"] = cache["loaded"].stats
+    if cache.get("mesh_of_adapter", "none") is not mesh:
+        if cache.get("adapter") is not None:
+            cache["adapter"].close()
+        cache.update(adapter=FlowAdapter(cache["loaded"], mesh), mesh_of_adapter=mesh)
+    adapter = cache["adapter"]
+
+    latent_raw = inputs["latent_raw"].float()
+    noise = prepare_noise(latent_raw, spec["seed"], spec.get("batch_index"))  # the whole batch's, as ComfyUI draws it
+    cond, pooled = inputs["cond"], inputs["pooled"]
+    neg_cond, neg_pooled = inputs.get("neg_cond"), inputs.get("neg_pooled")
+    batch = latent_raw.shape[0]
+    if mesh is not None and mesh["dp"].size > 1:  # data parallel: this dp group's contiguous share of the batch
+        per = batch // mesh["dp"].size
+        items = slice(mesh["dp"].rank * per, (mesh["dp"].rank + 1) * per)
+        pick = lambda t: t[items] if t is not None and t.shape[0] == batch else t  # noqa: E731
+        latent_raw, noise, cond, pooled, neg_cond, neg_pooled = map(pick, (latent_raw, noise, cond, pooled,
+                                                                           neg_cond, neg_pooled))
+    positive = Conditioning(cond, pooled, spec.get("guidance"))
+    negative = Conditioning(neg_cond, neg_pooled, spec.get("guidance")) if neg_cond is not None else None
 
     def on_step(step_index: int, total: int) -> None:
         ctx.progress(step_index + 1, total)
         ctx.check_cancel(step_index + 1)
 
     ctx.check_cancel(0)
-    latent_raw = inputs["latent_raw"].float().to(ctx.device)  # noise is still drawn on the CPU, as ComfyUI does
-    samples = ksample(adapter.predictor(positive, negative), latent_raw, family=adapter.family,
+    samples = ksample(adapter.predictor(positive, negative), latent_raw.to(ctx.device), family=adapter.family,
                       seed=spec["seed"], steps=spec["steps"], cfg=spec["cfg"], sampler=spec["sampler"],
-                      scheduler=spec["scheduler"], denoise=spec["denoise"], batch_index=spec.get("batch_index"),
+                      scheduler=spec["scheduler"], denoise=spec["denoise"], noise=noise.to(ctx.device),
                       callback=on_step)
+    if mesh is not None:
+        samples = mesh.all_gather(samples, "dp", dim=0, kind="dp_gather")
+        ctx.info["bytes_sent_per_step"] = {k: v / spec["steps"] for k, v in mesh.stats.sent.items()}
     ctx.info["model"] = {"variant": adapter.loaded.info.variant, "layout": adapter.loaded.info.layout}
-    return {"samples": samples.cpu()}
+    return {"samples": samples.cpu()} if ctx.rank == 0 else None

@@ -15,7 +15,7 @@ def test_demo_runs_two_ranks_on_a_tiny_flux_model_and_all_checks_pass():
     print(out.stdout)
     assert out.returncode == 0, out.stderr
     assert "2 CPU ranks" in out.stdout
-    assert out.stdout.count("check   ok") == 6 and "FAIL" not in out.stdout
+    assert out.stdout.count("check   ok") == 7 and "FAIL" not in out.stdout
     assert "LATENT [1, 16, 32, 32]" in out.stdout
     assert "4 double / 4 single blocks" in out.stdout
 

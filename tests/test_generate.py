@@ -147,3 +147,25 @@ def test_a_batch_gives_each_item_its_own_noise_and_conditioning(files):
             print(f"batch item {i} vs alone with batch_index [{i}]: max abs diff {diff:.3g}")
             assert diff <= 1e-5
     assert (together[0] - together[1]).abs().max() > 0.1  # different prompts, different noise
+
+
+def test_generate_plan_flags_give_the_single_rank_latent(files):
+    common = ["--model", files["sd3"], "--cond", str(files["dir"] / "sd3_cond.safetensors"), "--seed", "4",
+              "--steps", "3", "--cfg", "4.0", "--width", "128", "--height", "128"]
+    one, two = files["dir"] / "one.safetensors", files["dir"] / "cfgpar.safetensors"
+    assert generate(*common, "--out", str(one)).returncode == 0
+    res = generate(*common, "--cfg-parallel", "--out", str(two))
+    assert res.returncode == 0, res.stderr
+    assert "plan cfg2 on 2 rank(s)" in res.stdout and "cfg_gather" in res.stdout
+    diff = (load_file(str(two))["samples"] - load_file(str(one))["samples"]).abs().max().item()
+    print(f"generate --cfg-parallel vs one rank: max abs diff {diff:.3g}")
+    assert diff <= 1e-4
+
+
+def test_generate_refuses_a_rank_count_or_gpu_list_that_does_not_fit_the_plan(files):
+    common = ["--model", files["flux"], "--cond", str(files["dir"] / "flux_cond.safetensors"), "--steps", "2",
+              "--width", "128", "--height", "128", "--out", "x"]
+    res = generate(*common, "--ulysses", "2", "--ranks", "3")
+    assert res.returncode == 2 and "needs 2 ranks but the engine has 3" in res.stderr
+    res = generate(*common, "--ulysses", "2", "--gpus", "0")
+    assert res.returncode == 2 and "names 1 GPUs for 2 ranks" in res.stderr

@@ -33,17 +33,51 @@ def _batch(t: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class FlowAdapter:
-    def __init__(self, loaded: LoadedTransformer):
+    """With a mesh, the parallel plan is applied here: sequence-parallel processors (and SD3's token shard/gather
+    hooks) on the model, FLUX tokens sharded per rank, the velocity gathered across the sequence-parallel group,
+    and the positive/negative passes split across the CFG group."""
+
+    def __init__(self, loaded: LoadedTransformer, mesh=None):
         self.loaded = loaded
         self.model = loaded.model
         self.family = loaded.family
         self.dtype = loaded.dtype
         self.device = next(p for p in self.model.parameters()).device
+        self.mesh = mesh
         self._exact: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._hook = self.model.time_text_embed.register_forward_pre_hook(self._fp32_embedding_inputs)
+        self._hooks = [self.model.time_text_embed.register_forward_pre_hook(self._fp32_embedding_inputs)]
+        self._original_processors = dict(self.model.attn_processors)
+        self.sp = mesh["sp"] if mesh is not None and mesh["sp"].size > 1 else None
+        self.cfg_group = mesh["cfg"] if mesh is not None and mesh["cfg"].size > 1 else None
+        if self.sp is not None:
+            self._apply_sequence_parallel()
+
+    def _apply_sequence_parallel(self) -> None:
+        from ..parallel.attention import SequenceParallelAttention
+        from ..parallel.processors import FluxSPProcessor, SD3SPProcessor, TextTokens
+
+        attention = SequenceParallelAttention(self.mesh)
+        self.text = TextTokens()
+        if self.family == "flux":
+            self.model.set_attn_processor(FluxSPProcessor(attention, self.text))
+        else:
+            self.model.set_attn_processor(SD3SPProcessor(attention))
+            # SD3 adds its positional embedding to the whole patch grid; shard right after it, gather before
+            # the un-patchify that needs every token
+            self._hooks.append(self.model.pos_embed.register_forward_hook(lambda m, a, out: self._shard(out)))
+            self._hooks.append(self.model.proj_out.register_forward_hook(
+                lambda m, a, out: self.mesh.all_gather(out, "sp", dim=1, kind="sp_gather")))
+
+    def _shard(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        n = tokens.shape[dim] // self.sp.size
+        return tokens.narrow(dim, self.sp.rank * n, n)
 
     def close(self) -> None:
-        self._hook.remove()
+        """Give the model back as it was (hooks off, diffusers' own processors), e.g. for another plan."""
+        for hook in self._hooks:
+            hook.remove()
+        if self.sp is not None:
+            self.model.set_attn_processor(self._original_processors)
 
     def _fp32_embedding_inputs(self, module, args):
         if self._exact is None:
@@ -71,6 +105,11 @@ class FlowAdapter:
             if any(s is None for s in sides):
                 raise ValueError("the sampler asked for the negative pass but the job has no negative conditioning")
             batch = x_model.shape[0]
+            if self.cfg_group is not None and len(sides) == 2:
+                # CFG parallel: this rank runs one side; the pair is exchanged (in group order: pos, neg)
+                mine = self.forward(x_model, sigma, prepare([sides[self.cfg_group.rank]], batch), batch)
+                both = self.mesh.all_gather(mine, "cfg", dim=0, kind="cfg_gather")
+                return tuple(both.chunk(2))
             # batch both passes in one forward when their text lengths agree (exactly the same math)
             if len(sides) == 2 and sides[0].cond.shape[1] == sides[1].cond.shape[1]:
                 v = self.forward(torch.cat([x_model, x_model]), sigma, prepare(sides, batch), batch)
@@ -105,6 +144,12 @@ class FlowAdapter:
         cols = torch.arange(w // 2, device=self.device).repeat(h // 2)
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1).to(torch.float32)
         txt_ids = torch.zeros(cond.shape[1], 3, device=self.device)
+        if self.sp is not None:
+            packed, img_ids = self._shard(packed), self._shard(img_ids, dim=0)
+            self.text.replicated = cond.shape[1] % self.sp.size != 0
+            self.text.count = cond.shape[1]
+            if not self.text.replicated:  # text tokens split with the image tokens
+                cond, txt_ids = self._shard(cond), self._shard(txt_ids, dim=0)
         guidance = None
         if self.model.config.guidance_embeds:
             guidance = torch.tensor(guidance_values, dtype=torch.float32, device=self.device).repeat_interleave(batch)
@@ -115,4 +160,6 @@ class FlowAdapter:
                              return_dict=False)[0]
         finally:
             self._exact = None
+        if self.sp is not None:
+            out = self.mesh.all_gather(out, "sp", dim=1, kind="sp_gather")
         return out.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)

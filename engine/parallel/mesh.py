@@ -1,0 +1,103 @@
+"""The rank mesh: which ranks share a dp / cfg / pipefusion / ring / ulysses group, built once from the plan.
+
+Rank order is (dp, cfg, pipefusion, ring, ulysses) with ulysses fastest, so a Ulysses group is consecutive
+ranks (on one machine, the fastest links). Nothing else in the engine computes ranks.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..plan import ParallelPlan
+
+ORDER = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent, per collective kind (counted at the call, from the tensor sizes)."""
+    sent: dict = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] += int(nbytes)
+
+    def reset(self) -> None:
+        self.sent.clear()
+
+
+@dataclass
+class Group:
+    name: str
+    ranks: list[int]          # global ranks, in group-rank order
+    rank: int                 # this rank's index in the group
+    pg: object | None         # process group; None when the group has one member
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Mesh:
+    def __init__(self, plan: ParallelPlan, rank: int, world: int):
+        plan.check_world(world)
+        self.plan, self.rank, self.world = plan, rank, world
+        self.shape = tuple(getattr(plan, n) for n in ORDER)
+        self.coords = dict(zip(ORDER, self._unravel(rank)))
+        self.stats = CommStats()
+        self.groups: dict[str, Group] = {}
+        # dist.new_group is collective over the world: every rank creates every group, in the same order
+        for name, dims in [(n, (n,)) for n in ORDER] + [("sp", ("ring", "ulysses"))]:
+            for members in self._partition(dims):
+                pg = dist.new_group(members) if len(members) > 1 and world > 1 else None
+                if rank in members:
+                    self.groups[name] = Group(name, members, members.index(rank), pg)
+
+    def _unravel(self, rank: int) -> tuple[int, ...]:
+        coords = []
+        for size in reversed(self.shape):
+            coords.append(rank % size)
+            rank //= size
+        return tuple(reversed(coords))
+
+    def _ravel(self, coords: tuple[int, ...]) -> int:
+        rank = 0
+        for c, size in zip(coords, self.shape):
+            rank = rank * size + c
+        return rank
+
+    def _partition(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Groups of ranks that differ only in `dims` (members ordered with the last dim fastest)."""
+        varying = [ORDER.index(d) for d in dims]
+        fixed = [i for i in range(len(ORDER)) if i not in varying]
+        out = []
+        for fixed_coords in itertools.product(*[range(self.shape[i]) for i in fixed]):
+            members = []
+            for var_coords in itertools.product(*[range(self.shape[i]) for i in varying]):
+                coords = [0] * len(ORDER)
+                for i, c in zip(fixed, fixed_coords):
+                    coords[i] = c
+                for i, c in zip(varying, var_coords):
+                    coords[i] = c
+                members.append(self._ravel(tuple(coords)))
+            out.append(members)
+        return out
+
+    def __getitem__(self, name: str) -> Group:
+        return self.groups[name]
+
+    # ---- collectives used by the parallel methods, counted in stats ------------------------------
+    def all_gather(self, t: torch.Tensor, group: str, dim: int, kind: str) -> torch.Tensor:
+        """Concatenate equal-shaped tensors from every member of `group` along `dim`, in group-rank order."""
+        g = self.groups[group]
+        if g.size == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty((g.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t, group=g.pg)
+        self.stats.add(kind, t.numel() * t.element_size() * (g.size - 1))
+        parts = out.chunk(g.size, dim=0)
+        return torch.cat(parts, dim=dim) if dim != 0 else out

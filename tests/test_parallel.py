@@ -1,0 +1,114 @@
+"""Parallel plans on real rank processes (gloo, CPU): each plan's latent equals the single-rank latent of the
+same job (fp32, max abs diff printed), and plans that cannot run are refused before any rank starts."""
+import pytest
+import torch
+
+from engine.client import Engine
+from engine.errors import PlanError
+from engine.generate import GenerateRequest
+from engine.plan import ParallelPlan
+from engine.tiny import write_tiny
+
+from conftest import FAST
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("par")
+    return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium")}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    started = {}
+
+    def get(world):
+        if world not in started:
+            started[world] = Engine(world, device="cpu", deadlines=FAST)
+        return started[world]
+    yield get
+    for e in started.values():
+        e.close()
+
+
+def request(models, family, *, batch=1, cfg=1.0, text_tokens=24, plan=ParallelPlan(), sampler="euler",
+            latent_hw=(16, 16)):
+    g = torch.Generator().manual_seed(11)
+    pooled = 768 if family == "flux" else 2048
+    r = GenerateRequest(model=models[family], cond=torch.randn(batch, text_tokens, 4096, generator=g),
+                        pooled=torch.randn(batch, pooled, generator=g), latent_raw=torch.zeros(batch, 16, *latent_hw),
+                        seed=5, steps=3, cfg=cfg, sampler=sampler, neg_cond=torch.randn(1, text_tokens, 4096, generator=g),
+                        neg_pooled=torch.randn(1, pooled, generator=g), plan=plan)
+    r.validate()
+    return r
+
+
+def run(engines, r):
+    result = engines(r.plan.world_size).submit("generate", *r.to_job())
+    return result.outputs["samples"], result.ranks[0].get("bytes_sent_per_step", {})
+
+
+PLANS = [
+    # family, plan, batch, cfg, text tokens (24 divides every degree here: text split; 25 does not: text joint)
+    ("flux", dict(ulysses=2), 1, 1.0, 24),
+    ("flux", dict(ring=2), 1, 1.0, 24),
+    ("flux", dict(ulysses=2, ring=2), 1, 1.0, 25),
+    ("flux", dict(ulysses=4), 1, 1.0, 25),
+    ("flux", dict(ring=4), 1, 1.0, 24),
+    ("flux", dict(dp=2), 2, 1.0, 24),
+    ("flux", dict(dp=2, ulysses=2), 2, 1.0, 24),
+    ("flux", dict(cfg=2), 1, 3.0, 24),
+    ("flux", dict(cfg=2, ulysses=2), 1, 3.0, 25),
+    ("sd3", dict(ulysses=2), 1, 4.5, 30),
+    ("sd3", dict(ring=2), 1, 4.5, 30),
+    ("sd3", dict(cfg=2), 1, 4.5, 30),
+    ("sd3", dict(cfg=2, ulysses=2), 1, 4.5, 30),
+    ("sd3", dict(cfg=2, ring=2), 1, 4.5, 30),
+    ("sd3", dict(dp=2, cfg=2), 2, 4.5, 30),
+]
+
+
+@pytest.mark.parametrize("family,plan,batch,cfg,text", PLANS,
+                         ids=[f"{f}-{ParallelPlan(**p).describe().replace(' ', '')}-b{b}-cfg{c}-t{t}"
+                              for f, p, b, c, t in PLANS])
+def test_plan_latent_equals_the_single_rank_latent(models, engines, family, plan, batch, cfg, text):
+    reference, _ = run(engines, request(models, family, batch=batch, cfg=cfg, text_tokens=text))
+    parallel, sent = run(engines, request(models, family, batch=batch, cfg=cfg, text_tokens=text,
+                                          plan=ParallelPlan(**plan)))
+    diff = (parallel - reference).abs().max().item()
+    print(f"{family} {ParallelPlan(**plan).describe()} batch {batch} cfg {cfg} text {text}: max abs diff {diff:.3g}; "
+          f"bytes sent per step by rank 0: { {k: int(v) for k, v in sent.items()} }")
+    assert parallel.shape == reference.shape
+    assert diff <= TOLERANCE
+    if batch == 2:
+        assert (parallel[0] - parallel[1]).abs().max() > 0.1  # different prompts stayed different
+
+
+def test_each_rank_records_the_bytes_it_sends_per_collective_kind(models, engines):
+    _, sent = run(engines, request(models, "sd3", cfg=4.5, text_tokens=30, plan=ParallelPlan(cfg=2, ulysses=2)))
+    assert set(sent) == {"ulysses_all_to_all", "ulysses_text_gather", "sp_gather", "cfg_gather"}
+    # cfg exchange: each step sends this rank's velocity of one pass, [1, 16, 16, 16] fp32, once per model call
+    assert sent["cfg_gather"] == 16 * 16 * 16 * 4
+
+
+@pytest.mark.parametrize("plan,job,message", [
+    (dict(ulysses=3), dict(family="sd3"), "4 heads: ulysses 3 does not divide them.*no plan for this job fits 3"),
+    (dict(ulysses=8), dict(family="sd3", cfg=4.5), "4 heads: ulysses 8 does not divide them; try cfg2 x ulysses4"),
+    (dict(ulysses=2), dict(family="flux", latent_hw=(18, 14)), "63 image tokens: ulysses x ring = 2 does not divide"),
+    (dict(cfg=2), dict(family="flux", cfg=1.0), "cfg parallel needs a negative pass.*try ulysses2"),
+    (dict(dp=2), dict(family="flux", batch=3), "batch has 3 images: dp 2 does not divide it"),
+    (dict(dp=2), dict(family="flux", batch=2, sampler="euler_ancestral"), "euler_ancestral draws step noise"),
+    (dict(pipefusion=2), dict(family="flux"), "pipefusion 2 is not built yet"),
+])
+def test_invalid_plans_are_refused_before_launch_with_the_numbers_and_a_plan_that_works(models, plan, job, message):
+    with pytest.raises(PlanError, match=message):
+        request(models, job.pop("family"), plan=ParallelPlan(**plan), **job)
+
+
+def test_a_plan_for_a_different_rank_count_than_the_engine_is_refused(models, engines):
+    r = request(models, "flux", plan=ParallelPlan(ulysses=2))
+    from engine.errors import EngineError
+    with pytest.raises(EngineError, match="needs 2 ranks but the engine has 4"):
+        engines(4).submit("generate", *r.to_job())
