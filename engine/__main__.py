@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     bg.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     bg.add_argument("--repeats", type=int, default=3)
 
+    bc = bench_sub.add_parser("comm", help="bytes sent per rank per step, per plan, measured vs analytic")
+    bc.add_argument("--models", default="FLUX.1-dev,SD3-medium")
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -86,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import bench_bridge
         sizes = [int(s) for s in args.sizes_mb.split(",") if s]
         return bench_bridge(sizes, args.repeats, args.xdit_repeats)
+    if args.command == "bench" and args.what == "comm":
+        from .bench import bench_comm
+        return bench_comm(args.models.split(","))
     if args.command == "bench" and args.what == "generate":
         from .bench import bench_generate
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None

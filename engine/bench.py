@@ -204,3 +204,68 @@ def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, 
             f"as ComfyUI does)") if family == "flux" and dtype != "fp32" else ""
     print(f"latents: engine vs plain loop max abs diff {diff:.3g}{note}")
     return 0
+
+
+# FLUX.1-dev and SD3-medium at 1024x1024 (bf16 activations)
+COMM_MODELS = {
+    "FLUX.1-dev": dict(image_tokens=4096, text_tokens=512, heads=24, head_dim=128, attention_layers=19 + 38,
+                       out_features=64, text_split=True, negative_pass=False),
+    "SD3-medium": dict(image_tokens=4096, text_tokens=333, heads=24, head_dim=64, attention_layers=24,
+                       out_features=64, text_split=False, negative_pass=True),
+}
+COMM_PLANS = {
+    "FLUX.1-dev": ["ulysses=2", "ulysses=4", "ulysses=8", "ring=2", "ring=4", "ring=8", "ulysses=2,ring=2",
+                   "ulysses=4,ring=2"],
+    "SD3-medium": ["ulysses=2", "ulysses=4", "ring=2", "ring=4", "cfg=2", "cfg=2,ulysses=2", "cfg=2,ulysses=4",
+                   "cfg=2,ring=2"],
+}
+
+
+def analytic_bytes(m: dict, plan, batch: int) -> int:
+    """Closed-form bytes one rank sends per step (one model call): the method's textbook volume."""
+    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
+    width = m["heads"] * m["head_dim"] * 2  # bf16 bytes per token per Q/K/V
+    text_split = m["text_split"] and m["text_tokens"] % p == 0
+    seq = m["image_tokens"] + (m["text_tokens"] if text_split else 0)
+    per_layer = 0
+    if u > 1:  # Q, K, V out and O back, each keeping 1/U of the rank's S/R tokens
+        per_layer += 4 * batch * (seq // r) * width * (u - 1) // (u * u)
+        if not text_split:  # the text output of this rank's heads, to every other Ulysses rank
+            per_layer += batch * m["text_tokens"] * (width // u) * (u - 1)
+    if r > 1:  # K and V of this rank's block, passed on R-1 times
+        per_layer += 2 * batch * (seq // p) * width * (r - 1)
+    total = per_layer * m["attention_layers"]
+    total += (p - 1) * batch * (m["image_tokens"] // p) * m["out_features"] * 2  # velocity tokens gathered
+    if plan.cfg == 2:
+        total += 16 * 128 * 128 * 4  # this rank's velocity of its pass
+    return total
+
+
+def bench_comm(models: list[str]) -> int:
+    from .plan import ParallelPlan
+
+    print("bytes one rank sends per denoising step (one model call), 1024x1024, bf16 activations; measured = counted "
+          "by the engine's collectives\nwith full-size tensors on CPU ranks (gloo), attention arithmetic skipped")
+    for name in models:
+        m = COMM_MODELS[name]
+        rows = []
+        for text in COMM_PLANS[name]:
+            plan = ParallelPlan(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
+            batch = 2 if m["negative_pass"] and plan.cfg == 1 else 1  # SD3's pos+neg batched in one forward
+            spec = dict(m, plan=plan.as_dict(), batch_per_forward=batch, latent_h=128, latent_w=128)
+            with Engine(plan.world_size, device="cpu") as engine:
+                result = engine.submit("comm_probe", spec)
+            sent = result.ranks[0]["sent"]
+            measured = sum(sent.values())
+            expected = analytic_bytes(m, plan, batch)
+            kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in sorted(sent.items()))
+            rows.append((plan.describe(), f"{measured / 1e9:.3f} GB", f"{expected / 1e9:.3f} GB",
+                         f"{measured / expected:.3f}", kinds))
+        print(f"\n{name}: {m['image_tokens']} image + {m['text_tokens']} text tokens "
+              f"({'split with the image' if m['text_split'] else 'joint, on every rank'}), {m['heads']} heads x "
+              f"{m['head_dim']}, {m['attention_layers']} attention layers")
+        header = ("plan", "measured", "analytic", "ratio", "measured by kind (GB)")
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
+        for row in [header, tuple("-" * w for w in widths)] + rows:
+            print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
+    return 0

@@ -155,3 +155,40 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
         ctx.info["bytes_sent_per_step"] = {k: v / spec["steps"] for k, v in mesh.stats.sent.items()}
     ctx.info["model"] = {"variant": adapter.loaded.info.variant, "layout": adapter.loaded.info.layout}
     return {"samples": samples.cpu()} if ctx.rank == 0 else None
+
+
+@job("comm_probe")
+def comm_probe(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """One denoising step's communication at full model size, attention arithmetic skipped: every attention layer
+    sends full-size bf16 Q/K/V through the sequence-parallel entry point, then the per-step gathers run as the
+    adapter runs them. Returns the bytes this rank sent, per kind."""
+    from .parallel.attention import SequenceParallelAttention
+    from .parallel.mesh import Mesh
+    from .plan import ParallelPlan
+
+    plan = ParallelPlan(**spec["plan"])
+    mesh = Mesh(plan, ctx.rank, ctx.world)
+    attention = SequenceParallelAttention(mesh, comm_only=True)
+    sp = mesh["sp"].size
+    batch = spec["batch_per_forward"]
+    image, text, heads, head_dim = spec["image_tokens"], spec["text_tokens"], spec["heads"], spec["head_dim"]
+    text_split = spec["text_split"] and text % sp == 0
+    gen = torch.Generator().manual_seed(ctx.rank)
+
+    def shard(n: int) -> torch.Tensor:
+        return torch.randn(batch, n, heads, head_dim, generator=gen).to(torch.bfloat16)
+
+    for _ in range(spec["attention_layers"]):
+        if text_split:
+            q, k, v = (shard((image + text) // sp) for _ in range(3))
+            attention(q, k, v)
+        else:
+            q, k, v = (shard(image // sp) for _ in range(3))
+            joint = tuple(shard(text) for _ in range(3))
+            attention(q, k, v, joint=joint)
+    out = torch.zeros(batch, image // sp, spec["out_features"], dtype=torch.bfloat16)
+    mesh.all_gather(out, "sp", dim=1, kind="sp_gather")
+    if plan.cfg == 2:
+        mesh.all_gather(torch.zeros(1, 16, spec["latent_h"], spec["latent_w"]), "cfg", dim=0, kind="cfg_gather")
+    ctx.info["sent"] = dict(mesh.stats.sent)
+    return None

@@ -112,3 +112,21 @@ def test_a_plan_for_a_different_rank_count_than_the_engine_is_refused(models, en
     from engine.errors import EngineError
     with pytest.raises(EngineError, match="needs 2 ranks but the engine has 4"):
         engines(4).submit("generate", *r.to_job())
+
+
+@pytest.mark.parametrize("plan,text_tokens,text_split,batch", [
+    (dict(ulysses=2), 12, True, 1), (dict(ring=2), 12, True, 1), (dict(ulysses=2), 13, False, 2),
+    (dict(ulysses=2, ring=2), 12, True, 1), (dict(ulysses=2, ring=2), 13, False, 1), (dict(cfg=2, ulysses=2), 13, False, 1),
+    (dict(ring=4), 13, False, 1),
+])
+def test_bytes_counted_by_the_collectives_equal_each_methods_analytic_volume(engines, plan, text_tokens, text_split,
+                                                                            batch):
+    from engine.bench import analytic_bytes
+    m = dict(image_tokens=64, text_tokens=text_tokens, heads=4, head_dim=8, attention_layers=3, out_features=64,
+             text_split=text_split, negative_pass=False)
+    p = ParallelPlan(**plan)
+    spec = dict(m, plan=p.as_dict(), batch_per_forward=batch, latent_h=128, latent_w=128)
+    sent = engines(p.world_size).submit("comm_probe", spec).ranks[0]["sent"]
+    expected = analytic_bytes(m, p, batch)
+    print(f"{p.describe()} text {text_tokens}: counted {sum(sent.values())} bytes, analytic {expected}")
+    assert sum(sent.values()) == expected

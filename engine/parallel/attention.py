@@ -38,8 +38,12 @@ def _merge(out, lse, block_out, block_lse):
 
 
 class SequenceParallelAttention:
-    def __init__(self, mesh: Mesh):
+    """comm_only skips the attention arithmetic (the output is the queries) and keeps every collective, for the
+    communication benchmark at full model size on CPU ranks."""
+
+    def __init__(self, mesh: Mesh, comm_only: bool = False):
         self.mesh = mesh
+        self.comm_only = comm_only
         self.ulysses = mesh["ulysses"]
         self.ring = mesh["ring"]
 
@@ -58,7 +62,11 @@ class SequenceParallelAttention:
         queries = torch.cat([joint[0], q], dim=1) if joint is not None else q
         keys = torch.cat([joint[1], k], dim=1) if joint is not None else k
         values = torch.cat([joint[2], v], dim=1) if joint is not None else v
-        if self.ring.size == 1:
+        if self.comm_only:
+            out = queries.clone()
+            if self.ring.size > 1:
+                self._ring(queries, keys, values, k, v)
+        elif self.ring.size == 1:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
         else:
             out = self._ring(queries, keys, values, k, v)
@@ -74,7 +82,9 @@ class SequenceParallelAttention:
         """Step 0 uses this rank's keys (text included, once); then the image K/V of every other ring member
         arrives in turn. Partial results merge exactly through their log-sum-exp."""
         r = self.ring
-        out, lse = _merge(None, None, *attention_with_lse(queries, keys0, values0))
+        kernel = attention_with_lse if not self.comm_only else \
+            (lambda q, k, v: (q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)))
+        out, lse = _merge(None, None, *kernel(queries, keys0, values0))
         kv = torch.stack([k, v]).contiguous()
         nxt, prv = r.ranks[(r.rank + 1) % r.size], r.ranks[(r.rank - 1) % r.size]
         for _ in range(r.size - 1):
@@ -84,5 +94,5 @@ class SequenceParallelAttention:
                 req.wait()
             self.mesh.stats.add("ring_p2p", kv.numel() * kv.element_size())
             kv = incoming
-            out, lse = _merge(out, lse, *attention_with_lse(queries, kv[0], kv[1]))
+            out, lse = _merge(out, lse, *kernel(queries, kv[0], kv[1]))
         return out.to(queries.dtype)
