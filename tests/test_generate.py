@@ -18,7 +18,7 @@ from engine.tiny import write_tiny
 
 from conftest import ROOT
 
-GOLDEN = os.path.join(ROOT, "..", "shared", "golden", "comfyui_sigmas.json")
+GOLDEN = os.path.join(ROOT, "tests", "golden", "comfyui_sigmas.json")
 LATENT_FORMAT = {"flux": (0.3611, 0.1159), "sd3": (1.5305, 0.0609)}  # (scale, shift), from ComfyUI
 
 

@@ -1,4 +1,4 @@
-"""Sigma schedules against ComfyUI 0.3.64's own numbers (shared/golden/comfyui_sigmas.json) for FLUX.1 and SD3."""
+"""Sigma schedules against ComfyUI 0.3.64's own numbers (tests/golden/comfyui_sigmas.json) for FLUX.1 and SD3."""
 import json
 import math
 import os
@@ -9,11 +9,7 @@ import torch
 from engine.sampling.schedules import SCHEDULERS, FlowSampling, compute_sigmas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN_CANDIDATES = (
-    os.path.join(ROOT, "shared", "golden", "comfyui_sigmas.json"),
-    os.path.join(os.path.dirname(ROOT), "shared", "golden", "comfyui_sigmas.json"),
-)
-GOLDEN_PATH = next((p for p in GOLDEN_CANDIDATES if os.path.exists(p)), GOLDEN_CANDIDATES[-1])
+GOLDEN_PATH = os.path.join(ROOT, "tests", "golden", "comfyui_sigmas.json")  # numbers ComfyUI computed
 TOLERANCE = 1e-6
 
 

@@ -13,18 +13,27 @@ from yunchang.comm.all_to_all import all_to_all_4D
 
 from .mesh import Mesh
 
+try:  # optional extra, CUDA only: pip install flash-attn
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and its log-sum-exp (batch, heads, tokens; fp32), from a kernel that returns a real one
     (yunchang's TORCH_MATH returns zeros, which breaks any ring merge)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and flash_attn_func is not None:
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)  # takes (batch, tokens, heads, dim) as is
+        return out, lse.float()
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt)[:2]
-    elif q.dtype in (torch.float16, torch.bfloat16):
+    elif half:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True)[:2]
-    return out.transpose(1, 2), lse.float()
+    return out.transpose(1, 2), lse[..., :q.shape[1]].float()  # the efficient kernel pads its LSE
 
 
 def _merge(out, lse, block_out, block_lse):
