@@ -1,2 +1,8 @@
-"""ComfyUI entry point of the xDiT node pack. ComfyUI imports this file by path; the nodes live in
-xdit_nodes/ and call the engine in engine/, which runs (and is tested) without ComfyUI."""
+"""ComfyUI entry point of the xDiT node pack. ComfyUI imports this file by path (the pack's folder may have any
+name and is not on sys.path); the nodes live in xdit_nodes/ and call the engine in engine/, which runs (and is
+tested) without ComfyUI."""
+
+
+async def comfy_entrypoint():
+    from .xdit_nodes.nodes import XDiTExtension  # imports comfy_api: only inside ComfyUI
+    return XDiTExtension()

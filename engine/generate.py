@@ -28,6 +28,7 @@ class GenerateRequest:
     neg_pooled: torch.Tensor | None = None
     guidance: float = 3.5                 # FLUX only (FluxGuidance)
     dtype: str = "fp32"
+    fp8_weights: bool = False             # store Linear weights as float8_e4m3fn (ComfyUI's fp8 weight dtype)
     batch_index: list[int] | None = None
     plan: ParallelPlan = field(default_factory=ParallelPlan)
     family: str = field(default="", init=False)
@@ -98,9 +99,9 @@ class GenerateRequest:
         return spec, inputs
 
 
-def model_key(path: str, dtype: str) -> tuple:
+def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
     """What identifies loaded weights: a changed file (mtime, size) is loaded again."""
     if path.startswith("synthetic:"):
-        return (path, dtype)
+        return (path, dtype, fp8_weights)
     st = os.stat(path)
-    return (os.path.abspath(path), dtype, st.st_mtime_ns, st.st_size)
+    return (os.path.abspath(path), dtype, fp8_weights, st.st_mtime_ns, st.st_size)

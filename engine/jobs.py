@@ -113,13 +113,15 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
             meshes[plan_key] = Mesh(plan, ctx.rank, ctx.world)  # collective: every rank builds the same groups
         mesh = meshes[plan_key]
         mesh.stats.reset()
-    key = model_key(spec["model"], spec["dtype"])
+    fp8 = bool(spec.get("fp8_weights", False))
+    key = model_key(spec["model"], spec["dtype"], fp8)
     cache = ctx.cache.setdefault("models", {})
     if cache.get("key") != key:
         if cache.get("adapter") is not None:
             cache["adapter"].close()
         cache.clear()  # one model per rank group: a new model replaces the old one
-        cache.update(key=key, loaded=load_model(spec["model"], dtype=spec["dtype"], device=ctx.device))
+        cache.update(key=key, loaded=load_model(spec["model"], dtype=spec["dtype"], device=ctx.device,
+                                                fp8_weights=fp8))
         ctx.info["loaded"] = cache["loaded"].stats
     if cache.get("mesh_of_adapter", "none") is not mesh:
         if cache.get("adapter") is not None:

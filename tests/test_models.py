@@ -242,3 +242,20 @@ def test_loading_works_with_networking_disabled(tiny_dir):
                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["flux-dev", "sd3.5-medium"]
+
+
+def test_fp8_weight_dtype_stores_a_bf16_file_in_fp8_and_matches_the_fp8_file(tmp_path):
+    bf16_path = write_tiny("flux", str(tmp_path), dtype="bf16")
+    stored_fp8 = load_transformer(bf16_path, dtype="fp32", fp8_weights=True)
+    assert stored_fp8.stats["fp8_linears"] > 0
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in stored_fp8.model.modules() if isinstance(m, CastLinear))
+    # reference: the bf16 file's own values, cast to fp8 once and saved as an fp8 file
+    with safe_open(bf16_path, "pt") as f:
+        fp8_file = {k: (f.get_tensor(k).to(torch.float8_e4m3fn) if len(f.get_slice(k).get_shape()) == 2
+                        else f.get_tensor(k)) for k in f.keys()}
+        metadata = f.metadata()
+    reference = str(tmp_path / "reference-fp8.safetensors")
+    save_file(fp8_file, reference, metadata=metadata)
+    got, want = forward(stored_fp8), forward(load_transformer(reference, dtype="fp32"))
+    print(f"bf16 file stored as fp8 at load vs the same values saved in fp8: max abs diff {(got - want).abs().max():.3g}")
+    assert torch.equal(got, want)

@@ -101,8 +101,10 @@ def _few(names) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.device = "cpu") -> LoadedTransformer:
-    """Load the transformer in `path` for compute in `dtype` (fp32 | bf16 | fp16) on `device`."""
+def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.device = "cpu",
+                     fp8_weights: bool = False) -> LoadedTransformer:
+    """Load the transformer in `path` for compute in `dtype` (fp32 | bf16 | fp16) on `device`. fp8_weights stores
+    every Linear weight matrix as float8_e4m3fn (ComfyUI's fp8 weight dtype), whatever the file holds."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     compute = COMPUTE_DTYPES[dtype]
@@ -145,7 +147,9 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
                 if tuple(t.shape) != expected[dst]:
                     raise CheckpointError(f"{path}: tensor {src!r} gives {dst} shape {list(t.shape)}, the model "
                                           f"expects {list(expected[dst])}")
-                keep_fp8 = t.dtype in FP8 and t.ndim == 2
+                keep_fp8 = t.ndim == 2 and (t.dtype in FP8 or fp8_weights)
+                if keep_fp8 and t.dtype not in FP8:
+                    t = t.to(torch.float8_e4m3fn)
                 if keep_fp8:
                     fp8_tensors += 1
                 t = t.to(device=device, dtype=t.dtype if keep_fp8 else compute).contiguous()
@@ -172,11 +176,12 @@ def inspect_model(source: str) -> CheckpointInfo:
     return synthetic_info(source) if is_synthetic(source) else inspect_checkpoint(source)
 
 
-def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0) -> LoadedTransformer:
+def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
+               fp8_weights: bool = False) -> LoadedTransformer:
     """load_transformer for a path; for a synthetic source, random weights built directly on `device` in `dtype`."""
     from .synthetic import init_random_, is_synthetic, synthetic_info
     if not is_synthetic(source):
-        return load_transformer(source, dtype=dtype, device=device)
+        return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights)
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     t0 = time.perf_counter()

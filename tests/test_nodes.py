@@ -1,0 +1,213 @@
+"""The node pack without ComfyUI: it loads by path from a folder of any name, its sampler takes KSampler's
+widgets, and its behaviour (engine reuse, CONDITIONING/LATENT in, LATENT out, progress, cancel, automatic plans,
+errors) runs the real engine on CPU ranks with values shaped exactly as ComfyUI passes them."""
+import importlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.tiny import write_tiny
+
+from conftest import ROOT
+
+PACK_NAME = "ComfyUI-xDiT"
+
+
+def load_pack(name=PACK_NAME):
+    """As ComfyUI loads a custom node pack: by file path, as a package, its folder not on sys.path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
+                                                  submodule_search_locations=[ROOT])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def core():
+    load_pack()
+    module = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    yield module
+    module.REGISTRY.unload()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nodes")
+    return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium"), "dir": d}
+
+
+def flux_conditioning(seed=0, tokens=24, guidance=3.5):
+    """What CLIPTextEncode + FluxGuidance put out: [[t5 [1,N,4096], {"pooled_output": [1,768], "guidance": g}]]."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, tokens, 4096, generator=g), {"pooled_output": torch.randn(1, 768, generator=g),
+                                                         "guidance": guidance}]]
+
+
+def sd3_conditioning(seed=0, tokens=30):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, tokens, 4096, generator=g), {"pooled_output": torch.randn(1, 2048, generator=g)}]]
+
+
+def empty_latent(batch=1, width=128, height=128):
+    """EmptySD3LatentImage's output."""
+    return {"samples": torch.zeros(batch, 16, height // 8, width // 8)}
+
+
+def settings(core, path, gpus=(0,), **kw):
+    return core.EngineSettings(model_path=path, gpus=tuple(gpus), device="cpu", **kw)
+
+
+def test_the_pack_loads_by_path_from_a_folder_of_any_name_and_its_ranks_find_the_engine(tmp_path, models):
+    link = tmp_path / "My Custom xDiT Pack-main"
+    os.symlink(ROOT, link)
+    script = textwrap.dedent(f"""
+        import importlib, importlib.util, sys, torch
+        assert not any(p and __import__('os').path.samefile(p, {ROOT!r}) for p in sys.path if __import__('os').path.isdir(p))
+        spec = importlib.util.spec_from_file_location("pack-under-test", {str(link / '__init__.py')!r},
+                                                      submodule_search_locations=[{str(link)!r}])
+        pack = importlib.util.module_from_spec(spec); sys.modules["pack-under-test"] = pack; spec.loader.exec_module(pack)
+        core = importlib.import_module("pack-under-test.xdit_nodes.core")
+        s = core.EngineSettings(model_path={models['flux']!r}, gpus=(0,), device="cpu")
+        cond = [[torch.randn(1, 8, 4096), {{"pooled_output": torch.randn(1, 768)}}]]
+        out = core.sample(s, cond, cond, {{"samples": torch.zeros(1, 16, 8, 8)}}, seed=1, steps=2, cfg=1.0,
+                          sampler_name="euler", scheduler="simple", denoise=1.0)
+        core.REGISTRY.unload()
+        print("latent", list(out["samples"].shape), "engine module", core.Engine.__module__)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "latent [1, 16, 8, 8] engine module pack-under-test.engine.client" in out.stdout
+
+
+def test_the_entry_point_is_comfyuis_v3_coroutine_and_needs_comfyui_only_when_called():
+    pack = load_pack()
+    assert inspect.iscoroutinefunction(pack.comfy_entrypoint)
+    assert not hasattr(pack, "NODE_CLASS_MAPPINGS")  # one registration style: V3
+    assert "comfy_api" not in sys.modules
+
+
+def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(core):
+    ksampler = [("seed", 0), ("steps", 20), ("cfg", 8.0), ("sampler_name", None), ("scheduler", None),
+                ("positive", None), ("negative", None), ("latent_image", None), ("denoise", 1.0)]
+    fields = [f for f in core.SAMPLER_SPEC.inputs if f.name != "engine"]
+    assert [f.name for f in fields] == [name for name, _ in ksampler]
+    for f, (name, default) in zip(fields, ksampler):
+        if default is not None:
+            assert f.default == default, name
+    seed = fields[0]
+    assert seed.control_after_generate and seed.max == 0xFFFFFFFFFFFFFFFF
+    assert core.SAMPLER_SPEC.outputs == (("LATENT", "LATENT"),)
+    assert {"euler", "dpmpp_2m"} <= set(fields[3].options) and {"simple", "normal", "karras"} <= set(fields[4].options)
+
+
+def test_the_sampler_latent_equals_engine_generate_for_the_same_inputs(core, models, tmp_path):
+    positive, negative = sd3_conditioning(1), sd3_conditioning(2)
+    out = core.sample(settings(core, models["sd3"]), positive, negative, empty_latent(), seed=9, steps=3, cfg=4.0,
+                      sampler_name="dpmpp_2m", scheduler="karras", denoise=1.0)
+    cond_file = tmp_path / "cond.safetensors"
+    save_file({"cond": positive[0][0], "pooled": positive[0][1]["pooled_output"], "neg_cond": negative[0][0],
+               "neg_pooled": negative[0][1]["pooled_output"]}, str(cond_file))
+    res = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", models["sd3"], "--cond", str(cond_file),
+                          "--seed", "9", "--steps", "3", "--cfg", "4.0", "--sampler", "dpmpp_2m", "--scheduler",
+                          "karras", "--width", "128", "--height", "128", "--out", str(tmp_path / "o.safetensors")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    want = load_file(str(tmp_path / "o.safetensors"))["samples"]
+    diff = (out["samples"] - want).abs().max().item()
+    print(f"xDiT Sampler LATENT vs python -m engine generate: max abs diff {diff}")
+    assert torch.equal(out["samples"], want)
+
+
+def test_the_engine_is_reused_across_prompts_and_restarts_only_for_new_ranks(core, models):
+    s = settings(core, models["flux"])
+    core.sample(s, flux_conditioning(), None, empty_latent(), seed=1, steps=1, cfg=1.0, sampler_name="euler",
+                scheduler="simple", denoise=1.0)
+    first = core.REGISTRY.running(s).engine
+    pids = first.pids
+    other_model = settings(core, models["sd3"])  # another model, same GPUs: same ranks, new weights
+    core.sample(other_model, sd3_conditioning(), sd3_conditioning(3), empty_latent(), seed=1, steps=1, cfg=2.0,
+                sampler_name="euler", scheduler="simple", denoise=1.0)
+    assert core.REGISTRY.running(other_model).engine is first and first.pids == pids
+    two = settings(core, models["flux"], gpus=(0, 1))
+    assert core.REGISTRY.running(two) is None
+    core.sample(two, flux_conditioning(), None, empty_latent(), seed=1, steps=1, cfg=1.0, sampler_name="euler",
+                scheduler="simple", denoise=1.0)
+    assert core.REGISTRY.running(two).engine is not first and len(core.REGISTRY.running(two).engine.pids) == 2
+    assert core.REGISTRY.unload(two) == 1 and core.REGISTRY.running(two) is None
+    assert "not running" in core.describe(two)
+
+
+def test_progress_arrives_per_step_and_a_cancel_stops_within_one_step_then_the_next_job_runs(core, models):
+    s = settings(core, models["flux"])
+    seen = []
+    core.sample(s, flux_conditioning(), None, empty_latent(), seed=2, steps=4, cfg=1.0, sampler_name="euler",
+                scheduler="simple", denoise=1.0, on_progress=lambda step, total: seen.append((step, total)))
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    seen.clear()
+    cancelled = importlib.import_module(PACK_NAME + ".engine.errors").JobCancelled  # the pack's own engine
+    with pytest.raises(cancelled) as info:
+        core.sample(s, flux_conditioning(), None, empty_latent(), seed=2, steps=200, cfg=1.0, sampler_name="euler",
+                    scheduler="simple", denoise=1.0, on_progress=lambda step, total: seen.append(step),
+                    should_cancel=lambda: len(seen) >= 2)
+    print(f"cancel requested after step 2; stopped at step {info.value.step}")
+    assert info.value.step <= len(seen) + 1 < 10
+    out = core.sample(s, flux_conditioning(), None, empty_latent(), seed=2, steps=2, cfg=1.0, sampler_name="euler",
+                      scheduler="simple", denoise=1.0)
+    assert torch.isfinite(out["samples"]).all()
+
+
+@pytest.mark.parametrize("family,cfg,expected", [("sd3", 4.0, "cfg2"), ("flux", 1.0, "ulysses2")])
+def test_auto_plan_picks_a_plan_that_fits_the_job_and_gives_the_one_rank_latent(core, models, family, cfg, expected):
+    conditioning = sd3_conditioning if family == "sd3" else flux_conditioning
+    kw = dict(seed=3, steps=2, cfg=cfg, sampler_name="euler", scheduler="simple", denoise=1.0)
+    one = core.sample(settings(core, models[family]), conditioning(1), conditioning(2), empty_latent(), **kw)
+    s2 = settings(core, models[family], gpus=(0, 1))
+    two = core.sample(s2, conditioning(1), conditioning(2), empty_latent(), **kw)
+    assert core.REGISTRY.running(s2).last_plan == expected
+    diff = (two["samples"] - one["samples"]).abs().max().item()
+    print(f"{family} auto plan {expected} on 2 ranks vs 1 rank: max abs diff {diff:.3g}")
+    assert diff <= 1e-4
+    assert f"last job: plan {expected}" in core.describe(s2)
+    core.REGISTRY.unload(s2)
+
+
+def test_latent_keys_other_than_samples_pass_through_as_ksampler_keeps_them(core, models):
+    latent = dict(empty_latent(batch=2), batch_index=[4, 7])
+    out = core.sample(settings(core, models["flux"]), flux_conditioning(), None, latent, seed=1, steps=1, cfg=1.0,
+                      sampler_name="euler", scheduler="simple", denoise=1.0)
+    assert out["batch_index"] == [4, 7] and out["samples"].shape == (2, 16, 16, 16)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(positive=flux_conditioning() + flux_conditioning()), "holds 2 conditioning entries"),
+    (dict(positive=[[torch.zeros(1, 8, 4096), {}]]), "has no pooled_output"),
+    (dict(positive=[[torch.zeros(1, 8, 4096), {"pooled_output": torch.zeros(1, 768), "area": (8, 8, 0, 0)}]]),
+     "carries area"),
+    (dict(latent=dict(empty_latent(), noise_mask=torch.ones(1, 1, 16, 16))), "noise_mask"),
+    (dict(latent={"not": "a latent"}), "latent_image is not a LATENT"),
+    (dict(settings=dict(family="sd3")), "family='sd3' but .* holds a flux-dev"),
+    (dict(settings=dict(gpus=(0, 0))), "gpus='0,0' is invalid"),
+    (dict(settings=dict(plan="explicit", ulysses=2)), "needs 2 ranks but the engine has 1"),
+    (dict(cfg=3.0, negative=None), "negative is not a CONDITIONING"),
+])
+def test_bad_inputs_fail_before_any_rank_starts_naming_the_input(core, models, change, message):
+    s = settings(core, models["flux"], **change.pop("settings", {}))
+    args = dict(positive=flux_conditioning(), negative=flux_conditioning(1), latent=empty_latent(), cfg=1.0)
+    args.update(change)
+    before = core.REGISTRY.running(s)
+    with pytest.raises(ValueError, match=message):
+        core.sample(s, args["positive"], args["negative"], args["latent"], seed=0, steps=1, cfg=args["cfg"],
+                    sampler_name="euler", scheduler="simple", denoise=1.0)
+    assert core.REGISTRY.running(s) is before  # nothing was started for a bad input

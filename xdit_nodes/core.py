@@ -1,0 +1,294 @@
+"""What the nodes do, without ComfyUI: node specs (the widgets KSampler users know), a registry of running
+engines keyed by settings, and the conversion of CONDITIONING / LATENT into engine jobs and back.
+
+nodes.py only turns these specs into ComfyUI V3 schemas and passes ComfyUI's progress bar and interrupt
+check in; everything testable lives here.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.client import Deadlines, Engine
+from ..engine.errors import PlanError
+from ..engine.generate import GenerateRequest
+from ..engine.models.load import inspect_model
+from ..engine.plan import ParallelPlan, suggest_plan
+from ..engine.sampling.samplers import SAMPLERS
+from ..engine.sampling.schedules import SCHEDULERS
+
+ENGINE_TYPE = "XDIT_ENGINE"
+WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
+FAMILIES = ("auto", "flux", "sd3")
+PLANS = ("auto", "explicit")
+
+
+# ---- node specs --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: str                       # COMBO, INT, FLOAT, BOOLEAN, STRING, or a socket type (CONDITIONING, ...)
+    default: object = None
+    options: tuple = ()
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    round: float | None = None
+    control_after_generate: bool = False
+    advanced: bool = False
+    tooltip: str = ""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    node_id: str
+    display_name: str
+    category: str
+    description: str
+    inputs: tuple[Field, ...]
+    outputs: tuple[tuple[str, str], ...]   # (type, name)
+    output_node: bool = False
+
+
+CATEGORY = "sampling/xDiT"
+
+
+def engine_spec(model_names: list[str]) -> NodeSpec:
+    return NodeSpec(
+        "XDiTEngine", "xDiT Engine", CATEGORY,
+        "A persistent multi-GPU engine for FLUX.1 and SD3/SD3.5. The same settings reuse the running ranks and the "
+        "loaded weights.",
+        (Field("model_name", "COMBO", options=tuple(model_names), default=model_names[0] if model_names else None,
+               tooltip="diffusion_models or checkpoints file (FLUX.1 BFL layout, SD3/SD3.5 SAI layout)"),
+         Field("family", "COMBO", "auto", FAMILIES, tooltip="auto detects it from the file"),
+         Field("weight_dtype", "COMBO", "default", WEIGHT_DTYPES,
+               tooltip="default: bf16 on GPUs, fp32 on CPU; fp8_e4m3fn stores weights in fp8, computes in bf16"),
+         Field("gpus", "STRING", "0,1", tooltip="GPU indices, one rank each (CPU ranks when ComfyUI runs on CPU)"),
+         Field("plan", "COMBO", "auto", PLANS, tooltip="auto picks CFG/data/Ulysses/Ring degrees per job"),
+         Field("ulysses", "INT", 1, min=1, max=8, advanced=True),
+         Field("ring", "INT", 1, min=1, max=8, advanced=True),
+         Field("cfg_parallel", "BOOLEAN", False, advanced=True),
+         Field("dp", "INT", 1, min=1, max=8, advanced=True),
+         Field("timeout_s", "INT", 3600, min=10, max=86400, advanced=True,
+               tooltip="longest a job may compute before its ranks are replaced")),
+        ((ENGINE_TYPE, "engine"),))
+
+
+SAMPLER_SPEC = NodeSpec(
+    "XDiTSampler", "xDiT Sampler", CATEGORY,
+    "KSampler on the xDiT engine: the same inputs and the same latent as ComfyUI's KSampler, across several GPUs.",
+    (Field("engine", ENGINE_TYPE),
+     Field("seed", "INT", 0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+     Field("steps", "INT", 20, min=1, max=10000),
+     Field("cfg", "FLOAT", 8.0, min=0.0, max=100.0, step=0.1, round=0.01),
+     Field("sampler_name", "COMBO", SAMPLERS[0], SAMPLERS),
+     Field("scheduler", "COMBO", SCHEDULERS[0], SCHEDULERS),
+     Field("positive", "CONDITIONING"),
+     Field("negative", "CONDITIONING"),
+     Field("latent_image", "LATENT"),
+     Field("denoise", "FLOAT", 1.0, min=0.0, max=1.0, step=0.01)),
+    (("LATENT", "LATENT"),))
+
+INFO_SPEC = NodeSpec(
+    "XDiTEngineInfo", "xDiT Engine Info", CATEGORY,
+    "Shows the engine's plan, GPUs, per-rank memory and the last job's timings; unload frees its GPUs.",
+    (Field("engine", ENGINE_TYPE), Field("unload", "BOOLEAN", False)),
+    (("STRING", "info"),), output_node=True)
+
+
+# ---- engine settings and registry --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSettings:
+    model_path: str
+    gpus: tuple[int, ...]
+    device: str = "cuda"              # "cuda" or "cpu" (ComfyUI started with --cpu, or no CUDA)
+    family: str = "auto"
+    weight_dtype: str = "default"
+    plan: str = "auto"
+    ulysses: int = 1
+    ring: int = 1
+    cfg_parallel: bool = False
+    dp: int = 1
+    timeout_s: int = 3600
+
+    def validate(self) -> None:
+        """Checks that need no rank, with errors that name the input (shown as the node's error)."""
+        if not self.gpus or len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
+            raise ValueError(f"gpus={','.join(map(str, self.gpus))!r} is invalid: list distinct GPU indices, e.g. 0,1")
+        if len(self.gpus) > 8:
+            raise ValueError(f"gpus lists {len(self.gpus)} GPUs: the engine runs 1 to 8 ranks")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={self.weight_dtype!r} is invalid: use one of {list(WEIGHT_DTYPES)}")
+        info = inspect_model(self.model_path)
+        if self.family != "auto" and self.family != info.family:
+            raise ValueError(f"family={self.family!r} but {self.model_path} holds a {info.variant} ({info.family}) "
+                             f"transformer: use auto or {info.family}")
+        if self.plan == "explicit":
+            ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses,
+                         ring=self.ring).check_world(len(self.gpus))
+        elif self.plan != "auto":
+            raise ValueError(f"plan={self.plan!r} is invalid: use auto or explicit")
+
+    @property
+    def ranks_key(self) -> tuple:
+        """What the running ranks depend on; model, dtype and plan change per job without a restart."""
+        return (self.device, self.gpus)
+
+    @property
+    def compute_dtype(self) -> str:
+        if self.weight_dtype in ("bf16", "fp16"):
+            return self.weight_dtype
+        return "fp32" if self.device == "cpu" else "bf16"
+
+
+@dataclass
+class EngineRecord:
+    engine: Engine
+    settings: EngineSettings
+    last_plan: str = ""
+    last_timings: dict = field(default_factory=dict)
+    last_bytes: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+class EngineRegistry:
+    """The engines running in this process, one per (device, GPU list). The only process-wide state of the pack:
+    an engine must outlive a prompt (that is the point), and ComfyUI runs prompts one at a time."""
+
+    def __init__(self):
+        self._records: dict[tuple, EngineRecord] = {}
+        self._lock = threading.Lock()
+
+    def get(self, settings: EngineSettings) -> EngineRecord:
+        with self._lock:
+            record = self._records.get(settings.ranks_key)
+            if record is None:
+                deadlines = Deadlines(compute_s=float(settings.timeout_s))
+                engine = Engine(len(settings.gpus), device=settings.device,
+                                gpus=list(settings.gpus) if settings.device == "cuda" else None, deadlines=deadlines)
+                record = self._records[settings.ranks_key] = EngineRecord(engine, settings)
+            record.settings = settings
+            return record
+
+    def running(self, settings: EngineSettings) -> EngineRecord | None:
+        return self._records.get(settings.ranks_key)
+
+    def unload(self, settings: EngineSettings | None = None) -> int:
+        """Stop the engine for these settings (all engines when None); returns how many were stopped."""
+        with self._lock:
+            keys = [settings.ranks_key] if settings is not None else list(self._records)
+            stopped = 0
+            for key in keys:
+                record = self._records.pop(key, None)
+                if record is not None:
+                    record.engine.close()
+                    stopped += 1
+            return stopped
+
+
+REGISTRY = EngineRegistry()
+
+
+# ---- ComfyUI values -> engine job ----------------------------------------------------------------------------
+def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """(cond, pooled, guidance) of a CONDITIONING: a list of [cond_tensor, {"pooled_output": ..., "guidance": ...}]."""
+    if not isinstance(conditioning, (list, tuple)) or not conditioning:
+        raise ValueError(f"{name} is not a CONDITIONING (a list of [tensor, dict]); connect a text encoder to it")
+    if len(conditioning) > 1:
+        raise ValueError(f"{name} holds {len(conditioning)} conditioning entries (combined or area conditioning); the "
+                         f"xDiT Sampler takes exactly one: use a single text encode")
+    cond, extras = conditioning[0][0], conditioning[0][1]
+    pooled = extras.get("pooled_output")
+    if pooled is None:
+        raise ValueError(f"{name} has no pooled_output: encode it with a FLUX (DualCLIPLoader) or SD3 "
+                         f"(TripleCLIPLoader) text encoder")
+    unsupported = [k for k in ("area", "mask", "control", "gligen") if extras.get(k) is not None]
+    if extras.get("strength", 1.0) != 1.0:
+        unsupported.append("strength")
+    if (extras.get("start_percent", 0.0), extras.get("end_percent", 1.0)) != (0.0, 1.0):
+        unsupported.append("start_percent/end_percent")
+    if unsupported:
+        raise ValueError(f"{name} carries {', '.join(unsupported)} (area, mask, ControlNet, timestep-range or "
+                         f"strength conditioning), which the xDiT Sampler does not support")
+    return cond, pooled, extras.get("guidance")
+
+
+def choose_plan(settings: EngineSettings, request: GenerateRequest) -> ParallelPlan:
+    world = len(settings.gpus)
+    if settings.plan == "explicit":
+        return ParallelPlan(dp=settings.dp, cfg=2 if settings.cfg_parallel else 1, ulysses=settings.ulysses,
+                            ring=settings.ring)
+    info = inspect_model(request.model)
+    patch = 2
+    lat = request.latent_raw
+    plan = suggest_plan(world, heads=info.heads, image_tokens=(lat.shape[2] // patch) * (lat.shape[3] // patch),
+                        batch=lat.shape[0], negative_pass=request.cfg != 1.0, sampler=request.sampler,
+                        layers=info.layers)
+    if plan is None:
+        raise PlanError(f"no parallel plan runs this job on {world} GPUs ({info.variant}: {info.heads} heads; latent "
+                        f"{lat.shape[3] * 8}x{lat.shape[2] * 8}, batch {lat.shape[0]}): change the GPU count or size")
+    return plan
+
+
+def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
+           sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
+           before_job=None, registry: EngineRegistry = REGISTRY) -> dict:
+    """KSampler on the engine: returns the LATENT dict (other keys kept, as KSampler does)."""
+    settings.validate()
+    if not isinstance(latent, dict) or "samples" not in latent:
+        raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
+                         "VAEEncode to it")
+    if latent.get("noise_mask") is not None:
+        raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
+    cond, pooled, guidance = conditioning_tensors(positive, "positive")
+    neg_cond = neg_pooled = None
+    if cfg != 1.0:
+        neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
+    batch_index = latent.get("batch_index")
+    request = GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent["samples"],
+                              seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
+                              scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
+                              guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
+                              fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
+                              batch_index=list(batch_index) if batch_index is not None else None)
+    request.plan = choose_plan(settings, request)
+    request.validate()  # every check that needs no rank, before any rank starts
+    if before_job is not None:
+        before_job()
+    record = registry.get(settings)
+    t0 = time.perf_counter()
+    result = record.engine.submit("generate", *request.to_job(), on_progress=on_progress, should_cancel=should_cancel)
+    record.last_plan = request.plan.describe()
+    record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)
+    record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
+    out = dict(latent)
+    out["samples"] = result.outputs["samples"]
+    return out
+
+
+def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> str:
+    """What the Info node shows."""
+    record = registry.running(settings)
+    lines = [f"model: {settings.model_path}", f"ranks: {len(settings.gpus)} on {settings.device} "
+             f"{'GPUs ' + ','.join(map(str, settings.gpus)) if settings.device == 'cuda' else '(CPU ranks, gloo)'}",
+             f"weights: {settings.weight_dtype} (compute {settings.compute_dtype}); plan setting: {settings.plan}"]
+    if record is None:
+        lines.append("engine: not running (starts with the next xDiT Sampler job)")
+        return "\n".join(lines)
+    engine = record.engine
+    lines.append(f"engine: {'running' if engine.running else 'stopped'}, pids {engine.pids}, "
+                 f"restarts {len(engine.restarts)}" + (f" (last: {engine.restarts[-1]})" if engine.restarts else ""))
+    if settings.device == "cuda" and torch.cuda.is_available():
+        for g in settings.gpus:
+            free, total = torch.cuda.mem_get_info(g)
+            lines.append(f"cuda:{g}: {(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB")
+    if record.last_timings:
+        lines.append(f"last job: plan {record.last_plan}; " +
+                     ", ".join(f"{k} {v:.3f} s" for k, v in record.last_timings.items()))
+    if record.last_bytes:
+        lines.append("rank 0 sent per step: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in record.last_bytes.items()))
+    lines.extend(record.notes)
+    return "\n".join(lines)

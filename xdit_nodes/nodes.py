@@ -1,0 +1,128 @@
+"""The ComfyUI V3 nodes (comfy_api v0_0_2): schemas made from core's specs; ComfyUI's model folders, progress bar,
+interrupt and memory management passed into core. Imported only inside ComfyUI."""
+from __future__ import annotations
+
+import torch
+import comfy.model_management as mm
+import comfy.utils
+import folder_paths
+from comfy_api.v0_0_2 import ComfyExtension, io, ui
+
+from ..engine.errors import JobCancelled
+from . import core
+
+EngineType = io.Custom(core.ENGINE_TYPE)
+MODEL_FOLDERS = ("diffusion_models", "checkpoints")
+
+
+def _input(f: core.Field):
+    tip = {"tooltip": f.tooltip} if f.tooltip else {}
+    if f.type == "COMBO":
+        return io.Combo.Input(f.name, options=list(f.options), default=f.default, **tip)
+    if f.type == "INT":
+        return io.Int.Input(f.name, default=f.default, min=f.min, max=f.max,
+                            control_after_generate=f.control_after_generate, **tip)
+    if f.type == "FLOAT":
+        return io.Float.Input(f.name, default=f.default, min=f.min, max=f.max, step=f.step, round=f.round, **tip)
+    if f.type == "BOOLEAN":
+        return io.Boolean.Input(f.name, default=f.default, **tip)
+    if f.type == "STRING":
+        return io.String.Input(f.name, default=f.default, **tip)
+    return {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, core.ENGINE_TYPE: EngineType}[f.type].Input(f.name)
+
+
+def _schema(spec: core.NodeSpec) -> io.Schema:
+    outputs = [{"LATENT": io.Latent, "STRING": io.String, core.ENGINE_TYPE: EngineType}[t].Output(display_name=n)
+               for t, n in spec.outputs]
+    return io.Schema(node_id=spec.node_id, display_name=spec.display_name, category=spec.category,
+                     description=spec.description, inputs=[_input(f) for f in spec.inputs], outputs=outputs,
+                     is_output_node=spec.output_node)
+
+
+def _model_names() -> list[str]:
+    return sorted({n for folder in MODEL_FOLDERS for n in folder_paths.get_filename_list(folder)})
+
+
+def _model_path(name: str) -> str:
+    for folder in MODEL_FOLDERS:
+        path = folder_paths.get_full_path(folder, name)
+        if path:
+            return path
+    raise ValueError(f"model_name={name!r} is not in ComfyUI's {' or '.join(MODEL_FOLDERS)} folders")
+
+
+def _device() -> str:
+    return "cpu" if mm.cpu_state == mm.CPUState.CPU or not torch.cuda.is_available() else "cuda"
+
+
+def _gpus(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(g) for g in text.replace(" ", "").split(",") if g != "")
+    except ValueError:
+        raise ValueError(f"gpus={text!r} is invalid: list GPU indices separated by commas, e.g. 0,1,2,3") from None
+
+
+class XDiTEngine(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.engine_spec(_model_names()))
+
+    @classmethod
+    def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s):
+        settings = core.EngineSettings(model_path=_model_path(model_name), gpus=_gpus(gpus), device=_device(),
+                                       family=family, weight_dtype=weight_dtype, plan=plan, ulysses=ulysses, ring=ring,
+                                       cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s)
+        settings.validate()
+        return io.NodeOutput(settings)
+
+
+def _make_room(settings: core.EngineSettings) -> None:
+    """ComfyUI's own models leave a GPU that the engine's ranks use."""
+    if settings.device != "cuda":
+        return
+    device = mm.get_torch_device()
+    if device.type == "cuda" and (device.index or 0) in settings.gpus:
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+        record = core.REGISTRY.running(settings)
+        note = f"made room on cuda:{device.index or 0} (ComfyUI's device) by unloading ComfyUI's models before each job"
+        if record is not None and note not in record.notes:
+            record.notes.append(note)
+
+
+class XDiTSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.SAMPLER_SPEC)
+
+    @classmethod
+    def execute(cls, engine, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
+        progress = comfy.utils.ProgressBar(steps)  # its update also raises on interrupt, on this thread
+        try:
+            latent = core.sample(engine, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
+                                 sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
+                                 on_progress=lambda step, total: progress.update_absolute(step, total),
+                                 should_cancel=mm.processing_interrupted, before_job=lambda: _make_room(engine))
+        except JobCancelled:
+            mm.throw_exception_if_processing_interrupted()  # ComfyUI's own interrupt exception, flag cleared
+            raise
+        return io.NodeOutput(latent)
+
+
+class XDiTEngineInfo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.INFO_SPEC)
+
+    @classmethod
+    def execute(cls, engine, unload):
+        text = core.describe(engine)
+        if unload:
+            stopped = core.REGISTRY.unload(engine)
+            text += f"\nunloaded: {stopped} engine(s) stopped, their GPUs freed"
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+class XDiTExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [XDiTEngine, XDiTSampler, XDiTEngineInfo]
