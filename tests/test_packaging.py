@@ -1,0 +1,53 @@
+"""Packaging: registry-ready metadata that the registry's own validator accepts without warnings, and
+dependencies that never touch the user's torch."""
+import shutil
+import subprocess
+import tomllib
+
+from conftest import ROOT
+
+
+def read_pyproject():
+    with open(f"{ROOT}/pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def test_comfy_node_validate_passes_with_no_warnings():
+    comfy = shutil.which("comfy")
+    assert comfy, "comfy-cli is a test requirement (requirements-test.txt)"
+    out = subprocess.run([comfy, "--skip-prompt", "node", "validate"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    text = out.stdout + out.stderr
+    print(text)
+    assert out.returncode == 0
+    assert "All validation checks passed" in text
+    assert "warning" not in text.lower()
+
+
+def test_registry_metadata_is_complete():
+    meta = read_pyproject()
+    project, comfy = meta["project"], meta["tool"]["comfy"]
+    assert project["name"] and project["description"] and project["license"] == {"file": "LICENSE"}
+    assert project["version"].count(".") == 2 and all(p.isdigit() for p in project["version"].split("."))
+    assert project["urls"]["Repository"].startswith("https://")
+    assert comfy["PublisherId"] and comfy["DisplayName"] and comfy["requires-comfyui"].startswith(">=")
+
+
+def test_dependencies_pin_yunchang_never_list_torch_and_keep_flash_attn_optional():
+    meta = read_pyproject()
+    deps = meta["project"]["dependencies"]
+    with open(f"{ROOT}/requirements.txt") as f:
+        requirements = [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+    for listed in (deps, requirements):
+        assert not any(d.split("=")[0].split(">")[0].split("<")[0].strip() == "torch" for d in listed)
+        assert "yunchang==0.6.4" in listed and "diffusers==0.42.1" in listed
+        assert not any(d.startswith("flash-attn") for d in listed)
+    assert sorted(deps) == sorted(requirements)
+    assert any(d.startswith("flash-attn") for d in meta["project"]["optional-dependencies"]["flash"])
+
+
+def test_the_published_package_leaves_tests_and_ci_out_and_keeps_the_workflows():
+    with open(f"{ROOT}/.comfyignore") as f:
+        ignored = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    assert {"tests/", ".ci/"} <= ignored
+    assert not any(i.startswith("workflows") for i in ignored)
