@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dp", type=int, default=1, help="data-parallel degree over the batch")
     gen.add_argument("--pipefusion", type=int, default=1, help="PipeFusion stages (not built yet: 1)")
     gen.add_argument("--ranks", type=int, help="rank count (default: the product of the plan's degrees)")
+    gen.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                     help="apply a LoRA (kohya, BFL/ComfyUI or diffusers format); repeat to chain")
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="what", required=True)

@@ -21,6 +21,17 @@ def _read(path: str, what: str) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+def _lora_arg(entry: str) -> tuple[str, float]:
+    """PATH or PATH:STRENGTH (strength 1.0 when absent)."""
+    path, sep, strength = entry.rpartition(":")
+    if sep:
+        try:
+            return path, float(strength)
+        except ValueError:
+            pass
+    return entry, 1.0
+
+
 def build_request(args) -> GenerateRequest:
     cond = _read(args.cond, "--cond")
     for key in ("cond", "pooled"):
@@ -44,9 +55,10 @@ def build_request(args) -> GenerateRequest:
         if args.denoise < 1:
             raise ValueError(f"--denoise {args.denoise} needs an input --latent to denoise from (img2img)")
         latent = torch.zeros(args.batch, 16, args.height // 8, args.width // 8)
+    loras = [_lora_arg(entry) for entry in args.lora]
     plan = ParallelPlan(dp=args.dp, cfg=2 if args.cfg_parallel else 1, pipefusion=args.pipefusion,
                         ulysses=args.ulysses, ring=args.ring)
-    return GenerateRequest(plan=plan, model=args.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=latent,
+    return GenerateRequest(plan=plan, loras=loras, model=args.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=latent,
                            seed=args.seed, steps=args.steps, cfg=args.cfg, sampler=args.sampler,
                            scheduler=args.scheduler, denoise=args.denoise, neg_cond=cond.get("neg_cond"),
                            neg_pooled=cond.get("neg_pooled"), guidance=args.guidance, dtype=args.dtype)

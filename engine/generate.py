@@ -31,6 +31,7 @@ class GenerateRequest:
     fp8_weights: bool = False             # store Linear weights as float8_e4m3fn (ComfyUI's fp8 weight dtype)
     batch_index: list[int] | None = None
     plan: ParallelPlan = field(default_factory=ParallelPlan)
+    loras: list = field(default_factory=list)   # [(path, strength)], applied in order
     family: str = field(default="", init=False)
 
     def validate(self) -> None:
@@ -69,10 +70,27 @@ class GenerateRequest:
             self._check_side("neg_cond", self.neg_cond, self.neg_pooled, info, batch)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
+        if self.loras:
+            self._check_loras(info)
         patch = info.config["patch_size"] if info.family == "sd3" else 2
         validate_plan(self.plan, self.plan.world_size, heads=info.heads,
                       image_tokens=(lat.shape[2] // patch) * (lat.shape[3] // patch), batch=batch,
                       negative_pass=needs_negative, sampler=self.sampler, layers=info.layers)
+
+    def _check_loras(self, info) -> None:
+        from .models.load import build_empty
+        from .models.lora import check_lora
+
+        if self.model.startswith("synthetic:"):
+            raise ValueError(f"LoRAs need a model file; {self.model} has random weights")
+        keys = set(build_empty(info).state_dict())
+        for entry in self.loras:
+            path, strength = entry
+            if not os.path.isfile(path):
+                raise ValueError(f"LoRA file {path!r} does not exist")
+            if not isinstance(strength, (int, float)):
+                raise ValueError(f"LoRA strength {strength!r} for {path} is not a number")
+            check_lora(path, info, keys)
 
     @staticmethod
     def _check_side(name, cond, pooled, info, batch) -> None:
@@ -92,6 +110,7 @@ class GenerateRequest:
         spec = {k: v for k, v in asdict(self).items()
                 if k not in ("cond", "pooled", "latent_raw", "neg_cond", "neg_pooled", "plan")}
         spec["plan"] = self.plan.as_dict()
+        spec["loras"] = [[os.path.abspath(p), float(s)] for p, s in self.loras]
         spec["model"] = self.model if self.model.startswith("synthetic:") else os.path.abspath(self.model)
         inputs = {"cond": self.cond, "pooled": self.pooled, "latent_raw": self.latent_raw}
         if self.cfg != 1.0:

@@ -128,6 +128,10 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
             cache["adapter"].close()
         cache.update(adapter=FlowAdapter(cache["loaded"], mesh), mesh_of_adapter=mesh)
     adapter = cache["adapter"]
+    if spec.get("loras") or cache.get("lora_state", {}).get("touched"):
+        from .models.lora import apply_loras
+        ctx.info.update(apply_loras(cache["loaded"], [tuple(x) for x in spec.get("loras", [])],
+                                    cache.setdefault("lora_state", {})))
 
     latent_raw = inputs["latent_raw"].float()
     noise = prepare_noise(latent_raw, spec["seed"], spec.get("batch_index"))  # the whole batch's, as ComfyUI draws it

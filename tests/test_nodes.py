@@ -211,3 +211,32 @@ def test_bad_inputs_fail_before_any_rank_starts_naming_the_input(core, models, c
         core.sample(s, args["positive"], args["negative"], args["latent"], seed=0, steps=1, cfg=args["cfg"],
                     sampler_name="euler", scheduler="simple", denoise=1.0)
     assert core.REGISTRY.running(s) is before  # nothing was started for a bad input
+
+
+def test_lora_node_chains_without_changing_upstream_settings_and_equals_generate_with_lora(core, models, tmp_path):
+    spec = core.lora_spec(["a.safetensors"])
+    assert [f.name for f in spec.inputs] == ["engine", "lora_name", "strength_model"] and spec.outputs[0][0] == "XDIT_ENGINE"
+    from safetensors import safe_open
+    with safe_open(models["flux"], "pt") as f:
+        n_out, n_in = f.get_slice("double_blocks.0.img_attn.qkv.weight").get_shape()
+    g = torch.Generator().manual_seed(5)
+    lora = str(tmp_path / "l.safetensors")
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(2, n_in, generator=g) * 0.1,
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(n_out, 2, generator=g) * 0.1}, lora)
+    base = settings(core, models["flux"])
+    chained = base.with_lora(lora, 0.7).with_lora(lora, 0.3)
+    assert base.loras == () and chained.loras == ((lora, 0.7), (lora, 0.3))
+    assert base.with_lora(lora, 0.0) is base
+    positive = flux_conditioning(7)
+    out = core.sample(chained, positive, None, empty_latent(), seed=3, steps=2, cfg=1.0, sampler_name="euler",
+                      scheduler="simple", denoise=1.0)
+    cond_file = tmp_path / "c.safetensors"
+    save_file({"cond": positive[0][0], "pooled": positive[0][1]["pooled_output"]}, str(cond_file))
+    res = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", models["flux"], "--cond", str(cond_file),
+                          "--seed", "3", "--steps", "2", "--width", "128", "--height", "128", "--lora", f"{lora}:1.0",
+                          "--out", str(tmp_path / "o.safetensors")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    diff = (out["samples"] - load_file(str(tmp_path / "o.safetensors"))["samples"]).abs().max().item()
+    print(f"LoRA chained 0.7 + 0.3 through the nodes vs generate --lora at 1.0: max abs diff {diff:.3g}")
+    assert diff <= 1e-5
+    assert "LoRA: " in core.describe(chained)

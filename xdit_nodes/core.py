@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -92,6 +92,17 @@ SAMPLER_SPEC = NodeSpec(
      Field("denoise", "FLOAT", 1.0, min=0.0, max=1.0, step=0.01)),
     (("LATENT", "LATENT"),))
 
+def lora_spec(lora_names: list[str]) -> NodeSpec:
+    return NodeSpec(
+        "XDiTLoRA", "xDiT LoRA", CATEGORY,
+        "Applies a FLUX/SD3 LoRA (kohya, BFL/ComfyUI or diffusers format) inside the engine's ranks. Chain several; "
+        "removing one restores the base weights.",
+        (Field("engine", ENGINE_TYPE),
+         Field("lora_name", "COMBO", options=tuple(lora_names), default=lora_names[0] if lora_names else None),
+         Field("strength_model", "FLOAT", 1.0, min=-100.0, max=100.0, step=0.01)),
+        ((ENGINE_TYPE, "engine"),))
+
+
 INFO_SPEC = NodeSpec(
     "XDiTEngineInfo", "xDiT Engine Info", CATEGORY,
     "Shows the engine's plan, GPUs, per-rank memory and the last job's timings; unload frees its GPUs.",
@@ -113,6 +124,7 @@ class EngineSettings:
     cfg_parallel: bool = False
     dp: int = 1
     timeout_s: int = 3600
+    loras: tuple[tuple[str, float], ...] = ()   # applied in order inside the ranks
 
     def validate(self) -> None:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
@@ -131,6 +143,12 @@ class EngineSettings:
                          ring=self.ring).check_world(len(self.gpus))
         elif self.plan != "auto":
             raise ValueError(f"plan={self.plan!r} is invalid: use auto or explicit")
+
+    def with_lora(self, path: str, strength: float) -> "EngineSettings":
+        """These settings with one more LoRA (a LoRA node returns a new engine value; upstream ones are unchanged)."""
+        if strength == 0:
+            return self
+        return replace(self, loras=self.loras + ((path, float(strength)),))
 
     @property
     def ranks_key(self) -> tuple:
@@ -253,7 +271,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                               scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
                               guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
                               fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
-                              batch_index=list(batch_index) if batch_index is not None else None)
+                              batch_index=list(batch_index) if batch_index is not None else None,
+                              loras=list(settings.loras))
     request.plan = choose_plan(settings, request)
     request.validate()  # every check that needs no rank, before any rank starts
     if before_job is not None:
@@ -275,6 +294,8 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
     lines = [f"model: {settings.model_path}", f"ranks: {len(settings.gpus)} on {settings.device} "
              f"{'GPUs ' + ','.join(map(str, settings.gpus)) if settings.device == 'cuda' else '(CPU ranks, gloo)'}",
              f"weights: {settings.weight_dtype} (compute {settings.compute_dtype}); plan setting: {settings.plan}"]
+    for path, strength in settings.loras:
+        lines.append(f"LoRA: {path} at {strength:g}")
     if record is None:
         lines.append("engine: not running (starts with the next xDiT Sampler job)")
         return "\n".join(lines)

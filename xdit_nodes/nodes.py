@@ -109,6 +109,19 @@ class XDiTSampler(io.ComfyNode):
         return io.NodeOutput(latent)
 
 
+class XDiTLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.lora_spec(folder_paths.get_filename_list("loras")))
+
+    @classmethod
+    def execute(cls, engine, lora_name, strength_model):
+        path = folder_paths.get_full_path("loras", lora_name)
+        if not path:
+            raise ValueError(f"lora_name={lora_name!r} is not in ComfyUI's loras folder")
+        return io.NodeOutput(engine.with_lora(path, strength_model))
+
+
 class XDiTEngineInfo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -125,4 +138,4 @@ class XDiTEngineInfo(io.ComfyNode):
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTSampler, XDiTEngineInfo]
+        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTEngineInfo]

@@ -28,6 +28,8 @@ class LoadedTransformer:
     dtype: torch.dtype            # compute dtype
     path: str
     stats: dict = field(default_factory=dict)
+    mapping: list | None = None        # (diffusers key, source key, op) for weights that came from a file
+    fp8_weights: bool = False
 
     @property
     def family(self) -> str:
@@ -129,11 +131,27 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     if targets != set(expected):
         raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
                               f"{_few(set(expected) ^ targets)}")
+    state, bytes_read = _stream(path, where, info, mapping, expected, compute, device, fp8_weights)
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    cast_layers = _wrap_fp8_linears(model)
+    leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers()) if b.is_meta]
+    if leftovers:
+        raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
+    model.eval().requires_grad_(False)
+    stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
+             "files": len(files), "ignored_tensors": info.ignored}
+    return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats, mapping=mapping,
+                             fp8_weights=fp8_weights)
+
+
+def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) -> tuple[dict, int]:
+    """Read each source tensor once (one at a time) and produce the diffusers tensors `mapping` makes of it."""
     by_source: dict[str, list] = {}
     for dst, src, op in mapping:
         by_source.setdefault(src, []).append((dst, op))
     state: dict[str, torch.Tensor] = {}
-    bytes_read, fp8_tensors = 0, 0
+    bytes_read = 0
     handles = {}
     try:
         for src, outs in by_source.items():
@@ -150,24 +168,30 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
                 keep_fp8 = t.ndim == 2 and (t.dtype in FP8 or fp8_weights)
                 if keep_fp8 and t.dtype not in FP8:
                     t = t.to(torch.float8_e4m3fn)
-                if keep_fp8:
-                    fp8_tensors += 1
-                t = t.to(device=device, dtype=t.dtype if keep_fp8 else compute).contiguous()
-                state[dst] = t
+                state[dst] = t.to(device=device, dtype=t.dtype if keep_fp8 else compute).contiguous()
             del raw
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    model.load_state_dict(state, strict=True, assign=True)
-    del state
-    cast_layers = _wrap_fp8_linears(model)
-    leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers()) if b.is_meta]
-    if leftovers:
-        raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
-    model.eval().requires_grad_(False)
-    stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
-             "files": len(files), "ignored_tensors": info.ignored}
-    return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats)
+    return state, bytes_read
+
+
+@torch.no_grad()
+def restore_weights(loaded: LoadedTransformer, names: set[str]) -> int:
+    """Put the file's values back into the parameters `names` (diffusers names), e.g. to remove a LoRA; returns
+    the bytes read. Only the source tensors behind those parameters are read."""
+    mapping = getattr(loaded, "mapping", None)
+    if mapping is None:
+        raise ValueError(f"{loaded.path}: weights that did not come from a file cannot be restored")
+    params = dict(loaded.model.named_parameters())
+    subset = [(dst, src, op) for dst, src, op in mapping if dst in names]
+    expected = {dst: tuple(params[dst].shape) for dst, _, _ in subset}
+    where, _ = _headers(_files(loaded.path))
+    state, bytes_read = _stream(loaded.path, where, loaded.info, subset, expected, loaded.dtype,
+                                params[subset[0][0]].device if subset else "cpu", loaded.fp8_weights)
+    for name, value in state.items():
+        params[name].copy_(value)
+    return bytes_read
 
 
 def inspect_model(source: str) -> CheckpointInfo:

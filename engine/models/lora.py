@@ -1,0 +1,130 @@
+"""LoRA files users have for FLUX.1 and SD3/SD3.5, applied inside the ranks as weight deltas.
+
+Formats: kohya (`lora_unet_double_blocks_0_img_attn_qkv.lora_down/lora_up/alpha`), BFL/ComfyUI
+(`diffusion_model.double_blocks.0.img_attn.qkv.lora_A/lora_B`), and diffusers/PEFT
+(`transformer.transformer_blocks.0.attn.to_q.lora_A/lora_B`). A delta named in the checkpoint's own layout goes
+through the same key map as the weights, so a fused qkv delta splits into to_q/to_k/to_v exactly as the weight
+did. Removing a LoRA reads the touched weights back from the checkpoint: no second copy of the model is kept.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors import safe_open
+
+from .convert import apply_op, key_map
+from .detect import CheckpointInfo
+from .safetensors_file import CheckpointError, read_header
+
+PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_",
+            "lora_transformer_", "unet.")
+PAIRS = ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight"))
+
+
+def _strip(name: str) -> str:
+    for p in PREFIXES:
+        if name.startswith(p):
+            return name[len(p):]
+    return name
+
+
+class LoraTargets:
+    """Where a LoRA layer name lands in the diffusers model: directly (diffusers names) or through the key map."""
+
+    def __init__(self, info: CheckpointInfo, diffusers_keys: set[str]):
+        mapping = key_map(info.layout, info.family, info.config) or []
+        self.routes: dict[str, list] = {}  # source weight key -> [(diffusers key, op)]
+        for dst, src, op in mapping:
+            if src.endswith(".weight"):
+                self.routes.setdefault(src, []).append((dst, op))
+        for key in diffusers_keys:
+            if key.endswith(".weight"):
+                self.routes.setdefault(key, [(key, None)])
+        # kohya flattens module paths with underscores
+        self.underscored = {k[:-len(".weight")].replace(".", "_"): k for k in self.routes}
+
+    def resolve(self, layer: str) -> str | None:
+        name = _strip(layer)
+        if name + ".weight" in self.routes:
+            return name + ".weight"
+        return self.underscored.get(name)
+
+
+def lora_layers(path: str) -> dict[str, tuple[str, str, str | None]]:
+    """{layer name: (down key, up key, alpha key or None)} from a LoRA file's header."""
+    tensors, _ = read_header(path)
+    layers = {}
+    for key in tensors:
+        for down_suffix, up_suffix in PAIRS:
+            if key.endswith(down_suffix):
+                layer = key[:-len(down_suffix)]
+                up = layer + up_suffix
+                if up not in tensors:
+                    raise CheckpointError(f"LoRA {os.path.basename(path)}: {key} has no matching {up}")
+                alpha = layer + ".alpha" if layer + ".alpha" in tensors else None
+                layers[layer] = (key, up, alpha)
+    if not layers:
+        raise CheckpointError(f"{os.path.basename(path)} holds no LoRA layers (no lora_down/lora_up or lora_A/lora_B "
+                              f"pairs): is it a LoRA file?")
+    return layers
+
+
+def check_lora(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> int:
+    """Header-only check that every layer of the LoRA lands on this model; returns the layer count."""
+    targets = LoraTargets(info, diffusers_keys)
+    layers = lora_layers(path)
+    unknown = [layer for layer in layers if targets.resolve(layer) is None]
+    if unknown:
+        raise CheckpointError(f"LoRA {os.path.basename(path)}: {len(unknown)} of its {len(layers)} layers match no "
+                              f"layer of this {info.variant} model (e.g. {', '.join(sorted(unknown)[:3])}); is it a "
+                              f"LoRA for another model family?")
+    return len(layers)
+
+
+@torch.no_grad()
+def lora_deltas(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> dict[str, torch.Tensor]:
+    """{diffusers parameter: float32 delta at strength 1} = up @ down * alpha / rank, routed like the weights."""
+    targets = LoraTargets(info, diffusers_keys)
+    deltas: dict[str, torch.Tensor] = {}
+    with safe_open(path, "pt", device="cpu") as f:
+        for layer, (down_key, up_key, alpha_key) in lora_layers(path).items():
+            source = targets.resolve(layer)
+            if source is None:
+                raise CheckpointError(f"LoRA {os.path.basename(path)}: layer {layer} matches no layer of this model")
+            down, up = f.get_tensor(down_key).float(), f.get_tensor(up_key).float()
+            if down.ndim != 2 or up.ndim != 2:
+                raise CheckpointError(f"LoRA {os.path.basename(path)}: layer {layer} is not a linear LoRA "
+                                      f"(shapes {list(down.shape)}, {list(up.shape)})")
+            rank = down.shape[0]
+            scale = float(f.get_tensor(alpha_key).item()) / rank if alpha_key else 1.0
+            delta = (up @ down) * scale
+            for dst, op in targets.routes[source]:
+                part = apply_op(delta, op)
+                deltas[dst] = deltas[dst] + part if dst in deltas else part
+    return deltas
+
+
+@torch.no_grad()
+def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
+    """Make the model's weights base + the given LoRAs. `state` remembers what is applied (per rank), so the same
+    list costs nothing, and a changed list restores the touched weights from the checkpoint first."""
+    from .load import restore_weights
+
+    wanted = tuple((os.path.abspath(p), os.stat(p).st_mtime_ns, float(s)) for p, s in loras)
+    if state.get("applied", ()) == wanted:
+        return {"lora_changed": False}
+    params = dict(loaded.model.named_parameters())
+    touched = state.get("touched", set())
+    restored = restore_weights(loaded, touched) if touched else 0
+    touched = set()
+    for path, _, strength in wanted:
+        for name, delta in lora_deltas(path, loaded.info, set(params)).items():
+            weight = params[name]
+            if weight.shape != delta.shape:
+                raise CheckpointError(f"LoRA {os.path.basename(path)}: delta for {name} has shape {list(delta.shape)}, "
+                                      f"the weight {list(weight.shape)}")
+            weight.copy_((weight.float() + strength * delta.to(weight.device)).to(weight.dtype))
+            touched.add(name)
+    state.update(applied=wanted, touched=touched)
+    return {"lora_changed": True, "lora_layers_touched": len(touched), "lora_restore_bytes": restored}

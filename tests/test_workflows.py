@@ -1,0 +1,345 @@
+"""The example workflows in workflows/: each UI (drag-and-drop) file is a well-formed ComfyUI graph of known nodes
+(the pack's, from core's specs; the stock ones, from tests/comfyui_stock_nodes.py), its links join outputs to inputs
+of the same type, its widget values fit their widgets, and its .api.json twin is exactly its translation to the
+API prompt format. Pure JSON checks: no engine starts."""
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+
+import comfyui_stock_nodes as stock
+from conftest import ROOT
+
+PACK_NAME = "ComfyUI-xDiT"
+WORKFLOW_DIR = os.path.join(ROOT, "workflows")
+WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img")
+MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
+               "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors"}
+WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
+FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
+                     "input": (".png", ".jpg", ".jpeg", ".webp")}
+
+
+def load_pack(name=PACK_NAME):
+    """As ComfyUI loads a custom node pack: by file path, as a package, its folder not on sys.path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
+                                                  submodule_search_locations=[ROOT])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def core():
+    load_pack()
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+
+
+# ---- node definitions, ours and stock, in one shape ------------------------------------------------------------
+def _from_spec(spec):
+    inputs = []
+    for f in spec.inputs:
+        entry = {"name": f.name, "type": f.type}
+        if f.type in WIDGET_TYPES:
+            entry.update(widget=f.type.lower(), options=tuple(f.options), min=f.min, max=f.max)
+            if f.control_after_generate:
+                entry["ui_extra"] = {"name": "control_after_generate",
+                                     "values": ("fixed", "increment", "decrement", "randomize")}
+        inputs.append(entry)
+    return {"display_name": spec.display_name, "inputs": tuple(inputs),
+            "outputs": tuple((t, n) for t, n in spec.outputs), "output_node": spec.output_node, "ours": True}
+
+
+@pytest.fixture(scope="module")
+def definitions(core):
+    """Node type -> definition. Our engine's model_name options are ComfyUI's model folders at run time: here they
+    are the files the example workflows name."""
+    ours = [core.engine_spec(sorted(set(MODEL_FILES.values()))), core.SAMPLER_SPEC, core.INFO_SPEC]
+    defs = {spec.node_id: _from_spec(spec) for spec in ours}
+    for node_type, d in stock.STOCK_NODES.items():
+        defs[node_type] = dict(d, ours=False)
+    assert not set(o.node_id for o in ours) & set(stock.STOCK_NODES)
+    return defs
+
+
+def sockets(definition):
+    return [i for i in definition["inputs"] if "widget" not in i]
+
+
+def widgets(definition):
+    return [i for i in definition["inputs"] if "widget" in i]
+
+
+def load(name):
+    with open(os.path.join(WORKFLOW_DIR, f"{name}.json")) as f:
+        ui = json.load(f)
+    with open(os.path.join(WORKFLOW_DIR, f"{name}.api.json")) as f:
+        api = json.load(f)
+    return ui, api
+
+
+def widget_values(node, definition):
+    """{widget name: value} from a UI node's widgets_values, skipping the UI-only values (control_after_generate's
+    mode, LoadImage's upload button); (name, extra value) pairs of those come second."""
+    wv = node["widgets_values"]
+    expected = sum(2 if "ui_extra" in w else 1 for w in widgets(definition))
+    assert len(wv) == expected, f"node {node['id']} ({node['type']}): {len(wv)} widgets_values, its widgets take " \
+                                f"{expected}"
+    values, extras, i = {}, [], 0
+    for w in widgets(definition):
+        values[w["name"]] = wv[i]
+        i += 1
+        if "ui_extra" in w:
+            extras.append((w, wv[i]))
+            i += 1
+    return values, extras
+
+
+def ui_to_api(ui, definitions):
+    """What ComfyUI's frontend queues (File > Export (API)) for a UI workflow with no muted, bypassed, converted
+    or primitive-fed widgets: every node by its id, widget values by name, links as [source id, source slot]."""
+    links = {link[0]: link for link in ui["links"]}
+    api = {}
+    for node in ui["nodes"]:
+        assert node["mode"] == 0, f"node {node['id']} is muted or bypassed"
+        definition = definitions[node["type"]]
+        inputs, _ = widget_values(node, definition)
+        for socket in node["inputs"]:
+            if socket["link"] is not None:
+                _, src, src_slot, _, _, _ = links[socket["link"]]
+                inputs[socket["name"]] = [str(src), src_slot]
+        api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs,
+                                "_meta": {"title": node.get("title") or definition["display_name"]}}
+    return api
+
+
+def source(api, node_id, input_name):
+    """The API node feeding node_id's input_name: (id, node)."""
+    src, _ = api[node_id]["inputs"][input_name]
+    return src, api[src]
+
+
+def only(api, class_type):
+    ids = [i for i, n in api.items() if n["class_type"] == class_type]
+    assert len(ids) == 1, f"{len(ids)} {class_type} nodes"
+    return ids[0], api[ids[0]]
+
+
+# ---- every workflow ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_node_is_ours_or_stock_and_none_is_replaced_by_the_pack(name, definitions):
+    ui, api = load(name)
+    types = [n["type"] for n in ui["nodes"]]
+    assert set(types) <= set(definitions), set(types) - set(definitions)
+    assert not set(types) & set(stock.REPLACED_BY_XDIT)
+    assert not {n["class_type"] for n in api.values()} & set(stock.REPLACED_BY_XDIT)
+    for t in ("XDiTEngine", "XDiTSampler", "XDiTEngineInfo", "VAEDecode", "SaveImage"):
+        assert types.count(t) == 1, (t, types.count(t))
+    for node in ui["nodes"]:
+        assert node["properties"]["Node name for S&R"] == node["type"]
+    assert ui["version"] == 0.4 and ui["groups"] == [] and isinstance(ui["config"], dict)
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_ui_links_join_outputs_to_inputs_of_the_same_type_and_agree_with_the_nodes(name, definitions):
+    ui, _ = load(name)
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    assert len(nodes) == len(ui["nodes"]), "duplicate node ids"
+    link_ids = [link[0] for link in ui["links"]]
+    assert len(set(link_ids)) == len(link_ids), "duplicate link ids"
+    assert ui["last_node_id"] >= max(nodes) and ui["last_link_id"] >= max(link_ids)
+
+    # each node's sockets are its type's, in order, and every required input is connected
+    for node in ui["nodes"]:
+        definition = definitions[node["type"]]
+        assert [(s["name"], s["type"]) for s in node["inputs"]] == \
+            [(s["name"], s["type"]) for s in sockets(definition)], node["type"]
+        assert [(o["name"], o["type"], o.get("slot_index", i)) for i, o in enumerate(node["outputs"])] == \
+            [(n, t, i) for i, (t, n) in enumerate(definition["outputs"])], node["type"]
+        for s, spec in zip(node["inputs"], sockets(definition)):
+            assert s["link"] is not None or spec.get("optional"), f"{node['type']}.{s['name']} is not connected"
+
+    # the links table against the nodes
+    for link_id, src, src_slot, dst, dst_slot, link_type in ui["links"]:
+        assert src in nodes and dst in nodes, (link_id, src, dst)
+        out_sockets, in_sockets = nodes[src]["outputs"], nodes[dst]["inputs"]
+        assert 0 <= src_slot < len(out_sockets) and 0 <= dst_slot < len(in_sockets), link_id
+        assert out_sockets[src_slot]["type"] == in_sockets[dst_slot]["type"] == link_type, link_id
+        assert link_id in (out_sockets[src_slot]["links"] or []), link_id
+        assert in_sockets[dst_slot]["link"] == link_id, link_id
+    # ... and the nodes against the links table: no link id a node names is missing or misplaced
+    table = {link[0]: link for link in ui["links"]}
+    for node in ui["nodes"]:
+        for slot, s in enumerate(node["inputs"]):
+            if s["link"] is not None:
+                assert table[s["link"]][3:5] == [node["id"], slot], (node["id"], s["name"])
+        for slot, o in enumerate(node["outputs"]):
+            for link_id in o["links"] or []:
+                assert table[link_id][1:3] == [node["id"], slot], (node["id"], o["name"])
+    named = [s["link"] for n in ui["nodes"] for s in n["inputs"] if s["link"] is not None]
+    assert sorted(named) == sorted(link_ids), "a link no input names, or an input naming no link"
+
+    # "order" is an execution order: every link runs forward
+    orders = [n["order"] for n in ui["nodes"]]
+    assert sorted(orders) == list(range(len(orders)))
+    for _, src, _, dst, _, _ in ui["links"]:
+        assert nodes[src]["order"] < nodes[dst]["order"]
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_widget_values_fit_their_widgets(name, definitions):
+    ui, _ = load(name)
+    for node in ui["nodes"]:
+        definition = definitions[node["type"]]
+        values, extras = widget_values(node, definition)
+        for w in widgets(definition):
+            value, where = values[w["name"]], f"{node['type']}.{w['name']}={values[w['name']]!r}"
+            if w["type"] == "COMBO":
+                assert isinstance(value, str) and value, where
+                if w.get("options"):
+                    assert value in w["options"], where
+                else:  # listed from a ComfyUI folder at run time
+                    assert value.endswith(FOLDER_EXTENSIONS[w["folder"]]), where
+            elif w["type"] in ("INT", "FLOAT"):
+                assert isinstance(value, (int, float)) and not isinstance(value, bool), where
+                assert w["type"] == "FLOAT" or isinstance(value, int), where
+                assert math.isfinite(value), where
+                if w.get("min") is not None:
+                    assert value >= w["min"], where
+                if w.get("max") is not None:
+                    assert value <= w["max"], where
+                if w["type"] == "INT" and w.get("step") and w.get("min") is not None:
+                    assert (value - w["min"]) % w["step"] == 0, where
+            elif w["type"] == "BOOLEAN":
+                assert isinstance(value, bool), where
+            else:
+                assert w["type"] == "STRING" and isinstance(value, str), where
+        for w, extra in extras:
+            if "values" in w["ui_extra"]:
+                assert extra in w["ui_extra"]["values"], (node["type"], w["name"], extra)
+            else:
+                assert extra == w["ui_extra"]["value"], (node["type"], w["name"], extra)
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_the_api_file_is_the_translation_of_the_ui_file(name, definitions):
+    ui, api = load(name)
+    assert ui_to_api(ui, definitions) == api
+    # and it is a prompt ComfyUI accepts: every input of every node given, links to existing outputs
+    for node_id, node in api.items():
+        definition = definitions[node["class_type"]]
+        required = {i["name"] for i in definition["inputs"] if not i.get("optional")}
+        assert required <= set(node["inputs"]) <= {i["name"] for i in definition["inputs"]}, node_id
+        for value in node["inputs"].values():
+            if isinstance(value, list):
+                src, slot = value
+                assert src in api and 0 <= slot < len(definitions[api[src]["class_type"]]["outputs"])
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_the_pack_replaces_the_sampler_and_the_model_loader_only(name):
+    _, api = load(name)
+    sampler_id, sampler = only(api, "XDiTSampler")
+    engine_id, engine = only(api, "XDiTEngine")
+    _, info = only(api, "XDiTEngineInfo")
+    assert sampler["inputs"]["engine"] == [engine_id, 0] and info["inputs"]["engine"] == [engine_id, 0]
+    assert engine["inputs"]["model_name"] == MODEL_FILES[name]
+    assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
+    assert info["inputs"]["unload"] is False
+    # text encoders, VAE decode and save stay ComfyUI's own
+    decode_id, decode = only(api, "VAEDecode")
+    assert decode["inputs"]["samples"] == [sampler_id, 0]
+    assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
+    _, save = only(api, "SaveImage")
+    assert save["inputs"]["images"] == [decode_id, 0]
+    for side in ("positive", "negative"):
+        src_id, src = source(api, sampler_id, side)
+        while src["class_type"] == "FluxGuidance":
+            src_id, src = source(api, src_id, "conditioning")
+        assert src["class_type"] == "CLIPTextEncode", side
+        assert source(api, src_id, "clip")[1]["class_type"] in ("DualCLIPLoader", "TripleCLIPLoader")
+
+
+# ---- what each workflow is for ------------------------------------------------------------------------------------
+def test_flux1_dev_uses_flux_guidance_at_cfg_1():
+    _, api = load("flux1-dev")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert s["cfg"] == 1.0 and s["steps"] == 28 and s["denoise"] == 1.0
+    assert (s["sampler_name"], s["scheduler"]) == ("euler", "simple")
+    guidance_id, guidance = source(api, sampler_id, "positive")
+    assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 3.5
+    assert source(api, guidance_id, "conditioning")[1]["inputs"]["text"].strip()
+    assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""  # unused at cfg 1.0
+    _, clip = only(api, "DualCLIPLoader")
+    assert clip["inputs"] == {"clip_name1": "t5xxl_fp16.safetensors", "clip_name2": "clip_l.safetensors",
+                              "type": "flux", "device": "default"}
+    _, latent = only(api, "EmptySD3LatentImage")
+    assert latent["inputs"] == {"width": 1024, "height": 1024, "batch_size": 1}
+    assert s["latent_image"] == [only(api, "EmptySD3LatentImage")[0], 0]
+    assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == "ae.safetensors"
+
+
+def test_flux1_schnell_runs_4_steps_without_guidance():
+    _, api = load("flux1-schnell")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    assert sampler["inputs"]["steps"] == 4 and sampler["inputs"]["cfg"] == 1.0
+    assert "FluxGuidance" not in {n["class_type"] for n in api.values()}
+    assert source(api, sampler_id, "positive")[1]["class_type"] == "CLIPTextEncode"
+    assert only(api, "DualCLIPLoader")[1]["inputs"]["type"] == "flux"
+    assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == "ae.safetensors"
+
+
+def test_sd35_large_uses_real_cfg_and_a_negative_prompt():
+    _, api = load("sd3.5-large")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert s["cfg"] > 1.0 and s["cfg"] == 4.5 and s["steps"] == 28
+    assert (s["sampler_name"], s["scheduler"]) == ("euler", "simple")
+    negative = source(api, sampler_id, "negative")[1]
+    positive = source(api, sampler_id, "positive")[1]
+    assert negative["class_type"] == positive["class_type"] == "CLIPTextEncode"
+    assert negative["inputs"]["text"].strip() and positive["inputs"]["text"].strip()
+    assert negative["inputs"]["text"] != positive["inputs"]["text"]
+    _, clip = only(api, "TripleCLIPLoader")
+    assert sorted(clip["inputs"].values()) == ["clip_g.safetensors", "clip_l.safetensors", "t5xxl_fp16.safetensors"]
+    assert "FluxGuidance" not in {n["class_type"] for n in api.values()}
+    assert "DualCLIPLoader" not in {n["class_type"] for n in api.values()}
+    assert s["latent_image"] == [only(api, "EmptySD3LatentImage")[0], 0]
+
+
+def test_flux1_dev_img2img_denoises_an_encoded_image_partly():
+    _, api = load("flux1-dev-img2img")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert 0.0 < s["denoise"] < 1.0 and s["denoise"] == 0.75 and s["cfg"] == 1.0
+    encode_id, encode = source(api, sampler_id, "latent_image")
+    assert encode["class_type"] == "VAEEncode"
+    assert source(api, encode_id, "pixels")[1]["class_type"] == "LoadImage"
+    decode_id, _ = only(api, "VAEDecode")
+    assert api[encode_id]["inputs"]["vae"] == api[decode_id]["inputs"]["vae"]  # one VAE encodes and decodes
+    assert "EmptySD3LatentImage" not in {n["class_type"] for n in api.values()}
+    assert source(api, sampler_id, "positive")[1]["class_type"] == "FluxGuidance"
+
+
+def test_the_test_catches_a_broken_workflow(definitions):
+    """The translation and the checks reject what they should: a dropped link, a swapped widget, a stray input."""
+    ui, api = load("flux1-dev")
+    broken = json.loads(json.dumps(api))
+    sampler_id, _ = only(broken, "XDiTSampler")
+    broken[sampler_id]["inputs"]["cfg"] = 3.0
+    assert ui_to_api(ui, definitions) != broken
+    broken = json.loads(json.dumps(api))
+    broken[sampler_id]["inputs"]["control_after_generate"] = "fixed"
+    assert ui_to_api(ui, definitions) != broken
+    bad = json.loads(json.dumps(ui))
+    next(n for n in bad["nodes"] if n["type"] == "XDiTSampler")["widgets_values"].pop(1)  # the "fixed" mode
+    with pytest.raises(AssertionError):
+        ui_to_api(bad, definitions)
