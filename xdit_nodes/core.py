@@ -39,6 +39,7 @@ class Field:
     round: float | None = None
     control_after_generate: bool = False
     advanced: bool = False
+    optional: bool = False
     tooltip: str = ""
 
 
@@ -106,7 +107,9 @@ def lora_spec(lora_names: list[str]) -> NodeSpec:
 INFO_SPEC = NodeSpec(
     "XDiTEngineInfo", "xDiT Engine Info", CATEGORY,
     "Shows the engine's plan, GPUs, per-rank memory and the last job's timings; unload frees its GPUs.",
-    (Field("engine", ENGINE_TYPE), Field("unload", "BOOLEAN", False)),
+    (Field("engine", ENGINE_TYPE), Field("unload", "BOOLEAN", False),
+     Field("after", "LATENT", optional=True,
+           tooltip="connect the sampler's LATENT so this node runs after the job it reports on")),
     (("STRING", "info"),), output_node=True)
 
 

@@ -17,6 +17,8 @@ MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 
 def _input(f: core.Field):
     tip = {"tooltip": f.tooltip} if f.tooltip else {}
+    if f.optional:
+        tip["optional"] = True
     if f.type == "COMBO":
         return io.Combo.Input(f.name, options=list(f.options), default=f.default, **tip)
     if f.type == "INT":
@@ -28,7 +30,7 @@ def _input(f: core.Field):
         return io.Boolean.Input(f.name, default=f.default, **tip)
     if f.type == "STRING":
         return io.String.Input(f.name, default=f.default, **tip)
-    return {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, core.ENGINE_TYPE: EngineType}[f.type].Input(f.name)
+    return {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, core.ENGINE_TYPE: EngineType}[f.type].Input(f.name, **tip)
 
 
 def _schema(spec: core.NodeSpec) -> io.Schema:
@@ -128,7 +130,11 @@ class XDiTEngineInfo(io.ComfyNode):
         return _schema(core.INFO_SPEC)
 
     @classmethod
-    def execute(cls, engine, unload):
+    def fingerprint_inputs(cls, **kwargs):
+        return float("nan")  # the engine's state changes between runs: never reuse a cached report
+
+    @classmethod
+    def execute(cls, engine, unload, after=None):
         text = core.describe(engine)
         if unload:
             stopped = core.REGISTRY.unload(engine)

@@ -1,0 +1,117 @@
+"""The pack inside a real ComfyUI. Runs only when COMFYUI_PATH points to a ComfyUI checkout (with its
+requirements installed in COMFYUI_PYTHON, default this Python); skipped otherwise, as in CI."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.tiny import write_tiny
+
+from conftest import ROOT
+
+COMFYUI = os.environ.get("COMFYUI_PATH")
+PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
+pytestmark = pytest.mark.skipif(not COMFYUI, reason="COMFYUI_PATH is not set: no ComfyUI checkout to run in")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("comfy")
+    models = d / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    (models / "loras").mkdir()
+    shutil.copy(write_tiny("flux", str(d)), models / "diffusion_models" / "tiny-flux-dev.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(2, 128, generator=g) * 0.1,
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(384, 2, generator=g) * 0.1},
+              str(models / "loras" / "tiny-lora.safetensors"))
+    packs = d / "custom_nodes"
+    packs.mkdir()
+    os.symlink(ROOT, packs / "ComfyUI-xDiT")  # loaded by path, under a folder name of its own
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if os.environ.get("COMFYUI_PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["COMFYUI_PYTHONPATH"]
+    return {"dir": d, "models": models, "packs": packs, "env": env}
+
+
+def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_folders(setup):
+    out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_check.py"), COMFYUI, str(setup["packs"]),
+                          str(setup["models"])], capture_output=True, text=True, timeout=600, env=setup["env"])
+    line = next((x for x in out.stdout.splitlines() if x.startswith("REPORT ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    report = json.loads(line[len("REPORT "):])
+    print(json.dumps(report, indent=1))
+    assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA",
+                                    "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info"}
+    assert report["sampler_inputs"] == ["engine", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
+                                        "negative", "latent_image", "denoise"]
+    assert report["latent_shape"] == [1, 16, 16, 16] and report["finite"]
+    assert report["progress"] == [[1, 4], [2, 4], [3, 4], [4, 4]]
+    assert isinstance(report["interrupt"], dict) and max(report["interrupt"]["steps_seen"]) <= 3
+    assert report["interrupt"]["flag_after"] is False and report["next_job_identical"]
+    assert "2 conditioning entries" in report["bad_input_error"]
+    assert "last job: plan ulysses2" in report["info"] and "LoRA:" in report["info"] and "unloaded: 1" in report["info"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_http_api(setup):
+    port = _free_port()
+    config = setup["dir"] / "extra_model_paths.yaml"
+    config.write_text(f"xdit:\n  base_path: {setup['dir']}\n  custom_nodes: custom_nodes\n"
+                      f"  diffusion_models: models/diffusion_models\n")
+    server = subprocess.Popen([PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+                               "--disable-auto-launch", "--extra-model-paths-config", str(config)], cwd=COMFYUI,
+                              env=setup["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                info = _get(f"{base}/object_info/XDiTSampler")
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-3000:]
+                assert time.monotonic() < deadline, "ComfyUI did not come up within 180 s"
+                time.sleep(1)
+        assert list(info["XDiTSampler"]["input"]["required"])[:2] == ["engine", "seed"]
+        engine = _get(f"{base}/object_info/XDiTEngine")["XDiTEngine"]["input"]["required"]
+        assert "tiny-flux-dev.safetensors" in json.dumps(engine["model_name"])
+        prompt = {"1": {"class_type": "XDiTEngine", "inputs": {
+                      "model_name": "tiny-flux-dev.safetensors", "family": "auto", "weight_dtype": "default",
+                      "gpus": "0", "plan": "auto", "ulysses": 1, "ring": 1, "cfg_parallel": False, "dp": 1,
+                      "timeout_s": 600}},
+                  "2": {"class_type": "XDiTEngineInfo", "inputs": {"engine": ["1", 0], "unload": False}}}
+        request = urllib.request.Request(f"{base}/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        prompt_id = json.loads(urllib.request.urlopen(request, timeout=10).read())["prompt_id"]
+        deadline = time.monotonic() + 60
+        while prompt_id not in (history := _get(f"{base}/history/{prompt_id}")):
+            assert time.monotonic() < deadline, "the prompt did not finish within 60 s"
+            time.sleep(0.5)
+        text = json.dumps(history[prompt_id]["outputs"])
+        assert "tiny-flux-dev.safetensors" in text and "ranks: 1 on cpu" in text
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
