@@ -160,7 +160,24 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
         samples = mesh.all_gather(samples, "dp", dim=0, kind="dp_gather")
         ctx.info["bytes_sent_per_step"] = {k: v / spec["steps"] for k, v in mesh.stats.sent.items()}
     ctx.info["model"] = {"variant": adapter.loaded.info.variant, "layout": adapter.loaded.info.layout}
+    ctx.info["memory"] = rank_memory(ctx.device)
     return {"samples": samples.cpu()} if ctx.rank == 0 else None
+
+
+def rank_memory(device: torch.device) -> dict:
+    """This rank's own memory (measured here: asking from the client would open CUDA contexts in ComfyUI)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            out["rss_gib"] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
+    except (OSError, StopIteration):
+        pass
+    if device.type == "cuda":
+        out["allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        free, total = torch.cuda.mem_get_info(device)
+        out["device_used_gib"], out["device_total_gib"] = (total - free) / 2**30, total / 2**30
+    return out
 
 
 @job("comm_probe")

@@ -180,6 +180,7 @@ def test_auto_plan_picks_a_plan_that_fits_the_job_and_gives_the_one_rank_latent(
     print(f"{family} auto plan {expected} on 2 ranks vs 1 rank: max abs diff {diff:.3g}")
     assert diff <= 1e-4
     assert f"last job: plan {expected}" in core.describe(s2)
+    assert "rank 1 (cpu): rss" in core.describe(s2)  # each rank reports its own memory
     core.REGISTRY.unload(s2)
 
 

@@ -172,6 +172,7 @@ class EngineRecord:
     last_plan: str = ""
     last_timings: dict = field(default_factory=dict)
     last_bytes: dict = field(default_factory=dict)
+    last_memory: list = field(default_factory=list)   # what each rank measured of itself
     notes: list[str] = field(default_factory=list)
 
 
@@ -286,6 +287,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_plan = request.plan.describe()
     record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)
     record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
+    record.last_memory = [r.get("memory", {}) for r in result.ranks]
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
     return out
@@ -305,10 +307,10 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
     engine = record.engine
     lines.append(f"engine: {'running' if engine.running else 'stopped'}, pids {engine.pids}, "
                  f"restarts {len(engine.restarts)}" + (f" (last: {engine.restarts[-1]})" if engine.restarts else ""))
-    if settings.device == "cuda" and torch.cuda.is_available():
-        for g in settings.gpus:
-            free, total = torch.cuda.mem_get_info(g)
-            lines.append(f"cuda:{g}: {(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f} GiB")
+    for rank, memory in enumerate(record.last_memory):
+        where = f"cuda:{settings.gpus[rank]}" if settings.device == "cuda" else "cpu"
+        parts = [f"{k.replace('_gib', '')} {v:.2f} GiB" for k, v in memory.items()]
+        lines.append(f"rank {rank} ({where}): " + ", ".join(parts))
     if record.last_timings:
         lines.append(f"last job: plan {record.last_plan}; " +
                      ", ".join(f"{k} {v:.3f} s" for k, v in record.last_timings.items()))
