@@ -1,5 +1,7 @@
 """Shared fixtures: real rank processes on CPU (gloo), reused across tests where a test leaves them sound."""
+import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -7,7 +9,20 @@ from engine import bridge
 from engine.client import Deadlines, Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACK_NAME = "ComfyUI-xDiT"
 FAST = Deadlines(start_s=120, broadcast_s=60, compute_s=120, return_s=60, heartbeat_s=5, error_grace_s=2)
+
+
+def load_pack(name=PACK_NAME):
+    """As ComfyUI loads a custom node pack: by file path, as a package, its folder not on sys.path."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
+                                                  submodule_search_locations=[ROOT])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def engine_dirs() -> set[str]:

@@ -2,7 +2,6 @@
 widgets, and its behaviour (engine reuse, CONDITIONING/LATENT in, LATENT out, progress, cancel, automatic plans,
 errors) runs the real engine on CPU ranks with values shaped exactly as ComfyUI passes them."""
 import importlib
-import importlib.util
 import inspect
 import os
 import subprocess
@@ -15,21 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.tiny import write_tiny
 
-from conftest import ROOT
+from conftest import PACK_NAME, ROOT, load_pack
 
-PACK_NAME = "ComfyUI-xDiT"
-
-
-def load_pack(name=PACK_NAME):
-    """As ComfyUI loads a custom node pack: by file path, as a package, its folder not on sys.path."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
-                                                  submodule_search_locations=[ROOT])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

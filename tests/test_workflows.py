@@ -3,7 +3,6 @@
 of the same type, its widget values fit their widgets, and its .api.json twin is exactly its translation to the
 API prompt format. Pure JSON checks: no engine starts."""
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -12,9 +11,8 @@ import sys
 import pytest
 
 import comfyui_stock_nodes as stock
-from conftest import ROOT
+from conftest import PACK_NAME, ROOT, load_pack
 
-PACK_NAME = "ComfyUI-xDiT"
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
@@ -22,18 +20,6 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
 WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
-
-
-def load_pack(name=PACK_NAME):
-    """As ComfyUI loads a custom node pack: by file path, as a package, its folder not on sys.path."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
-                                                  submodule_search_locations=[ROOT])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
