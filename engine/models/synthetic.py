@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..tiny import REAL, TINY, FluxDims
-from .detect import CheckpointInfo
+from .detect import CheckpointInfo, _flux_config, _sd3_config
 
 PREFIX = "synthetic:"
 
@@ -25,18 +25,17 @@ def _dims(source: str):
 
 
 def diffusers_config(dims) -> dict:
+    """The same config detect infers from a checkpoint of these dims (one place knows diffusers' config keys)."""
     if isinstance(dims, FluxDims):
-        return {"patch_size": 1, "in_channels": dims.in_channels, "num_layers": dims.depth,
-                "num_single_layers": dims.depth_single, "attention_head_dim": dims.head_dim,
-                "num_attention_heads": dims.heads, "joint_attention_dim": dims.context_in,
-                "pooled_projection_dim": dims.vec_in, "guidance_embeds": dims.guidance_embed,
-                "axes_dims_rope": tuple(dims.axes_dim)}
-    return {"sample_size": 128, "patch_size": dims.patch, "in_channels": dims.in_channels, "num_layers": dims.depth,
-            "attention_head_dim": dims.head_dim, "num_attention_heads": dims.heads,
-            "joint_attention_dim": dims.context_in, "caption_projection_dim": dims.hidden,
-            "pooled_projection_dim": dims.pooled_in, "out_channels": dims.in_channels,
-            "pos_embed_max_size": dims.pos_embed_max_size, "dual_attention_layers": tuple(dims.dual_attention_layers),
-            "qk_norm": "rms_norm" if dims.qk_norm else None}
+        config, _ = _flux_config(dims.hidden, dims.in_channels, dims.head_dim, dims.depth, dims.depth_single,
+                                 dims.context_in, dims.vec_in, dims.guidance_embed,
+                                 {"stated": {"axes_dims_rope": list(dims.axes_dim)}})
+        return config
+    config = _sd3_config(dims.hidden, dims.in_channels, dims.patch, dims.depth, dims.pos_embed_max_size ** 2,
+                         dims.context_in, dims.pooled_in, dims.patch * dims.patch * dims.in_channels, dims.head_dim,
+                         dims.dual_attention_layers)
+    config["qk_norm"] = "rms_norm" if dims.qk_norm else None
+    return config
 
 
 def synthetic_info(source: str) -> CheckpointInfo:
