@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from engine import bridge
-from engine.client import Deadlines, Engine
+from engine.runtime import bridge
+from engine.runtime.client import Deadlines, Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK_NAME = "ComfyUI-xDiT"

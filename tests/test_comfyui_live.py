@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.tiny import write_tiny
+from engine.models.tiny import write_tiny
 
 from conftest import ROOT
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from engine.client import Deadlines, Engine
+from engine.runtime.client import Deadlines, Engine
 from engine.errors import EngineError
 
 from conftest import FAST, ROOT, engine_dirs, pid_gone
@@ -74,7 +74,7 @@ def test_a_rank_that_died_while_idle_is_replaced_before_the_next_job(fresh_engin
 
 CLIENT = r"""
 import json, sys, time, torch
-from engine.client import Engine
+from engine.runtime.client import Engine
 e = Engine(int(sys.argv[1]), device="cpu")
 print(json.dumps({"pids": e.pids, "dir": e.engine_dir}), flush=True)
 e.submit("echo", {"steps": 10000, "step_sleep_s": 0.05}, {"x": torch.zeros(1 << 20)},
@@ -106,7 +106,7 @@ def test_kill_9_of_the_client_mid_job_takes_all_ranks_and_shared_memory_within_1
 
 
 def test_kill_9_of_the_client_while_idle_takes_all_ranks_too():
-    code = ("import json; from engine.client import Engine; e = Engine(2, device='cpu'); "
+    code = ("import json; from engine.runtime.client import Engine; e = Engine(2, device='cpu'); "
             "print(json.dumps({'pids': e.pids, 'dir': e.engine_dir}), flush=True); import time; time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT))

@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from engine import bridge
-from engine.client import Engine
+from engine.runtime import bridge
+from engine.runtime.client import Engine
 from engine.errors import EngineError, JobCancelled
 
 from conftest import FAST

@@ -4,8 +4,8 @@ import stat
 
 import torch
 
-from engine import bridge
-from engine.client import Engine
+from engine.runtime import bridge
+from engine.runtime.client import Engine
 
 from conftest import FAST, engine_dirs
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.load import load_transformer
-from engine.tiny import write_tiny
+from engine.models.tiny import write_tiny
 
 from conftest import ROOT
 
@@ -126,8 +126,8 @@ def test_a_batch_gives_each_item_its_own_noise_and_conditioning(files):
 
     A deterministic sampler: ComfyUI's ancestral/SDE step noise is drawn for the whole batch tensor, so there an
     item depends on the batch size, in ComfyUI as here."""
-    from engine.client import Engine
-    from engine.generate import GenerateRequest
+    from engine.runtime.client import Engine
+    from engine.generate.request import GenerateRequest
 
     g = torch.Generator().manual_seed(9)
     cond, pooled = torch.randn(2, 16, 4096, generator=g), torch.randn(2, 2048, generator=g)

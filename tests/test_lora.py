@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.client import Engine
-from engine.generate import GenerateRequest
+from engine.runtime.client import Engine
+from engine.generate.request import GenerateRequest
 from engine.models.safetensors_file import CheckpointError
-from engine.tiny import write_tiny
+from engine.models.tiny import write_tiny
 
 from conftest import FAST
 

@@ -16,11 +16,11 @@ from diffusers.loaders.single_file_utils import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models.adapters import Conditioning, FlowAdapter
+from engine.models.flow import Conditioning, FlowModel
 from engine.models.convert import apply_op, flux_bfl_map
 from engine.models.load import CastLinear, inspect_checkpoint, load_transformer
 from engine.models.safetensors_file import CheckpointError
-from engine.tiny import REAL, shapes_for, write_tiny, FluxDims
+from engine.models.tiny import REAL, shapes_for, write_tiny, FluxDims
 from dataclasses import replace
 
 from conftest import ROOT
@@ -38,11 +38,8 @@ def forward(loaded, seed=0):
     pooled = cfg["pooled_projection_dim"]
     x = torch.randn(1, 16, 8, 8, generator=g)
     side = Conditioning(torch.randn(1, 12, 4096, generator=g), torch.randn(1, pooled, generator=g), 3.5)
-    adapter = FlowAdapter(loaded)
-    try:
-        return adapter.predictor(side, None)(x, torch.tensor(0.6), ("pos",))[0]
-    finally:
-        adapter.close()
+    flow = FlowModel(loaded)
+    return flow.velocity(x, torch.tensor(0.6), flow.prepare([side], batch=1))
 
 
 @pytest.fixture(scope="module")

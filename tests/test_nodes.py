@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.tiny import write_tiny
+from engine.models.tiny import write_tiny
 
 from conftest import PACK_NAME, ROOT, load_pack
 
@@ -74,7 +74,7 @@ def test_the_pack_loads_by_path_from_a_folder_of_any_name_and_its_ranks_find_the
     out = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), capture_output=True, text=True,
                          timeout=180, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "latent [1, 16, 8, 8] engine module pack-under-test.engine.client" in out.stdout
+    assert "latent [1, 16, 8, 8] engine module pack-under-test.engine.runtime.client" in out.stdout
 
 
 def test_the_entry_point_is_comfyuis_v3_coroutine_and_needs_comfyui_only_when_called():

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.errors import PlanError
-from engine.plan import ParallelPlan
+from engine.parallel.plan import ParallelPlan
 
 
 def test_world_size_is_the_product_of_all_degrees():

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from engine.protocol import Channel, ChannelClosed
+from engine.runtime.protocol import Channel, ChannelClosed
 
 
 def test_messages_split_across_reads_arrive_whole_and_in_order():

@@ -18,7 +18,7 @@ from diffusers.loaders.single_file_utils import (
 )
 from safetensors import safe_open
 
-from engine.tiny import REAL, TINY, VARIANTS, COMFY_PREFIX, FluxDims, shapes_for, write_tiny
+from engine.models.tiny import REAL, TINY, VARIANTS, COMFY_PREFIX, FluxDims, shapes_for, write_tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,11 +12,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..engine.client import Deadlines, Engine
-from ..engine.errors import PlanError
-from ..engine.generate import GenerateRequest
+from ..engine.generate.request import GenerateRequest
 from ..engine.models.load import inspect_model
-from ..engine.plan import ParallelPlan, suggest_plan
+from ..engine.parallel.plan import AUTO, MAX_RANKS, ParallelPlan
+from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.samplers import SAMPLERS
 from ..engine.sampling.schedules import SCHEDULERS
 
@@ -133,19 +132,24 @@ class EngineSettings:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
         if not self.gpus or len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
             raise ValueError(f"gpus={','.join(map(str, self.gpus))!r} is invalid: list distinct GPU indices, e.g. 0,1")
-        if len(self.gpus) > 8:
-            raise ValueError(f"gpus lists {len(self.gpus)} GPUs: the engine runs 1 to 8 ranks")
+        if len(self.gpus) > MAX_RANKS:
+            raise ValueError(f"gpus lists {len(self.gpus)} GPUs: the engine runs 1 to {MAX_RANKS} ranks")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={self.weight_dtype!r} is invalid: use one of {list(WEIGHT_DTYPES)}")
         info = inspect_model(self.model_path)
         if self.family != "auto" and self.family != info.family:
             raise ValueError(f"family={self.family!r} but {self.model_path} holds a {info.variant} ({info.family}) "
                              f"transformer: use auto or {info.family}")
-        if self.plan == "explicit":
-            ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses,
-                         ring=self.ring).check_world(len(self.gpus))
-        elif self.plan != "auto":
+        if self.plan not in PLANS:
             raise ValueError(f"plan={self.plan!r} is invalid: use auto or explicit")
+        if self.plan == "explicit":
+            self.requested_plan().check_world(len(self.gpus))
+
+    def requested_plan(self) -> ParallelPlan | str:
+        """What the engine's plan resolution gets: "auto", or the explicit degrees."""
+        if self.plan == "explicit":
+            return ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses, ring=self.ring)
+        return AUTO
 
     def with_lora(self, path: str, strength: float) -> "EngineSettings":
         """These settings with one more LoRA (a LoRA node returns a new engine value; upstream ones are unchanged)."""
@@ -170,6 +174,7 @@ class EngineRecord:
     engine: Engine
     settings: EngineSettings
     last_plan: str = ""
+    last_plan_reason: str = ""
     last_timings: dict = field(default_factory=dict)
     last_bytes: dict = field(default_factory=dict)
     last_memory: list = field(default_factory=list)   # what each rank measured of itself
@@ -238,23 +243,6 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     return cond, pooled, extras.get("guidance")
 
 
-def choose_plan(settings: EngineSettings, request: GenerateRequest) -> ParallelPlan:
-    world = len(settings.gpus)
-    if settings.plan == "explicit":
-        return ParallelPlan(dp=settings.dp, cfg=2 if settings.cfg_parallel else 1, ulysses=settings.ulysses,
-                            ring=settings.ring)
-    info = inspect_model(request.model)
-    patch = 2
-    lat = request.latent_raw
-    plan = suggest_plan(world, heads=info.heads, image_tokens=(lat.shape[2] // patch) * (lat.shape[3] // patch),
-                        batch=lat.shape[0], negative_pass=request.cfg != 1.0, sampler=request.sampler,
-                        layers=info.layers)
-    if plan is None:
-        raise PlanError(f"no parallel plan runs this job on {world} GPUs ({info.variant}: {info.heads} heads; latent "
-                        f"{lat.shape[3] * 8}x{lat.shape[2] * 8}, batch {lat.shape[0]}): change the GPU count or size")
-    return plan
-
-
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
            before_job=None, registry: EngineRegistry = REGISTRY) -> dict:
@@ -276,15 +264,15 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                               guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
                               fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
                               batch_index=list(batch_index) if batch_index is not None else None,
-                              loras=list(settings.loras))
-    request.plan = choose_plan(settings, request)
-    request.validate()  # every check that needs no rank, before any rank starts
+                              loras=list(settings.loras), plan=settings.requested_plan())
+    choice = request.validate(len(settings.gpus))  # every check that needs no rank, before any rank starts
     if before_job is not None:
         before_job()
     record = registry.get(settings)
     t0 = time.perf_counter()
     result = record.engine.submit("generate", *request.to_job(), on_progress=on_progress, should_cancel=should_cancel)
-    record.last_plan = request.plan.describe()
+    record.last_plan = choice.plan.describe()
+    record.last_plan_reason = choice.reason
     record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)
     record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
     record.last_memory = [r.get("memory", {}) for r in result.ranks]
@@ -314,6 +302,8 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
     if record.last_timings:
         lines.append(f"last job: plan {record.last_plan}; " +
                      ", ".join(f"{k} {v:.3f} s" for k, v in record.last_timings.items()))
+    if record.last_plan_reason:
+        lines.append(f"plan: {record.last_plan_reason}")
     if record.last_bytes:
         lines.append("rank 0 sent per step: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in record.last_bytes.items()))
     lines.extend(record.notes)

@@ -31,6 +31,11 @@ class CheckpointInfo:
     def layers(self) -> int:
         return self.config["num_layers"] + self.config.get("num_single_layers", 0)
 
+    @property
+    def latent_patch(self) -> int:
+        """Latent pixels per token side: FLUX packs 2x2 latent patches, SD3 patchifies by its patch_size."""
+        return 2 if self.family == "flux" else self.config["patch_size"]
+
 
 def _count(keys, pattern: str) -> int:
     rx = re.compile(pattern)

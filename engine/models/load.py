@@ -78,7 +78,10 @@ def _headers(files: list[str]) -> tuple[dict[str, tuple[str, TensorInfo]], dict]
 def inspect_checkpoint(path: str) -> CheckpointInfo:
     """Family, layout and config of a checkpoint from its headers alone (cheap: reads no weights)."""
     files = _files(path)
-    where, metadata = _headers(files)
+    return _detect(path, files, *_headers(files))
+
+
+def _detect(path: str, files: list[str], where: dict, metadata: dict) -> CheckpointInfo:
     stated = None
     folder_config = os.path.join(os.path.dirname(files[0]), "config.json")
     if os.path.isdir(path) and os.path.isfile(folder_config):
@@ -112,8 +115,8 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     compute = COMPUTE_DTYPES[dtype]
     t0 = time.perf_counter()
     files = _files(path)
-    where, _ = _headers(files)
-    info = inspect_checkpoint(path)
+    where, metadata = _headers(files)
+    info = _detect(path, files, where, metadata)
     model = build_empty(info)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     mapping = key_map(info.layout, info.family, info.config) or [(k, k, None) for k in expected]
@@ -194,10 +197,29 @@ def restore_weights(loaded: LoadedTransformer, names: set[str]) -> int:
     return bytes_read
 
 
+_INFO_CACHE: dict[tuple, CheckpointInfo] = {}  # (path, files' mtime and size) -> info: one header read per file
+
+
 def inspect_model(source: str) -> CheckpointInfo:
-    """inspect_checkpoint for a path, or the info of a synthetic model source."""
+    """inspect_checkpoint for a path, or the info of a synthetic model source. A file's headers are read once and
+    reused until the file changes (mtime or size)."""
     from .synthetic import is_synthetic, synthetic_info
-    return synthetic_info(source) if is_synthetic(source) else inspect_checkpoint(source)
+    if is_synthetic(source):
+        return synthetic_info(source)
+    files = _files(source)
+    key = (os.path.abspath(source),) + tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files)
+    info = _INFO_CACHE.get(key)
+    if info is None:
+        info = inspect_checkpoint(source)
+        if len(_INFO_CACHE) >= 32:
+            _INFO_CACHE.clear()
+        _INFO_CACHE[key] = info
+    return info
+
+
+def diffusers_keys(info: CheckpointInfo) -> set[str]:
+    """The parameter and buffer names of the diffusers transformer for `info` (built on the meta device)."""
+    return set(build_empty(info).state_dict())
 
 
 def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tiny import REAL, TINY, FluxDims
+from .tiny import REAL, TINY, FluxDims
 from .detect import CheckpointInfo, _flux_config, _sd3_config
 
 PREFIX = "synthetic:"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..plan import ParallelPlan
+from .plan import ParallelPlan
 
 ORDER = ("dp", "cfg", "pipefusion", "ring", "ulysses")
 

@@ -1,10 +1,9 @@
 """Attention processors for sequence parallelism, set on an unmodified diffusers transformer through its
 processor interface. They compute what diffusers' FluxAttnProcessor / JointAttnProcessor2_0 compute, with
 the attention itself going through the sequence-parallel entry point. Text tokens are either sharded with
-the image tokens (FLUX, when their count divides the degree) or held in full by every rank (joint)."""
+the image tokens (FLUX, when their count divides the degree) or held in full by every rank (joint): the token hooks
+say which per forward through diffusers' own `joint_attention_kwargs` (`joint_text_tokens`, 0 when split)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
@@ -12,19 +11,14 @@ from diffusers.models.embeddings import apply_rotary_emb
 from .attention import SequenceParallelAttention
 
 
-@dataclass
-class TextTokens:
-    """How this forward holds its text tokens; set by the adapter before each forward."""
-    replicated: bool = True
-    count: int = 0  # text tokens at the front of a FLUX single block's joint sequence (replicated case)
-
-
 class FluxSPProcessor:
-    def __init__(self, attention: SequenceParallelAttention, text: TextTokens):
+    def __init__(self, attention: SequenceParallelAttention):
         self.attention = attention
-        self.text = text
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
+                 joint_text_tokens: int = 0):
+        """joint_text_tokens: the text tokens every rank holds in full, at the front of a single block's sequence
+        (0: the text is split with the image tokens)."""
         if attention_mask is not None:
             raise ValueError("sequence-parallel FLUX attention takes no attention mask")
         q, k, v = (proj(hidden_states).unflatten(-1, (-1, attn.head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v))
@@ -34,11 +28,11 @@ class FluxSPProcessor:
                           for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
-        if image_rotary_emb is not None:  # the adapter passes the rotary embedding of this rank's tokens
+        if image_rotary_emb is not None:  # the model computed it from this rank's (sliced) position ids
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        if self.text.replicated:
-            n = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else self.text.count
+        if joint_text_tokens:
+            n = joint_text_tokens
             image, text = self.attention(q[:, n:], k[:, n:], v[:, n:], joint=(q[:, :n], k[:, :n], v[:, :n]))
             out = torch.cat([text, image], dim=1)
         else:
@@ -58,7 +52,8 @@ class SD3SPProcessor:
     def __init__(self, attention: SequenceParallelAttention):
         self.attention = attention
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        """SD3's text tokens arrive separately (encoder_hidden_states) and are always joint."""
         if attention_mask is not None:
             raise ValueError("sequence-parallel SD3 attention takes no attention mask")
         b = hidden_states.shape[0]

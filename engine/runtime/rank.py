@@ -1,5 +1,5 @@
 """One rank process: joins the process group, receives jobs from rank 0's broadcast, runs them, and
-returns results through the bridge. Started by engine.client as `python -m engine.rank --fd N`.
+returns results through the bridge. Started by the client (client.py) as `python -m engine.runtime.rank --fd N`.
 
 Threads: the main thread runs jobs; a reader thread takes control messages off the socket (so a
 cancel arrives while a job runs); a ticker thread sends heartbeats while busy and notices when the
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import bridge
-from .errors import EngineError
+from ..errors import EngineError
 from .jobs import HANDLERS, JobContext, JobCancelledSignal
 from .protocol import Channel, ChannelClosed
 

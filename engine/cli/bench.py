@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .client import Engine, PACK_ROOT
+from ..runtime.client import Engine, PACK_ROOT
 
 
 def _bridge_times(engine: Engine, tensor: torch.Tensor, repeats: int, return_rank: int) -> float:
@@ -69,7 +69,7 @@ def _xdit_times(sizes_mb: list[int], repeats: int) -> dict[int, float]:
     with tempfile.TemporaryDirectory(prefix="xdit-bench-") as tmp:
         store = os.path.join(tmp, "store")
         env = dict(os.environ, PYTHONPATH=PACK_ROOT, GLOO_SOCKET_IFNAME="lo")
-        code = "import sys; from engine.bench import xdit_worker; xdit_worker(int(sys.argv[1]), sys.argv[2], " \
+        code = "import sys; from engine.cli.bench import xdit_worker; xdit_worker(int(sys.argv[1]), sys.argv[2], " \
                "[int(s) for s in sys.argv[3].split(',')], int(sys.argv[4]))"
         args = [store, ",".join(map(str, sizes_mb)), str(repeats)]
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), *args], env=env, stdout=subprocess.PIPE,
@@ -151,10 +151,10 @@ def _plain_loop(loaded, family: str, noise: torch.Tensor, sigmas: torch.Tensor, 
 def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
                    dtype: str, repeats: int) -> int:
     """One rank: the engine's generate job vs a plain in-process diffusers loop, same weights and inputs."""
-    from .generate import GenerateRequest
-    from .models.load import load_model
-    from .sampling.noise import prepare_noise
-    from .sampling.schedules import FlowSampling, compute_sigmas
+    from ..generate.request import GenerateRequest
+    from ..models.load import load_model
+    from ..sampling.noise import prepare_noise
+    from ..sampling.schedules import FlowSampling, compute_sigmas
 
     device = "cuda" if gpus else "cpu"
     source = f"synthetic:{variant}" + (":tiny" if size == "tiny" else "")
@@ -167,7 +167,7 @@ def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, 
                               latent_raw=torch.zeros(1, 16, height // 8, width // 8), seed=0, steps=steps, cfg=cfg,
                               neg_cond=torch.randn(1, tokens, 4096, generator=gen),
                               neg_pooled=torch.randn(1, pooled_dim, generator=gen), dtype=dtype)
-    request.validate()
+    request.validate(ranks=1)
     spec, inputs = request.to_job()
     print(f"{source} {width}x{height}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
           f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; median of {repeats} after a warm-up")
@@ -206,50 +206,16 @@ def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, 
     return 0
 
 
-# FLUX.1-dev and SD3-medium at 1024x1024 (bf16 activations)
-COMM_MODELS = {
-    "FLUX.1-dev": dict(image_tokens=4096, text_tokens=512, heads=24, head_dim=128, attention_layers=19 + 38,
-                       out_features=64, text_split=True, negative_pass=False),
-    "SD3-medium": dict(image_tokens=4096, text_tokens=333, heads=24, head_dim=64, attention_layers=24,
-                       out_features=64, text_split=False, negative_pass=True),
-}
-COMM_PLANS = {
-    "FLUX.1-dev": ["ulysses=2", "ulysses=4", "ulysses=8", "ring=2", "ring=4", "ring=8", "ulysses=2,ring=2",
-                   "ulysses=4,ring=2"],
-    "SD3-medium": ["ulysses=2", "ulysses=4", "ring=2", "ring=4", "cfg=2", "cfg=2,ulysses=2", "cfg=2,ulysses=4",
-                   "cfg=2,ring=2"],
-}
-
-
-def analytic_bytes(m: dict, plan, batch: int) -> int:
-    """Closed-form bytes one rank sends per step (one model call): the method's textbook volume."""
-    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
-    width = m["heads"] * m["head_dim"] * 2  # bf16 bytes per token per Q/K/V
-    text_split = m["text_split"] and m["text_tokens"] % p == 0
-    seq = m["image_tokens"] + (m["text_tokens"] if text_split else 0)
-    per_layer = 0
-    if u > 1:  # Q, K, V out and O back, each keeping 1/U of the rank's S/R tokens
-        per_layer += 4 * batch * (seq // r) * width * (u - 1) // (u * u)
-        if not text_split:  # the text output of this rank's heads, to every other Ulysses rank
-            per_layer += batch * m["text_tokens"] * (width // u) * (u - 1)
-    if r > 1:  # K and V of this rank's block, passed on R-1 times
-        per_layer += 2 * batch * (seq // p) * width * (r - 1)
-    total = per_layer * m["attention_layers"]
-    total += (p - 1) * batch * (m["image_tokens"] // p) * m["out_features"] * 2  # velocity tokens gathered
-    if plan.cfg == 2:
-        total += 16 * 128 * 128 * 4  # this rank's velocity of its pass
-    return total
-
-
 def bench_comm(models: list[str]) -> int:
-    from .plan import ParallelPlan
+    from ..parallel.comm import MODELS, PLANS, analytic_bytes
+    from ..parallel.plan import ParallelPlan
 
     print("bytes one rank sends per denoising step (one model call), 1024x1024, bf16 activations; measured = counted "
           "by the engine's collectives\nwith full-size tensors on CPU ranks (gloo), attention arithmetic skipped")
     for name in models:
-        m = COMM_MODELS[name]
+        m = MODELS[name]
         rows = []
-        for text in COMM_PLANS[name]:
+        for text in PLANS[name]:
             plan = ParallelPlan(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
             batch = 2 if m["negative_pass"] and plan.cfg == 1 else 1  # SD3's pos+neg batched in one forward
             spec = dict(m, plan=plan.as_dict(), batch_per_forward=batch, latent_h=128, latent_w=128)

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import bridge
-from .errors import EngineError, JobCancelled
+from ..errors import EngineError, JobCancelled
 from .protocol import Channel, ChannelClosed
 
-PACK_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_RANKS = 8
 PHASES = ("sent", "broadcast", "compute", "return")
 
@@ -183,7 +183,7 @@ class Engine:
                     log, stdio = None, {}
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", "engine.rank", "--fd", str(child_sock.fileno())],
+                        [sys.executable, "-m", "engine.runtime.rank", "--fd", str(child_sock.fileno())],
                         pass_fds=(child_sock.fileno(),), env=env, cwd=PACK_ROOT, stdin=subprocess.DEVNULL,
                         process_group=pgid, **stdio)
                 finally:

@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .client import Engine
-from .errors import EngineError
-from .generate import GenerateRequest
-from .plan import ParallelPlan
+from ..runtime.client import Engine
+from ..errors import EngineError
+from ..generate.request import GenerateRequest
+from ..parallel.plan import ParallelPlan
 
 
 def _read(path: str, what: str) -> dict[str, torch.Tensor]:
@@ -56,8 +56,9 @@ def build_request(args) -> GenerateRequest:
             raise ValueError(f"--denoise {args.denoise} needs an input --latent to denoise from (img2img)")
         latent = torch.zeros(args.batch, 16, args.height // 8, args.width // 8)
     loras = [_lora_arg(entry) for entry in args.lora]
-    plan = ParallelPlan(dp=args.dp, cfg=2 if args.cfg_parallel else 1, pipefusion=args.pipefusion,
-                        ulysses=args.ulysses, ring=args.ring)
+    degrees = dict(dp=args.dp, cfg=2 if args.cfg_parallel else 1, pipefusion=args.pipefusion, ulysses=args.ulysses,
+                   ring=args.ring)
+    plan = ParallelPlan(**degrees) if any(v > 1 for v in degrees.values()) else "auto"
     return GenerateRequest(plan=plan, loras=loras, model=args.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=latent,
                            seed=args.seed, steps=args.steps, cfg=args.cfg, sampler=args.sampler,
                            scheduler=args.scheduler, denoise=args.denoise, neg_cond=cond.get("neg_cond"),
@@ -68,11 +69,10 @@ def run_generate(args, parser) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     try:
         request = build_request(args)
-        ranks = args.ranks or request.plan.world_size
-        request.plan.check_world(ranks)
+        ranks = args.ranks or (request.plan.world_size if request.plan != "auto" else len(gpus or [0]))
         if gpus and len(gpus) != ranks:
             raise ValueError(f"--gpus {args.gpus} names {len(gpus)} GPUs for {ranks} ranks: give one GPU per rank")
-        request.validate()
+        choice = request.validate(ranks)
     except ValueError as e:
         parser.error(str(e))
     spec, inputs = request.to_job()
@@ -94,6 +94,7 @@ def run_generate(args, parser) -> int:
     model = result.ranks[0].get("model", {})
     print(f"wrote {args.out}: samples {list(samples.shape)} {samples.dtype} ({model.get('variant')}, "
           f"{model.get('layout')} layout, {args.dtype})")
+    print(f"plan {choice.reason}")
     print(f"plan {request.plan.describe()} on {ranks} rank(s); engine start {t_start:.2f} s; "
           + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
     sent = result.ranks[0].get("bytes_sent_per_step")

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from .client import Engine
-from .tiny import TINY, write_tiny
+from ..runtime.client import Engine
+from ..models.tiny import TINY, write_tiny
 
 
 def flux_job_inputs(width: int, height: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -61,14 +61,14 @@ def run(ranks: int = 2, width: int = 256, height: int = 256, model: str | None =
 def _generate(path: str, width: int, height: int) -> dict[str, bool]:
     """The generate path: a 4-step euler FLUX latent on one rank (twice: the second reuses the loaded model),
     then the same job under a 2-rank Ulysses plan, compared with the one-rank latent."""
-    from .generate import GenerateRequest
-    from .plan import ParallelPlan
+    from ..generate.request import GenerateRequest
+    from ..parallel.plan import ParallelPlan
 
     gen = torch.Generator().manual_seed(1)
     job = dict(model=path, cond=torch.randn(1, 64, 4096, generator=gen), pooled=torch.randn(1, 768, generator=gen),
                latent_raw=torch.zeros(1, 16, height // 8, width // 8), seed=7, steps=4)
     request = GenerateRequest(**job)
-    request.validate()
+    request.validate(ranks=1)
     with Engine(1, device="cpu") as engine:
         first = engine.submit("generate", *request.to_job())
         second = engine.submit("generate", *request.to_job())

@@ -1,0 +1,1 @@
+"""Generate requests (one KSampler run): the typed request the client validates and sends, and the rank-side run."""

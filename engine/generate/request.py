@@ -1,0 +1,180 @@
+"""A generate request (one KSampler run): its fields, defaults and checks, declared once and used on both sides of
+the process boundary. The client validates it and resolves its plan (`validate`), then `to_job` splits it into a
+JSON document and tensors; a rank rebuilds the same object with `from_job`. The CLI and the nodes build one."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ..models.load import COMPUTE_DTYPES, inspect_model
+from ..parallel.plan import AUTO, ParallelPlan, PlanChoice, Workload, resolve_plan
+
+TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
+SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
+
+
+@dataclass
+class GenerateRequest:
+    model: str                                                 # checkpoint path, or synthetic:<variant>[:tiny]
+    cond: torch.Tensor = field(metadata=TENSOR)                # [B|1, N, 4096]
+    pooled: torch.Tensor = field(metadata=TENSOR)              # [B|1, 768 (FLUX) | 2048 (SD3)]
+    latent_raw: torch.Tensor = field(metadata=TENSOR)          # [B, 16, H/8, W/8], raw VAE space (zeros: empty latent)
+    seed: int = 0
+    steps: int = 20
+    cfg: float = 1.0
+    sampler: str = "euler"
+    scheduler: str = "simple"
+    denoise: float = 1.0
+    neg_cond: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    neg_pooled: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    guidance: float = 3.5                 # FLUX only (FluxGuidance)
+    dtype: str = "fp32"
+    fp8_weights: bool = False             # store Linear weights as float8_e4m3fn (ComfyUI's fp8 weight dtype)
+    batch_index: list[int] | None = None
+    plan: ParallelPlan | str = AUTO       # "auto" until validate() resolves it
+    loras: list = field(default_factory=list)   # [(path, strength)], applied in order
+
+    # ---- client side -------------------------------------------------------------------------------------------
+    def validate(self, ranks: int | None = None) -> PlanChoice:
+        """Every check that needs no rank, then the plan resolved for `ranks` (default: an explicit plan's own rank
+        count) and stored in `plan`. Raises ValueError (PlanError, CheckpointError) naming the input, the value and
+        what works."""
+        self.check_scalars()
+        info = inspect_model(self.model)  # CheckpointError (a ValueError) for a bad file; cached while unchanged
+        lat = self.latent_raw
+        if not isinstance(lat, torch.Tensor) or lat.ndim != 4 or lat.shape[1] != 16 or not lat.is_floating_point():
+            shape = list(lat.shape) if isinstance(lat, torch.Tensor) else type(lat).__name__
+            raise ValueError(f"latent of shape {shape} is invalid: {info.family} takes [batch, 16, height/8, "
+                             f"width/8] floats (EmptySD3LatentImage)")
+        if lat.shape[0] < 1:
+            raise ValueError("latent has an empty batch: give at least one image")
+        if lat.shape[2] % 2 or lat.shape[3] % 2 or lat.shape[2] < 2 or lat.shape[3] < 2:
+            raise ValueError(f"latent {lat.shape[3] * 8}x{lat.shape[2] * 8} px is invalid: {info.family} needs width "
+                             f"and height that are positive multiples of 16 px")
+        batch = lat.shape[0]
+        self._check_side("cond", self.cond, self.pooled, info, batch)
+        if self.negative_pass:
+            if self.neg_cond is None or self.neg_pooled is None:
+                raise ValueError(f"cfg={self.cfg} needs a negative conditioning (neg_cond and neg_pooled); give one "
+                                 f"or use cfg 1.0")
+            self._check_side("neg_cond", self.neg_cond, self.neg_pooled, info, batch)
+        if self.batch_index is not None and len(self.batch_index) != batch:
+            raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
+        if self.loras:
+            self._check_loras(info)
+        if ranks is None:
+            if not isinstance(self.plan, ParallelPlan):
+                raise ValueError("plan 'auto' needs a rank count: give ranks (1 to 8)")
+            ranks = self.plan.world_size
+        work = Workload(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
+                        image_tokens=(lat.shape[2] // info.latent_patch) * (lat.shape[3] // info.latent_patch),
+                        negative_pass=self.negative_pass)
+        choice = resolve_plan(self.plan, ranks, work)
+        self.plan = choice.plan
+        return choice
+
+    @property
+    def negative_pass(self) -> bool:
+        return self.cfg != 1.0
+
+    def check_scalars(self) -> None:
+        """The checks that need neither a file nor a tensor; the ranks run them too."""
+        from ..sampling.samplers import SAMPLERS
+        from ..sampling.schedules import SCHEDULERS
+
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed={self.seed!r} is invalid: use an integer in [0, 2**64)")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= 10000:
+            raise ValueError(f"steps={self.steps!r} is invalid: use an integer from 1 to 10000")
+        for name, low in (("cfg", 0.0), ("guidance", None), ("denoise", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} is invalid: use a finite number")
+        if not self.cfg > 0:
+            raise ValueError(f"cfg={self.cfg} is invalid: use a value > 0 (1.0 for FLUX.1-dev/schnell)")
+        if not 0 < self.denoise <= 1:
+            raise ValueError(f"denoise={self.denoise} is invalid: use a value in (0, 1]")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler={self.sampler!r} is not supported: use one of {list(SAMPLERS)}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r} is not supported: use one of {list(SCHEDULERS)}")
+        if self.batch_index is not None and (
+                not isinstance(self.batch_index, (list, tuple))
+                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < SEED_LIMIT
+                       for i in self.batch_index)):
+            raise ValueError(f"batch_index={self.batch_index!r} is invalid: use a list of non-negative integers")
+
+    def _check_loras(self, info) -> None:
+        from ..models.load import diffusers_keys
+        from ..models.lora import check_lora
+
+        if self.model.startswith("synthetic:"):
+            raise ValueError(f"LoRAs need a model file; {self.model} has random weights")
+        keys = diffusers_keys(info)
+        for entry in self.loras:
+            path, strength = entry
+            if not os.path.isfile(path):
+                raise ValueError(f"LoRA file {path!r} does not exist")
+            if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+                raise ValueError(f"LoRA strength {strength!r} for {path} is not a finite number")
+            check_lora(path, info, keys)
+
+    @staticmethod
+    def _check_side(name, cond, pooled, info, batch) -> None:
+        context = info.config["joint_attention_dim"]
+        pooled_dim = info.config["pooled_projection_dim"]
+        pooled_name = name.replace("cond", "pooled")
+        for t, what in ((cond, name), (pooled, pooled_name)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"{what} is {type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}: "
+                                 f"give a floating-point tensor")
+        if cond.ndim != 3 or cond.shape[2] != context or cond.shape[1] < 1:
+            raise ValueError(f"{name} of shape {list(cond.shape)} is invalid: {info.variant} takes "
+                             f"[batch, tokens, {context}]")
+        if pooled.ndim != 2 or pooled.shape[1] != pooled_dim:
+            raise ValueError(f"{pooled_name} of shape {list(pooled.shape)} is invalid: "
+                             f"{info.variant} takes [batch, {pooled_dim}]")
+        for t, what in ((cond, name), (pooled, pooled_name)):
+            if t.shape[0] not in (1, batch):
+                raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give 1 or {batch}")
+
+    # ---- across the process boundary ---------------------------------------------------------------------------
+    def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(JSON document, tensors) of a validated request: every field, none left to a default on the far side."""
+        if not isinstance(self.plan, ParallelPlan):
+            raise ValueError("the request's plan is not resolved: call validate(ranks) first")
+        spec, inputs = {}, {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("tensor"):
+                if value is not None:
+                    inputs[f.name] = value
+                continue
+            spec[f.name] = value
+        spec["plan"] = self.plan.as_dict()
+        spec["loras"] = [[os.path.abspath(p), float(s)] for p, s in self.loras]
+        spec["model"] = self.model if self.model.startswith("synthetic:") else os.path.abspath(self.model)
+        spec["batch_index"] = list(self.batch_index) if self.batch_index is not None else None
+        if not self.negative_pass:  # the sampler never runs the negative pass: its tensors stay home
+            inputs.pop("neg_cond", None)
+            inputs.pop("neg_pooled", None)
+        return spec, inputs
+
+    @classmethod
+    def from_job(cls, spec: dict, inputs: dict[str, torch.Tensor]) -> "GenerateRequest":
+        """The request as the client validated it; a document with missing or unknown fields is refused."""
+        scalar = {f.name for f in fields(cls) if not f.metadata.get("tensor")}
+        tensor = {f.name for f in fields(cls) if f.metadata.get("tensor")}
+        missing, unknown = scalar - set(spec), set(spec) - scalar
+        if missing or unknown or set(inputs) - tensor:
+            raise ValueError(f"generate job document does not match this engine's request: missing {sorted(missing)}, "
+                             f"unknown {sorted(unknown | (set(inputs) - tensor))} (client and ranks differ in version?)")
+        values = dict(spec, plan=ParallelPlan.from_dict(spec["plan"]), loras=[tuple(x) for x in spec["loras"]])
+        request = cls(**values, **inputs)
+        request.check_scalars()
+        return request

@@ -1,0 +1,69 @@
+"""A generate job on a rank: the model loaded (or kept from the last job), the plan applied by `parallelize`,
+LoRAs brought up to date, and ComfyUI's KSampler run over the predictor. No parallel branch lives here."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..models.flow import Conditioning, FlowModel
+from ..models.load import load_model
+from ..models.lora import apply_loras
+from ..parallel.parallelize import parallelize
+from ..sampling.ksampler import ksample
+from ..sampling.noise import prepare_noise
+from .request import GenerateRequest
+
+
+def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
+    """What identifies loaded weights: a changed file (mtime, size) is loaded again."""
+    if path.startswith("synthetic:"):
+        return (path, dtype, fp8_weights)
+    st = os.stat(path)
+    return (os.path.abspath(path), dtype, fp8_weights, st.st_mtime_ns, st.st_size)
+
+
+def _parallel_model(ctx, request: GenerateRequest, mesh):
+    """The rank keeps one model (a new one replaces it) and its parallel form for the last mesh."""
+    state = ctx.cache.setdefault("generate", {})
+    key = model_key(request.model, request.dtype, request.fp8_weights)
+    if state.get("key") != key:
+        if state.get("parallel") is not None:
+            state["parallel"].close()
+        state.clear()
+        loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights)
+        state.update(key=key, loaded=loaded, flow=FlowModel(loaded))
+        ctx.info["loaded"] = loaded.stats
+    if state.get("mesh") is not mesh:
+        if state.get("parallel") is not None:
+            state["parallel"].close()
+        state.update(parallel=parallelize(state["flow"], mesh), mesh=mesh)
+    if request.loras or state.get("lora_state", {}).get("touched"):
+        ctx.info.update(apply_loras(state["loaded"], request.loras, state.setdefault("lora_state", {})))
+    return state["parallel"]
+
+
+def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
+    """One KSampler run under the request's plan; rank 0 returns the LATENT samples."""
+    mesh = ctx.mesh(request.plan)
+    parallel = _parallel_model(ctx, request, mesh)
+    latent_raw = request.latent_raw.float()
+    noise = prepare_noise(latent_raw, request.seed, request.batch_index)  # the whole batch's, as ComfyUI draws it
+    positive = Conditioning(request.cond, request.pooled, request.guidance)
+    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
+                if request.neg_cond is not None else None)
+
+    def on_step(step_index: int, total: int) -> None:
+        ctx.progress(step_index + 1, total)
+        ctx.check_cancel(step_index + 1)
+
+    ctx.check_cancel(0)
+    samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device), family=parallel.family,
+                      seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
+                      scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device),
+                      callback=on_step)
+    ctx.info["bytes_sent_per_step"] = {k: v / request.steps for k, v in mesh.stats.sent.items()}
+    info = parallel.flow.loaded.info
+    ctx.info["model"] = {"variant": info.variant, "layout": info.layout}
+    ctx.info["memory"] = ctx.memory()
+    return {"samples": samples.cpu()} if ctx.rank == 0 else None

@@ -1,0 +1,155 @@
+"""`parallelize`: the parallel plan applied to a FlowModel, one entry point per family (FLUX, SD3).
+
+Each family declares in a small table where its tokens are split across the sequence-parallel group and where they
+are gathered again; one set of generic hooks applies any table (the idea of diffusers' `_cp_plan`), plus the
+family's attention processor, which routes attention through the one sequence-parallel entry point (Ulysses, Ring,
+joint text). CFG and data parallel split the model call itself: each rank evaluates its pass and its share of the
+batch, and the velocities are gathered, so the sampler always runs on the whole batch (whole-batch noise draws stay
+exact). The job handler and FlowModel hold no parallel branch: with a one-rank mesh every group has one member and
+every split and gather is a no-op.
+
+Seams: a new family is a table and a processor. PipeFusion adds a step here that splits the table's `blocks` into
+stages; a step cache is a hook on the first of those blocks whose skip decision is agreed over the mesh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.flow import Conditioning, FlowModel
+from .attention import SequenceParallelAttention
+from .mesh import Mesh
+from .processors import FluxSPProcessor, SD3SPProcessor
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """Where a family's tokens are split and gathered. Names are the model's forward arguments or module paths."""
+
+    processor: type
+    gather_after: str                               # module whose output (tokens on dim 1) is gathered
+    split_inputs: tuple[tuple[str, int], ...] = ()  # forward arguments holding image tokens: (name, token dim)
+    text_inputs: tuple[tuple[str, int], ...] = ()   # text arguments: split with the image tokens when their count
+    #                                                 divides the degree, else held by every rank (joint); the
+    #                                                 processor is told which through `joint_text_tokens`
+    split_after: str | None = None                  # module whose output (tokens on dim 1) is split: for families
+    #                                                 that add positions on the whole patch grid
+    blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
+
+
+FLUX_TOKENS = TokenTable(processor=FluxSPProcessor, gather_after="proj_out",
+                         split_inputs=(("hidden_states", 1), ("img_ids", 0)),
+                         text_inputs=(("encoder_hidden_states", 1), ("txt_ids", 0)),
+                         blocks=("transformer_blocks", "single_transformer_blocks"))
+# SD3 adds its positional embedding to the whole patch grid: split right after it. Its 77+N text tokens rarely
+# divide a degree, so they are always joint (they reach the processor separately, as encoder_hidden_states).
+SD3_TOKENS = TokenTable(processor=SD3SPProcessor, gather_after="proj_out", split_after="pos_embed",
+                        blocks=("transformer_blocks",))
+
+
+class ParallelFlow:
+    """A FlowModel under a mesh: `predictor` gives the sampler its Predict; `close` gives the model back unchanged."""
+
+    def __init__(self, flow: FlowModel, mesh: Mesh, table: TokenTable):
+        self.flow, self.mesh, self.table = flow, mesh, table
+        self.family = flow.family
+        self._hooks: list = []
+        self._original_processors: dict | None = None
+        if mesh["sp"].size > 1:
+            self._split_tokens()
+
+    # ---- sequence parallel: the table applied by hooks ---------------------------------------------------------
+    def _split_tokens(self) -> None:
+        model, table = self.flow.model, self.table
+        self._original_processors = dict(model.attn_processors)
+        model.set_attn_processor(table.processor(SequenceParallelAttention(self.mesh)))
+        if table.split_inputs or table.text_inputs:
+            self._hooks.append(model.register_forward_pre_hook(self._split_forward_inputs, with_kwargs=True))
+        if table.split_after:
+            self._hooks.append(model.get_submodule(table.split_after).register_forward_hook(
+                lambda module, args, out: self._shard(out, 1, table.split_after)))
+        self._hooks.append(model.get_submodule(table.gather_after).register_forward_hook(
+            lambda module, args, out: self.mesh.all_gather(out, "sp", dim=1, kind="sp_gather")))
+
+    def _shard(self, tokens: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        sp = self.mesh["sp"]
+        if tokens.shape[dim] % sp.size:
+            raise ValueError(f"{what} has {tokens.shape[dim]} tokens, which ulysses x ring = {sp.size} does not divide")
+        n = tokens.shape[dim] // sp.size
+        return tokens.narrow(dim, sp.rank * n, n)
+
+    def _split_forward_inputs(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        for name, dim in self.table.split_inputs:
+            kwargs[name] = self._shard(kwargs[name], dim, name)
+        if self.table.text_inputs:
+            first, dim = self.table.text_inputs[0]
+            count = kwargs[first].shape[dim]
+            joint = count % self.mesh["sp"].size != 0
+            if not joint:
+                for name, d in self.table.text_inputs:
+                    kwargs[name] = self._shard(kwargs[name], d, name)
+            kwargs["joint_attention_kwargs"] = {**(kwargs.get("joint_attention_kwargs") or {}),
+                                                "joint_text_tokens": count if joint else 0}
+        return args, kwargs
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._original_processors is not None:
+            self.flow.model.set_attn_processor(self._original_processors)
+            self._original_processors = None
+
+    # ---- CFG and data parallel: the model call split, the velocities gathered ----------------------------------
+    def predictor(self, positive: Conditioning, negative: Conditioning | None):
+        """A Predict for the sampler, bound to this job's conditioning (prepared once per batch share, not per
+        step): predict(x_model, sigma, which) -> one velocity per entry of which ("pos", "neg")."""
+        cfg, dp = self.mesh["cfg"], self.mesh["dp"]
+        prepared: dict[tuple, object] = {}
+
+        def prepare(sides: list[Conditioning], batch: int, items: slice):
+            key = (tuple(id(s) for s in sides), batch, items.start)
+            if key not in prepared:
+                prepared[key] = self.flow.prepare(sides, batch, items)
+            return prepared[key]
+
+        def predict(x_model: torch.Tensor, sigma: torch.Tensor, which: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+            sides = [positive if w == "pos" else negative for w in which]
+            if any(s is None for s in sides):
+                raise ValueError("the sampler asked for the negative pass but the job has no negative conditioning")
+            batch = x_model.shape[0]
+            mine = [sides[cfg.rank]] if cfg.size > 1 and len(sides) == 2 else sides   # CFG: one pass per rank
+            per = batch // dp.size                                                      # dp: a contiguous share
+            items = slice(dp.rank * per, (dp.rank + 1) * per)
+            x = x_model[items]
+            if len(mine) == 2 and mine[0].cond.shape[1] == mine[1].cond.shape[1]:
+                # both passes in one forward when their text lengths agree (exactly the same math)
+                v = self.flow.velocity(torch.cat([x, x]), sigma, prepare(mine, batch, items)).unflatten(0, (2, -1))
+            else:
+                v = torch.stack([self.flow.velocity(x, sigma, prepare([s], batch, items)) for s in mine])
+            v = self.mesh.all_gather(v, "dp", dim=1, kind="dp_gather")                  # [passes, batch, ...]
+            if len(mine) < len(sides):
+                v = self.mesh.all_gather(v, "cfg", dim=0, kind="cfg_gather")            # pos, neg in group order
+            return tuple(v.unbind(0))
+        return predict
+
+
+def parallelize_flux(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
+    return ParallelFlow(flow, mesh, FLUX_TOKENS)
+
+
+def parallelize_sd3(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
+    return ParallelFlow(flow, mesh, SD3_TOKENS)
+
+
+PARALLELIZE = {"flux": parallelize_flux, "sd3": parallelize_sd3}
+
+
+def parallelize(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
+    try:
+        apply = PARALLELIZE[flow.family]
+    except KeyError:
+        raise ValueError(f"family {flow.family!r} has no parallel plan: known {sorted(PARALLELIZE)}") from None
+    return apply(flow, mesh)

@@ -1,0 +1,136 @@
+"""Job kinds the ranks run, and the context a job sees (rank, group, progress, agreed cancel)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+HANDLERS: dict[str, Callable] = {}
+
+
+def job(kind: str):
+    def register(fn):
+        HANDLERS[kind] = fn
+        return fn
+    return register
+
+
+class JobCancelledSignal(Exception):
+    def __init__(self, step: int):
+        super().__init__(f"cancelled at step {step}")
+        self.step = step
+
+
+class JobContext:
+    """What a job handler may use. Every collective here is entered by all ranks at the same point."""
+
+    def __init__(self, runtime, job_id: int):
+        self._rt = runtime
+        self.job_id = job_id
+        self.rank: int = runtime.rank
+        self.world: int = runtime.world
+        self.group = runtime.group
+        self.device: torch.device = runtime.device
+        self.cache: dict = runtime.cache  # lives as long as the rank: loaded models stay between jobs
+        self.info: dict = {}
+
+    def mesh(self, plan):
+        """The rank mesh for `plan`, built once per plan (a collective: every rank builds the same groups), its byte
+        counters reset for this job."""
+        from ..parallel.mesh import Mesh
+
+        meshes = self.cache.setdefault("meshes", {})
+        if plan not in meshes:
+            meshes[plan] = Mesh(plan, self.rank, self.world)
+        meshes[plan].stats.reset()
+        return meshes[plan]
+
+    def memory(self) -> dict:
+        """This rank's own memory (measured here: asking from the client would open CUDA contexts in ComfyUI)."""
+        out = {}
+        try:
+            with open("/proc/self/status") as f:
+                out["rss_gib"] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
+        except (OSError, StopIteration):
+            pass
+        if self.device.type == "cuda":
+            out["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
+            out["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            free, total = torch.cuda.mem_get_info(self.device)
+            out["device_used_gib"], out["device_total_gib"] = (total - free) / 2**30, total / 2**30
+        return out
+
+    def progress(self, step: int, total: int) -> None:
+        """Rank 0 reports; the client calls the caller's progress callback on the caller's thread."""
+        if self.rank == 0:
+            self._rt.chan.send({"op": "progress", "job_id": self.job_id, "step": step, "total": total})
+
+    def check_cancel(self, step: int) -> None:
+        """Raise on every rank at once if the client asked any rank to cancel (agreed by all_reduce MAX,
+        so no rank leaves a collective the others still wait in)."""
+        flag = int(self._rt.cancel_job_id == self.job_id)
+        if self.world > 1:
+            t = torch.tensor([flag], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            flag = int(t.item())
+        if flag:
+            raise JobCancelledSignal(step)
+
+
+@job("echo")
+def echo(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """Return the inputs as this rank received them, from `return_rank`. Optional `steps` with
+    `step_sleep_s` make a job that takes time, reports progress and can be cancelled; `raise_on_rank`
+    makes one rank fail at `raise_at_step`, for the engine's own fault tests."""
+    steps = int(spec.get("steps", 0))
+    for step in range(steps):
+        ctx.check_cancel(step)
+        time.sleep(float(spec.get("step_sleep_s", 0.0)))
+        if spec.get("raise_on_rank") == ctx.rank and step == int(spec.get("raise_at_step", 0)):
+            raise RuntimeError(f"echo job told to fail on rank {ctx.rank} at step {step}")
+        ctx.progress(step + 1, steps)
+    if ctx.rank == int(spec.get("return_rank", 0)):
+        return inputs
+    return None
+
+
+@job("inspect")
+def inspect_checkpoint(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """Each rank opens the checkpoint itself (header only, streamed with safe_open) and reports what it
+    holds; the inputs come back from the last rank, as a model job's result would."""
+    from safetensors import safe_open
+
+    with safe_open(spec["path"], "pt") as f:
+        keys = list(f.keys())
+        numel = 0
+        for k in keys:
+            n = 1
+            for d in f.get_slice(k).get_shape():
+                n *= d
+            numel += n
+    blocks = {kind: len({k.split(".")[k.split(".").index(kind) + 1] for k in keys if f".{kind}." in f".{k}"})
+              for kind in ("double_blocks", "single_blocks", "joint_blocks")}
+    ctx.info["checkpoint"] = {"tensors": len(keys), "parameters": numel,
+                              **{k: v for k, v in blocks.items() if v}}
+    return inputs if ctx.rank == ctx.world - 1 else None
+
+
+@job("generate")
+def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """One KSampler run of a FLUX/SD3 transformer under the job's plan (engine/generate)."""
+    from ..generate.request import GenerateRequest
+    from ..generate.run import run_generate
+
+    return run_generate(ctx, GenerateRequest.from_job(spec, inputs))
+
+
+@job("comm_probe")
+def comm_probe(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """One denoising step's communication at full model size, attention arithmetic skipped (engine/parallel/comm)."""
+    from ..parallel.comm import probe_step
+    from ..parallel.plan import ParallelPlan
+
+    ctx.info["sent"] = probe_step(ctx.mesh(ParallelPlan.from_dict(spec["plan"])), spec)
+    return None
