@@ -28,3 +28,49 @@ def test_bad_degrees_are_rejected_with_the_value(kwargs, message):
 def test_describe_lists_only_the_active_degrees():
     assert ParallelPlan(cfg=2, ring=2).describe() == "cfg2 x ring2"
     assert ParallelPlan().describe() == "single rank"
+
+
+# ---- resolve_plan: the one place a plan is resolved and validated ---------------------------------------------
+from engine.parallel.plan import AUTO, Workload, resolve_plan  # noqa: E402
+
+FLUX_DEV_1024 = dict(variant="flux-dev", heads=24, layers=57, image_tokens=4096)
+SD3_MEDIUM_1024 = dict(variant="sd3-medium", heads=24, layers=24, image_tokens=4096)
+
+
+@pytest.mark.parametrize("model,ranks,batch,negative,expected", [
+    (SD3_MEDIUM_1024, 2, 1, True, "cfg2"),                     # real CFG: the two passes on separate ranks
+    (FLUX_DEV_1024, 2, 1, False, "ulysses2"),                  # cfg 1.0: nothing to split but the tokens
+    (FLUX_DEV_1024, 4, 2, False, "dp2 x ulysses2"),            # a batch splits before the tokens do
+    (SD3_MEDIUM_1024, 8, 1, True, "cfg2 x ulysses4"),
+    (FLUX_DEV_1024, 1, 1, False, "single rank"),
+    (dict(FLUX_DEV_1024, heads=5), 2, 1, False, "ring2"),      # heads that ulysses 2 cannot divide
+])
+def test_auto_picks_the_cheapest_plan_that_fits_and_says_why_in_one_line(model, ranks, batch, negative, expected):
+    choice = resolve_plan(AUTO, ranks, Workload(batch=batch, negative_pass=negative, **model))
+    print(choice.reason)
+    assert choice.plan.describe() == expected and choice.plan.world_size == ranks
+    assert choice.reason.startswith(f"auto chose {expected} for {ranks} rank(s): ") and "\n" not in choice.reason
+
+
+def test_an_explicit_plan_is_kept_when_it_fits_and_refused_with_a_working_plan_when_not():
+    work = Workload(batch=1, negative_pass=True, **SD3_MEDIUM_1024)
+    assert resolve_plan(ParallelPlan(ulysses=2), 2, work).plan == ParallelPlan(ulysses=2)
+    with pytest.raises(PlanError, match="ulysses=16 x ring=1 needs 16 ranks but the engine has 8"):
+        resolve_plan(ParallelPlan(ulysses=16), 8, work)
+    with pytest.raises(PlanError, match="6 heads: ulysses 4 does not divide them; try cfg2 x ulysses2"):
+        resolve_plan(ParallelPlan(ulysses=4), 4, Workload(batch=1, negative_pass=True, **dict(SD3_MEDIUM_1024, heads=6)))
+    with pytest.raises(PlanError, match=r"ulysses x ring = 8 does not divide .*try cfg2 x ulysses4"):
+        resolve_plan(ParallelPlan(ulysses=4, ring=2), 8, Workload(batch=1, negative_pass=True,
+                                                                   **dict(SD3_MEDIUM_1024, image_tokens=4092)))
+
+
+@pytest.mark.parametrize("ranks", [0, 9, -1, True, 2.0])
+def test_rank_counts_outside_1_to_8_are_refused(ranks):
+    with pytest.raises(PlanError, match=r"ranks=.* is invalid: use 1 to 8"):
+        resolve_plan(AUTO, ranks, Workload(batch=1, negative_pass=False, **FLUX_DEV_1024))
+
+
+def test_auto_says_when_no_plan_fits_the_rank_count():
+    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=49))
+    with pytest.raises(PlanError, match="no parallel plan runs this job on 2 ranks .*7 heads, 49 image tokens"):
+        resolve_plan(AUTO, 2, work)

@@ -40,7 +40,7 @@ class GenerateRequest:
     # ---- client side -------------------------------------------------------------------------------------------
     def validate(self, ranks: int | None = None) -> PlanChoice:
         """Every check that needs no rank, then the plan resolved for `ranks` (default: an explicit plan's own rank
-        count) and stored in `plan`. Raises ValueError (PlanError, CheckpointError) naming the input, the value and
+        count, 1 for auto) and stored in `plan`. Raises ValueError (PlanError, CheckpointError) naming the input, the value and
         what works."""
         self.check_scalars()
         info = inspect_model(self.model)  # CheckpointError (a ValueError) for a bad file; cached while unchanged
@@ -66,9 +66,7 @@ class GenerateRequest:
         if self.loras:
             self._check_loras(info)
         if ranks is None:
-            if not isinstance(self.plan, ParallelPlan):
-                raise ValueError("plan 'auto' needs a rank count: give ranks (1 to 8)")
-            ranks = self.plan.world_size
+            ranks = self.plan.world_size if isinstance(self.plan, ParallelPlan) else 1
         work = Workload(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
                         image_tokens=(lat.shape[2] // info.latent_patch) * (lat.shape[3] // info.latent_patch),
                         negative_pass=self.negative_pass)
