@@ -20,6 +20,7 @@ from conftest import ROOT
 
 GOLDEN = os.path.join(ROOT, "tests", "golden", "comfyui_sigmas.json")
 LATENT_FORMAT = {"flux": (0.3611, 0.1159), "sd3": (1.5305, 0.0609)}  # (scale, shift), from ComfyUI
+TINY_BLOCKS = {"flux": 8, "sd3": 4}  # transformer blocks of the tiny models written here (FLUX: 4 double + 4 single)
 
 
 def golden_sigmas(family, scheduler, steps):
@@ -95,30 +96,13 @@ def test_generate_equals_an_independent_comfyui_style_euler_reference(files, fam
     assert res.returncode == 0, res.stderr + res.stdout
     got = load_file(str(out))["samples"]
     want = reference_euler(files[family], family, files[f"{family}_cond"], 42, 4, cfg, (1, 16, 12, 16))
-    diff = (got - want).abs().max().item()
-    print(f"{family} cfg {cfg}: engine vs independent reference, max abs diff {diff:.3g} (|ref| max "
-          f"{want.abs().max():.3g})")
+    from tolerance import fp32_bound, report, sampling_amplification
+    # the same model through other code (packing, embedding hook, sigmas computed vs golden, another process)
+    bound = fp32_bound(want.abs().max(), reduction=4096, depth=TINY_BLOCKS[family],
+                       amplification=sampling_amplification(4, cfg))
     assert got.shape == (1, 16, 12, 16)
-    assert diff <= 1e-4
-
-
-def test_bad_requests_fail_before_any_rank_starts_naming_the_value(files):
-    cond = str(files["dir"] / "sd3_cond.safetensors")
-    cases = [
-        (["--model", files["sd3"], "--cond", cond, "--width", "120"], "--width 120 --height 1024 is invalid"),
-        (["--model", files["sd3"], "--cond", cond, "--sampler", "lms"], "sampler='lms' is not supported"),
-        (["--model", files["sd3"], "--cond", cond, "--scheduler", "foo"], "scheduler='foo' is not supported"),
-        (["--model", files["flux"], "--cond", cond], "cond of shape \\[1, 30, 4096\\] is invalid|pooled of shape"),
-        (["--model", files["sd3"], "--cond", cond, "--denoise", "0.5"], "--denoise 0.5 needs an input --latent"),
-        (["--model", str(files["dir"] / "nope.safetensors"), "--cond", cond], "does not exist"),
-    ]
-    for args, message in cases:
-        res = generate(*args, "--steps", "2", "--out", str(files["dir"] / "x.safetensors"))
-        assert res.returncode == 2, (args, res.stdout, res.stderr)
-        assert __import__("re").search(message, res.stderr), (message, res.stderr)
-    flux_cond = str(files["dir"] / "flux_cond.safetensors")
-    res = generate("--model", files["flux"], "--cond", flux_cond, "--cfg", "3.0", "--steps", "2", "--out", "x")
-    assert res.returncode == 2 and "cfg=3.0 needs a negative conditioning" in res.stderr
+    assert report(f"{family} cfg {cfg}: engine vs independent reference (|ref| max {want.abs().max():.3g})",
+                  (got - want).abs().max(), bound)
 
 
 def test_a_batch_gives_each_item_its_own_noise_and_conditioning(files):
@@ -136,16 +120,20 @@ def test_a_batch_gives_each_item_its_own_noise_and_conditioning(files):
                   neg_cond=neg, neg_pooled=neg_pooled)
     batch = GenerateRequest(cond=cond, pooled=pooled, latent_raw=torch.zeros(2, 16, 8, 8), **common)
     batch.validate()
+    from tolerance import fp32_bound, report, sampling_amplification
     with Engine(1, device="cpu") as engine:
         together = engine.submit("generate", *batch.to_job()).outputs["samples"]
+        # a batch of 2 and a batch of 1 go through other matmul blockings: equal to fp32 rounding, which 3 steps at
+        # cfg 2.0 amplify (a wrong item's noise or prompt differs by 0.1 or more)
+        bound = fp32_bound(together.abs().max(), reduction=4096, depth=TINY_BLOCKS["sd3"],
+                           amplification=sampling_amplification(3, 2.0))
         for i in range(2):
             one = GenerateRequest(cond=cond[i:i + 1], pooled=pooled[i:i + 1], latent_raw=torch.zeros(1, 16, 8, 8),
                                   batch_index=[i], **common)
             one.validate()
             alone = engine.submit("generate", *one.to_job()).outputs["samples"]
-            diff = (alone[0] - together[i]).abs().max().item()
-            print(f"batch item {i} vs alone with batch_index [{i}]: max abs diff {diff:.3g}")
-            assert diff <= 1e-5
+            assert report(f"batch item {i} vs alone with batch_index [{i}]", (alone[0] - together[i]).abs().max(),
+                          bound)
     assert (together[0] - together[1]).abs().max() > 0.1  # different prompts, different noise
 
 
@@ -157,15 +145,8 @@ def test_generate_plan_flags_give_the_single_rank_latent(files):
     res = generate(*common, "--cfg-parallel", "--out", str(two))
     assert res.returncode == 0, res.stderr
     assert "plan cfg2 on 2 rank(s)" in res.stdout and "cfg_gather" in res.stdout
-    diff = (load_file(str(two))["samples"] - load_file(str(one))["samples"]).abs().max().item()
-    print(f"generate --cfg-parallel vs one rank: max abs diff {diff:.3g}")
-    assert diff <= 1e-4
-
-
-def test_generate_refuses_a_rank_count_or_gpu_list_that_does_not_fit_the_plan(files):
-    common = ["--model", files["flux"], "--cond", str(files["dir"] / "flux_cond.safetensors"), "--steps", "2",
-              "--width", "128", "--height", "128", "--out", "x"]
-    res = generate(*common, "--ulysses", "2", "--ranks", "3")
-    assert res.returncode == 2 and "needs 2 ranks but the engine has 3" in res.stderr
-    res = generate(*common, "--ulysses", "2", "--gpus", "0")
-    assert res.returncode == 2 and "names 1 GPUs for 2 ranks" in res.stderr
+    from tolerance import fp32_bound, report, sampling_amplification
+    want = load_file(str(one))["samples"]
+    bound = fp32_bound(want.abs().max(), reduction=4096, depth=TINY_BLOCKS["sd3"],
+                       amplification=sampling_amplification(3, 4.0))  # a rank split: another summation order
+    assert report("generate --cfg-parallel vs one rank", (load_file(str(two))["samples"] - want).abs().max(), bound)

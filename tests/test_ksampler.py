@@ -194,13 +194,17 @@ def test_batch_items_get_their_own_noise(sampler):
     args = dict(family="sd3", seed=9, steps=4, cfg=2.5, sampler=sampler, scheduler="simple")
     both = ksample(ToyModel(), latent, **args)
     assert not torch.allclose(both[0], both[1])
+    from tolerance import fp32_bound, report, sampling_amplification
+    # another batch size or item order may take another einsum kernel: equal to fp32 rounding of the toy model's
+    # 16-channel mix, through 4 steps at cfg 2.5 (a wrong item's noise differs by far more)
+    bound = fp32_bound(both.abs().max(), reduction=16, amplification=sampling_amplification(4, 2.5))
     if sampler == "euler":  # deterministic and per-item: each item equals a one-item run with its batch_index
         for j in range(2):
             alone = ksample(ToyModel(), latent[j:j + 1], batch_index=[j], **args)
-            assert float((alone[0] - both[j]).abs().max()) <= TOLERANCE
+            assert report(f"item {j} vs alone with batch_index [{j}]", (alone[0] - both[j]).abs().max(), bound)
     swapped = ksample(ToyModel(), latent, batch_index=[1, 0], **args)
     if sampler == "euler":
-        assert float((swapped - both.flip(0)).abs().max()) <= TOLERANCE
+        assert report("batch_index [1, 0] vs [0, 1], flipped", (swapped - both.flip(0)).abs().max(), bound)
     assert torch.isfinite(swapped).all()
 
 

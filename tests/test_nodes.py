@@ -162,9 +162,12 @@ def test_auto_plan_picks_a_plan_that_fits_the_job_and_gives_the_one_rank_latent(
     s2 = settings(core, models[family], gpus=(0, 1))
     two = core.sample(s2, conditioning(1), conditioning(2), empty_latent(), **kw)
     assert core.REGISTRY.running(s2).last_plan == expected
-    diff = (two["samples"] - one["samples"]).abs().max().item()
-    print(f"{family} auto plan {expected} on 2 ranks vs 1 rank: max abs diff {diff:.3g}")
-    assert diff <= 1e-4
+    from tolerance import fp32_bound, report, sampling_amplification
+    # a rank split sums in another order; the tiny SD3.5 has 4 blocks, the tiny FLUX 4 double + 4 single
+    bound = fp32_bound(one["samples"].abs().max(), reduction=4096, depth=4 if family == "sd3" else 8,
+                       amplification=sampling_amplification(2, cfg))
+    assert report(f"{family} auto plan {expected} on 2 ranks vs 1 rank", (two["samples"] - one["samples"]).abs().max(),
+                  bound)
     assert f"last job: plan {expected}" in core.describe(s2)
     assert "rank 1 (cpu): rss" in core.describe(s2)  # each rank reports its own memory
     core.REGISTRY.unload(s2)
@@ -223,7 +226,10 @@ def test_lora_node_chains_without_changing_upstream_settings_and_equals_generate
                           "--seed", "3", "--steps", "2", "--width", "128", "--height", "128", "--lora", f"{lora}:1.0",
                           "--out", str(tmp_path / "o.safetensors")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    diff = (out["samples"] - load_file(str(tmp_path / "o.safetensors"))["samples"]).abs().max().item()
-    print(f"LoRA chained 0.7 + 0.3 through the nodes vs generate --lora at 1.0: max abs diff {diff:.3g}")
-    assert diff <= 1e-5
+    from tolerance import fp32_bound, report, sampling_amplification
+    # W + 0.7 d + 0.3 d and W + 1.0 d round differently: weights equal to fp32 rounding, through 8 blocks and 2 steps
+    want = load_file(str(tmp_path / "o.safetensors"))["samples"]
+    assert report("LoRA chained 0.7 + 0.3 through the nodes vs generate --lora at 1.0",
+                  (out["samples"] - want).abs().max(),
+                  fp32_bound(want.abs().max(), reduction=4096, depth=8, amplification=sampling_amplification(2)))
     assert "LoRA: " in core.describe(chained)

@@ -11,7 +11,13 @@ from engine.models.tiny import write_tiny
 
 from conftest import FAST
 
-TOLERANCE = 1e-4
+
+def bound(reference, family, cfg):
+    """A rank split sums in another order: equal to fp32 rounding through the tiny model's blocks (FLUX: 4 double +
+    4 single, SD3.5: 4) and the 3 sampling steps of every request here."""
+    from tolerance import fp32_bound, sampling_amplification
+    return fp32_bound(reference.abs().max(), reduction=4096, depth=8 if family == "flux" else 4,
+                      amplification=sampling_amplification(3, cfg))
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +83,11 @@ def test_plan_latent_equals_the_single_rank_latent(models, engines, family, plan
     reference, _ = run(engines, request(models, family, batch=batch, cfg=cfg, text_tokens=text))
     parallel, sent = run(engines, request(models, family, batch=batch, cfg=cfg, text_tokens=text,
                                           plan=ParallelPlan(**plan)))
-    diff = (parallel - reference).abs().max().item()
-    print(f"{family} {ParallelPlan(**plan).describe()} batch {batch} cfg {cfg} text {text}: max abs diff {diff:.3g}; "
-          f"bytes sent per step by rank 0: { {k: int(v) for k, v in sent.items()} }")
+    from tolerance import report
+    print(f"bytes sent per step by rank 0: { {k: int(v) for k, v in sent.items()} }")
     assert parallel.shape == reference.shape
-    assert diff <= TOLERANCE
+    assert report(f"{family} {ParallelPlan(**plan).describe()} batch {batch} cfg {cfg} text {text}",
+                  (parallel - reference).abs().max(), bound(reference, family, cfg))
     if batch == 2:
         assert (parallel[0] - parallel[1]).abs().max() > 0.1  # different prompts stayed different
 
@@ -92,9 +98,9 @@ def test_data_parallel_keeps_stochastic_samplers_whole_batch_noise(models, engin
     ComfyUI draws it, so a stochastic sampler under dp gives the single-rank latent."""
     reference, _ = run(engines, request(models, "flux", batch=2, sampler=sampler))
     parallel, sent = run(engines, request(models, "flux", batch=2, sampler=sampler, plan=ParallelPlan(dp=2)))
-    diff = (parallel - reference).abs().max().item()
-    print(f"flux dp2 {sampler} batch 2: max abs diff {diff:.3g}; rank 0 sent per step {dict(sent)}")
-    assert diff <= TOLERANCE
+    from tolerance import report
+    print(f"rank 0 sent per step {dict(sent)}")
+    assert report(f"flux dp2 {sampler} batch 2", (parallel - reference).abs().max(), bound(reference, "flux", 1.0))
     assert set(sent) == {"dp_gather"}
 
 

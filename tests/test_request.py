@@ -98,3 +98,9 @@ def test_the_checkpoint_header_is_read_once_and_again_only_when_the_file_changes
     os.utime(sd3, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     request(sd3).validate(ranks=1)
     assert len(reads) == 2
+
+
+def test_an_sd3_latent_larger_than_its_position_grid_is_refused_before_any_rank(sd3):
+    with pytest.raises(ValueError, match="1024x1024 px is too large for sd3.5-medium: its position grid allows up to "
+                                         "512x512 px"):
+        request(sd3, latent_raw=torch.zeros(2, 16, 128, 128)).validate(ranks=1)

@@ -1,5 +1,8 @@
-"""`python -m engine bench bridge`: tensor round trips through our shared-memory bridge vs the xDiT-style
-path (pickle -> torch.ByteTensor(list(bytes)) -> dist.send over gloo), printed as a table."""
+"""`python -m engine bench bridge | generate | comm`: benchmarks that print tables, saying what they measure as they go.
+
+bridge: tensor round trips through our shared-memory bridge vs the xDiT-style path (pickle ->
+torch.ByteTensor(list(bytes)) -> dist.send over gloo); generate: one rank's generate job vs a plain in-process
+diffusers loop; comm: bytes one rank sends per step, per plan, measured vs analytic."""
 from __future__ import annotations
 
 import os
@@ -14,7 +17,55 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..runtime.client import Engine, PACK_ROOT
+from ..models.tiny import REAL
+from ..parallel.comm import MODELS, PLANS, analytic_bytes
+from ..runtime.client import Engine
+from ..runtime.launch import PACK_ROOT
+from . import args as types
+from .args import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print tables", description="Benchmarks that print tables.")
+    bench = p.add_subparsers(dest="what", required=True, metavar="{bridge,generate,comm}")
+
+    b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
+                         description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
+                                     "through the engine, vs xDiT's pickle -> ByteTensor -> gloo send between two "
+                                     "processes.")
+    b.add_argument("--sizes-mb", type=types.int_list, default="1,16,64", help="tensor sizes in MB, comma-separated")
+    b.add_argument("--repeats", type=types.positive_int, default=5, help="timed round trips per size (median)")
+    b.add_argument("--xdit-repeats", type=types.positive_int, default=2,
+                   help="xDiT-style round trips per size (it takes seconds per 64 MB)")
+    b.set_defaults(run=lambda a: bench_bridge(a.sizes_mb, a.repeats, a.xdit_repeats), parser=b)
+
+    g = bench.add_parser("generate", help="one-rank generate job vs a plain in-process diffusers loop",
+                         description="One rank's generate job against a plain in-process diffusers Euler loop with "
+                                     "the same random weights and inputs, timed after a warm-up.")
+    g.add_argument("--model", default="flux-dev", choices=list(REAL), help="synthetic variant (random weights)")
+    g.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
+    g.add_argument("--gpus", type=types.gpu_list, help="one CUDA GPU index to run on (default: the CPU)")
+    g.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")
+    g.add_argument("--height", type=types.pixels, default=256, help="image height in pixels")
+    g.add_argument("--steps", type=types.request_field("steps", types.integer), default=28, help="euler steps")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    g.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each path (median)")
+    g.set_defaults(run=_run_generate, parser=g)
+
+    c = bench.add_parser("comm", help="bytes sent per rank per step, per plan, measured vs analytic",
+                         description="Bytes one rank sends per denoising step under each plan, counted by the "
+                                     "engine's collectives at full model size on CPU ranks, vs the closed form. "
+                                     "About 90 s per model.")
+    c.add_argument("--models", type=types.name_list(list(MODELS)), default=",".join(MODELS),
+                   help="comma-separated model names")
+    c.set_defaults(run=lambda a: bench_comm(a.models), parser=c)
+
+
+def _run_generate(a) -> int:
+    if a.gpus and len(a.gpus) > 1:
+        raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs: bench generate "
+                         f"runs one rank, give one index")
+    return bench_generate(a.model, a.size, a.gpus, a.width, a.height, a.steps, a.dtype, a.repeats)
 
 
 def _bridge_times(engine: Engine, tensor: torch.Tensor, repeats: int, return_rank: int) -> float:
@@ -73,23 +124,33 @@ def _xdit_times(sizes_mb: list[int], repeats: int) -> dict[int, float]:
                "[int(s) for s in sys.argv[3].split(',')], int(sys.argv[4]))"
         args = [store, ",".join(map(str, sizes_mb)), str(repeats)]
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), *args], env=env, stdout=subprocess.PIPE,
-                                  text=True) for r in range(2)]
-        out, _ = procs[0].communicate(timeout=1800)
-        procs[1].wait(timeout=60)
+                                  text=True, process_group=0) for r in range(2)]  # Ctrl-C reaches us, not them
+        try:
+            out, _ = procs[0].communicate(timeout=1800)
+            procs[1].wait(timeout=60)
+        finally:  # Ctrl-C or a timeout: leave no worker behind
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         if procs[0].returncode or procs[1].returncode:
             raise RuntimeError("xDiT-style benchmark processes failed")
     return {int(mb): float(t) for mb, t in (line.split() for line in out.strip().splitlines())}
 
 
 def bench_bridge(sizes_mb: list[int], repeats: int = 5, xdit_repeats: int = 2) -> int:
-    print(f"tensor round trip, float32, median of {repeats} (xDiT-style: {xdit_repeats}); machine: {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(f"tensor round trip, float32, median of {repeats} (xDiT-style: {xdit_repeats}); machine: "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
     ours: dict[int, dict[int, float]] = {}
+    listed = ", ".join(map(str, sizes_mb))
     for world in (1, 2):
+        print(f"measuring: bridge, {world} CPU rank(s), {listed} MB ...", flush=True)
         with Engine(world, device="cpu") as engine:
             for mb in sizes_mb:
                 tensor = torch.randn(mb * 2**20 // 4)
                 _bridge_times(engine, tensor, 1, world - 1)  # warm-up
                 ours.setdefault(mb, {})[world] = _bridge_times(engine, tensor, repeats, world - 1)
+    print(f"measuring: xDiT-style, 2 gloo processes, {listed} MB ...", flush=True)
     xdit = _xdit_times(sizes_mb, xdit_repeats)
     header = ("size", "bridge, 1 rank", "bridge, 2 ranks*", "xDiT-style, 2 ranks", "xDiT / bridge(1)", "xDiT / bridge(2)")
     rows = [(f"{mb} MB", f"{ours[mb][1] * 1e3:.1f} ms", f"{ours[mb][2] * 1e3:.1f} ms", f"{xdit[mb] * 1e3:.1f} ms",
@@ -167,13 +228,19 @@ def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, 
                               latent_raw=torch.zeros(1, 16, height // 8, width // 8), seed=0, steps=steps, cfg=cfg,
                               neg_cond=torch.randn(1, tokens, 4096, generator=gen),
                               neg_pooled=torch.randn(1, pooled_dim, generator=gen), dtype=dtype)
-    request.validate(ranks=1)
+    try:
+        request.validate(ranks=1)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     spec, inputs = request.to_job()
     print(f"{source} {width}x{height}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
           f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; median of {repeats} after a warm-up")
-    with Engine(1, device=device, gpus=gpus[:1] if gpus else None) as engine:
+    print(f"measuring: engine, 1 rank: model built on the rank, 1 warm-up + {repeats} timed generate jobs ...",
+          flush=True)
+    with Engine(1, device=device, gpus=gpus) as engine:
         first = engine.submit("generate", spec, inputs)
         runs = [engine.submit("generate", spec, inputs) for _ in range(repeats)]
+    print(f"measuring: plain diffusers loop in this process, 1 warm-up + {repeats} timed runs ...", flush=True)
     engine_total = statistics.median(r.timings["total_s"] for r in runs)
     engine_compute = statistics.median(r.timings["compute_s"] for r in runs)
     loaded = load_model(source, dtype=dtype, device=device)
@@ -207,14 +274,21 @@ def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, 
 
 
 def bench_comm(models: list[str]) -> int:
-    from ..parallel.comm import MODELS, PLANS, analytic_bytes
     from ..parallel.plan import ParallelPlan
 
     print("bytes one rank sends per denoising step (one model call), 1024x1024, bf16 activations; measured = counted "
-          "by the engine's collectives\nwith full-size tensors on CPU ranks (gloo), attention arithmetic skipped")
+          "by the engine's collectives\nwith full-size tensors on CPU ranks (gloo), attention arithmetic skipped",
+          flush=True)
+    widths = (17, 10, 10, 6)
     for name in models:
         m = MODELS[name]
-        rows = []
+        print(f"\n{name}: {m['image_tokens']} image + {m['text_tokens']} text tokens "
+              f"({'split with the image' if m['text_split'] else 'joint, on every rank'}), {m['heads']} heads x "
+              f"{m['head_dim']}, {m['attention_layers']} attention layers; {len(PLANS[name])} plans, one engine "
+              f"each, a row as each is measured", flush=True)
+        header = ("plan", "measured", "analytic", "ratio", "measured by kind (GB)")
+        for row in (header, tuple("-" * w for w in widths + (21,))):
+            print(" | ".join(c.ljust(w) for c, w in zip(row, widths + (0,))), flush=True)
         for text in PLANS[name]:
             plan = ParallelPlan(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
             batch = 2 if m["negative_pass"] and plan.cfg == 1 else 1  # SD3's pos+neg batched in one forward
@@ -225,13 +299,7 @@ def bench_comm(models: list[str]) -> int:
             measured = sum(sent.values())
             expected = analytic_bytes(m, plan, batch)
             kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in sorted(sent.items()))
-            rows.append((plan.describe(), f"{measured / 1e9:.3f} GB", f"{expected / 1e9:.3f} GB",
-                         f"{measured / expected:.3f}", kinds))
-        print(f"\n{name}: {m['image_tokens']} image + {m['text_tokens']} text tokens "
-              f"({'split with the image' if m['text_split'] else 'joint, on every rank'}), {m['heads']} heads x "
-              f"{m['head_dim']}, {m['attention_layers']} attention layers")
-        header = ("plan", "measured", "analytic", "ratio", "measured by kind (GB)")
-        widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
-        for row in [header, tuple("-" * w for w in widths)] + rows:
-            print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
+            row = (plan.describe(), f"{measured / 1e9:.3f} GB", f"{expected / 1e9:.3f} GB",
+                   f"{measured / expected:.3f}", kinds)
+            print(" | ".join(c.ljust(w) for c, w in zip(row, widths + (0,))), flush=True)
     return 0

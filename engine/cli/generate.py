@@ -1,100 +1,172 @@
 """`python -m engine generate`: one KSampler run through the engine, from files to a LATENT file."""
 from __future__ import annotations
 
-import os
+import sys
 import time
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..runtime.client import Engine
-from ..errors import EngineError
 from ..generate.request import GenerateRequest
-from ..parallel.plan import ParallelPlan
+from ..models.load import COMPUTE_DTYPES
+from ..models.safetensors_file import read_header
+from ..parallel.plan import AUTO, ParallelPlan
+from ..runtime.client import Engine
+from ..sampling.samplers import SAMPLERS
+from ..sampling.schedules import SCHEDULERS
+from . import args as types
+from .args import UsageError
+
+DEGREES = ("dp", "pipefusion", "ulysses", "ring")  # integer degree flags; --cfg-parallel sets cfg=2
 
 
-def _read(path: str, what: str) -> dict[str, torch.Tensor]:
-    if not os.path.isfile(path):
-        raise ValueError(f"{what} file {path!r} does not exist")
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="sample a LATENT with a FLUX/SD3 checkpoint, as ComfyUI's KSampler does",
+                       description="Sample a ComfyUI LATENT ({'samples': [B,16,H/8,W/8]}) on a group of rank "
+                                   "processes. Every input is checked before any rank starts.")
+    p.add_argument("--model", required=True, type=types.model_source,
+                   help="FLUX.1/SD3 checkpoint file, diffusers folder, or synthetic:<variant>[:tiny]")
+    p.add_argument("--cond", required=True, type=types.existing_file,
+                   help="safetensors with cond and pooled (and neg_cond, neg_pooled for cfg != 1)")
+    p.add_argument("--out", required=True, type=types.output_file, help="output LATENT safetensors ('samples')")
+    p.add_argument("--seed", type=types.seed, default=0, help="noise seed, 0 .. 2**64-1")
+    p.add_argument("--steps", type=types.request_field("steps", types.integer), default=20, help="sampling steps")
+    p.add_argument("--cfg", type=types.request_field("cfg", types.finite_float), default=1.0,
+                   help="CFG scale; 1.0 runs no negative pass")
+    p.add_argument("--sampler", default="euler", choices=SAMPLERS, metavar="NAME",
+                   help=f"ComfyUI sampler: {', '.join(SAMPLERS)}")
+    p.add_argument("--scheduler", default="simple", choices=SCHEDULERS, metavar="NAME",
+                   help=f"ComfyUI scheduler: {', '.join(SCHEDULERS)}")
+    p.add_argument("--width", type=types.pixels, help="image width in pixels (default: 1024, or --latent's)")
+    p.add_argument("--height", type=types.pixels, help="image height in pixels (default: 1024, or --latent's)")
+    p.add_argument("--batch", type=types.positive_int, help="images per job (default: 1, or --latent's batch)")
+    p.add_argument("--denoise", type=types.request_field("denoise", types.finite_float), default=1.0,
+                   help="denoise strength; < 1 needs --latent (img2img)")
+    p.add_argument("--latent", type=types.existing_file, help="input LATENT safetensors ('samples') to denoise from")
+    p.add_argument("--guidance", type=types.request_field("guidance", types.finite_float), default=3.5,
+                   help="FLUX guidance (FluxGuidance); SD3 ignores it")
+    p.add_argument("--dtype", default="fp32", choices=list(COMPUTE_DTYPES), help="compute dtype")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--device", choices=["cpu"], help="run the ranks on the CPU (the default without --gpus)")
+    where.add_argument("--gpus", type=types.gpu_list, help="comma-separated CUDA GPU indices, one rank each, e.g. 0,1")
+    p.add_argument("--ranks", type=types.ranks, help="rank count, 1 to 8 (default: the explicit plan's product of "
+                                                      "degrees, else the number of --gpus, else 1)")
+    p.add_argument("--plan", choices=["auto", "explicit"],
+                   help="auto: choose the plan for --ranks (the default when no degree flag is given); explicit: "
+                        "the degrees given (1 when absent; implied by any degree flag)")
+    p.add_argument("--ulysses", type=types.positive_int, help="Ulysses sequence-parallel degree (explicit plan)")
+    p.add_argument("--ring", type=types.positive_int, help="Ring sequence-parallel degree (explicit plan)")
+    p.add_argument("--cfg-parallel", action="store_true", help="positive and negative passes on different ranks "
+                                                                "(explicit plan)")
+    p.add_argument("--dp", type=types.positive_int, help="data-parallel degree over the batch (explicit plan)")
+    p.add_argument("--pipefusion", type=types.positive_int, help="PipeFusion stages (explicit plan; not built: 1)")
+    p.add_argument("--lora", type=types.lora, action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="apply a LoRA (kohya, BFL/ComfyUI or diffusers format); repeat to chain")
+    p.set_defaults(run=run, parser=p)
+
+
+def _read(path: str, flag: str) -> dict[str, torch.Tensor]:
+    try:
+        read_header(path)  # names the file and what is wrong with it (not safetensors, truncated, ...)
+    except ValueError as e:
+        raise UsageError(f"argument {flag}: {e}") from None
     with safe_open(path, "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _lora_arg(entry: str) -> tuple[str, float]:
-    """PATH or PATH:STRENGTH (strength 1.0 when absent)."""
-    path, sep, strength = entry.rpartition(":")
-    if sep:
-        try:
-            return path, float(strength)
-        except ValueError:
-            pass
-    return entry, 1.0
+def _plan(a) -> ParallelPlan | str:
+    given = [f"--{n}" for n in DEGREES if getattr(a, n) is not None] + (["--cfg-parallel"] if a.cfg_parallel else [])
+    if a.plan == AUTO and given:
+        raise UsageError(f"argument --plan: auto cannot be combined with {', '.join(given)}: drop --plan auto for "
+                         f"the explicit plan those flags give, or drop them to let auto choose")
+    if not given and a.plan != "explicit":
+        return AUTO
+    return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
 
 
-def build_request(args) -> GenerateRequest:
-    cond = _read(args.cond, "--cond")
-    for key in ("cond", "pooled"):
-        if key not in cond:
-            raise ValueError(f"--cond {args.cond} has no {key!r} tensor (it has {sorted(cond)}); it needs cond and "
-                             f"pooled, and neg_cond and neg_pooled for cfg != 1")
-    if args.width % 16 or args.height % 16 or args.width <= 0 or args.height <= 0:
-        raise ValueError(f"--width {args.width} --height {args.height} is invalid: use positive multiples of 16")
-    if args.batch < 1:
-        raise ValueError(f"--batch {args.batch} is invalid: use 1 or more")
-    if args.latent:
-        latent_file = _read(args.latent, "--latent")
-        if "samples" not in latent_file:
-            raise ValueError(f"--latent {args.latent} has no 'samples' tensor (it has {sorted(latent_file)})")
-        latent = latent_file["samples"].float()
-        expected = (args.height // 8, args.width // 8)
-        if tuple(latent.shape[2:]) != expected:
-            raise ValueError(f"--latent is {latent.shape[3] * 8}x{latent.shape[2] * 8} px but --width/--height say "
-                             f"{args.width}x{args.height}")
-    else:
-        if args.denoise < 1:
-            raise ValueError(f"--denoise {args.denoise} needs an input --latent to denoise from (img2img)")
-        latent = torch.zeros(args.batch, 16, args.height // 8, args.width // 8)
-    loras = [_lora_arg(entry) for entry in args.lora]
-    degrees = dict(dp=args.dp, cfg=2 if args.cfg_parallel else 1, pipefusion=args.pipefusion, ulysses=args.ulysses,
-                   ring=args.ring)
-    plan = ParallelPlan(**degrees) if any(v > 1 for v in degrees.values()) else "auto"
-    return GenerateRequest(plan=plan, loras=loras, model=args.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=latent,
-                           seed=args.seed, steps=args.steps, cfg=args.cfg, sampler=args.sampler,
-                           scheduler=args.scheduler, denoise=args.denoise, neg_cond=cond.get("neg_cond"),
-                           neg_pooled=cond.get("neg_pooled"), guidance=args.guidance, dtype=args.dtype)
+def _latent(a) -> torch.Tensor:
+    if a.latent is None:
+        if a.denoise < 1:
+            raise UsageError(f"argument --denoise: {a.denoise} needs an input --latent to denoise from (img2img)")
+        return torch.zeros(a.batch or 1, 16, (a.height or 1024) // 8, (a.width or 1024) // 8)
+    samples = _read(a.latent, "--latent").get("samples")
+    if samples is None:
+        raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor: give a ComfyUI LATENT file")
+    if samples.ndim == 4:  # other shapes: request.validate names what the model takes
+        size = (samples.shape[3] * 8, samples.shape[2] * 8)
+        if (a.width or size[0], a.height or size[1]) != size:
+            raise UsageError(f"argument --latent: {a.latent} is {size[0]}x{size[1]} px but --width/--height say "
+                             f"{a.width or size[0]}x{a.height or size[1]}: leave them out or match the latent")
+        if a.batch not in (None, samples.shape[0]):
+            raise UsageError(f"argument --batch: {a.batch} does not match --latent's batch of {samples.shape[0]}: "
+                             f"leave out --batch")
+    return samples.float()
 
 
-def run_generate(args, parser) -> int:
-    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+def build_request(a) -> GenerateRequest:
+    """The request the flags describe (not yet validated). Raises UsageError for a bad input file."""
+    cond = _read(a.cond, "--cond")
+    missing = [k for k in ("cond", "pooled") if k not in cond]
+    if missing:
+        raise UsageError(f"argument --cond: {a.cond} has no {' or '.join(map(repr, missing))} tensor (it has "
+                         f"{sorted(cond)}): it needs cond and pooled, and neg_cond and neg_pooled for cfg != 1")
+    return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=_latent(a),
+                           seed=a.seed, steps=a.steps, cfg=a.cfg, sampler=a.sampler, scheduler=a.scheduler,
+                           denoise=a.denoise, neg_cond=cond.get("neg_cond"), neg_pooled=cond.get("neg_pooled"),
+                           guidance=a.guidance, dtype=a.dtype, plan=_plan(a), loras=a.lora)
+
+
+def prepare(a):
+    """(request, ranks, PlanChoice): every check that needs no rank, the plan resolved. Raises UsageError."""
+    request = build_request(a)
+    explicit = isinstance(request.plan, ParallelPlan)
+    ranks = a.ranks or (request.plan.world_size if explicit else len(a.gpus) if a.gpus else 1)
+    if a.gpus and len(a.gpus) != ranks:
+        raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs for {ranks} "
+                         f"ranks: give one GPU per rank")
     try:
-        request = build_request(args)
-        ranks = args.ranks or (request.plan.world_size if request.plan != "auto" else len(gpus or [0]))
-        if gpus and len(gpus) != ranks:
-            raise ValueError(f"--gpus {args.gpus} names {len(gpus)} GPUs for {ranks} ranks: give one GPU per rank")
         choice = request.validate(ranks)
-    except ValueError as e:
-        parser.error(str(e))
-    spec, inputs = request.to_job()
-    t0 = time.perf_counter()
-    with Engine(ranks, device="cuda" if gpus else "cpu", gpus=gpus) as engine:
-        t_start = time.perf_counter() - t0
+    except ValueError as e:  # PlanError, CheckpointError, a tensor of the wrong shape ...
+        raise UsageError(str(e)) from None
+    return request, ranks, choice
 
-        def progress(step: int, total: int) -> None:
-            print(f"\rstep {step}/{total}", end="", flush=True)
+
+class Progress:
+    """The engine's on_progress: "\\rstep 3/20" in place on a terminal, whole lines "step 3/20" otherwise."""
+
+    def __init__(self):
+        self.tty = sys.stdout.isatty()
+        self.pending = False
+
+    def __call__(self, step: int, total: int) -> None:
+        print(f"\rstep {step}/{total}" if self.tty else f"step {step}/{total}", end="" if self.tty else "\n",
+              flush=True)
+        self.pending = self.tty
+
+    def close(self) -> None:
+        if self.pending:
+            print()
+            self.pending = False
+
+
+def run(a) -> int:
+    request, ranks, choice = prepare(a)
+    print(choice.reason, flush=True)
+    spec, inputs = request.to_job()
+    progress = Progress()
+    t0 = time.perf_counter()
+    with Engine(ranks, device="cuda" if a.gpus else "cpu", gpus=a.gpus) as engine:
+        t_start = time.perf_counter() - t0
         try:
             result = engine.submit("generate", spec, inputs, on_progress=progress)
-        except EngineError as e:
-            print()
-            print(f"error: {e}")
-            return 1
-    print()
+        finally:
+            progress.close()
     samples = result.outputs["samples"]
-    save_file({"samples": samples.contiguous()}, args.out)
+    save_file({"samples": samples.contiguous()}, a.out)
     model = result.ranks[0].get("model", {})
-    print(f"wrote {args.out}: samples {list(samples.shape)} {samples.dtype} ({model.get('variant')}, "
-          f"{model.get('layout')} layout, {args.dtype})")
-    print(f"plan {choice.reason}")
+    print(f"wrote {a.out}: samples {list(samples.shape)} {samples.dtype} ({model.get('variant')}, "
+          f"{model.get('layout')} layout, {a.dtype})")
     print(f"plan {request.plan.describe()} on {ranks} rank(s); engine start {t_start:.2f} s; "
           + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
     sent = result.ranks[0].get("bytes_sent_per_step")

@@ -54,6 +54,11 @@ class GenerateRequest:
         if lat.shape[2] % 2 or lat.shape[3] % 2 or lat.shape[2] < 2 or lat.shape[3] < 2:
             raise ValueError(f"latent {lat.shape[3] * 8}x{lat.shape[2] * 8} px is invalid: {info.family} needs width "
                              f"and height that are positive multiples of 16 px")
+        grid = info.config.get("pos_embed_max_size")  # SD3 crops its positions from a grid of this many patches
+        if grid and max(lat.shape[2], lat.shape[3]) // info.latent_patch > grid:
+            limit = grid * info.latent_patch * 8
+            raise ValueError(f"latent {lat.shape[3] * 8}x{lat.shape[2] * 8} px is too large for {info.variant}: its "
+                             f"position grid allows up to {limit}x{limit} px")
         batch = lat.shape[0]
         self._check_side("cond", self.cond, self.pooled, info, batch)
         if self.negative_pass:

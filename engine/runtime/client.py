@@ -13,22 +13,19 @@ import itertools
 import json
 import os
 import selectors
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from . import bridge
 from ..errors import EngineError, JobCancelled
+from .launch import kill_all, log_tail, rank_env, signal_name, spawn_rank
 from .protocol import Channel, ChannelClosed
 
-PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_RANKS = 8
 PHASES = ("sent", "broadcast", "compute", "return")
 
@@ -62,37 +59,6 @@ class JobResult:
     ranks: list[dict] = field(default_factory=list)  # what each rank reported (job id, crc32, ...)
     job_id: int = 0
     crc32: int = 0
-
-
-def _signal_name(returncode: int | None) -> str:
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
-def _kill_all(procs: list, chans: list, engine_dir: str | None) -> None:
-    """Hard stop: SIGKILL every rank we have not reaped (a zombie keeps its pid, so this never hits a
-    stranger), close channels, remove shared memory. Also the finalizer for a forgotten Engine."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.kill()
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-    for c in chans:
-        c.close()
-    if engine_dir:
-        bridge.remove_engine_dir(engine_dir)
 
 
 class Engine:
@@ -163,36 +129,16 @@ class Engine:
         self.engine_dir = bridge.make_engine_dir()
         self.generation += 1
         store_path = os.path.join(self.engine_dir, f"store-{self.generation}")
-        env = dict(os.environ)
-        # Subprocesses must find the engine even when the pack is not on sys.path (ComfyUI imports by path).
-        env["PYTHONPATH"] = os.pathsep.join([PACK_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # a local engine talks over loopback only
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        if self.device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpus)
+        env = rank_env(self.gpus if self.device == "cuda" else None)
         threads = max(1, (os.cpu_count() or 1) // self.world)
-        self._finalizer = weakref.finalize(self, _kill_all, self._procs, self._chans, self.engine_dir)
+        self._finalizer = weakref.finalize(self, kill_all, self._procs, self._chans, self.engine_dir)
         pgid = 0
         try:
             for rank in range(self.world):
-                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                if self.rank_stdio == "log":
-                    log = open(os.path.join(self.engine_dir, f"rank{rank}.log"), "wb")
-                    stdio = {"stdout": log, "stderr": subprocess.STDOUT}
-                else:
-                    log, stdio = None, {}
-                try:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "engine.runtime.rank", "--fd", str(child_sock.fileno())],
-                        pass_fds=(child_sock.fileno(),), env=env, cwd=PACK_ROOT, stdin=subprocess.DEVNULL,
-                        process_group=pgid, **stdio)
-                finally:
-                    child_sock.close()
-                    if log:
-                        log.close()
+                log = os.path.join(self.engine_dir, f"rank{rank}.log") if self.rank_stdio == "log" else None
+                proc, chan = spawn_rank(env, pgid, log)
                 pgid = pgid or proc.pid  # all ranks share one process group, led by rank 0
                 self._procs.append(proc)
-                chan = Channel(parent_sock)
                 self._chans.append(chan)
                 chan.send({"op": "init", "rank": rank, "world": self.world,
                            "backend": "nccl" if self.device == "cuda" else "gloo",
@@ -237,22 +183,13 @@ class Engine:
             self._procs[rank].wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
-        return _signal_name(self._procs[rank].poll())
+        return signal_name(self._procs[rank].poll())
 
-    def _log_tail(self, rank: int, lines: int = 15) -> str:
-        if not self.engine_dir:
-            return ""
-        try:
-            with open(os.path.join(self.engine_dir, f"rank{rank}.log"), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 8192))
-                text = f.read().decode(errors="replace").strip().splitlines()[-lines:]
-        except OSError:
-            return ""
-        return ("\n--- rank %d log (last lines) ---\n" % rank + "\n".join(text)) if text else ""
+    def _log_tail(self, rank: int) -> str:
+        return log_tail(self.engine_dir, rank)
 
     def _teardown(self) -> None:
-        _kill_all(self._procs, self._chans, self.engine_dir)
+        kill_all(self._procs, self._chans, self.engine_dir)
         if self._finalizer is not None:
             self._finalizer.detach()
         self._procs.clear()
@@ -290,8 +227,11 @@ class Engine:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            self._teardown()  # Ctrl-C (KeyboardInterrupt), SystemExit: kill the ranks now, do not wait for a busy job
+        else:
+            self.close()
 
     def _ensure_healthy(self) -> None:
         if not self._procs:
@@ -302,7 +242,7 @@ class Engine:
             return
         dead = [r for r, p in enumerate(self._procs) if p.poll() is not None]
         if dead:
-            self.restart(f"rank {dead[0]} had exited while idle ({_signal_name(self._procs[dead[0]].poll())})")
+            self.restart(f"rank {dead[0]} had exited while idle ({signal_name(self._procs[dead[0]].poll())})")
 
     # ---- jobs ----------------------------------------------------------------------------------
     def submit(self, kind: str, spec: dict | None = None, inputs: dict[str, torch.Tensor] | None = None, *,
@@ -340,7 +280,6 @@ class Engine:
                 if rank == 0:
                     message.update(doc=doc, segment=segment)
                 chan.send(message)
-            t_sent = time.perf_counter()
             reports = self._await_job(job_id, deadlines, on_progress, should_cancel)
             t_read0 = time.perf_counter()
             outputs: dict[str, torch.Tensor] = {}
@@ -376,7 +315,7 @@ class Engine:
     def _fail(self, reason: str) -> None:
         """The group may be mid-collective: kill it now (frees GPUs at once); start anew on the next job."""
         self._broken = reason
-        _kill_all(self._procs, [], None)
+        kill_all(self._procs, [], None)
 
     def _await_job(self, job_id: int, deadlines: Deadlines, on_progress, should_cancel) -> list[dict]:
         now = time.monotonic()

@@ -1,0 +1,207 @@
+"""The command line's parser (errors in one line, defaults in --help) and its typed argument parsers.
+
+Each typed parser turns one flag's text into a value or raises ArgumentTypeError with "<value> is invalid: <what
+works>", which argparse prints as "argument --flag: ...". Rules the engine owns (a request's seed, steps, cfg...) are
+checked by the engine's own code (`request_field`), not restated here.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from argparse import ArgumentTypeError
+
+from ..parallel.plan import MAX_RANKS
+
+
+class UsageError(Exception):
+    """A user error: `main` prints "<prog>: error: <message>" as one line and exits 2."""
+
+    def __init__(self, message: str, prog: str | None = None):
+        super().__init__(" ".join(str(message).split()))  # one line, whatever the message held
+        self.prog = prog
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, without "(default: None)", "(default: False)" or "(default: [])"."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == [] \
+                or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) raised as UsageError, and whose subcommands
+    show their defaults in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        raise UsageError(message, self.prog)
+
+
+# ---- numbers ---------------------------------------------------------------------------------------------------
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    value = integer(text)
+    if value < 1:
+        raise ArgumentTypeError(f"{text} is invalid: use an integer >= 1")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ArgumentTypeError(f"{text} is invalid: use a finite number")
+    return value
+
+
+def ranks(text: str) -> int:
+    value = integer(text)
+    if not 1 <= value <= MAX_RANKS:
+        raise ArgumentTypeError(f"{text} is invalid: use 1 to {MAX_RANKS} ranks (one rank per GPU)")
+    return value
+
+
+def pixels(text: str) -> int:
+    """An image side in pixels: FLUX packs 2x2 latent patches of 8 px, so a positive multiple of 16."""
+    value = integer(text)
+    if value < 16 or value % 16:
+        raise ArgumentTypeError(f"{text} is invalid: use a positive multiple of 16 pixels, e.g. "
+                                f"{max(16, round(value / 16) * 16)}")
+    return value
+
+
+def int_list(text: str, item=positive_int, example: str = "1,16,64") -> list[int]:
+    """Comma-separated integers, each checked by `item`."""
+    try:
+        return [item(part.strip()) for part in text.split(",")]
+    except ArgumentTypeError as e:
+        raise ArgumentTypeError(f"{text!r}: {e}; give comma-separated integers, e.g. {example}") from None
+
+
+def request_field(name: str, convert):
+    """A flag that sets GenerateRequest.<name>: converted by `convert`, then checked by the request's own
+    check_scalars (the rule the ranks apply too), its message naming the value and what works."""
+    def parse(text: str):
+        from ..generate.request import GenerateRequest
+
+        value = convert(text)
+        try:
+            GenerateRequest(model="", cond=None, pooled=None, latent_raw=None, **{name: value}).check_scalars()
+        except ValueError as e:
+            head, _, rest = str(e).partition(" ")  # "steps=0 is invalid: ..." -> "0 is invalid: ..."
+            raise ArgumentTypeError(f"{text} {rest}" if head.startswith(f"{name}=") else str(e)) from None
+        return value
+    parse.__name__ = name
+    return parse
+
+
+seed = request_field("seed", integer)
+
+
+# ---- names -----------------------------------------------------------------------------------------------------
+def name_list(valid):
+    """Comma-separated names, each one of `valid`."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",")]
+        unknown = [n for n in names if n not in valid]
+        if unknown:
+            raise ArgumentTypeError(f"{', '.join(map(repr, unknown))} is not one of {', '.join(valid)}: give "
+                                    f"comma-separated names from that list")
+        return names
+    return parse
+
+
+# ---- files -----------------------------------------------------------------------------------------------------
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise ArgumentTypeError(f"{text} is not a file" if os.path.exists(text) else f"{text} does not exist")
+    return text
+
+
+def lora(text: str) -> tuple[str, float]:
+    """PATH or PATH:STRENGTH (strength 1.0 when absent; a path that itself holds ':' works when the file exists)."""
+    path, sep, strength = text.rpartition(":")
+    if not sep or os.path.isfile(text):
+        return existing_file(text), 1.0
+    try:
+        return existing_file(path), finite_float(strength)
+    except ArgumentTypeError as e:
+        raise ArgumentTypeError(f"{text}: {e}; give PATH or PATH:STRENGTH, e.g. style.safetensors:0.8") from None
+
+
+def model_source(text: str) -> str:
+    """A FLUX/SD3 checkpoint file, a diffusers folder or synthetic:<variant>[:tiny], read from its headers."""
+    from ..models.load import inspect_model
+
+    try:
+        inspect_model(text)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        raise ArgumentTypeError(str(e)) from None
+    return text
+
+
+def checkpoint_file(text: str) -> str:
+    """A FLUX/SD3 single-file checkpoint."""
+    return model_source(existing_file(text))
+
+
+def _writable_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def output_file(text: str) -> str:
+    """A file to write: its folder must exist and be writable (checked before any work, so no result is lost)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise ArgumentTypeError(f"{text} is a folder: give a file name, e.g. {os.path.join(text, 'out.safetensors')}")
+    if not os.path.isdir(folder):
+        raise ArgumentTypeError(f"{text} is invalid: its folder {folder} does not exist; create it or write elsewhere")
+    if not _writable_dir(folder):
+        raise ArgumentTypeError(f"{text} is invalid: its folder {folder} is not writable; write elsewhere")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A folder to write into, created if missing: it, or its nearest existing parent, must be a writable folder."""
+    path = os.path.abspath(text)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ArgumentTypeError(f"{text} is a file, not a folder" if path == os.path.abspath(text) else
+                                f"{text} is invalid: {path} is a file, not a folder")
+    if not _writable_dir(path):
+        raise ArgumentTypeError(f"{text} is invalid: {path} is not writable; write elsewhere")
+    return text
+
+
+# ---- devices ---------------------------------------------------------------------------------------------------
+def gpu_list(text: str) -> list[int]:
+    """Distinct visible CUDA device indices, one rank each."""
+    import torch
+
+    gpus = int_list(text, item=integer, example="0,1")
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ArgumentTypeError(f"{text} is invalid: give distinct GPU indices >= 0, e.g. 0,1")
+    if not torch.cuda.is_available():
+        raise ArgumentTypeError(f"{text} needs CUDA, and this torch ({torch.__version__}) sees no CUDA device: "
+                                f"leave out --gpus to run on the CPU")
+    count = torch.cuda.device_count()
+    if max(gpus) >= count:
+        raise ArgumentTypeError(f"{text} names GPU {max(gpus)} but only {count} are visible: use indices "
+                                f"0..{count - 1}")
+    return gpus

@@ -1,0 +1,39 @@
+"""`python -m engine make-tiny`: write a tiny random-weight checkpoint in a ComfyUI layout, and say what it takes."""
+from __future__ import annotations
+
+import os
+
+from ..models.load import inspect_model
+from ..models.tiny import DTYPES, VARIANTS, write_tiny
+from . import args as types
+from . import describe
+from .args import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-tiny", help="write a tiny synthetic checkpoint in a real ComfyUI layout",
+                       description="Write a deterministic random-weight FLUX.1 (BFL layout) or SD3/SD3.5 (SAI MMDiT "
+                                   "layout) checkpoint with 4 heads and 4 blocks of each kind, and print its "
+                                   "dimensions and the conditioning it takes.")
+    p.add_argument("--kind", choices=list(VARIANTS), required=True, help="model family")
+    p.add_argument("--variant", help="; ".join(f"{k}: {' | '.join(v)}" for k, v in VARIANTS.items())
+                                     + " (default: the first of the kind)")
+    p.add_argument("--out", type=types.output_dir, required=True, help="folder to write into (created if missing)")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight dtype")
+    p.add_argument("--seed", type=types.seed, default=0, help="weight seed")
+    p.add_argument("--prefix", action="store_true", help="prefix keys with model.diffusion_model.")
+    p.add_argument("--full", action="store_true", help="full checkpoint: prefix + text encoder / VAE keys")
+    p.set_defaults(run=run, parser=p)
+
+
+def run(a) -> int:
+    try:
+        path = write_tiny(a.kind, a.out, variant=a.variant, dtype=a.dtype, seed=a.seed, prefix=a.prefix, full=a.full)
+    except ValueError as e:  # a variant of another kind
+        raise UsageError(f"argument --variant: {e}") from None
+    info = inspect_model(path)
+    print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {a.dtype} weights)")
+    print(f"model   {describe.summary(info)}")
+    print(f"takes   {describe.conditioning(info)}")
+    print(f"latent  {describe.latent_rule(info)}")
+    return 0

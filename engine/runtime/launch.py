@@ -1,0 +1,92 @@
+"""Rank processes: their environment, how one is spawned with its control channel, and the hard stop."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from . import bridge
+from .protocol import Channel
+
+PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rank_env(gpus: list[int] | None) -> dict[str, str]:
+    """The ranks' environment: the engine importable by path, collectives on loopback, the engine's GPUs only."""
+    env = dict(os.environ)
+    # Subprocesses must find the engine even when the pack is not on sys.path (ComfyUI imports by path).
+    env["PYTHONPATH"] = os.pathsep.join([PACK_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # a local engine talks over loopback only
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return env
+
+
+def spawn_rank(env: dict[str, str], pgid: int, log_path: str | None) -> tuple[subprocess.Popen, Channel]:
+    """Start `python -m engine.runtime.rank` in process group `pgid` (0: a new one it leads), its control channel an
+    inherited socketpair; stdout and stderr go to `log_path` (None: inherited)."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    log = open(log_path, "wb") if log_path else None
+    stdio = {"stdout": log, "stderr": subprocess.STDOUT} if log else {}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.runtime.rank", "--fd", str(child_sock.fileno())],
+                                pass_fds=(child_sock.fileno(),), env=env, cwd=PACK_ROOT, stdin=subprocess.DEVNULL,
+                                process_group=pgid, **stdio)
+    except BaseException:
+        parent_sock.close()
+        raise
+    finally:
+        child_sock.close()
+        if log:
+            log.close()
+    return proc, Channel(parent_sock)
+
+
+def log_tail(engine_dir: str | None, rank: int, lines: int = 15) -> str:
+    """The last lines of a rank's log, for an error message ("" when there is none)."""
+    if not engine_dir:
+        return ""
+    try:
+        with open(os.path.join(engine_dir, f"rank{rank}.log"), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return ("\n--- rank %d log (last lines) ---\n" % rank + "\n".join(text)) if text else ""
+
+
+def signal_name(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def kill_all(procs: list, chans: list, engine_dir: str | None) -> None:
+    """Hard stop: SIGKILL every rank we have not reaped (a zombie keeps its pid, so this never hits a
+    stranger), close channels, remove shared memory. Also the finalizer for a forgotten Engine."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.kill()
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    for c in chans:
+        c.close()
+    if engine_dir:
+        bridge.remove_engine_dir(engine_dir)
+
+
