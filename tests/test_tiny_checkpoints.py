@@ -124,7 +124,7 @@ def test_make_tiny_cli_writes_the_file_it_names(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "make-tiny", "--kind", "sd3", "--variant", "sd3.5-medium",
                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    path = out.stdout.strip().splitlines()[0].split()[-1]
+    path = out.stdout.strip().splitlines()[0].split()[1]  # "wrote   PATH (size, dtype weights)"
     assert os.path.isfile(path) and path.startswith(str(tmp_path))
     with safe_open(path, "pt") as f:
         assert any(".attn2." in k for k in f.keys())
