@@ -1,5 +1,6 @@
 """The command line. Every user error, in every subcommand, exits 2 with one line on stderr before any rank starts
 (in process, through engine.cli.main); the demo, the benchmarks and Ctrl-C run as a user runs them (subprocesses)."""
+import json
 import os
 import re
 import signal
@@ -120,9 +121,16 @@ CASES = {
     "tiny-dtype": (TINY + ["--dtype", "int8"], r"argument --dtype: invalid choice: 'int8'"),
     "tiny-seed": (TINY + ["--seed", "-1"], r"argument --seed: -1 is invalid"),
     # bench
-    "bench-no-what": (["bench"], r"bench: error: the following arguments are required"),
+    "bench-json-dir": (["bench", "--json", "/"], r"argument --json"),
+    "bench-cache-steps": (["bench", "cache", "--steps", "0"], r"argument --steps: 0 is invalid"),
+    "bench-scaling-ranks": (["bench", "scaling", "--max-ranks", "9"], r"argument --max-ranks"),
+    "bench-gpu-without-cuda": (["bench", "gpu"], r"bench gpu: error: bench gpu needs a CUDA GPU"),
+    "gen-attention-on-cpu": (GEN + ["--attention", "flash"], r"argument --attention: flash needs --gpus"),
+    "gen-fp8-matmul-alone": (GEN + ["--fp8-matmul"], r"fp8_matmul=True needs fp8 weights"),
+    "gen-fp8-matmul-on-cpu": (GEN + ["--fp8-weights", "--fp8-matmul"], r"argument --fp8-matmul: needs --gpus"),
+    "gen-cache-threshold": (GEN + ["--cache-threshold", "2"], r"argument --cache-threshold: 2 is invalid: use a number"),
     "bench-comm-models": (["bench", "comm", "--models", "FLUX.2-dev"], r"--models: 'FLUX.2-dev' is not one of"),
-    "bench-generate-gpus-without-cuda": (["bench", "generate", "--gpus", "0"], r"bench generate: error: .*needs CUDA"),
+    "bench-generate-gpus-without-cuda": (["bench", "generate", "--gpus", "0"], r"bench (generate|overhead): error: .*needs CUDA"),
     "bench-generate-two-gpus": (["bench", "generate", "--gpus", "0,1"], r"--gpus: 0,1 names 2 GPUs: bench generate", 2),
     "bench-generate-model": (["bench", "generate", "--model", "flux-pro"], r"--model: invalid choice: 'flux-pro'"),
     "bench-generate-steps": (["bench", "generate", "--steps", "0"], r"argument --steps: 0 is invalid"),
@@ -153,7 +161,8 @@ def test_every_user_error_exits_2_with_one_line_before_any_rank_starts(case, fil
 
 
 @pytest.mark.parametrize("command", [["demo"], ["generate"], ["make-tiny"], ["bench", "bridge"],
-                                     ["bench", "generate"], ["bench", "comm"]], ids=" ".join)
+                                     ["bench", "overhead"], ["bench", "comm"], ["bench", "gpu"],
+                                     ["bench", "cache"], ["bench", "scaling"]], ids=" ".join)
 def test_help_shows_the_defaults(command, capsys):
     assert main(command + ["--help"]) == 0
     out = capsys.readouterr().out
@@ -254,9 +263,20 @@ def test_bench_bridge_prints_a_row_per_size_with_both_paths_and_the_ratio():
     print(out.stdout)
     assert out.returncode == 0 and not out.stderr, out.stderr
     assert "measuring: xDiT-style, 2 gloo processes, 1 MB ..." in out.stdout
-    row = next(line for line in out.stdout.splitlines() if line.strip().startswith("1 MB"))
-    cells = [c.strip() for c in row.split("|")]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| 1 MB"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == 6 and all(c.endswith(" ms") for c in cells[1:4]) and cells[4].endswith("x")
+
+
+def test_bench_cache_reports_skips_and_writes_json(tmp_path):
+    out = run("bench", "--json", str(tmp_path / "cache.json"), "cache", "--steps", "6")
+    print(out.stdout)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    rows = json.loads((tmp_path / "cache.json").read_text())["cache"]
+    by_threshold = {r["threshold"]: r for r in rows}
+    assert by_threshold[None]["skipped_calls"] == 0 and by_threshold[0.0]["rel_l2_vs_uncached"] == 0.0
+    assert by_threshold[1.0]["skipped_calls"] > 0 and by_threshold[1.0]["rel_l2_vs_uncached"] > 0
+    assert "| threshold | skipped calls |" in out.stdout
 
 
 def test_bench_generate_compares_the_engine_with_a_plain_loop_on_the_same_synthetic_model():
@@ -264,8 +284,8 @@ def test_bench_generate_compares_the_engine_with_a_plain_loop_on_the_same_synthe
               "--height", "64")
     print(out.stdout)
     assert out.returncode == 0 and not out.stderr, out.stderr
-    assert out.stdout.count("measuring: ") == 2
-    rows = [line for line in out.stdout.splitlines() if line.startswith(("engine:", "plain diffusers loop"))]
-    assert len(rows) == 2 and all(line.rstrip().endswith("x") for line in rows)
+    assert out.stdout.count("measuring: ") == 1 and "engine overhead: " in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| engine:", "| plain diffusers loop"))]
+    assert len(rows) == 2 and all(line.rstrip(" |").endswith("x") for line in rows)
     diff = float(out.stdout.split("max abs diff ")[1].split()[0])
     assert diff < 1e-3  # same weights, same inputs: the two loops agree to float rounding

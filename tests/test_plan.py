@@ -57,8 +57,10 @@ def test_an_explicit_plan_is_kept_when_it_fits_and_refused_with_a_working_plan_w
     assert resolve_plan(ParallelPlan(ulysses=2), 2, work).plan == ParallelPlan(ulysses=2)
     with pytest.raises(PlanError, match="ulysses=16 x ring=1 needs 16 ranks but the engine has 8"):
         resolve_plan(ParallelPlan(ulysses=16), 8, work)
-    with pytest.raises(PlanError, match="6 heads: ulysses 4 does not divide them; try cfg2 x ulysses2"):
-        resolve_plan(ParallelPlan(ulysses=4), 4, Workload(batch=1, negative_pass=True, **dict(SD3_MEDIUM_1024, heads=6)))
+    six_heads = Workload(batch=1, negative_pass=True, **dict(SD3_MEDIUM_1024, heads=6))
+    with pytest.raises(PlanError, match="6 heads: ulysses 4 does not divide them; try cfg2 x ") as refused:
+        resolve_plan(ParallelPlan(ulysses=4), 4, six_heads)
+    assert str(refused.value).endswith(f"try {resolve_plan(AUTO, 4, six_heads).plan.describe()}")  # auto's choice
     with pytest.raises(PlanError, match=r"ulysses x ring = 8 does not divide .*try cfg2 x ulysses4"):
         resolve_plan(ParallelPlan(ulysses=4, ring=2), 8, Workload(batch=1, negative_pass=True,
                                                                    **dict(SD3_MEDIUM_1024, image_tokens=4092)))

@@ -14,6 +14,8 @@ import torch
 
 from ..engine.generate.request import GenerateRequest
 from ..engine.models.load import inspect_model
+from ..engine.models.speed import ATTENTION
+from ..engine.parallel.devices import hardware_for
 from ..engine.parallel.plan import AUTO, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.samplers import SAMPLERS
@@ -23,6 +25,7 @@ ENGINE_TYPE = "XDIT_ENGINE"
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
 FAMILIES = ("auto", "flux", "sd3")
 PLANS = ("auto", "explicit")
+ATTENTION_KERNELS = tuple(ATTENTION)
 
 
 # ---- node specs --------------------------------------------------------------------------------------------
@@ -73,7 +76,15 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
          Field("cfg_parallel", "BOOLEAN", False, advanced=True),
          Field("dp", "INT", 1, min=1, max=8, advanced=True),
          Field("timeout_s", "INT", 3600, min=10, max=86400, advanced=True,
-               tooltip="longest a job may compute before its ranks are replaced")),
+               tooltip="longest a job may compute before its ranks are replaced"),
+         Field("cache_threshold", "FLOAT", 0.0, min=0.0, max=1.0, step=0.01, round=0.001,
+               tooltip="step cache: skip the remaining blocks when the first block's output changed less than this "
+                       "since the last full step (0.05 to 0.2 are useful; 0 is off). Info shows the skipped steps"),
+         Field("compile", "BOOLEAN", False, advanced=True,
+               tooltip="torch.compile the transformer blocks: the first job of a size compiles (minutes), later "
+                       "jobs reuse the graphs"),
+         Field("attention", "COMBO", "auto", ATTENTION_KERNELS, advanced=True,
+               tooltip="attention kernel on the GPUs; auto lets torch choose")),
         ((ENGINE_TYPE, "engine"),))
 
 
@@ -127,6 +138,9 @@ class EngineSettings:
     dp: int = 1
     timeout_s: int = 3600
     loras: tuple[tuple[str, float], ...] = ()   # applied in order inside the ranks
+    cache_threshold: float = 0.0      # step cache; 0 is off (per job: changing it keeps the ranks)
+    compile: bool = False
+    attention: str = "auto"
 
     def validate(self) -> None:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
@@ -142,6 +156,12 @@ class EngineSettings:
                              f"transformer: use auto or {info.family}")
         if self.plan not in PLANS:
             raise ValueError(f"plan={self.plan!r} is invalid: use auto or explicit")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention={self.attention!r} is invalid: use one of {list(ATTENTION_KERNELS)}")
+        if self.device != "cuda" and self.attention not in ("auto", "math"):
+            raise ValueError(f"attention={self.attention!r} needs CUDA GPUs and ComfyUI runs on the CPU: use auto")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"cache_threshold={self.cache_threshold} is invalid: use 0 (off) to 1")
         if self.plan == "explicit":
             self.requested_plan().check_world(len(self.gpus))
 
@@ -176,6 +196,7 @@ class EngineRecord:
     last_plan: str = ""
     last_plan_reason: str = ""
     last_timings: dict = field(default_factory=dict)
+    last_cache: dict = field(default_factory=dict)
     last_bytes: dict = field(default_factory=dict)
     last_memory: list = field(default_factory=list)   # what each rank measured of itself
     notes: list[str] = field(default_factory=list)
@@ -264,8 +285,11 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                               guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
                               fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
                               batch_index=list(batch_index) if batch_index is not None else None,
-                              loras=list(settings.loras), plan=settings.requested_plan())
-    choice = request.validate(len(settings.gpus))  # every check that needs no rank, before any rank starts
+                              loras=list(settings.loras), plan=settings.requested_plan(),
+                              cache_threshold=settings.cache_threshold or None, compile=settings.compile,
+                              attention=settings.attention)
+    hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
+    choice = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     if before_job is not None:
         before_job()
     record = registry.get(settings)
@@ -274,6 +298,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_plan = choice.plan.describe()
     record.last_plan_reason = choice.reason
     record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)
+    record.last_cache = result.ranks[0].get("step_cache") or {}
     record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
     record.last_memory = [r.get("memory", {}) for r in result.ranks]
     out = dict(latent)
@@ -304,6 +329,9 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
                      ", ".join(f"{k} {v:.3f} s" for k, v in record.last_timings.items()))
     if record.last_plan_reason:
         lines.append(f"plan: {record.last_plan_reason}")
+    if record.last_cache:
+        lines.append(f"step cache: skipped {record.last_cache['skipped_calls']} of {record.last_cache['model_calls']} "
+                     f"model calls")
     if record.last_bytes:
         lines.append("rank 0 sent per step: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in record.last_bytes.items()))
     lines.extend(record.notes)

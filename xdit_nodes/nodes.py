@@ -70,10 +70,12 @@ class XDiTEngine(io.ComfyNode):
         return _schema(core.engine_spec(_model_names()))
 
     @classmethod
-    def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s):
+    def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
+                cache_threshold=0.0, compile=False, attention="auto"):
         settings = core.EngineSettings(model_path=_model_path(model_name), gpus=_gpus(gpus), device=_device(),
                                        family=family, weight_dtype=weight_dtype, plan=plan, ulysses=ulysses, ring=ring,
-                                       cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s)
+                                       cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s,
+                                       cache_threshold=cache_threshold, compile=compile, attention=attention)
         settings.validate()
         return io.NodeOutput(settings)
 

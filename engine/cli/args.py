@@ -69,6 +69,13 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise ArgumentTypeError(f"{text} is invalid: use a number > 0")
+    return value
+
+
 def ranks(text: str) -> int:
     value = integer(text)
     if not 1 <= value <= MAX_RANKS:

@@ -1,10 +1,14 @@
-"""`python -m engine bench bridge | generate | comm`: benchmarks that print tables, saying what they measure as they go.
+"""`python -m engine bench [--quick] [--json PATH] [overhead | bridge | comm | scaling | cache | gpu]`: benchmarks
+that print markdown tables, saying what they measure as they go. Without a name, every benchmark runs (gpu where
+CUDA is present), with --quick at sizes that take a few minutes on a CPU.
 
-bridge: tensor round trips through our shared-memory bridge vs the xDiT-style path (pickle ->
-torch.ByteTensor(list(bytes)) -> dist.send over gloo); generate: one rank's generate job vs a plain in-process
-diffusers loop; comm: bytes one rank sends per step, per plan, measured vs analytic."""
+overhead: the 1-rank engine's generate job vs the same Euler loop in process, alternating; bridge: tensor round trips
+through our shared-memory bridge vs the xDiT-style path (pickle -> torch.ByteTensor(list(bytes)) -> dist.send over
+gloo); comm: bytes one rank sends per step, per plan, measured vs analytic; scaling and cache: engine/cli/bench_plans.py;
+gpu: engine/cli/bench_gpu.py."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import statistics
@@ -22,12 +26,18 @@ from ..parallel.comm import MODELS, PLANS, analytic_bytes
 from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
+from .tables import markdown
+from . import bench_gpu, bench_plans
 from .args import UsageError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print tables", description="Benchmarks that print tables.")
-    bench = p.add_subparsers(dest="what", required=True, metavar="{bridge,generate,comm}")
+    p = sub.add_parser("bench", help="benchmarks that print tables",
+                       description="Benchmarks that print markdown tables. Without a name every benchmark runs.")
+    p.add_argument("--quick", action="store_true", help="the whole suite at sizes for a CPU run of a few minutes")
+    p.add_argument("--json", type=types.output_file, help="also write every row as JSON to this file")
+    p.set_defaults(run=_run_suite, parser=p)
+    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,gpu}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -37,11 +47,12 @@ def register(sub) -> None:
     b.add_argument("--repeats", type=types.positive_int, default=5, help="timed round trips per size (median)")
     b.add_argument("--xdit-repeats", type=types.positive_int, default=2,
                    help="xDiT-style round trips per size (it takes seconds per 64 MB)")
-    b.set_defaults(run=lambda a: bench_bridge(a.sizes_mb, a.repeats, a.xdit_repeats), parser=b)
+    b.set_defaults(run=lambda a: _emit(a, "bridge", bench_bridge(a.sizes_mb, a.repeats, a.xdit_repeats)), parser=b)
 
-    g = bench.add_parser("generate", help="one-rank generate job vs a plain in-process diffusers loop",
+    g = bench.add_parser("overhead", aliases=["generate"],
+                         help="one-rank generate job vs the same loop in process (alternating)",
                          description="One rank's generate job against a plain in-process diffusers Euler loop with "
-                                     "the same random weights and inputs, timed after a warm-up.")
+                                     "the same random weights and inputs, run alternately after a warm-up of each.")
     g.add_argument("--model", default="flux-dev", choices=list(REAL), help="synthetic variant (random weights)")
     g.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
     g.add_argument("--gpus", type=types.gpu_list, help="one CUDA GPU index to run on (default: the CPU)")
@@ -50,7 +61,7 @@ def register(sub) -> None:
     g.add_argument("--steps", type=types.request_field("steps", types.integer), default=28, help="euler steps")
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype")
     g.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each path (median)")
-    g.set_defaults(run=_run_generate, parser=g)
+    g.set_defaults(run=_run_overhead, parser=g)
 
     c = bench.add_parser("comm", help="bytes sent per rank per step, per plan, measured vs analytic",
                          description="Bytes one rank sends per denoising step under each plan, counted by the "
@@ -58,14 +69,54 @@ def register(sub) -> None:
                                      "About 90 s per model.")
     c.add_argument("--models", type=types.name_list(list(MODELS)), default=",".join(MODELS),
                    help="comma-separated model names")
-    c.set_defaults(run=lambda a: bench_comm(a.models), parser=c)
+    c.set_defaults(run=lambda a: _emit(a, "comm", bench_comm(a.models)), parser=c)
+    bench_plans.register(bench, _emit)
+    bench_gpu.register(bench, _emit)
 
 
-def _run_generate(a) -> int:
+def _emit(a, name: str, rows: list[dict]) -> int:
+    """A benchmark's rows: printed already; written as JSON when asked."""
+    if getattr(a, "json", None):
+        with open(a.json, "w") as f:
+            json.dump({name: rows}, f, indent=1)
+    return 0
+
+
+def _run_suite(a) -> int:
+    """Every benchmark in turn (gpu when CUDA is present); --quick: sizes for a few minutes on a CPU."""
+    q = a.quick
+    results = {}
+    print(f"# benchmark suite{' (--quick)' if q else ''}: torch {torch.__version__}, {os.cpu_count()} CPUs"
+          f"{', CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else ', no CUDA'}\n", flush=True)
+    steps = 4 if q else 28
+    print("## overhead", flush=True)
+    results["overhead"] = bench_overhead("flux-dev", "tiny", None, 256, 256, steps, "fp32", 3 if q else 5)
+    print("\n## bridge", flush=True)
+    results["bridge"] = bench_bridge([1, 16] if q else [1, 16, 64], 3 if q else 5, 1 if q else 2)
+    print("\n## comm", flush=True)
+    results["comm"] = bench_comm(["FLUX.1-dev"] if q else list(MODELS), quick=q)
+    print("\n## scaling", flush=True)
+    results["scaling"] = bench_plans.bench_scaling(64 if q else 128, 4 if q else 8, 2 if q else 3)
+    print("\n## cache", flush=True)
+    results["cache"] = bench_plans.bench_cache(12 if q else 28)
+    print("\n## memory\nnot measured: every plan built so far keeps a full copy of the weights on each rank (weights "
+          "per rank = the model's); the memory benchmark comes with PipeFusion, which divides them", flush=True)
+    if torch.cuda.is_available():
+        print("\n## gpu", flush=True)
+        results["gpu"] = bench_gpu.bench_gpu([0], list(bench_gpu.MODELS), list(bench_gpu.ROWS), 1024, 2, None)
+    else:
+        print("\n## gpu\nskipped: this torch sees no CUDA device", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def _run_overhead(a) -> int:
     if a.gpus and len(a.gpus) > 1:
-        raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs: bench generate "
+        raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs: bench {a.what} "
                          f"runs one rank, give one index")
-    return bench_generate(a.model, a.size, a.gpus, a.width, a.height, a.steps, a.dtype, a.repeats)
+    return _emit(a, "overhead", bench_overhead(a.model, a.size, a.gpus, a.width, a.height, a.steps, a.dtype, a.repeats))
 
 
 def _bridge_times(engine: Engine, tensor: torch.Tensor, repeats: int, return_rank: int) -> float:
@@ -138,7 +189,7 @@ def _xdit_times(sizes_mb: list[int], repeats: int) -> dict[int, float]:
     return {int(mb): float(t) for mb, t in (line.split() for line in out.strip().splitlines())}
 
 
-def bench_bridge(sizes_mb: list[int], repeats: int = 5, xdit_repeats: int = 2) -> int:
+def bench_bridge(sizes_mb: list[int], repeats: int = 5, xdit_repeats: int = 2) -> list[dict]:
     print(f"tensor round trip, float32, median of {repeats} (xDiT-style: {xdit_repeats}); machine: "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}")
     ours: dict[int, dict[int, float]] = {}
@@ -153,16 +204,15 @@ def bench_bridge(sizes_mb: list[int], repeats: int = 5, xdit_repeats: int = 2) -
     print(f"measuring: xDiT-style, 2 gloo processes, {listed} MB ...", flush=True)
     xdit = _xdit_times(sizes_mb, xdit_repeats)
     header = ("size", "bridge, 1 rank", "bridge, 2 ranks*", "xDiT-style, 2 ranks", "xDiT / bridge(1)", "xDiT / bridge(2)")
-    rows = [(f"{mb} MB", f"{ours[mb][1] * 1e3:.1f} ms", f"{ours[mb][2] * 1e3:.1f} ms", f"{xdit[mb] * 1e3:.1f} ms",
-             f"{xdit[mb] / ours[mb][1]:.1f}x", f"{xdit[mb] / ours[mb][2]:.1f}x") for mb in sizes_mb]
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths)] + rows:
-        print(" | ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print(markdown(header, [(f"{mb} MB", f"{ours[mb][1] * 1e3:.1f} ms", f"{ours[mb][2] * 1e3:.1f} ms",
+                             f"{xdit[mb] * 1e3:.1f} ms", f"{xdit[mb] / ours[mb][1]:.1f}x",
+                             f"{xdit[mb] / ours[mb][2]:.1f}x") for mb in sizes_mb]))
     print("bridge: client -> shared memory -> rank 0 (crc32 verify) -> result from the last rank -> shared memory "
           "-> client, a whole engine job.\n* 2 ranks adds rank 0's gloo broadcast of the job to rank 1 and the "
           "all-gather check.\nxDiT-style: rank 0 -> rank 1 -> rank 0, each way pickle.dumps -> "
           "torch.ByteTensor(list(bytes)) -> dist.send (gloo) -> pickle.loads.")
-    return 0
+    return [{"size_mb": mb, "bridge_1_rank_s": ours[mb][1], "bridge_2_ranks_s": ours[mb][2], "xdit_style_s": xdit[mb]}
+            for mb in sizes_mb]
 
 
 def _sync(device: str) -> None:
@@ -209,9 +259,10 @@ def _plain_loop(loaded, family: str, noise: torch.Tensor, sigmas: torch.Tensor, 
     return x.cpu(), time.perf_counter() - t0
 
 
-def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
-                   dtype: str, repeats: int) -> int:
-    """One rank: the engine's generate job vs a plain in-process diffusers loop, same weights and inputs."""
+def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
+                   dtype: str, repeats: int) -> list[dict]:
+    """One rank: the engine's generate job vs a plain in-process diffusers loop, same weights and inputs, run
+    alternately (engine, loop, engine, loop, ...) so that drift in the machine's speed hits both alike."""
     from ..generate.request import GenerateRequest
     from ..models.load import load_model
     from ..sampling.noise import prepare_noise
@@ -234,62 +285,71 @@ def bench_generate(variant: str, size: str, gpus: list[int] | None, width: int, 
         raise UsageError(str(e)) from None
     spec, inputs = request.to_job()
     print(f"{source} {width}x{height}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
-          f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; median of {repeats} after a warm-up")
-    print(f"measuring: engine, 1 rank: model built on the rank, 1 warm-up + {repeats} timed generate jobs ...",
+          f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; a warm-up of each path, then "
+          f"{repeats} alternating timed runs of each (median)")
+    loaded = load_model(source, dtype=dtype, device=device)
+    noise = prepare_noise(request.latent_raw, request.seed)
+    sigmas = compute_sigmas(FlowSampling.flux() if family == "flux" else FlowSampling.sd3(), "simple", steps)
+
+    def plain():
+        return _plain_loop(loaded, family, noise, sigmas, request.cond, request.pooled, request.neg_cond,
+                           request.neg_pooled, cfg, device)
+
+    print("measuring: engine (1 rank, model built on the rank) and the plain loop (in this process), alternating ...",
           flush=True)
     with Engine(1, device=device, gpus=gpus) as engine:
         first = engine.submit("generate", spec, inputs)
-        runs = [engine.submit("generate", spec, inputs) for _ in range(repeats)]
-    print(f"measuring: plain diffusers loop in this process, 1 warm-up + {repeats} timed runs ...", flush=True)
+        plain()  # warm-up
+        runs, loops = [], []
+        for _ in range(repeats):
+            runs.append(engine.submit("generate", spec, inputs))
+            loops.append(plain())
     engine_total = statistics.median(r.timings["total_s"] for r in runs)
     engine_compute = statistics.median(r.timings["compute_s"] for r in runs)
-    loaded = load_model(source, dtype=dtype, device=device)
-    noise = prepare_noise(request.latent_raw, request.seed)
-    sampling = FlowSampling.flux() if family == "flux" else FlowSampling.sd3()
-    sigmas = compute_sigmas(sampling, "simple", steps)
-    _plain_loop(loaded, family, noise, sigmas, request.cond, request.pooled, request.neg_cond, request.neg_pooled,
-                cfg, device)  # warm-up
-    plain = [_plain_loop(loaded, family, noise, sigmas, request.cond, request.pooled, request.neg_cond,
-                         request.neg_pooled, cfg, device) for _ in range(repeats)]
-    plain_s = statistics.median(t for _, t in plain)
+    plain_s = statistics.median(t for _, t in loops)
     scale, shift = (0.3611, 0.1159) if family == "flux" else (1.5305, 0.0609)
-    plain_latent = plain[-1][0] / scale + shift
-    diff = (runs[-1].outputs["samples"] - plain_latent).abs().max().item()
+    diff = (runs[-1].outputs["samples"] - (loops[-1][0] / scale + shift)).abs().max().item()
     params = first.ranks[0].get("loaded", {}).get("parameters", 0)
-    rows = [("engine: generate job, 1 rank", f"{engine_total:.3f} s", f"{engine_total / steps * 1e3:.1f} ms",
-             f"{engine_total / plain_s:.3f}x"),
-            ("  of which compute on the rank", f"{engine_compute:.3f} s", f"{engine_compute / steps * 1e3:.1f} ms",
-             f"{engine_compute / plain_s:.3f}x"),
-            ("plain diffusers loop, in process", f"{plain_s:.3f} s", f"{plain_s / steps * 1e3:.1f} ms", "1.000x")]
-    header = ("path", "per image", "per step", "vs plain")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
-    for row in [header, tuple("-" * w for w in widths)] + rows:
-        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    print(f"model {params / 1e6:,.1f} M parameters, built on the rank in {first.ranks[0].get('loaded', {}).get('load_s', 0):.1f} s; "
-          f"engine breakdown: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in runs[-1].timings.items()))
+    print(markdown(("path", "per image", "per step", "vs plain"), [
+        ("engine: generate job, 1 rank", f"{engine_total:.3f} s", f"{engine_total / steps * 1e3:.1f} ms",
+         f"{engine_total / plain_s:.3f}x"),
+        ("  of which compute on the rank", f"{engine_compute:.3f} s", f"{engine_compute / steps * 1e3:.1f} ms",
+         f"{engine_compute / plain_s:.3f}x"),
+        ("plain diffusers loop, in process", f"{plain_s:.3f} s", f"{plain_s / steps * 1e3:.1f} ms", "1.000x")]))
+    print(f"engine overhead: {(engine_total / plain_s - 1) * 100:+.1f}% ({(engine_total - plain_s) * 1e3:+.1f} ms per "
+          f"job); model {params / 1e6:,.1f} M parameters, built on the rank in "
+          f"{first.ranks[0].get('loaded', {}).get('load_s', 0):.1f} s; engine breakdown: "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in runs[-1].timings.items()))
     note = (f" (the plain loop rounds timestep*1000 to {dtype} inside diffusers' FLUX; the engine embeds it in fp32 "
             f"as ComfyUI does)") if family == "flux" and dtype != "fp32" else ""
     print(f"latents: engine vs plain loop max abs diff {diff:.3g}{note}")
-    return 0
+    return [{"model": source, "width": width, "height": height, "steps": steps, "dtype": dtype, "device": device,
+             "engine_job_s": engine_total, "engine_compute_s": engine_compute, "plain_loop_s": plain_s,
+             "ratio": engine_total / plain_s, "max_abs_diff": diff}]
 
 
-def bench_comm(models: list[str]) -> int:
+def bench_comm(models: list[str], quick: bool = False) -> list[dict]:
     from ..parallel.plan import ParallelPlan
 
     print("bytes one rank sends per denoising step (one model call), 1024x1024, bf16 activations; measured = counted "
           "by the engine's collectives\nwith full-size tensors on CPU ranks (gloo), attention arithmetic skipped",
           flush=True)
-    widths = (17, 10, 10, 6)
+    widths = (17, 10, 10, 6, 21)
+    out = []
+
+    def line(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |", flush=True)
+
     for name in models:
+        plans = PLANS[name][:2] if quick else PLANS[name]
         m = MODELS[name]
         print(f"\n{name}: {m['image_tokens']} image + {m['text_tokens']} text tokens "
               f"({'split with the image' if m['text_split'] else 'joint, on every rank'}), {m['heads']} heads x "
-              f"{m['head_dim']}, {m['attention_layers']} attention layers; {len(PLANS[name])} plans, one engine "
+              f"{m['head_dim']}, {m['attention_layers']} attention layers; {len(plans)} plans, one engine "
               f"each, a row as each is measured", flush=True)
-        header = ("plan", "measured", "analytic", "ratio", "measured by kind (GB)")
-        for row in (header, tuple("-" * w for w in widths + (21,))):
-            print(" | ".join(c.ljust(w) for c, w in zip(row, widths + (0,))), flush=True)
-        for text in PLANS[name]:
+        line(("plan", "measured", "analytic", "ratio", "measured by kind (GB)"))
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|", flush=True)
+        for text in plans:
             plan = ParallelPlan(**{k: int(v) for k, v in (kv.split("=") for kv in text.split(","))})
             batch = 2 if m["negative_pass"] and plan.cfg == 1 else 1  # SD3's pos+neg batched in one forward
             spec = dict(m, plan=plan.as_dict(), batch_per_forward=batch, latent_h=128, latent_w=128)
@@ -299,7 +359,8 @@ def bench_comm(models: list[str]) -> int:
             measured = sum(sent.values())
             expected = analytic_bytes(m, plan, batch)
             kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in sorted(sent.items()))
-            row = (plan.describe(), f"{measured / 1e9:.3f} GB", f"{expected / 1e9:.3f} GB",
-                   f"{measured / expected:.3f}", kinds)
-            print(" | ".join(c.ljust(w) for c, w in zip(row, widths + (0,))), flush=True)
-    return 0
+            line((plan.describe(), f"{measured / 1e9:.3f} GB", f"{expected / 1e9:.3f} GB",
+                  f"{measured / expected:.3f}", kinds))
+            out.append({"model": name, "plan": plan.describe(), "measured_bytes": measured, "analytic_bytes": expected,
+                        "by_kind": sent})
+    return out

@@ -11,6 +11,8 @@ from safetensors.torch import save_file
 from ..generate.request import GenerateRequest
 from ..models.load import COMPUTE_DTYPES
 from ..models.safetensors_file import read_header
+from ..models.speed import ATTENTION
+from ..parallel.devices import hardware_for
 from ..parallel.plan import AUTO, ParallelPlan
 from ..runtime.client import Engine
 from ..sampling.samplers import SAMPLERS
@@ -61,6 +63,18 @@ def register(sub) -> None:
                                                                 "(explicit plan)")
     p.add_argument("--dp", type=types.positive_int, help="data-parallel degree over the batch (explicit plan)")
     p.add_argument("--pipefusion", type=types.positive_int, help="PipeFusion stages (explicit plan; not built: 1)")
+    speed = p.add_argument_group("speed")
+    speed.add_argument("--cache-threshold", type=types.request_field("cache_threshold", types.finite_float),
+                       metavar="T", help="step cache (First-Block-Cache): skip the remaining blocks when the first "
+                                         "block's output changed less than T since the last full step (0.05 to 0.2 "
+                                         "are useful; 0 never skips; default: no cache)")
+    speed.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks (the first job "
+                                                              "of a shape compiles; later ones reuse the graphs)")
+    speed.add_argument("--attention", default="auto", choices=list(ATTENTION),
+                       help="scaled_dot_product_attention kernel (flash, efficient, cudnn need --gpus)")
+    speed.add_argument("--fp8-weights", action="store_true", help="store the Linear weights in float8_e4m3fn")
+    speed.add_argument("--fp8-matmul", action="store_true",
+                       help="fp8 matrix products for fp8 weights (GPUs of compute capability 8.9+; needs --fp8-weights)")
     p.add_argument("--lora", type=types.lora, action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="apply a LoRA (kohya, BFL/ComfyUI or diffusers format); repeat to chain")
     p.set_defaults(run=run, parser=p)
@@ -114,11 +128,19 @@ def build_request(a) -> GenerateRequest:
     return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=_latent(a),
                            seed=a.seed, steps=a.steps, cfg=a.cfg, sampler=a.sampler, scheduler=a.scheduler,
                            denoise=a.denoise, neg_cond=cond.get("neg_cond"), neg_pooled=cond.get("neg_pooled"),
-                           guidance=a.guidance, dtype=a.dtype, plan=_plan(a), loras=a.lora)
+                           guidance=a.guidance, dtype=a.dtype, plan=_plan(a), loras=a.lora,
+                           cache_threshold=a.cache_threshold, compile=a.compile, attention=a.attention,
+                           fp8_weights=a.fp8_weights, fp8_matmul=a.fp8_matmul)
 
 
 def prepare(a):
     """(request, ranks, PlanChoice): every check that needs no rank, the plan resolved. Raises UsageError."""
+    if not a.gpus and a.attention not in ("auto", "math"):
+        raise UsageError(f"argument --attention: {a.attention} needs --gpus (a CUDA kernel); on CPU ranks use auto "
+                         f"or math")
+    if not a.gpus and a.fp8_matmul and a.fp8_weights:
+        raise UsageError("argument --fp8-matmul: needs --gpus (fp8 tensor cores, compute capability 8.9+); on CPU "
+                         "ranks leave it out (--fp8-weights alone works)")
     request = build_request(a)
     explicit = isinstance(request.plan, ParallelPlan)
     ranks = a.ranks or (request.plan.world_size if explicit else len(a.gpus) if a.gpus else 1)
@@ -126,7 +148,7 @@ def prepare(a):
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs for {ranks} "
                          f"ranks: give one GPU per rank")
     try:
-        choice = request.validate(ranks)
+        choice = request.validate(ranks, hardware_for("cuda" if a.gpus else "cpu", ranks, a.gpus))
     except ValueError as e:  # PlanError, CheckpointError, a tensor of the wrong shape ...
         raise UsageError(str(e)) from None
     return request, ranks, choice
@@ -169,6 +191,10 @@ def run(a) -> int:
           f"{model.get('layout')} layout, {a.dtype})")
     print(f"plan {request.plan.describe()} on {ranks} rank(s); engine start {t_start:.2f} s; "
           + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
+    cache = result.ranks[0].get("step_cache")
+    if cache:
+        print(f"step cache: skipped {cache['skipped_calls']} of {cache['model_calls']} model calls "
+              f"(threshold {request.cache_threshold})")
     sent = result.ranks[0].get("bytes_sent_per_step")
     if sent:
         print("rank 0 sent per step: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sent.items()))

@@ -10,10 +10,24 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..models.load import COMPUTE_DTYPES, inspect_model
+from ..models.speed import ATTENTION
+from ..parallel.devices import Hardware
 from ..parallel.plan import AUTO, ParallelPlan, PlanChoice, Workload, resolve_plan
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
+
+
+def check_latent_size(info, latent_h: int, latent_w: int) -> None:
+    """A latent of latent_h x latent_w the model can take: sides that patch evenly, within SD3's position grid."""
+    if latent_h % 2 or latent_w % 2 or latent_h < 2 or latent_w < 2:
+        raise ValueError(f"latent {latent_w * 8}x{latent_h * 8} px is invalid: {info.family} needs width "
+                         f"and height that are positive multiples of 16 px")
+    grid = info.config.get("pos_embed_max_size")  # SD3 crops its positions from a grid of this many patches
+    if grid and max(latent_h, latent_w) // info.latent_patch > grid:
+        limit = grid * info.latent_patch * 8
+        raise ValueError(f"latent {latent_w * 8}x{latent_h * 8} px is too large for {info.variant}: its "
+                         f"position grid allows up to {limit}x{limit} px")
 
 
 @dataclass
@@ -36,11 +50,16 @@ class GenerateRequest:
     batch_index: list[int] | None = None
     plan: ParallelPlan | str = AUTO       # "auto" until validate() resolves it
     loras: list = field(default_factory=list)   # [(path, strength)], applied in order
+    cache_threshold: float | None = None  # step cache (First-Block-Cache): None off; 0 never skips; ~0.05-0.2 useful
+    compile: bool = False                 # torch.compile the transformer blocks (graphs kept for later jobs)
+    attention: str = "auto"               # scaled_dot_product_attention kernel: auto, flash, efficient, cudnn, math
+    fp8_matmul: bool = False              # fp8 products for fp8 weights (GPUs with fp8 tensor cores)
 
     # ---- client side -------------------------------------------------------------------------------------------
-    def validate(self, ranks: int | None = None) -> PlanChoice:
+    def validate(self, ranks: int | None = None, hardware: Hardware | None = None) -> PlanChoice:
         """Every check that needs no rank, then the plan resolved for `ranks` (default: an explicit plan's own rank
-        count, 1 for auto) and stored in `plan`. Raises ValueError (PlanError, CheckpointError) naming the input, the value and
+        count, 1 for auto) on `hardware` (devices.cpu_hardware / detect_hardware; None: assumed, as resolve_plan
+        says) and stored in `plan`. Raises ValueError (PlanError, CheckpointError) naming the input, the value and
         what works."""
         self.check_scalars()
         info = inspect_model(self.model)  # CheckpointError (a ValueError) for a bad file; cached while unchanged
@@ -51,14 +70,7 @@ class GenerateRequest:
                              f"width/8] floats (EmptySD3LatentImage)")
         if lat.shape[0] < 1:
             raise ValueError("latent has an empty batch: give at least one image")
-        if lat.shape[2] % 2 or lat.shape[3] % 2 or lat.shape[2] < 2 or lat.shape[3] < 2:
-            raise ValueError(f"latent {lat.shape[3] * 8}x{lat.shape[2] * 8} px is invalid: {info.family} needs width "
-                             f"and height that are positive multiples of 16 px")
-        grid = info.config.get("pos_embed_max_size")  # SD3 crops its positions from a grid of this many patches
-        if grid and max(lat.shape[2], lat.shape[3]) // info.latent_patch > grid:
-            limit = grid * info.latent_patch * 8
-            raise ValueError(f"latent {lat.shape[3] * 8}x{lat.shape[2] * 8} px is too large for {info.variant}: its "
-                             f"position grid allows up to {limit}x{limit} px")
+        check_latent_size(info, lat.shape[2], lat.shape[3])
         batch = lat.shape[0]
         self._check_side("cond", self.cond, self.pooled, info, batch)
         if self.negative_pass:
@@ -72,10 +84,10 @@ class GenerateRequest:
             self._check_loras(info)
         if ranks is None:
             ranks = self.plan.world_size if isinstance(self.plan, ParallelPlan) else 1
-        work = Workload(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
-                        image_tokens=(lat.shape[2] // info.latent_patch) * (lat.shape[3] // info.latent_patch),
-                        negative_pass=self.negative_pass)
-        choice = resolve_plan(self.plan, ranks, work)
+        work = Workload.from_info(info, lat.shape[2], lat.shape[3], batch=batch, negative_pass=self.negative_pass,
+                                  text_tokens=self.cond.shape[1], dtype=self.dtype, fp8_weights=self.fp8_weights,
+                                  compiled=self.compile)
+        choice = resolve_plan(self.plan, ranks, work, hardware)
         self.plan = choice.plan
         return choice
 
@@ -106,6 +118,18 @@ class GenerateRequest:
             raise ValueError(f"sampler={self.sampler!r} is not supported: use one of {list(SAMPLERS)}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r} is not supported: use one of {list(SCHEDULERS)}")
+        if self.cache_threshold is not None and (
+                isinstance(self.cache_threshold, bool) or not isinstance(self.cache_threshold, (int, float))
+                or not 0 <= self.cache_threshold <= 1):
+            raise ValueError(f"cache_threshold={self.cache_threshold!r} is invalid: use a number in [0, 1] (0.05 to "
+                             f"0.2 skip useful numbers of steps; 0 never skips), or none for no step cache")
+        for name in ("compile", "fp8_matmul", "fp8_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use true or false")
+        if self.fp8_matmul and not self.fp8_weights:
+            raise ValueError("fp8_matmul=True needs fp8 weights: set fp8_weights (weight dtype fp8_e4m3fn)")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
         if self.batch_index is not None and (
                 not isinstance(self.batch_index, (list, tuple))
                 or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < SEED_LIMIT

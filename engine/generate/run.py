@@ -9,6 +9,7 @@ import torch
 from ..models.flow import Conditioning, FlowModel
 from ..models.load import load_model
 from ..models.lora import apply_loras
+from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
 from ..parallel.parallelize import parallelize
 from ..sampling.ksampler import ksample
 from ..sampling.noise import prepare_noise
@@ -31,6 +32,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh):
         if state.get("parallel") is not None:
             state["parallel"].close()
         state.clear()
+        release_model_memory(ctx.device)  # the old weights (and graphs compiled around them) go before the new come
         loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights)
         state.update(key=key, loaded=loaded, flow=FlowModel(loaded))
         ctx.info["loaded"] = loaded.stats
@@ -40,12 +42,17 @@ def _parallel_model(ctx, request: GenerateRequest, mesh):
         state.update(parallel=parallelize(state["flow"], mesh), mesh=mesh)
     if request.loras or state.get("lora_state", {}).get("touched"):
         ctx.info.update(apply_loras(state["loaded"], request.loras, state.setdefault("lora_state", {})))
-    return state["parallel"]
+    parallel = state["parallel"]
+    set_compiled(state["flow"].model, parallel.table.blocks, request.compile)
+    set_fp8_matmul(state["flow"].model, request.fp8_matmul)
+    parallel.set_step_cache(request.cache_threshold)
+    return parallel
 
 
 def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
     """One KSampler run under the request's plan; rank 0 returns the LATENT samples."""
     mesh = ctx.mesh(request.plan)
+    ctx.reset_peak_memory()
     parallel = _parallel_model(ctx, request, mesh)
     latent_raw = request.latent_raw.float()
     noise = prepare_noise(latent_raw, request.seed, request.batch_index)  # the whole batch's, as ComfyUI draws it
@@ -58,10 +65,15 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
         ctx.check_cancel(step_index + 1)
 
     ctx.check_cancel(0)
-    samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device), family=parallel.family,
-                      seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
-                      scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device),
-                      callback=on_step)
+    with attention_kernels(request.attention, ctx.device):
+        samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device), family=parallel.family,
+                          seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
+                          scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device),
+                          callback=on_step)
+    if parallel.cache is not None:
+        ctx.info["step_cache"] = parallel.cache.stats.as_dict()
+    if request.compile:
+        ctx.info["compiled_graphs"] = compiled_graphs()  # the same after a later job of the same shapes: reused
     ctx.info["bytes_sent_per_step"] = {k: v / request.steps for k, v in mesh.stats.sent.items()}
     info = parallel.flow.loaded.info
     ctx.info["model"] = {"variant": info.variant, "layout": info.layout}

@@ -3,6 +3,7 @@ config inferred from tensor shapes (nothing is fetched from a hub)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -22,6 +23,9 @@ class CheckpointInfo:
     config: dict                # diffusers transformer config
     keys: list[str] = field(default_factory=list)  # transformer keys, prefix stripped
     ignored: int = 0            # other tensors in the file (text encoders, VAE)
+    parameters: int = 0         # the transformer's parameter count (what the planner's memory model weighs)
+    block_parameters: int = 0   # of which in the transformer blocks
+    stored_fp8: bool = False    # the file stores matrices in fp8, which the loader keeps
 
     @property
     def heads(self) -> int:
@@ -35,6 +39,16 @@ class CheckpointInfo:
     def latent_patch(self) -> int:
         """Latent pixels per token side: FLUX packs 2x2 latent patches, SD3 patchifies by its patch_size."""
         return 2 if self.family == "flux" else self.config["patch_size"]
+
+
+BLOCK_PREFIXES = ("double_blocks.", "single_blocks.", "joint_blocks.", "transformer_blocks.",
+                  "single_transformer_blocks.")
+
+
+def count_parameters(shapes: dict[str, tuple]) -> tuple[int, int]:
+    """(all, in the transformer blocks) parameters of a transformer's tensors."""
+    sizes = {k: math.prod(shape) for k, shape in shapes.items()}
+    return sum(sizes.values()), sum(n for k, n in sizes.items() if k.startswith(BLOCK_PREFIXES))
 
 
 def _count(keys, pattern: str) -> int:
@@ -94,7 +108,10 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
     except KeyError as e:
         raise CheckpointError(f"{path}: a {family} transformer ({layout} layout) missing key {e.args[0]!r}; "
                               f"the file is incomplete or an unsupported variant") from None
-    return CheckpointInfo(family, variant, layout, prefix, config, keys, ignored=len(tensors) - len(keys))
+    parameters, in_blocks = count_parameters(shapes)
+    fp8 = any(v.dtype.startswith("F8") for k, v in tensors.items() if k.startswith(prefix))
+    return CheckpointInfo(family, variant, layout, prefix, config, keys, ignored=len(tensors) - len(keys),
+                          parameters=parameters, block_parameters=in_blocks, stored_fp8=fp8)
 
 
 def _rope_axes(head_dim: int, metadata: dict) -> tuple:

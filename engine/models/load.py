@@ -37,16 +37,21 @@ class LoadedTransformer:
 
 
 class CastLinear(torch.nn.Module):
-    """A Linear whose weight stays in its stored dtype (fp8) and is cast to the input's dtype per call."""
+    """A Linear whose weight stays in its stored dtype (fp8) and is cast to the input's dtype per call; with
+    `fp8_matmul` (engine/models/speed.py) the product itself runs in fp8 where the GPU has fp8 tensor cores."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.fp8_matmul = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if self.fp8_matmul:
+            from .speed import fp8_linear
+            return fp8_linear(x, self.weight, bias)
         return F.linear(x, self.weight.to(x.dtype), bias)
 
 
@@ -236,10 +241,16 @@ def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device =
     # nn.Module.to, not diffusers' override: the same cast on meta tensors, without its from_pretrained advice
     model = torch.nn.Module.to(model, COMPUTE_DTYPES[dtype]).to_empty(device=device)  # never materialised in fp32
     init_random_(model, seed)
+    if fp8_weights:  # as a file's matrices would be stored: every Linear weight in fp8, cast per call
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight = torch.nn.Parameter(module.weight.to(torch.float8_e4m3fn), requires_grad=False)
+    cast_layers = _wrap_fp8_linears(model)
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
-    return LoadedTransformer(info=info, model=model, dtype=COMPUTE_DTYPES[dtype], path=source,
-                             stats={"load_s": time.perf_counter() - t0, "parameters": params})
+    return LoadedTransformer(info=info, model=model, dtype=COMPUTE_DTYPES[dtype], path=source, fp8_weights=fp8_weights,
+                             stats={"load_s": time.perf_counter() - t0, "parameters": params,
+                                    "fp8_linears": cast_layers})
 
 
 def _wrap_fp8_linears(model: torch.nn.Module) -> int:

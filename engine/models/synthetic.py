@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .tiny import REAL, TINY, FluxDims
-from .detect import CheckpointInfo, _flux_config, _sd3_config
+from .tiny import REAL, TINY, FluxDims, shapes_for
+from .detect import CheckpointInfo, _flux_config, _sd3_config, count_parameters
 
 PREFIX = "synthetic:"
 
@@ -41,7 +41,9 @@ def diffusers_config(dims) -> dict:
 def synthetic_info(source: str) -> CheckpointInfo:
     variant, dims = _dims(source)
     family = "flux" if isinstance(dims, FluxDims) else "sd3"
-    return CheckpointInfo(family=family, variant=variant, layout="synthetic", prefix="", config=diffusers_config(dims))
+    parameters, in_blocks = count_parameters(shapes_for(variant, dims))
+    return CheckpointInfo(family=family, variant=variant, layout="synthetic", prefix="", config=diffusers_config(dims),
+                          parameters=parameters, block_parameters=in_blocks)
 
 
 @torch.no_grad()

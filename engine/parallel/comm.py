@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import SequenceParallelAttention
+from .cost import attention_bytes, sp_gather_bytes
 from .mesh import Mesh
 from .plan import ParallelPlan
 
@@ -24,20 +25,11 @@ PLANS = {
 
 
 def analytic_bytes(m: dict, plan: ParallelPlan, batch: int) -> int:
-    """Closed-form bytes one rank sends per step (one model call): the method's textbook volume."""
-    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
-    width = m["heads"] * m["head_dim"] * 2  # bf16 bytes per token per Q/K/V
-    text_split = m["text_split"] and m["text_tokens"] % p == 0
-    seq = m["image_tokens"] + (m["text_tokens"] if text_split else 0)
-    per_layer = 0
-    if u > 1:  # Q, K, V out and O back, each keeping 1/U of the rank's S/R tokens
-        per_layer += 4 * batch * (seq // r) * width * (u - 1) // (u * u)
-        if not text_split:  # the text output of this rank's heads, to every other Ulysses rank
-            per_layer += batch * m["text_tokens"] * (width // u) * (u - 1)
-    if r > 1:  # K and V of this rank's block, passed on R-1 times
-        per_layer += 2 * batch * (seq // p) * width * (r - 1)
-    total = per_layer * m["attention_layers"]
-    total += (p - 1) * batch * (m["image_tokens"] // p) * m["out_features"] * 2  # velocity tokens gathered
+    """Closed-form bytes one rank sends per step (one model call): the method's textbook volume, from the same
+    formulas the planner's cost model uses (cost.py)."""
+    kinds = attention_bytes(m["image_tokens"], m["text_tokens"], m["heads"], m["head_dim"], m["attention_layers"],
+                            m["text_split"], plan, batch)
+    total = sum(kinds.values()) + sp_gather_bytes(m["image_tokens"], m["out_features"], plan, batch)
     if plan.cfg == 2:
         total += 16 * 128 * 128 * 4  # this rank's velocity of its pass
     return total

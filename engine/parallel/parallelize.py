@@ -9,7 +9,8 @@ exact). The job handler and FlowModel hold no parallel branch: with a one-rank m
 every split and gather is a no-op.
 
 Seams: a new family is a table and a processor. PipeFusion adds a step here that splits the table's `blocks` into
-stages; a step cache is a hook on the first of those blocks whose skip decision is agreed over the mesh.
+stages. The step cache (engine/parallel/cache.py) wraps the same block lists, its skip decision agreed over every
+rank; the predictor tells it which stream (pass and batch share) each model call belongs to.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from ..models.flow import Conditioning, FlowModel
 from .attention import SequenceParallelAttention
+from .cache import StepCache
 from .mesh import Mesh
 from .processors import FluxSPProcessor, SD3SPProcessor
 
@@ -56,6 +58,7 @@ class ParallelFlow:
         self.family = flow.family
         self._hooks: list = []
         self._original_processors: dict | None = None
+        self.cache: StepCache | None = None
         if mesh["sp"].size > 1:
             self._split_tokens()
 
@@ -94,7 +97,20 @@ class ParallelFlow:
                                                 "joint_text_tokens": count if joint else 0}
         return args, kwargs
 
+    # ---- the step cache ----------------------------------------------------------------------------------------
+    def set_step_cache(self, threshold: float | None) -> None:
+        """Before each job: None takes the cache off; a threshold (0 never skips) starts it afresh."""
+        if threshold is None:
+            if self.cache is not None:
+                self.cache.close()
+                self.cache = None
+            return
+        if self.cache is None:
+            self.cache = StepCache(self.flow.model, self.table.blocks, threshold)
+        self.cache.reset(threshold)
+
     def close(self) -> None:
+        self.set_step_cache(None)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -124,11 +140,17 @@ class ParallelFlow:
             per = batch // dp.size                                                      # dp: a contiguous share
             items = slice(dp.rank * per, (dp.rank + 1) * per)
             x = x_model[items]
+
+            def velocity(passes: list[Conditioning], x_in: torch.Tensor) -> torch.Tensor:
+                if self.cache is not None:  # the cache compares a call with the last one of the same passes
+                    self.cache.use_stream((tuple(s is positive for s in passes), items.start))
+                return self.flow.velocity(x_in, sigma, prepare(passes, batch, items))
+
             if len(mine) == 2 and mine[0].cond.shape[1] == mine[1].cond.shape[1]:
                 # both passes in one forward when their text lengths agree (exactly the same math)
-                v = self.flow.velocity(torch.cat([x, x]), sigma, prepare(mine, batch, items)).unflatten(0, (2, -1))
+                v = velocity(mine, torch.cat([x, x])).unflatten(0, (2, -1))
             else:
-                v = torch.stack([self.flow.velocity(x, sigma, prepare([s], batch, items)) for s in mine])
+                v = torch.stack([velocity([s], x) for s in mine])
             v = self.mesh.all_gather(v, "dp", dim=1, kind="dp_gather")                  # [passes, batch, ...]
             if len(mine) < len(sides):
                 v = self.mesh.all_gather(v, "cfg", dim=0, kind="cfg_gather")            # pos, neg in group order

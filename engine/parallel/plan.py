@@ -1,11 +1,14 @@
 """The parallel plan, and the one place it is resolved and validated: `resolve_plan` turns `auto` or explicit
 degrees into a plan that runs this model and job on this many ranks, or refuses with the numbers and a plan
-that works. The client calls it before any rank starts; the ranks only build the mesh it names."""
+that works. `auto` ranks the plans that can run by the cost model (cost.py) on the ranks' hardware (devices.py).
+The client calls it before any rank starts; the ranks only build the mesh it names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, asdict
 
 from ..errors import PlanError
+from . import cost
+from .devices import Hardware, assumed_hardware
 
 DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
 MAX_RANKS = 8
@@ -58,14 +61,63 @@ class ParallelPlan:
 
 @dataclass(frozen=True)
 class Workload:
-    """What a plan has to fit: the model's dimensions and the job's shape."""
+    """What a plan has to fit, and what it costs: the model's dimensions and the job's shape. `from_info` builds one
+    from a checkpoint's header, `for_variant` from a known variant; the defaults after `negative_pass` are FLUX.1's
+    head width and T5 length, with weights unknown (0)."""
 
     variant: str
     heads: int
-    layers: int
+    layers: int              # attention layers: FLUX double + single blocks, SD3 joint blocks
     image_tokens: int        # per image, after patching (FLUX 2x2, SD3 patch_size)
     batch: int
     negative_pass: bool      # cfg != 1: the sampler evaluates a negative prompt too
+    head_dim: int = 128
+    text_tokens: int = 512   # FLUX: T5 tokens; SD3: 77 CLIP + T5 tokens
+    dual_layers: int = 0     # SD3.5-medium blocks with a second, image-only attention
+    weight_bytes: int = 0    # the transformer's weights as each rank holds them (fp8 matrices: a byte a parameter)
+    block_weight_bytes: int = 0   # of which in the transformer blocks (what PipeFusion stages would divide)
+    dtype: str = "bf16"      # compute dtype (activations)
+    fp8_weights: bool = False     # weight_bytes counts fp8 matrices (the file's, or the fp8 weight option)
+    compiled: bool = False   # torch.compile: the planner uses the GPU's compiled calibration when it has one
+
+    @property
+    def family(self) -> str:
+        return "flux" if self.variant.startswith("flux") else "sd3"
+
+    @property
+    def step_tflop(self) -> float:
+        """TFLOP of one denoising step (FLUX.1-dev at 1024^2: 74.4; SD3-medium with cfg: 17.8)."""
+        return cost.rank_flops(ParallelPlan(), self)[0] / 1e12
+
+    @classmethod
+    def from_info(cls, info, latent_h: int, latent_w: int, *, batch: int, negative_pass: bool, text_tokens: int,
+                  dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False) -> "Workload":
+        """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w."""
+        patch = info.latent_patch
+        fp8 = fp8_weights or info.stored_fp8   # an fp8 file's matrices stay fp8 (models/load.py)
+        per_parameter = 1 if fp8 else cost.DTYPE_BYTES[dtype]
+        return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
+                   image_tokens=(latent_h // patch) * (latent_w // patch), negative_pass=negative_pass,
+                   head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
+                   dual_layers=len(info.config.get("dual_attention_layers") or ()),
+                   weight_bytes=info.parameters * per_parameter,
+                   block_weight_bytes=info.block_parameters * per_parameter,
+                   dtype=dtype, fp8_weights=fp8, compiled=compiled)
+
+    @classmethod
+    def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
+                    negative_pass: bool = False, text_tokens: int | None = None, dtype: str = "bf16",
+                    fp8_weights: bool = False) -> "Workload":
+        """A known variant at full size (models.tiny.REAL) and width x height pixels; text tokens default to what
+        ComfyUI's encoders give: 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3."""
+        from ..models.synthetic import synthetic_info
+        info = synthetic_info(f"synthetic:{variant}")
+        return cls.from_info(info, height // 8, width // 8, batch=batch, negative_pass=negative_pass,
+                             text_tokens=text_tokens or DEFAULT_TEXT_TOKENS[info.family], dtype=dtype,
+                             fp8_weights=fp8_weights)
+
+
+DEFAULT_TEXT_TOKENS = {"flux": 512, "sd3": 77 + 256}
 
 
 @dataclass(frozen=True)
@@ -95,8 +147,9 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
 
 
 def candidates(world: int) -> list[ParallelPlan]:
-    """Every plan for `world` ranks, cheapest communication first: CFG parallel (one velocity per step), data
-    parallel (one velocity per step), then Ulysses (all-to-all of Q/K/V/O), then Ring (K/V passed around)."""
+    """Every plan for `world` ranks, simplest first (the order ties are broken in): CFG parallel (one velocity per
+    step), data parallel (one velocity per step), then Ulysses (all-to-all of Q/K/V/O), then Ring (K/V passed
+    around)."""
     out = []
     for dp in range(1, world + 1):
         for cfg in (1, 2):
@@ -107,8 +160,9 @@ def candidates(world: int) -> list[ParallelPlan]:
     return sorted(out, key=lambda p: (-p.cfg, -p.dp, -p.ulysses, p.ring))
 
 
-def suggest_plan(world: int, work: Workload) -> ParallelPlan | None:
-    return next((p for p in candidates(world) if not plan_problems(p, work)), None)
+def feasible(world: int, work: Workload) -> list[ParallelPlan]:
+    """The plans for `world` ranks that can run this workload, in `candidates` order."""
+    return [p for p in candidates(world) if not plan_problems(p, work)]
 
 
 def _why(plan: ParallelPlan, work: Workload) -> str:
@@ -120,32 +174,91 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
     if plan.ulysses > 1:
         parts.append(f"{work.image_tokens} image tokens split {plan.ulysses} ways, {work.heads} heads exchanged")
     if plan.ring > 1:
-        parts.append(f"ring of {plan.ring} over the tokens (ulysses {plan.ulysses} is the most that divides "
-                     f"{work.heads} heads here)")
+        parts.append(f"K/V passed around a ring of {plan.ring}")
     return "; ".join(parts) if parts else "one rank runs the whole job"
 
 
-def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload) -> PlanChoice:
-    """The plan that runs `work` on `ranks` ranks: `auto` picks the cheapest that fits; an explicit plan is checked.
+def _fmt_estimate(e: cost.Estimate) -> str:
+    return f"est. {e.step_ms:.0f} ms/step (compute {e.compute_ms:.0f}, comm {e.comm_ms:.0f})"
+
+
+def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> str:
+    """Why no plan fits the GPUs' memory, with the numbers and what would help."""
+    m = best.memory
+    helps = []
+    if work.weight_bytes and not work.fp8_weights:
+        per = cost.DTYPE_BYTES[work.dtype]
+        light = Workload(**{**asdict(work), "weight_bytes": work.weight_bytes // per,
+                            "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
+        if min(cost.memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= hw.memory_gib:
+            helps.append(f"fp8 weights would fit ({light.weight_bytes / cost.GiB:.1f} GiB of weights)")
+    more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
+                 if any(cost.memory_gib(p, work)["total"] <= hw.memory_gib for p in feasible(n, work))), None)
+    if more:
+        helps.append(f"{more} GPUs would fit (sequence parallel splits the activations)")
+    helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
+                 "GPUs with more memory")
+    return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
+            f"needs {m['total']:.1f} GiB ({best.plan.describe()}: weights {m['weights']:.1f}, activations "
+            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; every built method keeps a full copy of the "
+            f"weights); " + "; ".join(helps))
+
+
+def rank_plans(ranks: int, work: Workload, hardware: Hardware) -> list[cost.Estimate]:
+    """Every feasible plan for `ranks` GPUs with its estimate, the planner's choice first (cost.rank)."""
+    return cost.rank([cost.estimate(p, work, hardware) for p in feasible(ranks, work)])
+
+
+def _auto(ranks: int, work: Workload, hw: Hardware) -> PlanChoice:
+    plans = feasible(ranks, work)
+    if not plans:
+        raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
+                        f"{work.image_tokens} image tokens, batch {work.batch}"
+                        f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
+    if hw.device == "cpu":  # the ranks share the host's cores: no plan computes faster, so send the least
+        plan = min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
+        return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
+    ranked = rank_plans(ranks, work, hw)
+    best = ranked[0]
+    if not best.fits:
+        raise PlanError(_no_fit(ranks, work, hw, best))
+    reason = f"auto chose {best.plan.describe()} for {ranks} rank(s): {_fmt_estimate(best)} on {hw.describe()}"
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        reason += f"; {nxt.plan.describe()} est. {nxt.step_ms:.0f}"
+        if nxt.fits and nxt.step_ms < best.step_ms:
+            reason += (f" (within {cost.TIE:.0%}: a tie, and {best.plan.describe()} "
+                       + ("sends less)" if best.comm_bytes < nxt.comm_bytes else "is the simpler plan)"))
+    if ranks > 1:
+        one = cost.estimate(ParallelPlan(), work, hw)
+        if one.fits and one.step_ms < best.step_ms:
+            reason += f"; 1 GPU est. {one.step_ms:.0f}: fewer GPUs would be faster"
+    return PlanChoice(best.plan, reason)
+
+
+def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload,
+                 hardware: Hardware | None = None) -> PlanChoice:
+    """The plan that runs `work` on `ranks` ranks: `auto` picks the fastest that fits by the cost model (cost.py)
+    on `hardware` (None: assumed, see devices.assumed_hardware); an explicit plan is only checked, never replaced.
     Raises PlanError naming every problem and a plan that works for the same rank count."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
         raise PlanError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
+    hw = hardware or assumed_hardware(ranks)
     if isinstance(requested, str):
         if requested != AUTO:
             raise PlanError(f"plan={requested!r} is invalid: use 'auto' or explicit degrees")
-        plan = suggest_plan(ranks, work)
-        if plan is None:
-            raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
-                            f"{work.image_tokens} image tokens, batch {work.batch}"
-                            f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
-        return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
+        return _auto(ranks, work, hw)
     if not isinstance(requested, ParallelPlan):
         raise PlanError(f"plan={requested!r} is invalid: use 'auto' or a ParallelPlan")
     requested.check_world(ranks)
     problems = plan_problems(requested, work)
     if problems:
-        better = suggest_plan(ranks, work)
-        hint = (f"; try {better.describe()}" if better else
-                f"; no plan for this job fits {ranks} ranks: change the rank count")
+        try:
+            hint = f"; try {_auto(ranks, work, hw).plan.describe()}"
+        except PlanError:
+            hint = f"; no plan for this job fits {ranks} ranks: change the rank count"
         raise PlanError(f"plan {requested.describe()} cannot run this job: " + "; ".join(problems) + hint)
-    return PlanChoice(requested, f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}")
+    reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
+    if hw.device != "cpu":
+        reason += f"; {_fmt_estimate(cost.estimate(requested, work, hw))} on {hw.describe()}"
+    return PlanChoice(requested, reason)

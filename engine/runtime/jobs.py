@@ -47,6 +47,11 @@ class JobContext:
         meshes[plan].stats.reset()
         return meshes[plan]
 
+    def reset_peak_memory(self) -> None:
+        """The next memory() reports this job's peak, not the process's."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def memory(self) -> dict:
         """This rank's own memory (measured here: asking from the client would open CUDA contexts in ComfyUI)."""
         out = {}

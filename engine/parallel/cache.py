@@ -1,0 +1,144 @@
+"""A step cache in the manner of First-Block-Cache (ParaAttention, cache-dit): every model call runs the first
+transformer block; when its output residual (output - input of the image stream) has barely changed since the last
+call that ran every block, the remaining blocks are skipped and their contribution from that call is reused.
+
+Under a parallel plan the decision is one all-reduce over every rank (sums of |change| and |previous residual|), so
+all ranks skip or compute together and no collective inside the skipped blocks is left waiting. Ranks whose shard
+has changed little skip only when the whole picture has.
+
+The blocks themselves are untouched (compiled blocks stay compiled, their weights keep their names): the model's
+block lists are replaced by lists of the same modules whose iteration yields thin call wrappers, and restored by
+`close`. Every FLUX and SD3 block is called as block(hidden_states=, encoder_hidden_states=, ...) and returns
+(encoder_hidden_states, hidden_states); only the final hidden states are used after the last block.
+
+A threshold of 0 never skips, and then every block runs exactly as without the cache (the wrappers only read).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _Stream:
+    """One sequence of model calls (a pass and batch share): what the last fully computed call left."""
+    first_residual: torch.Tensor | None = None   # first block's hidden-state residual
+    rest_residual: torch.Tensor | None = None    # final hidden states - first block's output
+
+
+@dataclass
+class CacheStats:
+    calls: int = 0
+    skipped: int = 0
+    changes: list = field(default_factory=list)      # the agreed relative change of each call (None: no reference)
+    skipped_at: list = field(default_factory=list)   # indices of the skipped calls
+
+    def as_dict(self) -> dict:
+        return {"model_calls": self.calls, "skipped_calls": self.skipped, "skipped_at": list(self.skipped_at),
+                "changes": [None if c is None else round(c, 6) for c in self.changes]}
+
+
+class StepCache:
+    def __init__(self, model: torch.nn.Module, block_lists: tuple[str, ...], threshold: float):
+        self.model = model
+        self.threshold = float(threshold)
+        self.originals = {name: model.get_submodule(name) for name in block_lists}
+        blocks = [b for name in block_lists for b in self.originals[name]]
+        if len(blocks) < 2:
+            raise ValueError(f"a step cache needs at least 2 blocks; the model has {len(blocks)}")
+        self.first, self.last = blocks[0], blocks[-1]
+        self.streams: dict = {}
+        self.stream_key = None
+        self.stats = CacheStats()
+        self._skip = False
+        self._first_out = None
+        for name, blocks in self.originals.items():
+            setattr(model, name, _CachedList(self, blocks))
+
+    # ---- per job and per call ----------------------------------------------------------------------------------
+    def reset(self, threshold: float) -> None:
+        """A new job: nothing carried over from the last one."""
+        self.threshold = float(threshold)
+        self.streams.clear()
+        self.stats = CacheStats()
+
+    def use_stream(self, key) -> None:
+        """The next model call belongs to this stream (a CFG pass and batch share): it is compared with that
+        stream's last computed call only."""
+        self.stream_key = key
+
+    def close(self) -> None:
+        for name, blocks in self.originals.items():
+            setattr(self.model, name, blocks)
+
+    # ---- the wrapped block calls -------------------------------------------------------------------------------
+    def call(self, block: torch.nn.Module, args, kwargs):
+        if block is self.first:
+            return self._call_first(block, args, kwargs)
+        if self._skip:  # pass the cached result along unchanged
+            return kwargs["encoder_hidden_states"], kwargs["hidden_states"]
+        encoder, hidden = block(*args, **kwargs)
+        if block is self.last:
+            self.streams[self.stream_key].rest_residual = hidden - self._first_out
+            self._first_out = None
+        return encoder, hidden
+
+    def _call_first(self, block, args, kwargs):
+        stream = self.streams.setdefault(self.stream_key, _Stream())
+        self.stats.calls += 1
+        hidden_in = kwargs["hidden_states"]
+        encoder, hidden = block(*args, **kwargs)
+        residual = hidden - hidden_in
+        change = self._relative_change(residual, stream)
+        self.stats.changes.append(change)
+        self._skip = change is not None and change < self.threshold
+        if self._skip:
+            self.stats.skipped += 1
+            self.stats.skipped_at.append(self.stats.calls - 1)
+            return encoder, hidden + stream.rest_residual
+        stream.first_residual = residual
+        self._first_out = hidden
+        return encoder, hidden
+
+    def _relative_change(self, residual: torch.Tensor, stream: _Stream) -> float | None:
+        """mean |residual - previous| / mean |previous| over every rank's shard, the same number on every rank;
+        None when this stream has no fully computed call yet."""
+        ready = stream.first_residual is not None and stream.rest_residual is not None
+        sums = torch.zeros(3, dtype=torch.float64, device=residual.device)
+        if ready and stream.first_residual.shape == residual.shape:
+            prev = stream.first_residual
+            sums[0] = (residual - prev).abs().double().sum()
+            sums[1] = prev.abs().double().sum()
+            sums[2] = 1.0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        diff, base, ready_ranks = sums.tolist()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if ready_ranks < world or base == 0.0:
+            return None
+        return diff / base
+
+
+class _CachedList(torch.nn.ModuleList):
+    """The same block modules (same names in the state dict); iterating yields wrappers that route each call
+    through the cache."""
+
+    def __init__(self, cache: StepCache, blocks: torch.nn.ModuleList):
+        super().__init__(blocks)
+        object.__setattr__(self, "_cache", cache)  # not a submodule
+
+    def __iter__(self):
+        return iter([_CachedCall(self._cache, block) for block in super().__iter__()])
+
+
+class _CachedCall:
+    def __init__(self, cache: StepCache, block: torch.nn.Module):
+        self._cache, self._block = cache, block
+
+    def __call__(self, *args, **kwargs):
+        return self._cache.call(self._block, args, kwargs)
+
+    def __getattr__(self, name):  # the model's loop may read block attributes (SD3: context_pre_only)
+        return getattr(self._block, name)

@@ -1,0 +1,138 @@
+"""CUDA checks, skipped cleanly where torch sees no CUDA device (CI has none; run them on a GPU machine):
+CUDA vs CPU fp32 parity of the tiny models, bf16 within its expected distance, the attention kernels' log-sum-exp and
+the Ring merge built on it, fp8 products, and the engine on one CUDA rank (NCCL) with a clean shutdown."""
+import math
+
+import pytest
+import torch
+
+from engine.generate.request import GenerateRequest
+from engine.models.flow import Conditioning, FlowModel
+from engine.models.load import load_model
+from engine.models.tiny import write_tiny
+from engine.parallel.attention import _merge, attention_with_lse
+from engine.runtime.client import Engine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cuda")
+    return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium")}
+
+
+def _velocity(path, dtype, device):
+    flow = FlowModel(load_model(path, dtype=dtype, device=device))
+    g = torch.Generator().manual_seed(3)
+    pooled = 768 if flow.family == "flux" else 2048
+    prepared = flow.prepare([Conditioning(torch.randn(1, 24, 4096, generator=g), torch.randn(1, pooled, generator=g))], 1)
+    x = torch.randn(1, 16, 32, 32, generator=g)
+    return flow.velocity(x, torch.tensor(0.6), prepared).cpu()
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_cuda_matches_cpu_fp32_and_bf16(models, family):
+    from tolerance import fp32_bound
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here (TF32 is a separate, lower precision)
+    torch.backends.cudnn.allow_tf32 = False
+    cpu = _velocity(models[family], "fp32", "cpu")
+    gpu = _velocity(models[family], "fp32", "cuda")
+    diff = (gpu - cpu).abs().max().item()
+    bound = fp32_bound(cpu.abs().max(), reduction=4096, depth=8 if family == "flux" else 4)
+    bf16 = _velocity(models[family], "bf16", "cuda")
+    rel = ((bf16 - cpu).norm() / cpu.norm()).item()
+    # bf16 keeps 8 mantissa bits (2**-8 relative per rounding); errors grow ~sqrt with the roundings through the
+    # blocks (a few per block and layer): a few percent relative L2 for 4-8 blocks
+    bf16_bound = 2 ** -8 * math.sqrt(8 * 16)
+    print(f"{family}: CUDA vs CPU fp32 max abs diff {diff:.3g} (bound {bound:.3g}); bf16 vs fp32 relative L2 "
+          f"{rel:.3g} (bound {bf16_bound:.3g})")
+    assert diff <= bound
+    assert rel <= bf16_bound
+
+
+def _reference_attention(q, k, v):
+    """Plain fp32 softmax attention and its log-sum-exp, (batch, tokens, heads, dim) in, lse (batch, heads, tokens)."""
+    qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+    scores = qt @ kt.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ vt).transpose(1, 2), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_attention_lse_and_ring_merge_on_cuda(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", generator=g).to(dtype) for _ in range(3))
+    ref_out, ref_lse = _reference_attention(q, k, v)
+    out, lse = attention_with_lse(q, k, v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    out_diff = (out.float() - ref_out).abs().max().item()
+    lse_diff = (lse - ref_lse).abs().max().item()
+    # the Ring merge: keys in two blocks, partial results combined through their log-sum-exp
+    a = attention_with_lse(q, k[:, :120], v[:, :120])
+    b = attention_with_lse(q, k[:, 120:], v[:, 120:])
+    merged, merged_lse = _merge(*_merge(None, None, *a), *b)
+    merge_diff = (merged - ref_out).abs().max().item()
+    print(f"{dtype}: out max abs diff {out_diff:.3g}, lse {lse_diff:.3g}, ring merge {merge_diff:.3g} (tol {tol})")
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert out_diff <= tol and lse_diff <= tol and merge_diff <= tol
+    assert (merged_lse - ref_lse).abs().max().item() <= tol
+
+
+def test_fp8_products_on_cuda():
+    from engine.models.speed import fp8_linear, fp8_supported
+    if not fp8_supported(torch.device("cuda")):
+        pytest.skip("this GPU has no fp8 tensor cores (compute capability < 8.9)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 77, 256, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(512, 256, device="cuda", generator=g) / 16).to(torch.float8_e4m3fn)
+    bias = torch.randn(512, device="cuda", generator=g).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    out = fp8_linear(x, w, bias)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    print(f"fp8 product vs fp32 with the same fp8 weights: relative L2 {rel:.3g}")
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert rel < 0.05  # e4m3 keeps 3 mantissa bits on the activations: ~2**-4 per element, averaged over 256 terms
+
+
+def _job(models, family, **options):
+    g = torch.Generator().manual_seed(11)
+    pooled = 768 if family == "flux" else 2048
+    r = GenerateRequest(model=models[family], cond=torch.randn(1, 24, 4096, generator=g),
+                        pooled=torch.randn(1, pooled, generator=g), latent_raw=torch.zeros(1, 16, 16, 16), seed=5,
+                        steps=4, **options)
+    r.validate(1)
+    return r.to_job()
+
+
+def test_engine_on_one_cuda_rank(models):
+    """generate through the engine and the bridge on a CUDA rank (NCCL group of one, set_device first), against the
+    same job on a CPU rank; the step cache at 0 and compile on CUDA; then every rank gone and its memory freed."""
+    from tolerance import fp32_bound
+    torch.cuda.init()
+    free_before, _ = torch.cuda.mem_get_info()
+    with Engine(1, device="cpu") as engine:
+        cpu = engine.submit("generate", *_job(models, "flux")).outputs["samples"]
+    with Engine(1, device="cuda", gpus=[0]) as engine:
+        pids = engine.pids
+        result = engine.submit("generate", *_job(models, "flux"))
+        gpu = result.outputs["samples"]
+        cached = engine.submit("generate", *_job(models, "flux", cache_threshold=0.0)).outputs["samples"]
+        compiled = engine.submit("generate", *_job(models, "flux", compile=True))
+        again = engine.submit("generate", *_job(models, "flux", compile=True))
+        memory = result.ranks[0]["memory"]
+    free_after, _ = torch.cuda.mem_get_info()
+    diff = (gpu - cpu).abs().max().item()
+    bound = fp32_bound(cpu.abs().max(), reduction=4096, depth=8, amplification=4)
+    comp = (compiled.outputs["samples"] - gpu).abs().max().item()
+    print(f"CUDA rank vs CPU rank max abs diff {diff:.3g} (bound {bound:.3g}); compiled vs "
+          f"eager {comp:.3g}; rank peak {memory.get('peak_gib', 0):.3f} GiB; device free before {free_before / 2**20:.0f} "
+          f"MiB, after close {free_after / 2**20:.0f} MiB")
+    assert diff <= bound  # torch keeps fp32 matmuls in fp32 on CUDA by default (no TF32)
+    assert torch.equal(cached, gpu)
+    assert comp <= bound
+    assert again.ranks[0]["compiled_graphs"] == compiled.ranks[0]["compiled_graphs"]  # graphs reused
+    assert "peak_gib" in memory
+    assert free_after >= free_before - 64 * 2**20, "the closed engine left CUDA memory allocated"
+    from conftest import pid_gone
+    assert all(pid_gone(pid) for pid in pids)
