@@ -45,7 +45,6 @@ def register(bench, emit) -> None:
     g.add_argument("--cache-threshold", type=types.request_field("cache_threshold", types.finite_float),
                    help="the step cache's threshold (default: the median change this random model shows, so that "
                         "about half the calls skip; random weights change differently from trained ones)")
-    g.add_argument("--json", type=types.output_file, help="also write the rows as JSON to this file")
     g.set_defaults(run=lambda a: emit(a, "gpu", _run(a)), parser=g)
 
 
