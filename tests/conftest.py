@@ -44,6 +44,28 @@ def engine(request):
         yield e
 
 
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny FLUX.1-dev and SD3.5-medium checkpoint, written once per module."""
+    from engine.models.tiny import write_tiny
+    d = tmp_path_factory.mktemp("tiny")
+    return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium")}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """engines(world): a CPU engine of that many ranks, started once per module and closed after it."""
+    started = {}
+
+    def get(world):
+        if world not in started:
+            started[world] = Engine(world, device="cpu", deadlines=FAST)
+        return started[world]
+    yield get
+    for e in started.values():
+        e.close()
+
+
 @pytest.fixture
 def fresh_engine():
     """A 2-rank engine for tests that break it on purpose."""

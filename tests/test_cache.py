@@ -9,38 +9,15 @@ import torch
 from engine.generate.request import GenerateRequest
 from engine.models.flow import Conditioning, FlowModel
 from engine.models.load import load_model
-from engine.models.tiny import write_tiny
 from engine.parallel.cache import StepCache
 from engine.parallel.parallelize import FLUX_TOKENS
 from engine.parallel.plan import ParallelPlan
-from engine.runtime.client import Engine
-
-from conftest import FAST
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cache")
-    return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium")}
-
-
-@pytest.fixture(scope="module")
-def engines():
-    started = {}
-
-    def get(world):
-        if world not in started:
-            started[world] = Engine(world, device="cpu", deadlines=FAST)
-        return started[world]
-    yield get
-    for e in started.values():
-        e.close()
-
-
-def request(models, family, plan, threshold, cfg=1.0, steps=10):
+def request(tiny_models, family, plan, threshold, cfg=1.0, steps=10):
     g = torch.Generator().manual_seed(11)
     pooled = 768 if family == "flux" else 2048
-    r = GenerateRequest(model=models[family], cond=torch.randn(1, 24, 4096, generator=g),
+    r = GenerateRequest(model=tiny_models[family], cond=torch.randn(1, 24, 4096, generator=g),
                         pooled=torch.randn(1, pooled, generator=g), latent_raw=torch.zeros(1, 16, 16, 16), seed=5,
                         steps=steps, cfg=cfg, neg_cond=torch.randn(1, 30, 4096, generator=g),
                         neg_pooled=torch.randn(1, pooled, generator=g), plan=ParallelPlan(**plan),
@@ -59,10 +36,10 @@ EXACT = [("flux", {}, 1.0), ("flux", dict(ulysses=2), 1.0), ("flux", dict(ulysse
 
 
 @pytest.mark.parametrize("family,plan,cfg", EXACT, ids=lambda v: str(v))
-def test_threshold_zero_is_exact(models, engines, family, plan, cfg):
-    uncached, info = generate(engines, request(models, family, plan, None, cfg, steps=4))
+def test_threshold_zero_is_exact(tiny_models, engines, family, plan, cfg):
+    uncached, info = generate(engines, request(tiny_models, family, plan, None, cfg, steps=4))
     assert info[0] is None  # no cache asked for: none ran
-    cached, info = generate(engines, request(models, family, plan, 0.0, cfg, steps=4))
+    cached, info = generate(engines, request(tiny_models, family, plan, 0.0, cfg, steps=4))
     diff = (cached - uncached).abs().max().item()
     print(f"{family} {ParallelPlan(**plan).describe()}: threshold 0 vs no cache, max abs diff {diff:.3g}")
     calls = 4 * (2 if cfg != 1.0 and not plan.get("cfg") else 1)
@@ -75,9 +52,9 @@ def test_threshold_zero_is_exact(models, engines, family, plan, cfg):
 THRESHOLD = 0.56
 
 
-def test_cfg_ranks_agree(models, engines):
+def test_cfg_ranks_agree(tiny_models, engines):
     """CFG parallel: each rank runs one pass, and the decision is agreed over both passes and both Ulysses ranks."""
-    _, infos = generate(engines, request(models, "flux", dict(cfg=2, ulysses=2), THRESHOLD, cfg=3.0))
+    _, infos = generate(engines, request(tiny_models, "flux", dict(cfg=2, ulysses=2), THRESHOLD, cfg=3.0))
     print("cfg2 x ulysses2, per rank:", [(i["model_calls"], i["skipped_at"]) for i in infos])
     assert infos[0]["skipped_calls"] > 0
     assert all(i["skipped_at"] == infos[0]["skipped_at"] and i["changes"] == infos[0]["changes"] for i in infos)
@@ -85,17 +62,17 @@ def test_cfg_ranks_agree(models, engines):
 
 @pytest.mark.parametrize("plan", [dict(ulysses=2), dict(ring=2), dict(ulysses=2, ring=2)],
                          ids=lambda p: ParallelPlan(**p).describe().replace(" ", ""))
-def test_ranks_agree_and_match_one_rank(models, engines, plan):
+def test_ranks_agree_and_match_one_rank(tiny_models, engines, plan):
     cfg = 1.0
-    one, (one_info,) = generate(engines, request(models, "flux", {}, THRESHOLD, cfg))
-    many, infos = generate(engines, request(models, "flux", plan, THRESHOLD, cfg))
+    one, (one_info,) = generate(engines, request(tiny_models, "flux", {}, THRESHOLD, cfg))
+    many, infos = generate(engines, request(tiny_models, "flux", plan, THRESHOLD, cfg))
     for info in infos[1:]:
         assert info["skipped_at"] == infos[0]["skipped_at"] and info["changes"] == infos[0]["changes"]
     assert one_info["skipped_calls"] > 0
     assert infos[0]["skipped_at"] == one_info["skipped_at"], (one_info, infos[0])
     changes = [c for c in one_info["changes"] if c is not None]
     margin = min(abs(c - THRESHOLD) for c in changes)
-    uncached, _ = generate(engines, request(models, "flux", {}, None, cfg))
+    uncached, _ = generate(engines, request(tiny_models, "flux", {}, None, cfg))
     rel = ((one - uncached).norm() / uncached.norm()).item()
     diff = (many - one).abs().max().item()
     print(f"{ParallelPlan(**plan).describe()}: skipped calls {one_info['skipped_at']} of {one_info['model_calls']} "
@@ -107,10 +84,10 @@ def test_ranks_agree_and_match_one_rank(models, engines, plan):
                               amplification=sampling_amplification(10, cfg))
 
 
-def test_skipped_call_reuses_the_remainder(models):
+def test_skipped_call_reuses_the_remainder(tiny_models):
     """In process: the same input twice. The second call's first-block residual is unchanged (change 0), so it
     skips, and its output is the first block's output plus the cached remainder: the full output up to rounding."""
-    loaded = load_model(models["flux"])
+    loaded = load_model(tiny_models["flux"])
     flow = FlowModel(loaded)
     cache = StepCache(flow.model, FLUX_TOKENS.blocks, threshold=1e-3)
     g = torch.Generator().manual_seed(3)
