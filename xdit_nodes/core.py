@@ -14,7 +14,7 @@ import torch
 
 from ..engine.generate.request import GenerateRequest
 from ..engine.models.load import inspect_model
-from ..engine.models.speed import ATTENTION
+from ..engine.models.speed import ATTENTION, CUDA_ONLY
 from ..engine.parallel.devices import hardware_for
 from ..engine.parallel.plan import AUTO, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
@@ -158,7 +158,7 @@ class EngineSettings:
             raise ValueError(f"plan={self.plan!r} is invalid: use auto or explicit")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention={self.attention!r} is invalid: use one of {list(ATTENTION_KERNELS)}")
-        if self.device != "cuda" and self.attention not in ("auto", "math"):
+        if self.device != "cuda" and self.attention in CUDA_ONLY:
             raise ValueError(f"attention={self.attention!r} needs CUDA GPUs and ComfyUI runs on the CPU: use auto")
         if not 0 <= self.cache_threshold <= 1:
             raise ValueError(f"cache_threshold={self.cache_threshold} is invalid: use 0 (off) to 1")

@@ -270,15 +270,10 @@ def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, 
 
     device = "cuda" if gpus else "cpu"
     source = f"synthetic:{variant}" + (":tiny" if size == "tiny" else "")
-    gen = torch.Generator().manual_seed(0)
     family = "flux" if variant.startswith("flux") else "sd3"
-    pooled_dim, tokens = (768, 512) if family == "flux" else (2048, 333)
     cfg = 1.0 if family == "flux" else 4.5
-    request = GenerateRequest(model=source, cond=torch.randn(1, tokens, 4096, generator=gen),
-                              pooled=torch.randn(1, pooled_dim, generator=gen),
-                              latent_raw=torch.zeros(1, 16, height // 8, width // 8), seed=0, steps=steps, cfg=cfg,
-                              neg_cond=torch.randn(1, tokens, 4096, generator=gen),
-                              neg_pooled=torch.randn(1, pooled_dim, generator=gen), dtype=dtype)
+    request = GenerateRequest.random_conditioning(source, width, height, text_tokens=512 if family == "flux" else 333,
+                                                  seed=0, steps=steps, cfg=cfg, dtype=dtype)
     try:
         request.validate(ranks=1)
     except ValueError as e:

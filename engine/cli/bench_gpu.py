@@ -14,9 +14,9 @@ from . import args as types
 from .args import UsageError
 from .tables import markdown
 
-MODELS = {  # name: (synthetic source, steps, cfg, text tokens, pooled width)
-    "flux-dev": ("synthetic:flux-dev", 28, 1.0, 512, 768),
-    "sd3-medium": ("synthetic:sd3-medium", 20, 4.5, 333, 2048),
+MODELS = {  # name: (synthetic source, steps, cfg, text tokens)
+    "flux-dev": ("synthetic:flux-dev", 28, 1.0, 512),
+    "sd3-medium": ("synthetic:sd3-medium", 20, 4.5, 333),
 }
 ROWS = {  # name: request options (cache: the step cache at --cache-threshold)
     "eager": {},
@@ -60,13 +60,9 @@ def _run(a) -> list[dict]:
 def _request(model: str, size: int, options: dict):
     from ..generate.request import GenerateRequest
 
-    source, steps, cfg, tokens, pooled = MODELS[model]
-    g = torch.Generator().manual_seed(0)
-    request = GenerateRequest(model=source, cond=torch.randn(1, tokens, 4096, generator=g),
-                              pooled=torch.randn(1, pooled, generator=g),
-                              latent_raw=torch.zeros(1, 16, size // 8, size // 8), seed=0, steps=steps, cfg=cfg,
-                              neg_cond=torch.randn(1, tokens, 4096, generator=g),
-                              neg_pooled=torch.randn(1, pooled, generator=g), dtype="bf16", **options)
+    source, steps, cfg, tokens = MODELS[model]
+    request = GenerateRequest.random_conditioning(source, size, size, text_tokens=tokens, seed=0, steps=steps, cfg=cfg,
+                                                  dtype="bf16", **options)
     request.validate(ranks=1)
     return request.to_job()
 
@@ -85,7 +81,7 @@ def bench_gpu(gpus, models, rows, size, repeats, threshold) -> list[dict]:
     results = []
     with Engine(1, device="cuda", gpus=gpus) as engine:
         for model in models:
-            source, steps, cfg, _, _ = MODELS[model]
+            source, steps, cfg, _ = MODELS[model]
             print(f"\n{model} ({source}), {steps} steps, cfg {cfg}", flush=True)
             # the agreed first-block change of each call, from one uncached-equivalent job (threshold 0 never skips)
             probe = engine.submit("generate", *_request(model, size, {"cache_threshold": 0.0}))

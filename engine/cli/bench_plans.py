@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import statistics
 
-import torch
-
 from ..parallel.plan import AUTO, ParallelPlan, candidates
 from ..runtime.client import Engine
 from . import args as types
@@ -35,12 +33,8 @@ def register(bench, emit) -> None:
 
 def _request(size: int, steps: int, plan, cfg: float = 1.0, threshold: float | None = None, batch: int = 1):
     from ..generate.request import GenerateRequest
-    g = torch.Generator().manual_seed(0)
-    return GenerateRequest(model="synthetic:flux-dev:tiny", cond=torch.randn(batch, 24, 4096, generator=g),
-                        pooled=torch.randn(batch, 768, generator=g),
-                        latent_raw=torch.zeros(batch, 16, size // 8, size // 8), seed=0, steps=steps, cfg=cfg,
-                        neg_cond=torch.randn(1, 24, 4096, generator=g), neg_pooled=torch.randn(1, 768, generator=g),
-                        plan=plan, cache_threshold=threshold)
+    return GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", size, size, text_tokens=24, batch=batch,
+                                               seed=0, steps=steps, cfg=cfg, plan=plan, cache_threshold=threshold)
 
 
 def bench_scaling(size: int, steps: int, max_ranks: int, repeats: int = 3) -> list[dict]:

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from ..generate.request import GenerateRequest
 from ..models.load import COMPUTE_DTYPES
 from ..models.safetensors_file import read_header
-from ..models.speed import ATTENTION
+from ..models.speed import ATTENTION, CUDA_ONLY
 from ..parallel.devices import hardware_for
 from ..parallel.plan import AUTO, ParallelPlan
 from ..runtime.client import Engine
@@ -135,7 +135,7 @@ def build_request(a) -> GenerateRequest:
 
 def prepare(a):
     """(request, ranks, PlanChoice): every check that needs no rank, the plan resolved. Raises UsageError."""
-    if not a.gpus and a.attention not in ("auto", "math"):
+    if not a.gpus and a.attention in CUDA_ONLY:
         raise UsageError(f"argument --attention: {a.attention} needs --gpus (a CUDA kernel); on CPU ranks use auto "
                          f"or math")
     if not a.gpus and a.fp8_matmul and a.fp8_weights:

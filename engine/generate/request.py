@@ -55,6 +55,20 @@ class GenerateRequest:
     attention: str = "auto"               # scaled_dot_product_attention kernel: auto, flash, efficient, cudnn, math
     fp8_matmul: bool = False              # fp8 products for fp8 weights (GPUs with fp8 tensor cores)
 
+    @classmethod
+    def random_conditioning(cls, model: str, width: int, height: int, *, text_tokens: int, batch: int = 1,
+                            draw_seed: int = 0, **fields) -> "GenerateRequest":
+        """A request for `model` with random conditioning of the model's widths (cond, pooled, then the negative
+        side, drawn in that order from torch.Generator(draw_seed)) and an empty latent: what benchmarks run."""
+        config = inspect_model(model).config
+        context, pooled = config["joint_attention_dim"], config["pooled_projection_dim"]
+        g = torch.Generator().manual_seed(draw_seed)
+        return cls(model=model, cond=torch.randn(batch, text_tokens, context, generator=g),
+                   pooled=torch.randn(batch, pooled, generator=g),
+                   latent_raw=torch.zeros(batch, 16, height // 8, width // 8),
+                   neg_cond=torch.randn(1, text_tokens, context, generator=g),
+                   neg_pooled=torch.randn(1, pooled, generator=g), **fields)
+
     # ---- client side -------------------------------------------------------------------------------------------
     def validate(self, ranks: int | None = None, hardware: Hardware | None = None) -> PlanChoice:
         """Every check that needs no rank, then the plan resolved for `ranks` (default: an explicit plan's own rank

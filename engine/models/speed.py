@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTENTION = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+CUDA_ONLY = ("flash", "efficient", "cudnn")   # the kernels that exist only on CUDA devices
 FP8_MAX = 448.0  # largest float8_e4m3fn
 
 
@@ -21,7 +22,7 @@ def attention_kernels(name: str, device: torch.device):
         raise ValueError(f"attention={name!r} is invalid: use one of {list(ATTENTION)}")
     if ATTENTION[name] is None:
         return contextlib.nullcontext()
-    if device.type != "cuda" and name != "math":
+    if device.type != "cuda" and name in CUDA_ONLY:
         raise ValueError(f"attention={name!r} needs a CUDA device; this rank runs on {device.type}: use auto or math")
     return sdpa_kernel([ATTENTION[name]])
 
@@ -67,13 +68,11 @@ def set_fp8_matmul(model: torch.nn.Module, on: bool) -> int:
     """Turn fp8 products on or off for every fp8-stored Linear (CastLinear). Returns how many there are."""
     from .load import CastLinear
     layers = [m for m in model.modules() if isinstance(m, CastLinear)]
-    if on:
-        device = layers[0].weight.device if layers else torch.device("cpu")
-        if not layers:
-            raise ValueError("fp8_matmul needs fp8 weights: load the model with fp8_weights (weight dtype fp8_e4m3fn)")
-        if not fp8_supported(device):
-            raise ValueError(f"fp8_matmul needs a GPU with fp8 tensor cores (compute capability 8.9+); this rank has "
-                             f"{device}: turn fp8_matmul off")
+    if on and not layers:
+        raise ValueError("fp8_matmul needs fp8 weights: load the model with fp8_weights (weight dtype fp8_e4m3fn)")
+    if on and not fp8_supported(layers[0].weight.device):
+        raise ValueError(f"fp8_matmul needs a GPU with fp8 tensor cores (compute capability 8.9+); this rank has "
+                         f"{layers[0].weight.device}: turn fp8_matmul off")
     for layer in layers:
         layer.fp8_matmul = on
     return len(layers)

@@ -112,10 +112,10 @@ class StepCache:
             sums[0] = (residual - prev).abs().double().sum()
             sums[1] = prev.abs().double().sum()
             sums[2] = 1.0
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
             dist.all_reduce(sums)
         diff, base, ready_ranks = sums.tolist()
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if ready_ranks < world or base == 0.0:
             return None
         return diff / base
