@@ -136,3 +136,14 @@ def test_engine_on_one_cuda_rank(models):
     assert free_after >= free_before - 64 * 2**20, "the closed engine left CUDA memory allocated"
     from conftest import pid_gone
     assert all(pid_gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_pipefusion_stage_code_and_stale_kv_buffers_on_cuda(models, family, dtype):
+    """PipeFusion's stage forward, its K/V buffers (index_copy_ into CUDA tensors) and the patch path on one CUDA
+    device: the same checks as on CPU (tests/test_pipefusion.py). The send/receive between stages needs two GPUs."""
+    from test_pipefusion import fresh_kv_check
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    fresh_kv_check(models[family], family, device="cuda", dtype=dtype)

@@ -173,6 +173,22 @@ def test_auto_plan_picks_a_plan_that_fits_the_job_and_gives_the_one_rank_latent(
     core.REGISTRY.unload(s2)
 
 
+def test_the_engine_nodes_pipefusion_settings_run_stages_that_match_one_rank_with_full_warmup(core, models):
+    kw = dict(seed=3, steps=2, sampler_name="euler", scheduler="simple", denoise=1.0)
+    one = core.sample(settings(core, models["sd3"]), sd3_conditioning(1), sd3_conditioning(2), empty_latent(), cfg=4.0,
+                      **kw)
+    s2 = settings(core, models["sd3"], gpus=(0, 1), plan="explicit", pipefusion=2, patches=4, warmup_steps=99)
+    two = core.sample(s2, sd3_conditioning(1), sd3_conditioning(2), empty_latent(), cfg=4.0, **kw)
+    assert core.REGISTRY.running(s2).last_plan == "pipefusion2"
+    from tolerance import report
+    # warmup beyond the steps: every step on the whole latent, the one-rank latent to fp32 rounding
+    assert report("node pipefusion2, warmup >= steps, vs 1 rank", (two["samples"] - one["samples"]).abs().max(), 1e-4)
+    with pytest.raises(ValueError, match="patches 3 is fewer than"):
+        core.sample(settings(core, models["sd3"], gpus=(0, 1, 2, 3), plan="explicit", pipefusion=4, patches=3),
+                    sd3_conditioning(1), sd3_conditioning(2), empty_latent(), cfg=4.0, **kw)
+    core.REGISTRY.unload(s2)
+
+
 def test_latent_keys_other_than_samples_pass_through_as_ksampler_keeps_them(core, models):
     latent = dict(empty_latent(batch=2), batch_index=[4, 7])
     out = core.sample(settings(core, models["flux"]), flux_conditioning(), None, latent, seed=1, steps=1, cfg=1.0,

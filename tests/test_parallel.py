@@ -94,7 +94,6 @@ def test_each_rank_records_the_bytes_it_sends_per_collective_kind(tiny_models, e
     (dict(ulysses=2), dict(family="flux", latent_hw=(18, 14)), "63 image tokens: ulysses x ring = 2 does not divide"),
     (dict(cfg=2), dict(family="flux", cfg=1.0), "cfg parallel needs a negative pass.*try (ulysses2|ring2)"),
     (dict(dp=2), dict(family="flux", batch=3), "batch has 3 images: dp 2 does not divide it"),
-    (dict(pipefusion=2), dict(family="flux"), "pipefusion 2 is not built yet"),
 ])
 def test_invalid_plans_are_refused_before_launch_with_the_numbers_and_a_plan_that_works(tiny_models, plan, job, message):
     with pytest.raises(PlanError, match=message):

@@ -84,7 +84,15 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
                tooltip="torch.compile the transformer blocks: the first job of a size compiles (minutes), later "
                        "jobs reuse the graphs"),
          Field("attention", "COMBO", "auto", ATTENTION_KERNELS, advanced=True,
-               tooltip="attention kernel on the GPUs; auto lets torch choose")),
+               tooltip="attention kernel on the GPUs; auto lets torch choose"),
+         Field("pipefusion", "INT", 1, min=1, max=8, advanced=True,
+               tooltip="explicit plan: PipeFusion stages; each GPU holds only its stage's blocks (for cards the "
+                       "whole model does not fit)"),
+         Field("patches", "INT", 0, min=0, max=64, advanced=True,
+               tooltip="PipeFusion: latent row bands, at least the stages (0: one per stage)"),
+         Field("warmup_steps", "INT", 1, min=1, max=10000, advanced=True,
+               tooltip="PipeFusion: steps on the whole latent before patches use the previous step's K/V; the "
+                       "job's steps (or more) gives exactly the one-GPU result")),
         ((ENGINE_TYPE, "engine"),))
 
 
@@ -141,6 +149,9 @@ class EngineSettings:
     cache_threshold: float = 0.0      # step cache; 0 is off (per job: changing it keeps the ranks)
     compile: bool = False
     attention: str = "auto"
+    pipefusion: int = 1
+    patches: int = 0                  # 0: one per stage
+    warmup_steps: int = 1
 
     def validate(self) -> None:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
@@ -168,7 +179,8 @@ class EngineSettings:
     def requested_plan(self) -> ParallelPlan | str:
         """What the engine's plan resolution gets: "auto", or the explicit degrees."""
         if self.plan == "explicit":
-            return ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses, ring=self.ring)
+            return ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses, ring=self.ring,
+                                pipefusion=self.pipefusion)
         return AUTO
 
     def with_lora(self, path: str, strength: float) -> "EngineSettings":
@@ -287,7 +299,9 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                               batch_index=list(batch_index) if batch_index is not None else None,
                               loras=list(settings.loras), plan=settings.requested_plan(),
                               cache_threshold=settings.cache_threshold or None, compile=settings.compile,
-                              attention=settings.attention)
+                              attention=settings.attention,
+                              patches=(settings.patches or None) if settings.pipefusion > 1 else None,
+                              warmup_steps=min(settings.warmup_steps, int(steps)))
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
     choice = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     if before_job is not None:

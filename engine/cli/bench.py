@@ -27,7 +27,7 @@ from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import bench_gpu, bench_plans
+from . import bench_gpu, bench_memory, bench_plans
 from .args import UsageError
 
 
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="the whole suite at sizes for a CPU run of a few minutes")
     p.add_argument("--json", type=types.output_file, help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
-    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,gpu}")
+    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -71,6 +71,7 @@ def register(sub) -> None:
                    help="comma-separated model names")
     c.set_defaults(run=lambda a: _emit(a, "comm", bench_comm(a.models)), parser=c)
     bench_plans.register(bench, _emit)
+    bench_memory.register(bench, _emit)
     bench_gpu.register(bench, _emit)
 
 
@@ -99,8 +100,9 @@ def _run_suite(a) -> int:
     results["scaling"] = bench_plans.bench_scaling(64 if q else 128, 4 if q else 8, 2 if q else 3)
     print("\n## cache", flush=True)
     results["cache"] = bench_plans.bench_cache(12 if q else 28)
-    print("\n## memory\nnot measured: every plan built so far keeps a full copy of the weights on each rank (weights "
-          "per rank = the model's); the memory benchmark comes with PipeFusion, which divides them", flush=True)
+    print("\n## memory", flush=True)
+    results["memory"] = bench_memory.bench_memory(["flux-dev"] if q else ["flux-dev", "sd3-medium"],
+                                                  [1, 2] if q else [1, 2, 4])
     if torch.cuda.is_available():
         print("\n## gpu", flush=True)
         results["gpu"] = bench_gpu.bench_gpu([0], list(bench_gpu.MODELS), list(bench_gpu.ROWS), 1024, 2, None)
@@ -358,4 +360,4 @@ def bench_comm(models: list[str], quick: bool = False) -> list[dict]:
                   f"{measured / expected:.3f}", kinds))
             out.append({"model": name, "plan": plan.describe(), "measured_bytes": measured, "analytic_bytes": expected,
                         "by_kind": sent})
-    return out
+    return out + bench_memory.bench_comm_pipefusion(quick)

@@ -62,7 +62,16 @@ def register(sub) -> None:
     p.add_argument("--cfg-parallel", action="store_true", help="positive and negative passes on different ranks "
                                                                 "(explicit plan)")
     p.add_argument("--dp", type=types.positive_int, help="data-parallel degree over the batch (explicit plan)")
-    p.add_argument("--pipefusion", type=types.positive_int, help="PipeFusion stages (explicit plan; not built: 1)")
+    p.add_argument("--pipefusion", type=types.positive_int, help="PipeFusion stages (explicit plan): each rank holds "
+                   "and runs only its stage's blocks")
+    pf = p.add_argument_group("PipeFusion (with --pipefusion 2 or more)")
+    pf.add_argument("--patches", type=types.request_field("patches", types.integer),
+                    help="latent row bands, at least the stages (default: one per stage)")
+    pf.add_argument("--warmup-steps", type=types.request_field("warmup_steps", types.integer), default=1,
+                    help="steps run on the whole latent before patches use the previous step's K/V (default 1; "
+                         "the job's steps: exact)")
+    pf.add_argument("--stage-blocks", type=lambda t: types.int_list(t, example="30,27"),
+                    help="blocks per stage, comma-separated (default: balanced by cost)")
     speed = p.add_argument_group("speed")
     speed.add_argument("--cache-threshold", type=types.request_field("cache_threshold", types.finite_float),
                        metavar="T", help="step cache (First-Block-Cache): skip the remaining blocks when the first "
@@ -130,7 +139,8 @@ def build_request(a) -> GenerateRequest:
                            denoise=a.denoise, neg_cond=cond.get("neg_cond"), neg_pooled=cond.get("neg_pooled"),
                            guidance=a.guidance, dtype=a.dtype, plan=_plan(a), loras=a.lora,
                            cache_threshold=a.cache_threshold, compile=a.compile, attention=a.attention,
-                           fp8_weights=a.fp8_weights, fp8_matmul=a.fp8_matmul)
+                           fp8_weights=a.fp8_weights, fp8_matmul=a.fp8_matmul, patches=a.patches,
+                           warmup_steps=a.warmup_steps, stage_blocks=a.stage_blocks)
 
 
 def prepare(a):
@@ -191,6 +201,12 @@ def run(a) -> int:
           f"{model.get('layout')} layout, {a.dtype})")
     print(f"plan {request.plan.describe()} on {ranks} rank(s); engine start {t_start:.2f} s; "
           + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
+    stages = sorted((r["pipefusion"] for r in result.ranks if r.get("pipefusion")), key=lambda p: p["stage"])
+    if stages:
+        first = stages[0]
+        print(f"pipefusion: {len(first['stage_blocks'])} stages of {first['stage_blocks']} blocks, {first['patches']} "
+              f"patches, {first['warmup_steps']} warmup step(s); weights held per stage rank: "
+              + ", ".join(f"{p['held_bytes'] / 2**20:.1f} MiB" for p in {p['stage']: p for p in stages}.values()))
     cache = result.ranks[0].get("step_cache")
     if cache:
         print(f"step cache: skipped {cache['skipped_calls']} of {cache['model_calls']} model calls "

@@ -54,6 +54,9 @@ class GenerateRequest:
     compile: bool = False                 # torch.compile the transformer blocks (graphs kept for later jobs)
     attention: str = "auto"               # scaled_dot_product_attention kernel: auto, flash, efficient, cudnn, math
     fp8_matmul: bool = False              # fp8 products for fp8 weights (GPUs with fp8 tensor cores)
+    patches: int | None = None            # PipeFusion: latent row bands (None: one per stage)
+    warmup_steps: int = 1                 # PipeFusion: steps run whole before patches use stale K/V
+    stage_blocks: list[int] | None = None  # PipeFusion: blocks per stage (None: balanced by cost)
 
     @classmethod
     def random_conditioning(cls, model: str, width: int, height: int, *, text_tokens: int, batch: int = 1,
@@ -102,8 +105,26 @@ class GenerateRequest:
                                   text_tokens=self.cond.shape[1], dtype=self.dtype, fp8_weights=self.fp8_weights,
                                   compiled=self.compile)
         choice = resolve_plan(self.plan, ranks, work, hardware)
+        self._check_pipefusion(info, choice.plan, lat.shape[2], lat.shape[3])
         self.plan = choice.plan
         return choice
+
+    def _check_pipefusion(self, info, plan: ParallelPlan, latent_h: int, latent_w: int) -> None:
+        """The PipeFusion settings against the plan and the job's shapes (parallel/pipefusion.py), before launch."""
+        from ..errors import PlanError
+        from ..parallel.pipefusion import layout_problems
+        if plan.pipefusion == 1:
+            given = [f"{n}={getattr(self, n)!r}" for n in ("patches", "stage_blocks") if getattr(self, n) is not None]
+            if given:
+                raise PlanError(f"{', '.join(given)} only apply with pipefusion >= 2; the plan is {plan.describe()}: "
+                                f"set pipefusion or leave them unset")
+            return
+        problems = layout_problems(info, plan, latent_h, latent_w, self.patches, self.warmup_steps, self.steps,
+                                   self.stage_blocks)
+        if self.cache_threshold is not None:
+            problems.append("the step cache does not combine with pipefusion yet: leave cache_threshold unset")
+        if problems:
+            raise PlanError(f"plan {plan.describe()} cannot run this job: " + "; ".join(problems))
 
     @property
     def negative_pass(self) -> bool:
@@ -142,6 +163,15 @@ class GenerateRequest:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use true or false")
         if self.fp8_matmul and not self.fp8_weights:
             raise ValueError("fp8_matmul=True needs fp8 weights: set fp8_weights (weight dtype fp8_e4m3fn)")
+        for name in ("patches", "warmup_steps"):
+            value = getattr(self, name)
+            if (value is not None or name == "warmup_steps") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: use an integer >= 1")
+        if self.stage_blocks is not None and (
+                not isinstance(self.stage_blocks, (list, tuple)) or not self.stage_blocks
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.stage_blocks)):
+            raise ValueError(f"stage_blocks={self.stage_blocks!r} is invalid: use one block count >= 1 per stage")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
         if self.batch_index is not None and (
@@ -201,6 +231,7 @@ class GenerateRequest:
         spec["loras"] = [[os.path.abspath(p), float(s)] for p, s in self.loras]
         spec["model"] = self.model if self.model.startswith("synthetic:") else os.path.abspath(self.model)
         spec["batch_index"] = list(self.batch_index) if self.batch_index is not None else None
+        spec["stage_blocks"] = list(self.stage_blocks) if self.stage_blocks is not None else None
         if not self.negative_pass:  # the sampler never runs the negative pass: its tensors stay home
             inputs.pop("neg_cond", None)
             inputs.pop("neg_pooled", None)

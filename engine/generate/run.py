@@ -7,11 +7,12 @@ import os
 import torch
 
 from ..models.flow import Conditioning, FlowModel
-from ..models.load import load_model
+from ..models.load import inspect_model, load_model
 from ..models.lora import apply_loras
 from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
-from ..parallel.parallelize import parallelize
-from ..sampling.ksampler import ksample
+from ..parallel.parallelize import PIPELINE_PARTS, parallelize
+from ..parallel.pipefusion import Pipeline, block_counts, make_layout, stage_keep
+from ..sampling.ksampler import ksample, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
 
@@ -24,35 +25,78 @@ def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
     return (os.path.abspath(path), dtype, fp8_weights, st.st_mtime_ns, st.st_size)
 
 
-def _parallel_model(ctx, request: GenerateRequest, mesh):
-    """The rank keeps one model (a new one replaces it) and its parallel form for the last mesh."""
+def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
+    """The rank keeps one model (a new one replaces it) and its parallel form for the last mesh. stage: a PipeFusion
+    stage's (name, keep): the rank then holds only what `keep` accepts."""
     state = ctx.cache.setdefault("generate", {})
-    key = model_key(request.model, request.dtype, request.fp8_weights)
+    key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ())
     if state.get("key") != key:
         if state.get("parallel") is not None:
             state["parallel"].close()
         state.clear()
         release_model_memory(ctx.device)  # the old weights (and graphs compiled around them) go before the new come
-        loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights)
+        ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
+        loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights,
+                            keep=stage[1] if stage else None)
         state.update(key=key, loaded=loaded, flow=FlowModel(loaded))
         ctx.info["loaded"] = loaded.stats
     if state.get("mesh") is not mesh:
         if state.get("parallel") is not None:
             state["parallel"].close()
-        state.update(parallel=parallelize(state["flow"], mesh), mesh=mesh)
+        parallel = (Pipeline(state["flow"], mesh, *PIPELINE_PARTS[state["flow"].family]) if stage
+                    else parallelize(state["flow"], mesh))
+        state.update(parallel=parallel, mesh=mesh)
     if request.loras or state.get("lora_state", {}).get("touched"):
         ctx.info.update(apply_loras(state["loaded"], request.loras, state.setdefault("lora_state", {})))
     parallel = state["parallel"]
-    set_compiled(state["flow"].model, parallel.table.blocks, request.compile)
+    blocks = parallel.block_lists if stage else parallel.table.blocks
+    set_compiled(state["flow"].model, blocks, request.compile)
     set_fp8_matmul(state["flow"].model, request.fp8_matmul)
-    parallel.set_step_cache(request.cache_threshold)
+    if not stage:
+        parallel.set_step_cache(request.cache_threshold)
     return parallel
+
+
+def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tensor] | None:
+    """A KSampler run through the PipeFusion stages: this rank loads only its stage's weights."""
+    info = inspect_model(request.model)
+    blocks, _ = PIPELINE_PARTS[info.family]
+    latent_raw = request.latent_raw.float()
+    layout = make_layout(info, blocks, request.plan, latent_raw.shape[2], latent_raw.shape[3], request.patches,
+                         request.warmup_steps, request.stage_blocks)
+    stage = mesh["pipefusion"].rank
+    keep = stage_keep(blocks, block_counts(info), layout, stage)
+    pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep))
+    pipeline.setup(layout)
+    noise = prepare_noise(latent_raw, request.seed, request.batch_index)
+    start = start_sampling(latent_raw.to(ctx.device), family=info.family, seed=request.seed, steps=request.steps,
+                           cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
+                           denoise=request.denoise, noise=noise.to(ctx.device))
+    positive = Conditioning(request.cond, request.pooled, request.guidance)
+    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
+                if request.neg_cond is not None else None)
+    ctx.check_cancel(0)
+    with attention_kernels(request.attention, ctx.device):
+        samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape), cfg=request.cfg,
+                               sampler=request.sampler, seed=request.seed, steps=len(start.sigmas) - 1,
+                               deadline_s=ctx.deadline_s)
+    ctx.info["pipefusion"] = {"stage": stage, "blocks": list(layout.blocks_of(stage)), "patches": layout.patches,
+                              "warmup_steps": layout.warmup, "stage_blocks": list(layout.stage_blocks),
+                              "held_bytes": pipeline.flow.loaded.stats.get("held_bytes")}
+    if request.compile:
+        ctx.info["compiled_graphs"] = compiled_graphs()
+    ctx.info["bytes_sent_per_step"] = {k: v / request.steps for k, v in mesh.stats.sent.items()}
+    ctx.info["model"] = {"variant": info.variant, "layout": info.layout}
+    ctx.info["memory"] = ctx.memory()
+    return {"samples": samples.cpu()} if ctx.rank == 0 else None
 
 
 def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
     """One KSampler run under the request's plan; rank 0 returns the LATENT samples."""
     mesh = ctx.mesh(request.plan)
     ctx.reset_peak_memory()
+    if request.plan.pipefusion > 1:
+        return run_pipefusion(ctx, request, mesh)
     parallel = _parallel_model(ctx, request, mesh)
     latent_raw = request.latent_raw.float()
     noise = prepare_noise(latent_raw, request.seed, request.batch_index)  # the whole batch's, as ComfyUI draws it

@@ -47,7 +47,7 @@ class FlowModel:
         self.model = loaded.model
         self.family = loaded.family
         self.dtype = loaded.dtype
-        self.device = next(p for p in self.model.parameters()).device
+        self.device = next(p for p in self.model.parameters() if not p.is_meta).device  # a stage holds part
 
     def prepare(self, sides: list[Conditioning], batch: int, items: slice = slice(None)) -> Prepared:
         """The sides' conditioning for latent items `items` of a batch of `batch`, stacked side after side."""

@@ -8,6 +8,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,10 +112,17 @@ def _few(names) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+Keep = Callable[[str], bool]   # diffusers parameter name -> whether this rank holds it
+
+
 def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.device = "cpu",
-                     fp8_weights: bool = False) -> LoadedTransformer:
+                     fp8_weights: bool = False, keep: Keep | None = None) -> LoadedTransformer:
     """Load the transformer in `path` for compute in `dtype` (fp32 | bf16 | fp16) on `device`. fp8_weights stores
-    every Linear weight matrix as float8_e4m3fn (ComfyUI's fp8 weight dtype), whatever the file holds."""
+    every Linear weight matrix as float8_e4m3fn (ComfyUI's fp8 weight dtype), whatever the file holds.
+
+    keep: only the parameters it accepts are read from the file and held (a PipeFusion stage's blocks and the
+    embedders or final layer it needs); the rest of the model stays on the meta device, holding no memory, and
+    fails loudly if ever called. The whole file is still checked against the model (from its header)."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     compute = COMPUTE_DTYPES[dtype]
@@ -139,16 +147,18 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     if targets != set(expected):
         raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
                               f"{_few(set(expected) ^ targets)}")
-    state, bytes_read = _stream(path, where, info, mapping, expected, compute, device, fp8_weights)
-    model.load_state_dict(state, strict=True, assign=True)
+    wanted = mapping if keep is None else [(d, s_, o) for d, s_, o in mapping if keep(d)]
+    state, bytes_read = _stream(path, where, info, wanted, expected, compute, device, fp8_weights)
+    model.load_state_dict(state, strict=keep is None, assign=True)
     del state
     cast_layers = _wrap_fp8_linears(model)
-    leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers()) if b.is_meta]
+    leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers())
+                 if b.is_meta and (keep is None or keep(n))]
     if leftovers:
         raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
     model.eval().requires_grad_(False)
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
-             "files": len(files), "ignored_tensors": info.ignored}
+             "files": len(files), "ignored_tensors": info.ignored, "held_bytes": held_bytes(model)}
     return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats, mapping=mapping,
                              fp8_weights=fp8_weights)
 
@@ -227,30 +237,50 @@ def diffusers_keys(info: CheckpointInfo) -> set[str]:
     return set(build_empty(info).state_dict())
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this process holds (meta tensors hold none)."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta)
+
+
+def _materialize(model: torch.nn.Module, keep: Keep | None, device, dtype: torch.dtype) -> None:
+    """Give the kept meta tensors storage on `device` (floating ones in `dtype`); the rest stay meta."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_meta or (keep is not None and not keep(name)):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        if leaf in module._parameters:
+            module._parameters[leaf] = torch.nn.Parameter(new, requires_grad=False)
+        else:
+            module._buffers[leaf] = new
+
+
 def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
-               fp8_weights: bool = False) -> LoadedTransformer:
-    """load_transformer for a path; for a synthetic source, random weights built directly on `device` in `dtype`."""
+               fp8_weights: bool = False, keep: Keep | None = None) -> LoadedTransformer:
+    """load_transformer for a path; for a synthetic source, random weights built directly on `device` in `dtype`
+    (each tensor's values depend only on the seed and its name, so a stage that holds part of the model holds the
+    same values as a rank that holds all of it)."""
     from .synthetic import init_random_, is_synthetic, synthetic_info
     if not is_synthetic(source):
-        return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights)
+        return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights, keep=keep)
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     t0 = time.perf_counter()
     info = synthetic_info(source)
     model = build_empty(info)
-    # nn.Module.to, not diffusers' override: the same cast on meta tensors, without its from_pretrained advice
-    model = torch.nn.Module.to(model, COMPUTE_DTYPES[dtype]).to_empty(device=device)  # never materialised in fp32
+    _materialize(model, keep, device, COMPUTE_DTYPES[dtype])  # never materialised in fp32
     init_random_(model, seed)
     if fp8_weights:  # as a file's matrices would be stored: every Linear weight in fp8, cast per call
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
                 module.weight = torch.nn.Parameter(module.weight.to(torch.float8_e4m3fn), requires_grad=False)
     cast_layers = _wrap_fp8_linears(model)
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     return LoadedTransformer(info=info, model=model, dtype=COMPUTE_DTYPES[dtype], path=source, fp8_weights=fp8_weights,
                              stats={"load_s": time.perf_counter() - t0, "parameters": params,
-                                    "fp8_linears": cast_layers})
+                                    "fp8_linears": cast_layers, "held_bytes": held_bytes(model)})
 
 
 def _wrap_fp8_linears(model: torch.nn.Module) -> int:

@@ -121,6 +121,8 @@ def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
     for path, _, strength in wanted:
         for name, delta in lora_deltas(path, loaded.info, set(params)).items():
             weight = params[name]
+            if weight.is_meta:   # a PipeFusion stage holds only its own blocks
+                continue
             if weight.shape != delta.shape:
                 raise CheckpointError(f"LoRA {os.path.basename(path)}: delta for {name} has shape {list(delta.shape)}, "
                                       f"the weight {list(weight.shape)}")

@@ -3,9 +3,11 @@ FLUX/SD3 size without multi-GB files. A model source "synthetic:<variant>" is fu
 the tiny test size; the same seed gives the same weights on the same device."""
 from __future__ import annotations
 
+import zlib
+
 import torch
 
-from .tiny import REAL, TINY, FluxDims, shapes_for
+from .tiny import REAL, SMALL, TINY, FluxDims, shapes_for
 from .detect import CheckpointInfo, _flux_config, _sd3_config, count_parameters
 
 PREFIX = "synthetic:"
@@ -18,9 +20,9 @@ def is_synthetic(source: str) -> bool:
 def _dims(source: str):
     parts = source[len(PREFIX):].split(":")
     variant, size = parts[0], parts[1] if len(parts) > 1 else "full"
-    table = {"full": REAL, "tiny": TINY}.get(size)
+    table = {"full": REAL, "small": SMALL, "tiny": TINY}.get(size)
     if table is None or variant not in table or len(parts) > 2:
-        raise ValueError(f"model {source!r} is invalid: use synthetic:<variant>[:tiny] with a variant in {sorted(REAL)}")
+        raise ValueError(f"model {source!r} is invalid: use synthetic:<variant>[:tiny|:small] with a variant in {sorted(REAL)}")
     return variant, table[variant]
 
 
@@ -48,10 +50,13 @@ def synthetic_info(source: str) -> CheckpointInfo:
 
 @torch.no_grad()
 def init_random_(model: torch.nn.Module, seed: int) -> None:
-    """Weights scaled like a trained model's (1/sqrt(fan_in)), so activations stay sane through many blocks."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """Weights scaled like a trained model's (1/sqrt(fan_in)), so activations stay sane through many blocks. Each
+    tensor draws from its own generator, seeded from `seed` and its name: a model that holds only some tensors (the
+    rest on the meta device) holds the values the whole model has."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            continue
+        gen = torch.Generator(device=t.device).manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
         if t.ndim >= 2 and "pos_embed" not in name:
             fan_in = t[0].numel()
             t.normal_(0.0, fan_in ** -0.5, generator=gen)

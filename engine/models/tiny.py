@@ -78,6 +78,11 @@ TINY = {
     "sd3.5-medium": SD3Dims(depth=4, pos_embed_max_size=32, qk_norm=True, dual_attention_layers=(0, 1)),
     "sd3.5-large": SD3Dims(depth=4, pos_embed_max_size=32, qk_norm=True),
 }
+# Between the two, for the memory benchmark: a few hundred MB of fp32 weights, so weights dominate a rank's memory
+SMALL = {
+    "flux-dev": FluxDims(hidden=512, heads=4, depth=4, depth_single=8, axes_dim=(16, 56, 56)),
+    "sd3-medium": SD3Dims(depth=8, pos_embed_max_size=64),
+}
 VARIANTS = {"flux": ("flux-dev", "flux-schnell"), "sd3": ("sd3-medium", "sd3.5-medium", "sd3.5-large")}
 
 

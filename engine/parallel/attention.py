@@ -50,9 +50,12 @@ class SequenceParallelAttention:
     """comm_only skips the attention arithmetic (the output is the queries) and keeps every collective, for the
     communication benchmark at full model size on CPU ranks."""
 
-    def __init__(self, mesh: Mesh, comm_only: bool = False):
+    def __init__(self, mesh: Mesh, comm_only: bool = False, stale=None):
+        """stale: a PipeFusion K/V buffer (pipefusion.StaleKV) this layer attends through: the call's fresh keys are
+        written into it and the queries see all of it (the other patches' keys from their latest call)."""
         self.mesh = mesh
         self.comm_only = comm_only
+        self.stale = stale
         self.ulysses = mesh["ulysses"]
         self.ring = mesh["ring"]
 
@@ -67,10 +70,13 @@ class SequenceParallelAttention:
             if joint is not None:
                 heads = q.shape[2]
                 joint = tuple(t[:, :, u.rank * heads:(u.rank + 1) * heads] for t in joint)
-        n_text = joint[0].shape[1] if joint is not None else 0
-        queries = torch.cat([joint[0], q], dim=1) if joint is not None else q
-        keys = torch.cat([joint[1], k], dim=1) if joint is not None else k
-        values = torch.cat([joint[2], v], dim=1) if joint is not None else v
+        n_text = joint[0].shape[1] if joint is not None else 0   # text queries (0: none in this call)
+        text_kv = (joint[1], joint[2]) if n_text else None
+        if self.stale is not None:
+            text_kv, k, v = self.stale.update(k, v, text_kv)
+        queries = torch.cat([joint[0], q], dim=1) if n_text else q
+        keys = torch.cat([text_kv[0], k], dim=1) if text_kv is not None else k
+        values = torch.cat([text_kv[1], v], dim=1) if text_kv is not None else v
         if self.comm_only:
             out = queries.clone()
             if self.ring.size > 1:
@@ -83,8 +89,10 @@ class SequenceParallelAttention:
         if u.size > 1:
             self.mesh.stats.add("ulysses_all_to_all", image_out.numel() * image_out.element_size() * (u.size - 1) // u.size)
             image_out = all_to_all_4D(image_out.contiguous(), scatter_idx=1, gather_idx=2, group=u.pg)
-            if joint is not None:
+            if n_text:
                 text_out = self.mesh.all_gather(text_out.contiguous(), "ulysses", dim=2, kind="ulysses_text_gather")
+            elif joint is not None:   # no text queries in this call: an empty text output of every head
+                text_out = image_out.new_zeros(image_out.shape[0], 0, *image_out.shape[2:])
         return image_out, (text_out if joint is not None else None)
 
     def _ring(self, queries, keys0, values0, k, v):

@@ -50,7 +50,12 @@ class Mesh:
         self.stats = CommStats()
         self.groups: dict[str, Group] = {}
         # dist.new_group is collective over the world: every rank creates every group, in the same order
-        for name, dims in [(n, (n,)) for n in ORDER] + [("sp", ("ring", "ulysses"))]:
+        # "stage": every rank of one PipeFusion stage (all but the pipefusion coordinate vary); "pipefusion_back": the
+        # pipefusion group again, its own communicator for the last stage -> first stage direction, so NCCL never
+        # queues a send to the first stage behind a send from it (two stages would deadlock on one communicator)
+        extra = [("sp", ("ring", "ulysses")), ("stage", ("dp", "cfg", "ring", "ulysses")),
+                 ("pipefusion_back", ("pipefusion",))]
+        for name, dims in [(n, (n,)) for n in ORDER] + extra:
             for members in self._partition(dims):
                 pg = dist.new_group(members) if len(members) > 1 and world > 1 else None
                 if rank in members:

@@ -8,9 +8,9 @@ batch, and the velocities are gathered, so the sampler always runs on the whole 
 exact). The job handler and FlowModel hold no parallel branch: with a one-rank mesh every group has one member and
 every split and gather is a no-op.
 
-Seams: a new family is a table and a processor. PipeFusion adds a step here that splits the table's `blocks` into
-stages. The step cache (engine/parallel/cache.py) wraps the same block lists, its skip decision agreed over every
-rank; the predictor tells it which stream (pass and batch share) each model call belongs to.
+Seams: a new family is a table and a processor. PipeFusion (pipefusion.py) splits the table's `blocks` into stages
+and runs its own loop with the same processors. The step cache (engine/parallel/cache.py) wraps the same block
+lists, its skip decision agreed over every rank; the predictor tells it which stream (pass and batch share) each model call belongs to.
 """
 from __future__ import annotations
 
@@ -167,6 +167,8 @@ def parallelize_sd3(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
 
 
 PARALLELIZE = {"flux": parallelize_flux, "sd3": parallelize_sd3}
+# PipeFusion (pipefusion.py) per family: the block lists its stages split, the attention processor inside a stage
+PIPELINE_PARTS = {"flux": (FLUX_TOKENS.blocks, FluxSPProcessor), "sd3": (SD3_TOKENS.blocks, SD3SPProcessor)}
 
 
 def parallelize(flow: FlowModel, mesh: Mesh) -> ParallelFlow:

@@ -139,8 +139,6 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
         problems.append("cfg parallel needs a negative pass, and this job has none (cfg 1.0)")
     if work.batch % plan.dp:
         problems.append(f"the batch has {work.batch} images: dp {plan.dp} does not divide it")
-    if plan.pipefusion > 1:
-        problems.append(f"pipefusion {plan.pipefusion} is not built yet: use pipefusion 1")
     if plan.pipefusion > work.layers:
         problems.append(f"pipefusion {plan.pipefusion} exceeds the model's {work.layers} layers")
     return problems
@@ -192,6 +190,14 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
                             "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
         if min(cost.memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= hw.memory_gib:
             helps.append(f"fp8 weights would fit ({light.weight_bytes / cost.GiB:.1f} GiB of weights)")
+    if work.block_weight_bytes and ranks > 1:   # PipeFusion divides the blocks' weights (explicit plans only)
+        base = (work.weight_bytes - work.block_weight_bytes) / cost.GiB
+        for p in range(2, ranks + 1):
+            need = base + work.block_weight_bytes / p / cost.GiB + m["activations"] + m["runtime"]
+            if ranks % p == 0 and need <= hw.memory_gib:
+                helps.append(f"explicit pipefusion {p} could fit (about {need:.1f} GiB per GPU with the blocks' "
+                             f"weights split evenly, --stage-blocks)")
+                break
     more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
                  if any(cost.memory_gib(p, work)["total"] <= hw.memory_gib for p in feasible(n, work))), None)
     if more:
@@ -200,8 +206,8 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
                  "GPUs with more memory")
     return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
             f"needs {m['total']:.1f} GiB ({best.plan.describe()}: weights {m['weights']:.1f}, activations "
-            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; every built method keeps a full copy of the "
-            f"weights); " + "; ".join(helps))
+            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; auto's methods keep a full copy of the weights on "
+            f"every GPU); " + "; ".join(helps))
 
 
 def rank_plans(ranks: int, work: Workload, hardware: Hardware) -> list[cost.Estimate]:

@@ -56,17 +56,16 @@ class SD3SPProcessor:
         """SD3's text tokens arrive separately (encoder_hidden_states) and are always joint."""
         if attention_mask is not None:
             raise ValueError("sequence-parallel SD3 attention takes no attention mask")
-        b = hidden_states.shape[0]
         q, k, v = (proj(hidden_states) for proj in (attn.to_q, attn.to_k, attn.to_v))
         head_dim = k.shape[-1] // attn.heads
-        q, k, v = (t.view(b, -1, attn.heads, head_dim) for t in (q, k, v))
+        q, k, v = (t.unflatten(-1, (attn.heads, head_dim)) for t in (q, k, v))
         if attn.norm_q is not None:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
         joint = None
         if encoder_hidden_states is not None:
-            eq, ek, ev = (proj(encoder_hidden_states).view(b, -1, attn.heads, head_dim)
+            eq, ek, ev = (proj(encoder_hidden_states).unflatten(-1, (attn.heads, head_dim))
                           for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
             if attn.norm_added_q is not None:
                 eq = attn.norm_added_q(eq)
@@ -74,10 +73,10 @@ class SD3SPProcessor:
                 ek = attn.norm_added_k(ek)
             joint = (eq, ek, ev)
         image, text = self.attention(q, k, v, joint=joint)
-        image = attn.to_out[1](attn.to_out[0](image.reshape(b, -1, attn.heads * head_dim).to(q.dtype)))
+        image = attn.to_out[1](attn.to_out[0](image.flatten(2, 3).to(q.dtype)))
         if encoder_hidden_states is None:
             return image
-        text = text.reshape(b, -1, attn.heads * head_dim).to(q.dtype)
+        text = text.flatten(2, 3).to(q.dtype)
         if not attn.context_pre_only:
             text = attn.to_add_out(text)
         return image, text

@@ -57,8 +57,10 @@ class JobContext:
         out = {}
         try:
             with open("/proc/self/status") as f:
-                out["rss_gib"] = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
-        except (OSError, StopIteration):
+                status = {line.split(":")[0]: line.split()[1] for line in f if line.startswith(("VmRSS", "VmHWM"))}
+            out["rss_gib"] = int(status["VmRSS"]) / 2**20
+            out["peak_rss_gib"] = int(status["VmHWM"]) / 2**20   # the process's high-water mark
+        except (OSError, KeyError):
             pass
         if self.device.type == "cuda":
             out["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
@@ -71,6 +73,15 @@ class JobContext:
         """Rank 0 reports; the client calls the caller's progress callback on the caller's thread."""
         if self.rank == 0:
             self._rt.chan.send({"op": "progress", "job_id": self.job_id, "step": step, "total": total})
+
+    def cancel_requested(self) -> bool:
+        """This rank's own view (no collective): has the client asked to cancel this job?"""
+        return self._rt.cancel_job_id == self.job_id
+
+    @property
+    def deadline_s(self) -> float:
+        """How long any one wait for another rank may take (the process group's collective timeout)."""
+        return float(self._rt._init.get("collective_timeout_s", 1800.0))
 
     def check_cancel(self, step: int) -> None:
         """Raise on every rank at once if the client asked any rank to cancel (agreed by all_reduce MAX,

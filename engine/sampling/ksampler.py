@@ -6,6 +6,7 @@ denoised = x_model - v * sigma. Everything between the raw latent and the sample
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -85,14 +86,24 @@ def _check_inputs(latent_raw: torch.Tensor, family: str, seed: int, steps: int, 
         raise ValueError(f"noise has shape {shape}; use None or a tensor shaped like latent_raw {list(latent_raw.shape)}")
 
 
-def ksample(predict: Predict, latent_raw: torch.Tensor, *, family: str, seed: int, steps: int, cfg: float, sampler: str,
-            scheduler: str, denoise: float = 1.0, batch_index: list[int] | None = None, shift: float | None = None,
-            noise: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
-    """Sample like ComfyUI's KSampler node; returns the float32 latent in raw VAE space, shaped like latent_raw.
+@dataclass
+class SamplingStart:
+    """What a KSampler run starts from: x in model space at the first sigma, the schedule, and how to finish."""
+    x_model: torch.Tensor
+    sigmas: torch.Tensor
+    percent_to_sigma: PercentToSigma
+    family: str
 
-    noise, when given, replaces the seeded initial noise (seed still drives the stochastic samplers' step noise).
-    callback(step_index, total_steps) runs after every step; raising from it aborts sampling.
-    """
+    def finish(self, x_model: torch.Tensor) -> torch.Tensor:
+        """The sampled x (model space, at the last sigma) back to the raw latent."""
+        x_model = x_model / (1.0 - self.sigmas[-1])  # CONST inverse noise scaling; a no-op for schedules ending at 0
+        return latent_format(self.family).process_out(x_model.to(torch.float32))
+
+
+def start_sampling(latent_raw: torch.Tensor, *, family: str, seed: int, steps: int, cfg: float, sampler: str,
+                   scheduler: str, denoise: float = 1.0, batch_index: list[int] | None = None,
+                   shift: float | None = None, noise: torch.Tensor | None = None) -> SamplingStart:
+    """Everything of ksample before the sampler loop: checks, noise, schedule, noise scaling."""
     _check_inputs(latent_raw, family, seed, steps, cfg, sampler, scheduler, denoise, batch_index, shift, noise)
     if noise is None:
         noise = prepare_noise(latent_raw, seed, None if batch_index is None else list(batch_index))
@@ -105,11 +116,21 @@ def ksample(predict: Predict, latent_raw: torch.Tensor, *, family: str, seed: in
 
     sampling = FlowSampling(family, shift) if shift is not None else {"flux": FlowSampling.flux, "sd3": FlowSampling.sd3}[family]()
     sigmas = compute_sigmas(sampling, scheduler, steps, denoise).to(device)
-    first_sigma, last_sigma = sigmas[0], sigmas[-1]
     # CONST noise scaling: x at sigma is the straight line between the latent and the noise.
-    x_model = first_sigma * noise + (1.0 - first_sigma) * latent_model
+    x_model = sigmas[0] * noise + (1.0 - sigmas[0]) * latent_model
+    return SamplingStart(x_model, sigmas, _percent_to_sigma(sampling), family)
 
-    x_model = sample(sampler, guided_denoiser(predict, cfg), x_model, sigmas, seed=seed, callback=callback,
-                     percent_to_sigma=_percent_to_sigma(sampling))
-    x_model = x_model / (1.0 - last_sigma)  # CONST inverse noise scaling; a no-op for schedules ending at 0
-    return fmt.process_out(x_model.to(torch.float32))
+
+def ksample(predict: Predict, latent_raw: torch.Tensor, *, family: str, seed: int, steps: int, cfg: float, sampler: str,
+            scheduler: str, denoise: float = 1.0, batch_index: list[int] | None = None, shift: float | None = None,
+            noise: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    """Sample like ComfyUI's KSampler node; returns the float32 latent in raw VAE space, shaped like latent_raw.
+
+    noise, when given, replaces the seeded initial noise (seed still drives the stochastic samplers' step noise).
+    callback(step_index, total_steps) runs after every step; raising from it aborts sampling.
+    """
+    start = start_sampling(latent_raw, family=family, seed=seed, steps=steps, cfg=cfg, sampler=sampler,
+                           scheduler=scheduler, denoise=denoise, batch_index=batch_index, shift=shift, noise=noise)
+    x_model = sample(sampler, guided_denoiser(predict, cfg), start.x_model, start.sigmas, seed=seed, callback=callback,
+                     percent_to_sigma=start.percent_to_sigma)
+    return start.finish(x_model)

@@ -7,13 +7,17 @@ order, because the aim is the same rounding, not just the same maths.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
-from .noise import brownian_noise_sampler, gaussian_noise_sampler
+from .noise import NoiseSampler, brownian_noise_sampler, gaussian_noise_sampler
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, sigma 0-d) -> denoised x0 estimate
+# A sampler run as a generator: it yields each model request (x, sigma), is sent the denoised estimate, and returns
+# the final x. `sample` drives one with a Denoiser; PipeFusion drives one per latent patch, interleaved.
+Steps = Generator[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]
+NoiseFor = Callable[[Callable[[torch.Tensor], NoiseSampler]], NoiseSampler]
 StepCallback = Callable[[int, int], None]  # (step_index, total_steps), after the step's update
 PercentToSigma = Callable[[float], float]  # the model sampling's percent_to_sigma
 
@@ -29,37 +33,36 @@ def _slope(x: torch.Tensor, denoised: torch.Tensor, sigma: torch.Tensor) -> torc
     return (x - denoised) / sigma
 
 
-def _euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None]) -> torch.Tensor:
+def _euler(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        x = x + _slope(x, denoise(x, sigma), sigma) * (sigma_next - sigma)
+        x = x + _slope(x, (yield x, sigma), sigma) * (sigma_next - sigma)
         done(i)
     return x
 
 
-def _heun(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None]) -> torch.Tensor:
+def _heun(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        slope = _slope(x, denoise(x, sigma), sigma)
+        slope = _slope(x, (yield x, sigma), sigma)
         dsigma = sigma_next - sigma
         if sigma_next == 0:  # the corrector would evaluate the model at sigma 0; ComfyUI ends with a plain Euler step
             x = x + slope * dsigma
         else:
             x_euler = x + slope * dsigma
-            slope_next = _slope(x_euler, denoise(x_euler, sigma_next), sigma_next)
+            slope_next = _slope(x_euler, (yield x_euler, sigma_next), sigma_next)
             x = x + (slope + slope_next) / 2 * dsigma
         done(i)
     return x
 
 
-def _euler_ancestral_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int,
-                          done: Callable[[int], None]) -> torch.Tensor:
+def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
     # ComfyUI's sample_euler_ancestral_RF (what euler_ancestral runs for CONST models): step deterministically to a
     # lower sigma_down, then rescale the signal and add fresh noise so the marginal matches sigma_next.
-    noise = gaussian_noise_sampler(x, seed)
+    noise = noise_for(lambda like: gaussian_noise_sampler(like, seed))
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        denoised = denoise(x, sigma)
+        denoised = (yield x, sigma)
         if sigma_next == 0:
             x = denoised
         else:
@@ -74,7 +77,7 @@ def _euler_ancestral_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tens
     return x
 
 
-def _dpmpp_2m(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None]) -> torch.Tensor:
+def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
     # DPM-Solver++(2M) in t = -log(sigma); ComfyUI runs the same code for CONST models (no alpha).
     def t_of(sigma: torch.Tensor) -> torch.Tensor:
         return sigma.log().neg()
@@ -85,7 +88,7 @@ def _dpmpp_2m(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: in
     previous: torch.Tensor | None = None
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        denoised = denoise(x, sigma)
+        denoised = (yield x, sigma)
         t, t_next = t_of(sigma), t_of(sigma_next)
         h = t_next - t
         if previous is None or sigma_next == 0:  # first order on the first step and onto sigma 0
@@ -99,14 +102,14 @@ def _dpmpp_2m(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: in
     return x
 
 
-def _dpmpp_2m_sde_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None],
-                       percent_to_sigma: PercentToSigma | None) -> torch.Tensor:
+def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor,
+                       percent_to_sigma: PercentToSigma | None) -> Steps:
     # ComfyUI's sample_dpmpp_2m_sde (midpoint) for CONST models: steps in half-logSNR lambda = log((1 - sigma) / sigma)
     # with alpha = 1 - sigma, Brownian-tree noise seeded with the plain seed.
     if len(sigmas) <= 1:
         return x
     # The tree spans the schedule as given, before the first sigma is moved off 1.
-    noise = brownian_noise_sampler(x, sigmas[sigmas > 0].min(), sigmas.max(), seed)
+    noise = noise_for(lambda like: brownian_noise_sampler(like, sigmas[sigmas > 0].min(), sigmas.max(), seed))
     if sigmas[0] >= 1:
         if percent_to_sigma is None:
             raise ValueError("dpmpp_2m_sde with a first sigma of 1 needs percent_to_sigma (the model sampling's), "
@@ -119,7 +122,7 @@ def _dpmpp_2m_sde_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
     h: torch.Tensor | None = None
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        denoised = denoise(x, sigma)
+        denoised = (yield x, sigma)
         if sigma_next == 0:
             x = denoised
         else:
@@ -138,6 +141,37 @@ def _dpmpp_2m_sde_flow(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor,
     return x
 
 
+def sampler_steps(sampler_name: str, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,
+                  callback: StepCallback | None = None, percent_to_sigma: PercentToSigma | None = None,
+                  whole: torch.Tensor | None = None, region: tuple | None = None) -> Steps:
+    """`sampler_name` as a generator over x (already noise-scaled to sigmas[0]): it yields (x, sigma) for each model
+    call, takes the denoised estimate back by `send`, and returns x at sigmas[-1].
+
+    x may be a region of a whole latent (PipeFusion's patches): `whole` is a tensor shaped like the whole latent and
+    `region` the index of x within it; the stochastic samplers then draw their step noise for the whole latent and
+    take the region, so each patch gets exactly the noise a whole-latent run gives its pixels.
+    """
+    if sampler_name not in SAMPLERS:
+        raise ValueError(f"sampler={sampler_name!r} is not supported; use one of {', '.join(SAMPLERS)}")
+    total_steps = len(sigmas) - 1
+
+    def done(step_index: int) -> None:
+        if callback is not None:
+            callback(step_index, total_steps)
+
+    def noise_for(build: Callable[[torch.Tensor], NoiseSampler]) -> NoiseSampler:
+        if whole is None:
+            return build(x)
+        draw = build(whole)
+        return lambda sigma, sigma_next: draw(sigma, sigma_next)[region]
+
+    sigmas = sigmas.to(device=x.device)
+    if sampler_name == "dpmpp_2m_sde":
+        return _dpmpp_2m_sde_flow(x, sigmas, seed, done, noise_for, percent_to_sigma)
+    run = {"euler": _euler, "euler_ancestral": _euler_ancestral_flow, "heun": _heun, "dpmpp_2m": _dpmpp_2m}[sampler_name]
+    return run(x, sigmas, seed, done, noise_for)
+
+
 def sample(sampler_name: str, denoise_fn: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,
            callback: StepCallback | None = None, percent_to_sigma: PercentToSigma | None = None) -> torch.Tensor:
     """Run `sampler_name` from x (already noise-scaled to sigmas[0]) over `sigmas`; returns x at sigmas[-1].
@@ -146,17 +180,16 @@ def sample(sampler_name: str, denoise_fn: Denoiser, x: torch.Tensor, sigmas: tor
     callback(step_index, total_steps) runs after each step's update; an exception from it aborts sampling.
     percent_to_sigma is only used by dpmpp_2m_sde when sigmas[0] >= 1.
     """
-    if sampler_name not in SAMPLERS:
-        raise ValueError(f"sampler={sampler_name!r} is not supported; use one of {', '.join(SAMPLERS)}")
-    sigmas = sigmas.to(device=x.device)
-    total_steps = len(sigmas) - 1
-
-    def done(step_index: int) -> None:
-        if callback is not None:
-            callback(step_index, total_steps)
-
+    steps = sampler_steps(sampler_name, x, sigmas, seed=seed, callback=callback, percent_to_sigma=percent_to_sigma)
     with torch.no_grad():
-        if sampler_name == "dpmpp_2m_sde":
-            return _dpmpp_2m_sde_flow(denoise_fn, x, sigmas, seed, done, percent_to_sigma)
-        run = {"euler": _euler, "euler_ancestral": _euler_ancestral_flow, "heun": _heun, "dpmpp_2m": _dpmpp_2m}[sampler_name]
-        return run(denoise_fn, x, sigmas, seed, done)
+        return drive(steps, denoise_fn)
+
+
+def drive(steps: Steps, denoise_fn: Denoiser) -> torch.Tensor:
+    """Run a sampler generator to its end, answering each request with denoise_fn."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(denoise_fn(*request))
+    except StopIteration as end:
+        return end.value

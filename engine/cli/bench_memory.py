@@ -1,0 +1,114 @@
+"""`bench memory`: what each rank holds under PipeFusion 1, 2 and 4, next to weights / P, on a synthetic model large
+enough for weights to dominate (a few hundred MB of fp32); and `bench comm`'s PipeFusion rows: bytes between stages
+counted at the send in a real pipelined job, against the closed form."""
+from __future__ import annotations
+
+from ..generate.request import GenerateRequest
+from ..models.load import inspect_model
+from ..parallel.pipefusion import analytic_p2p_bytes
+from ..parallel.plan import DEFAULT_TEXT_TOKENS, ParallelPlan
+from ..runtime.client import Engine
+from . import args as types
+from .tables import markdown
+
+MiB = 2 ** 20
+
+
+def register(bench, emit) -> None:
+    m = bench.add_parser("memory", help="weights and peak memory per rank under PipeFusion 1, 2, 4",
+                         description="One job per PipeFusion degree on CPU ranks (and GPU memory with --gpus): each "
+                                     "rank's weights held, its peak resident memory above what it had before loading, "
+                                     "next to weights / P.")
+    m.add_argument("--models", type=types.name_list(["flux-dev", "sd3-medium"]), default="flux-dev,sd3-medium",
+                   help="synthetic variants at the small size (a few hundred MB)")
+    m.add_argument("--gpus", type=types.gpu_list, help="CUDA GPUs, one per rank (default: CPU ranks)")
+    m.add_argument("--stages", type=types.int_list, default="1,2,4", help="PipeFusion degrees")
+    m.set_defaults(run=lambda a: emit(a, "memory", bench_memory(a.models, a.stages, a.gpus)), parser=m)
+
+
+def _job(source: str, plan: ParallelPlan, steps: int = 2, size: int = 256, **fields) -> GenerateRequest:
+    family = inspect_model(source).family
+    r = GenerateRequest.random_conditioning(source, size, size, text_tokens=64, steps=steps, plan=plan,
+                                            cfg=1.0 if family == "flux" else 4.5, **fields)
+    r.validate(plan.world_size)
+    return r
+
+
+def bench_memory(models: list[str], stages: list[int], gpus: list[int] | None = None) -> list[dict]:
+    print("per rank: weights held (parameters and buffers it owns; the rest of the model is on the meta device), "
+          "peak resident memory above the rank's memory before loading (weights + activations + stale K/V + "
+          "allocator), fp32, 256x256, 2 steps", flush=True)
+    rows, out = [], []
+    for variant in models:
+        source = f"synthetic:{variant}:small"
+        for p in stages:
+            plan = ParallelPlan(pipefusion=p)
+            ranks = p
+            if gpus and len(gpus) < ranks:
+                print(f"{variant} pipefusion {p}: skipped, needs {ranks} GPUs", flush=True)
+                continue
+            with Engine(ranks, device="cuda" if gpus else "cpu", gpus=gpus[:ranks] if gpus else None) as engine:
+                result = engine.submit("generate", *_job(source, plan).to_job())
+            for rank in result.ranks:
+                held = rank["loaded"]["held_bytes"]
+                mem = rank["memory"]
+                grown = (mem["peak_rss_gib"] - rank["rss_before_load_gib"]) * 2 ** 30
+                stage = rank.get("pipefusion", {})
+                blocks = stage.get("blocks")
+                row = {"model": variant, "pipefusion": p, "rank": rank["rank"], "blocks": blocks, "held_bytes": held,
+                       "peak_rss_growth_bytes": grown, "gpu_peak_gib": mem.get("peak_gib")}
+                out.append(row)
+                rows.append((variant, p, rank["rank"], f"{blocks[0]}-{blocks[-1]}" if blocks else "all",
+                             f"{held / MiB:.0f}", f"{grown / MiB:.0f}",
+                             f"{mem['peak_gib'] * 1024:.0f}" if "peak_gib" in mem else "-"))
+            print(f"{variant} pipefusion {p}: measured", flush=True)
+    wholes = {r["model"]: r["held_bytes"] for r in out if r["pipefusion"] == 1}
+    table = []
+    for row, r in zip(rows, out):
+        whole = wholes.get(r["model"])
+        share = f"{whole / r['pipefusion'] / MiB:.0f}" if whole else "-"
+        ratio = f"{r['held_bytes'] / (whole / r['pipefusion']):.2f}" if whole else "-"
+        table.append(row[:5] + (share, ratio) + row[5:])
+    print(markdown(("model", "P", "rank", "blocks", "held MiB", "weights/P MiB", "held/(w/P)", "peak RSS growth MiB",
+                    "GPU peak MiB"), table))
+    print("held/(w/P) above 1: the first stage also holds the image and text embedders, every stage the timestep "
+          "embedder, and stages are balanced by compute: FLUX's double blocks cost what a single block costs per "
+          "token but hold twice the weights (--stage-blocks moves blocks).")
+    return out
+
+
+def bench_comm_pipefusion(quick: bool = False) -> list[dict]:
+    """Bytes between stages per rank per step, counted at the send in a real job (tiny synthetic model, CPU ranks)
+    vs analytic_p2p_bytes, and the closed form at FLUX.1-dev 1024x1024 bf16."""
+    print("\nPipeFusion: bytes one rank sends between stages per step, counted in a real pipelined job (tiny "
+          "synthetic, 128x128, 4 steps, 1 warmup) vs the closed form; and the closed form for the real model at "
+          "1024x1024, bf16, 28 steps (SD3: positive and negative pass in one forward)", flush=True)
+    table, out = [], []
+    cases = [("flux-dev", 2, 2), ("flux-dev", 2, 4)] + ([] if quick else [("flux-dev", 4, 4), ("sd3-medium", 2, 4)])
+    for variant, p, m in cases:
+        source = f"synthetic:{variant}:tiny"
+        info = inspect_model(source)
+        steps = 4
+        r = _job(source, ParallelPlan(pipefusion=p), steps=steps, size=128, patches=m)
+        with Engine(p, device="cpu") as engine:
+            result = engine.submit("generate", *r.to_job())
+        hidden = info.config["num_attention_heads"] * info.config["attention_head_dim"]
+        image = (128 // 8 // info.latent_patch) ** 2
+        forward_batch = 2 if r.negative_pass else 1
+        text = 64
+        for rank in result.ranks:
+            stage = rank["pipefusion"]["stage"]
+            counted = rank["bytes_sent_per_step"].get("pipefusion_p2p", 0) * steps
+            expected = analytic_p2p_bytes(stage, p, calls=steps, image_tokens=image, text_tokens=text, hidden=hidden,
+                                          batch=forward_batch, latent=(16, 16, 16), patches=m, act_bytes=4)
+            real = inspect_model(f"synthetic:{variant}").config
+            full = analytic_p2p_bytes(stage, p, calls=28, image_tokens=4096, text_tokens=DEFAULT_TEXT_TOKENS[info.family],
+                                      hidden=real["num_attention_heads"] * real["attention_head_dim"],
+                                      batch=forward_batch, latent=(16, 128, 128), patches=m, act_bytes=2) / 28
+            table.append((variant, f"pipefusion{p}, {m} patches", stage, f"{counted / steps / 1e3:.1f} kB",
+                          f"{expected / steps / 1e3:.1f} kB", f"{counted / expected:.3f}", f"{full / 1e6:.1f} MB"))
+            out.append({"model": variant, "pipefusion": p, "patches": m, "stage": stage, "measured_bytes": counted,
+                        "analytic_bytes": expected, "flux_dev_1024_bytes_per_step": full})
+    print(markdown(("model", "plan", "stage", "measured/step", "analytic/step", "ratio", "real model 1024^2/step"),
+                   table))
+    return out
