@@ -284,3 +284,35 @@ def test_bytes_between_stages_equal_the_analytic_volume(tiny_models, engines):
                                       batch=1, latent=(16, 16, 16), patches=4, act_bytes=4)
         print(f"stage {stage}: counted {counted:.0f} bytes, analytic {expected}")
         assert counted == expected
+
+
+# ---- stages that fit the GPUs ---------------------------------------------------------------------------------
+
+def test_stages_balance_compute_unless_a_stage_would_not_fit_then_the_most_balanced_split_that_fits():
+    """FLUX.1-dev bf16 at 1024^2 (weights, K/V buffers, activations per stage): compute-balanced stages [28, 29]
+    put the 19 double blocks, twice a single block's weights, on the first GPU: 18 GiB. On 24 GiB cards that stays;
+    on 16 GiB cards the split moves to [21, 36]; on 12 GiB no two-stage split fits and the job is refused."""
+    from engine.parallel.devices import stated_hardware
+    from engine.parallel.pipefusion import fit_stages
+    from engine.parallel.plan import Workload
+    info = inspect_model("synthetic:flux-dev")
+    blocks, _ = PIPELINE_PARTS["flux"]
+    work = Workload.for_variant("flux-dev")
+    plan = ParallelPlan(pipefusion=2)
+    counts, gib = fit_stages(info, blocks, plan, work, 24)
+    print(f"24 GiB: {counts} need {gib}")
+    assert counts == [28, 29] and 17 < gib[0] < 19 and gib[1] < gib[0]
+    counts, gib = fit_stages(info, blocks, plan, work, 16)
+    print(f"16 GiB: {counts} need {gib}")
+    assert counts[0] < 28 and sum(counts) == 57 and max(gib) <= 16
+    assert fit_stages(info, blocks, plan, work, 12)[0] is None
+    # the request takes the fitted split to the ranks, and refuses what cannot fit, before any rank starts
+    r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,
+                                            plan=ParallelPlan(pipefusion=2), dtype="bf16")
+    choice = r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=16))
+    print(choice.reason)
+    assert r.stage_blocks == counts and "does not fit 16 GiB" in choice.reason
+    r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,
+                                            plan=ParallelPlan(pipefusion=2), dtype="bf16")
+    with pytest.raises(PlanError, match="pipefusion2 does not fit flux-dev in 12 GiB per GPU: its stages need"):
+        r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=12))

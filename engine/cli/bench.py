@@ -102,7 +102,7 @@ def _run_suite(a) -> int:
     results["cache"] = bench_plans.bench_cache(12 if q else 28)
     print("\n## memory", flush=True)
     results["memory"] = bench_memory.bench_memory(["flux-dev"] if q else ["flux-dev", "sd3-medium"],
-                                                  [1, 2] if q else [1, 2, 4])
+                                                  [1, 2] if q else [1, 2, 4], splits=("compute", "weights"))
     if torch.cuda.is_available():
         print("\n## gpu", flush=True)
         results["gpu"] = bench_gpu.bench_gpu([0], list(bench_gpu.MODELS), list(bench_gpu.ROWS), 1024, 2, None)

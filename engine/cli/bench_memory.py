@@ -23,7 +23,9 @@ def register(bench, emit) -> None:
                    help="synthetic variants at the small size (a few hundred MB)")
     m.add_argument("--gpus", type=types.gpu_list, help="CUDA GPUs, one per rank (default: CPU ranks)")
     m.add_argument("--stages", type=types.int_list, default="1,2,4", help="PipeFusion degrees")
-    m.set_defaults(run=lambda a: emit(a, "memory", bench_memory(a.models, a.stages, a.gpus)), parser=m)
+    m.add_argument("--splits", type=types.name_list(["compute", "weights"]), default="compute,weights",
+                   help="stage splits: balanced by compute (the default a job gets) and by weights (--stage-blocks)")
+    m.set_defaults(run=lambda a: emit(a, "memory", bench_memory(a.models, a.stages, a.gpus, a.splits)), parser=m)
 
 
 def _job(source: str, plan: ParallelPlan, steps: int = 2, size: int = 256, **fields) -> GenerateRequest:
@@ -34,46 +36,62 @@ def _job(source: str, plan: ParallelPlan, steps: int = 2, size: int = 256, **fie
     return r
 
 
-def bench_memory(models: list[str], stages: list[int], gpus: list[int] | None = None) -> list[dict]:
+def weight_split(source: str, stages: int) -> list[int]:
+    """Blocks per stage balanced by the blocks' weights (what --stage-blocks can ask for)."""
+    from ..models.load import build_empty
+    from ..parallel.parallelize import PIPELINE_PARTS
+    from ..parallel.pipefusion import balanced_split
+    info = inspect_model(source)
+    model = build_empty(info)
+    sizes = [float(sum(p.numel() for p in block.parameters())) for name in PIPELINE_PARTS[info.family][0]
+             for block in model.get_submodule(name)]
+    return balanced_split(sizes, stages)
+
+
+def bench_memory(models: list[str], stages: list[int], gpus: list[int] | None = None,
+                 splits: tuple[str, ...] = ("compute",)) -> list[dict]:
     print("per rank: weights held (parameters and buffers it owns; the rest of the model is on the meta device), "
           "peak resident memory above the rank's memory before loading (weights + activations + stale K/V + "
           "allocator), fp32, 256x256, 2 steps", flush=True)
     rows, out = [], []
     for variant in models:
         source = f"synthetic:{variant}:small"
-        for p in stages:
+        for p, split in [(p, split) for p in stages for split in (splits if p > 1 else ["-"])]:
             plan = ParallelPlan(pipefusion=p)
             ranks = p
             if gpus and len(gpus) < ranks:
                 print(f"{variant} pipefusion {p}: skipped, needs {ranks} GPUs", flush=True)
                 continue
+            fields = {"stage_blocks": weight_split(source, p)} if split == "weights" else {}
             with Engine(ranks, device="cuda" if gpus else "cpu", gpus=gpus[:ranks] if gpus else None) as engine:
-                result = engine.submit("generate", *_job(source, plan).to_job())
+                result = engine.submit("generate", *_job(source, plan, **fields).to_job())
             for rank in result.ranks:
                 held = rank["loaded"]["held_bytes"]
                 mem = rank["memory"]
                 grown = (mem["peak_rss_gib"] - rank["rss_before_load_gib"]) * 2 ** 30
                 stage = rank.get("pipefusion", {})
                 blocks = stage.get("blocks")
-                row = {"model": variant, "pipefusion": p, "rank": rank["rank"], "blocks": blocks, "held_bytes": held,
+                row = {"model": variant, "pipefusion": p, "split": split, "rank": rank["rank"], "blocks": blocks,
+                       "held_bytes": held,
                        "peak_rss_growth_bytes": grown, "gpu_peak_gib": mem.get("peak_gib")}
                 out.append(row)
-                rows.append((variant, p, rank["rank"], f"{blocks[0]}-{blocks[-1]}" if blocks else "all",
+                rows.append((variant, p, split, rank["rank"], f"{blocks[0]}-{blocks[-1]}" if blocks else "all",
                              f"{held / MiB:.0f}", f"{grown / MiB:.0f}",
                              f"{mem['peak_gib'] * 1024:.0f}" if "peak_gib" in mem else "-"))
-            print(f"{variant} pipefusion {p}: measured", flush=True)
+            print(f"{variant} pipefusion {p}{f' ({split} split)' if p > 1 else ''}: measured", flush=True)
     wholes = {r["model"]: r["held_bytes"] for r in out if r["pipefusion"] == 1}
     table = []
     for row, r in zip(rows, out):
         whole = wholes.get(r["model"])
         share = f"{whole / r['pipefusion'] / MiB:.0f}" if whole else "-"
         ratio = f"{r['held_bytes'] / (whole / r['pipefusion']):.2f}" if whole else "-"
-        table.append(row[:5] + (share, ratio) + row[5:])
-    print(markdown(("model", "P", "rank", "blocks", "held MiB", "weights/P MiB", "held/(w/P)", "peak RSS growth MiB",
+        table.append(row[:6] + (share, ratio) + row[6:])
+    print(markdown(("model", "P", "split", "rank", "blocks", "held MiB", "weights/P MiB", "held/(w/P)", "peak RSS growth MiB",
                     "GPU peak MiB"), table))
-    print("held/(w/P) above 1: the first stage also holds the image and text embedders, every stage the timestep "
-          "embedder, and stages are balanced by compute: FLUX's double blocks cost what a single block costs per "
-          "token but hold twice the weights (--stage-blocks moves blocks).")
+    print("split compute: the default (on GPUs a job moves to the most balanced split that fits when this one does "
+          "not); FLUX's double blocks cost what a single block costs per token but hold twice the weights. split "
+          "weights: --stage-blocks balanced by the blocks' weights. The first stage also holds the image and text "
+          "embedders (and SD3's position table), every stage the timestep embedder.")
     return out
 
 

@@ -106,8 +106,33 @@ class GenerateRequest:
                                   compiled=self.compile)
         choice = resolve_plan(self.plan, ranks, work, hardware)
         self._check_pipefusion(info, choice.plan, lat.shape[2], lat.shape[3])
+        if choice.plan.pipefusion > 1 and hardware is not None and hardware.device != "cpu":
+            choice = self._fit_stages(info, choice, work, hardware)
         self.plan = choice.plan
         return choice
+
+    def _fit_stages(self, info, choice: PlanChoice, work: Workload, hardware: Hardware) -> PlanChoice:
+        """PipeFusion on GPUs: each stage's weights, K/V buffers and activations must fit a GPU. The stages are
+        balanced by compute; when that split does not fit, the most balanced split that fits is taken (and sent to
+        the ranks as stage_blocks); when none fits, the job is refused with the numbers."""
+        from ..errors import PlanError
+        from ..parallel.parallelize import PIPELINE_PARTS
+        from ..parallel.pipefusion import balanced_split, fit_stages, reference_costs
+        blocks, _ = PIPELINE_PARTS[info.family]
+        plan = choice.plan
+        if self.stage_blocks is not None:
+            return choice
+        counts, gib = fit_stages(info, blocks, plan, work, hardware.memory_gib)
+        per_stage = ", ".join(f"{g:.1f}" for g in gib)
+        if counts is None:
+            raise PlanError(f"plan {plan.describe()} does not fit {work.variant} in {hardware.memory_gib:.0f} GiB per "
+                            f"GPU: its stages need {per_stage} GiB (weights, K/V buffers, activations) however the "
+                            f"blocks are split; use more stages, fp8 weights or a smaller image")
+        if counts == balanced_split(reference_costs(info, blocks), plan.pipefusion):
+            return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks need {per_stage} GiB")
+        self.stage_blocks = counts
+        return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks (the compute-balanced split does not "
+                                f"fit {hardware.memory_gib:.0f} GiB) need {per_stage} GiB")
 
     def _check_pipefusion(self, info, plan: ParallelPlan, latent_h: int, latent_w: int) -> None:
         """The PipeFusion settings against the plan and the job's shapes (parallel/pipefusion.py), before launch."""

@@ -7,7 +7,7 @@ import os
 import torch
 
 from ..models.flow import Conditioning, FlowModel
-from ..models.load import inspect_model, load_model
+from ..models.load import inspect_model, load_model, model_class
 from ..models.lora import apply_loras
 from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
 from ..parallel.parallelize import PIPELINE_PARTS, parallelize
@@ -35,6 +35,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
             state["parallel"].close()
         state.clear()
         release_model_memory(ctx.device)  # the old weights (and graphs compiled around them) go before the new come
+        model_class(inspect_model(request.model).family)  # diffusers' modules imported before the baseline
         ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
         loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights,
                             keep=stage[1] if stage else None)

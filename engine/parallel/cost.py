@@ -65,22 +65,29 @@ def items_per_rank(plan, work) -> int:
 
 
 def _text_split(plan, work) -> bool:
-    return work.family == "flux" and work.text_tokens % (plan.ulysses * plan.ring) == 0
+    """FLUX's text splits with the image when the degree divides it; PipeFusion keeps it joint."""
+    return work.family == "flux" and plan.pipefusion == 1 and work.text_tokens % (plan.ulysses * plan.ring) == 0
 
 
 def comm_bytes(plan, work) -> dict[str, int]:
     """Bytes one rank sends per step, per collective kind."""
     items, elem = items_per_rank(plan, work), DTYPE_BYTES[work.dtype]
     kinds = attention_bytes(work.image_tokens, work.text_tokens, work.heads, work.head_dim, work.layers,
-                            work.family == "flux", plan, items, elem)
+                            work.family == "flux" and plan.pipefusion == 1, plan, items, elem)
     if work.dual_layers:  # SD3.5-medium's image-only attention goes through the same entry point
         dual = attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, False, plan, items,
                                elem)
         kinds = {k: v + dual[k] for k, v in kinds.items()}
+    if plan.pipefusion > 1:   # a stage's sequence-parallel group runs only its share of the layers
+        kinds = {k: v // plan.pipefusion for k, v in kinds.items()}
     kinds["sp_gather"] = sp_gather_bytes(work.image_tokens, OUT_FEATURES, plan, items, elem)
     velocity = items * work.image_tokens * OUT_FEATURES * 4   # fp32, gathered so every rank holds the whole batch
     kinds["cfg_gather"] = velocity if plan.cfg == 2 else 0
     kinds["dp_gather"] = (plan.dp - 1) * velocity
+    if plan.pipefusion > 1:   # a stage's activations to the next, per step (text joint, the image share of its SP rank)
+        hidden = work.heads * work.head_dim
+        kinds["pipefusion_p2p"] = int(items * (work.image_tokens / (plan.ulysses * plan.ring) + work.text_tokens)
+                                      * hidden * elem)
     return kinds
 
 
@@ -98,7 +105,8 @@ def rank_flops(plan, work) -> tuple[float, float]:
     attention += 4 * (n_img / r) * n_img * hidden / u * work.dual_layers
     linear = 2 * hidden * hidden * (LINEAR_WIDTH * tokens * work.layers + DUAL_WIDTH * n_img / p * work.dual_layers)
     items = items_per_rank(plan, work)
-    return items * (linear + attention), items * attention
+    stages = plan.pipefusion   # each stage runs its share of the blocks; pipelined, the stages work at once
+    return items * (linear + attention) / stages, items * attention / stages
 
 
 def throughput_tflops(hw: Hardware, work) -> tuple[float, str]:

@@ -73,9 +73,10 @@ def block_costs(model: torch.nn.Module, block_lists: tuple[str, ...], image_toke
     return costs
 
 
-def balanced_split(costs: list[float], stages: int) -> list[int]:
+def balanced_split(costs: list[float], stages: int, fits=None) -> list[int] | None:
     """Blocks per stage (contiguous, at least one each): the costliest stage as cheap as possible, and among such
-    splits the most even one (dynamic programming over prefix sums; the cost of a stage is the sum of its blocks')."""
+    splits the most even one (dynamic programming over prefix sums; a stage costs the sum of its blocks').
+    fits(stage, first block, end block) -> bool restricts the stages (memory); None when no split fits."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} blocks into {stages} stages")
@@ -89,12 +90,13 @@ def balanced_split(costs: list[float], stages: int) -> list[int]:
         for i in range(s, n - (stages - s) + 1):
             options = []
             for j, (worst, squares, counts) in best[s - 1].items():
-                if j < i:
+                if j < i and (fits is None or fits(s - 1, j, i)):
                     part = prefix[i] - prefix[j]
                     options.append((max(worst, part), squares + part * part, counts + (i - j,)))
-            row[i] = min(options, key=lambda o: (round(o[0], 6), o[1]))
+            if options:
+                row[i] = min(options, key=lambda o: (round(o[0], 6), o[1]))
         best.append(row)
-    return list(best[stages][n][2])
+    return list(best[stages][n][2]) if n in best[stages] else None
 
 
 @dataclass(frozen=True)
@@ -686,6 +688,56 @@ def layout_problems(info, plan, latent_h: int, latent_w: int, patches: int | Non
     return pipefusion_problems(plan.pipefusion, patches or plan.pipefusion, warmup, steps, info.layers, latent_h // p,
                                latent_w // p, plan.ulysses * plan.ring,
                                tuple(stage_blocks) if stage_blocks else None)
+
+
+def stage_memory(info, block_lists: tuple[str, ...], plan, work) -> tuple:
+    """What a stage holds, in bytes: (per block: weights + its layers' K/V buffers, per stage: the embedders or final
+    layer it holds plus the activations and runtime every stage has)."""
+    from ..models.load import build_empty
+    from . import cost
+    model = build_empty(info)
+    per_parameter = work.weight_bytes / max(1, info.parameters)
+    sp = plan.ulysses * plan.ring
+    forward = cost.items_per_rank(plan, work)
+    kv = 2 * forward * (work.image_tokens + work.text_tokens) / sp * work.heads * work.head_dim \
+        * cost.DTYPE_BYTES[work.dtype]
+    blocks = []
+    for name in block_lists:
+        for block in model.get_submodule(name):
+            attentions = 2 if getattr(block, "attn2", None) is not None else 1
+            blocks.append(sum(p.numel() for p in block.parameters()) * per_parameter + attentions * kv)
+
+    def params(prefixes):
+        return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes)) * per_parameter
+    m = cost.memory_gib(plan, work)
+    base = (m["activations"] + m["runtime"]) * cost.GiB + params(("time_text_embed.",))
+    extras = [base] * plan.pipefusion
+    extras[0] += params(("x_embedder.", "context_embedder.", "pos_embed."))
+    extras[-1] += params(("norm_out.", "proj_out."))
+    return blocks, extras
+
+
+def fit_stages(info, block_lists: tuple[str, ...], plan, work, memory_gib: float):
+    """The compute-balanced split if every stage fits `memory_gib`, else the most compute-balanced split that fits:
+    (blocks per stage or None, GiB per stage of that split or of the compute-balanced one)."""
+    from .cost import GiB
+    costs = reference_costs(info, block_lists)
+    blocks, extras = stage_memory(info, block_lists, plan, work)
+    prefix = [0.0]
+    for b in blocks:
+        prefix.append(prefix[-1] + b)
+
+    def need(stage, start, end):
+        return (extras[stage] + prefix[end] - prefix[start]) / GiB
+
+    def gib(counts):
+        edges = [sum(counts[:k]) for k in range(len(counts) + 1)]
+        return [need(k, edges[k], edges[k + 1]) for k in range(len(counts))]
+    balanced = balanced_split(costs, plan.pipefusion)
+    if max(gib(balanced)) <= memory_gib:
+        return balanced, gib(balanced)
+    fitted = balanced_split(costs, plan.pipefusion, lambda st, a, b: need(st, a, b) <= memory_gib)
+    return fitted, gib(fitted if fitted else balanced)
 
 
 def block_counts(info) -> list[int]:

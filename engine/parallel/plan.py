@@ -173,6 +173,8 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
         parts.append(f"{work.image_tokens} image tokens split {plan.ulysses} ways, {work.heads} heads exchanged")
     if plan.ring > 1:
         parts.append(f"K/V passed around a ring of {plan.ring}")
+    if plan.pipefusion > 1:
+        parts.append(f"{work.layers} blocks in {plan.pipefusion} pipelined stages, each GPU holding its own")
     return "; ".join(parts) if parts else "one rank runs the whole job"
 
 
@@ -190,13 +192,19 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
                             "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
         if min(cost.memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= hw.memory_gib:
             helps.append(f"fp8 weights would fit ({light.weight_bytes / cost.GiB:.1f} GiB of weights)")
-    if work.block_weight_bytes and ranks > 1:   # PipeFusion divides the blocks' weights (explicit plans only)
-        base = (work.weight_bytes - work.block_weight_bytes) / cost.GiB
-        for p in range(2, ranks + 1):
-            need = base + work.block_weight_bytes / p / cost.GiB + m["activations"] + m["runtime"]
-            if ranks % p == 0 and need <= hw.memory_gib:
-                helps.append(f"explicit pipefusion {p} could fit (about {need:.1f} GiB per GPU with the blocks' "
-                             f"weights split evenly, --stage-blocks)")
+    if ranks > 1:   # PipeFusion divides the blocks' weights between the GPUs (explicit plans only)
+        from ..models.synthetic import synthetic_info
+        from .parallelize import PIPELINE_PARTS
+        from .pipefusion import fit_stages
+        info = synthetic_info(f"synthetic:{work.variant}")
+        for p in range(2, min(ranks, work.layers) + 1):
+            plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
+            if plan is None or plan_problems(plan, work):
+                continue
+            counts, gib = fit_stages(info, PIPELINE_PARTS[info.family][0], plan, work, hw.memory_gib)
+            if counts:
+                helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
+                             f"{', '.join(f'{g:.1f}' for g in gib)} GiB)")
                 break
     more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
                  if any(cost.memory_gib(p, work)["total"] <= hw.memory_gib for p in feasible(n, work))), None)
