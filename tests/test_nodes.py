@@ -183,6 +183,9 @@ def test_the_engine_nodes_pipefusion_settings_run_stages_that_match_one_rank_wit
     from tolerance import report
     # warmup beyond the steps: every step on the whole latent, the one-rank latent to fp32 rounding
     assert report("node pipefusion2, warmup >= steps, vs 1 rank", (two["samples"] - one["samples"]).abs().max(), 1e-4)
+    shown = core.describe(s2)
+    print(shown)
+    assert "rank 0: PipeFusion stage 0, blocks 0-1" in shown and "rank 1: PipeFusion stage 1, blocks 2-3" in shown
     with pytest.raises(ValueError, match="patches 3 is fewer than"):
         core.sample(settings(core, models["sd3"], gpus=(0, 1, 2, 3), plan="explicit", pipefusion=4, patches=3),
                     sd3_conditioning(1), sd3_conditioning(2), empty_latent(), cfg=4.0, **kw)

@@ -316,3 +316,17 @@ def test_stages_balance_compute_unless_a_stage_would_not_fit_then_the_most_balan
                                             plan=ParallelPlan(pipefusion=2), dtype="bf16")
     with pytest.raises(PlanError, match="pipefusion2 does not fit flux-dev in 12 GiB per GPU: its stages need"):
         r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=12))
+
+
+def test_xdits_failing_case_flux_dev_1024_pipefusion_4_is_accepted_with_a_layout_that_adds_up():
+    """xDiT failed FLUX.1-dev 1024x1024 at pipefusion 4 ("split_with_sizes expected sizes summing to 4096 but got
+    [4096, 4096, 4096, 4096]"). Here the patches are row bands computed from the latent: checked before launch."""
+    r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=28,
+                                            plan=ParallelPlan(pipefusion=4), dtype="bf16")
+    r.validate(4)
+    info = inspect_model("synthetic:flux-dev")
+    layout = make_layout(info, PIPELINE_PARTS["flux"][0], r.plan, 128, 128, r.patches, r.warmup_steps,
+                         r.stage_blocks)
+    print(layout)
+    assert [layout.band_tokens(m) for m in range(4)] == [1024] * 4 and sum(layout.stage_blocks) == 57
+    assert sorted(torch.cat([layout.local_tokens(m, 0) for m in range(4)]).tolist()) == list(range(4096))

@@ -210,6 +210,7 @@ class EngineRecord:
     last_timings: dict = field(default_factory=dict)
     last_cache: dict = field(default_factory=dict)
     last_bytes: dict = field(default_factory=dict)
+    last_stages: list = field(default_factory=list)   # PipeFusion: each rank's stage, blocks and weights held
     last_memory: list = field(default_factory=list)   # what each rank measured of itself
     notes: list[str] = field(default_factory=list)
 
@@ -315,6 +316,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_cache = result.ranks[0].get("step_cache") or {}
     record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
     record.last_memory = [r.get("memory", {}) for r in result.ranks]
+    record.last_stages = [dict(r["pipefusion"], rank=r["rank"]) for r in result.ranks if r.get("pipefusion")]
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
     return out
@@ -346,6 +348,11 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
     if record.last_cache:
         lines.append(f"step cache: skipped {record.last_cache['skipped_calls']} of {record.last_cache['model_calls']} "
                      f"model calls")
+    for stage in record.last_stages:
+        blocks = stage["blocks"]
+        lines.append(f"rank {stage['rank']}: PipeFusion stage {stage['stage']}, blocks {blocks[0]}-{blocks[-1]}, weights held "
+                     f"{stage['held_bytes'] / 2**30:.2f} GiB ({stage['patches']} patches, {stage['warmup_steps']} "
+                     f"warmup step(s))")
     if record.last_bytes:
         lines.append("rank 0 sent per step: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in record.last_bytes.items()))
     lines.extend(record.notes)
