@@ -131,7 +131,8 @@ def test_a_stalled_stage_names_the_stage_what_it_waited_for_and_the_peer():
         with pytest.raises(StageStall) as e:
             pipeline._wait(Never(), "patch 2 activations (step 5)", 2)
         print(e.value)
-        assert "stage 1 (rank 3) waited" in str(e.value) and "patch 2 activations (step 5) from rank 2" in str(e.value)
+        message = str(e.value)
+        assert "stage 1 (rank 3) waited" in message and "patch 2 activations (step 5) (peer: rank 2)" in message
 
 
 # ---- stage-only loading ----------------------------------------------------------------------------------------
@@ -241,7 +242,8 @@ def test_every_size_runs_to_the_right_shape_or_is_refused_before_launch(tiny_mod
     (dict(plan=ParallelPlan(pipefusion=2), patches=9), "patches 9 exceeds the latent's 8 token rows"),
     (dict(plan=ParallelPlan(pipefusion=2), warmup_steps=4), "warmup steps 4 is outside 1..3"),
     (dict(plan=ParallelPlan(pipefusion=2), stage_blocks=[3, 4]), "stage blocks [3, 4] do not split"),
-    (dict(plan=ParallelPlan(pipefusion=2, ulysses=4), patches=3, hw=(16, 12)), "not divisible by ulysses x ring = 4: use patches 4"),
+    (dict(plan=ParallelPlan(pipefusion=2, ulysses=4), patches=3, hw=(16, 12)),
+     "not divisible by ulysses x ring = 4: use patches 4"),
     (dict(plan=ParallelPlan(pipefusion=2), cache_threshold=0.1), "step cache does not combine with pipefusion"),
     (dict(patches=2), "only apply with pipefusion >= 2"),
 ])

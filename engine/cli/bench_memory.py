@@ -86,8 +86,8 @@ def bench_memory(models: list[str], stages: list[int], gpus: list[int] | None = 
         share = f"{whole / r['pipefusion'] / MiB:.0f}" if whole else "-"
         ratio = f"{r['held_bytes'] / (whole / r['pipefusion']):.2f}" if whole else "-"
         table.append(row[:6] + (share, ratio) + row[6:])
-    print(markdown(("model", "P", "split", "rank", "blocks", "held MiB", "weights/P MiB", "held/(w/P)", "peak RSS growth MiB",
-                    "GPU peak MiB"), table))
+    print(markdown(("model", "P", "split", "rank", "blocks", "held MiB", "weights/P MiB", "held/(w/P)",
+                    "peak RSS growth MiB", "GPU peak MiB"), table))
     print("split compute: the default (on GPUs a job moves to the most balanced split that fits when this one does "
           "not); FLUX's double blocks cost what a single block costs per token but hold twice the weights. split "
           "weights: --stage-blocks balanced by the blocks' weights. The first stage also holds the image and text "
@@ -120,7 +120,8 @@ def bench_comm_pipefusion(quick: bool = False) -> list[dict]:
             expected = analytic_p2p_bytes(stage, p, calls=steps, image_tokens=image, text_tokens=text, hidden=hidden,
                                           batch=forward_batch, latent=(16, 16, 16), patches=m, act_bytes=4)
             real = inspect_model(f"synthetic:{variant}").config
-            full = analytic_p2p_bytes(stage, p, calls=28, image_tokens=4096, text_tokens=DEFAULT_TEXT_TOKENS[info.family],
+            full = analytic_p2p_bytes(stage, p, calls=28, image_tokens=4096,
+                                      text_tokens=DEFAULT_TEXT_TOKENS[info.family],
                                       hidden=real["num_attention_heads"] * real["attention_head_dim"],
                                       batch=forward_batch, latent=(16, 128, 128), patches=m, act_bytes=2) / 28
             table.append((variant, f"pipefusion{p}, {m} patches", stage, f"{counted / steps / 1e3:.1f} kB",

@@ -52,7 +52,8 @@ def split_rows(rows: int, patches: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(patches)]
 
 
-def block_costs(model: torch.nn.Module, block_lists: tuple[str, ...], image_tokens: int, text_tokens: int) -> list[float]:
+def block_costs(model: torch.nn.Module, block_lists: tuple[str, ...], image_tokens: int,
+                text_tokens: int) -> list[float]:
     """A block's FLOPs per forward, from its weights' shapes (works on the meta model): matrices of the text stream
     (FLUX `context`/`add_` modules, SD3's context blocks) see the text tokens, the others every token they are given;
     attention adds 4 * tokens^2 * width."""
@@ -311,7 +312,8 @@ class SD3Stage(StageModel):
         height, width = self.layout.rows * self.patch, self.layout.cols * self.patch
         positions = pe.cropped_pos_embed(height, width)[:, idx]
         image = (tokens[:, idx - start] + positions).to(tokens.dtype)
-        text = self.model.context_embedder(prepared.cond) if with_text else image.new_zeros(x.shape[0], 0, image.shape[2])
+        text = (self.model.context_embedder(prepared.cond) if with_text
+                else image.new_zeros(x.shape[0], 0, image.shape[2]))
         return text, image
 
     def run_blocks(self, text, image, temb, band, with_text: bool):
@@ -415,7 +417,7 @@ class Pipeline:
                 work.wait()
                 return
         raise StageStall(f"PipeFusion stage {self.stage} (rank {self.mesh.rank}) waited {self.deadline_s:.0f} s for "
-                         f"{what} from rank {peer} and gave up: that rank is stalled or gone", rank=self.mesh.rank,
+                         f"{what} (peer: rank {peer}) and gave up: that rank is stalled or gone", rank=self.mesh.rank,
                          phase="compute")
 
     def _header(self, kind, band=-1, sigma=0.0, warm=0, steps_done=0, cancelled=0) -> torch.Tensor:
@@ -439,9 +441,11 @@ class Pipeline:
                 return self._last(ctx, start, sampler, seed)
             return self._middle(ctx)
         finally:
-            for work, _ in self._pending:
-                work.wait()
-            self._pending = []
+            pending, self._pending = self._pending, []
+            for work, _ in pending:   # with a deadline too: a peer that died must not hang this rank
+                self._wait(work, "the next stage to take its last messages", self._peer(1))
+            for kv in self.kvs.values():   # the next job's warmup refills them: hold no K/V between jobs
+                kv.buffers.clear()
 
     def bind(self, positive: Conditioning, negative: Conditioning | None, latent_shape, cfg: float) -> None:
         """This job's passes and batch share on this rank, grouped into forwards (both passes in one forward when
@@ -490,7 +494,8 @@ class Pipeline:
             temb = self._temb(g, sigma)
             if self.model.first:
                 xs = x.to(self.flow.device, self.flow.dtype)
-                text, image = self.model.embed(torch.cat([xs] * passes) if passes > 1 else xs, prepared, band, with_text)
+                xs = torch.cat([xs] * passes) if passes > 1 else xs
+                text, image = self.model.embed(xs, prepared, band, with_text)
             else:
                 text, image = received[2 * g], received[2 * g + 1]
             text, image = self.model.run_blocks(text, image, temb, band, with_text)
