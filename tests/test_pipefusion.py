@@ -301,12 +301,12 @@ def test_stages_balance_compute_unless_a_stage_would_not_fit_then_the_most_balan
     blocks, _ = PIPELINE_PARTS["flux"]
     work = Workload.for_variant("flux-dev")
     plan = ParallelPlan(pipefusion=2)
-    counts, gib = fit_stages(info, blocks, plan, work, 24)
+    counts, gib, balanced = fit_stages(info, blocks, plan, work, 24)
     print(f"24 GiB: {counts} need {gib}")
-    assert counts == [28, 29] and 17 < gib[0] < 19 and gib[1] < gib[0]
-    counts, gib = fit_stages(info, blocks, plan, work, 16)
+    assert counts == [28, 29] and balanced and 17 < gib[0] < 19 and gib[1] < gib[0]
+    counts, gib, balanced = fit_stages(info, blocks, plan, work, 16)
     print(f"16 GiB: {counts} need {gib}")
-    assert counts[0] < 28 and sum(counts) == 57 and max(gib) <= 16
+    assert counts[0] < 28 and not balanced and sum(counts) == 57 and max(gib) <= 16
     assert fit_stages(info, blocks, plan, work, 12)[0] is None
     # the request takes the fitted split to the ranks, and refuses what cannot fit, before any rank starts
     r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,

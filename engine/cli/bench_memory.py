@@ -38,11 +38,10 @@ def _job(source: str, plan: ParallelPlan, steps: int = 2, size: int = 256, **fie
 
 def weight_split(source: str, stages: int) -> list[int]:
     """Blocks per stage balanced by the blocks' weights (what --stage-blocks can ask for)."""
-    from ..models.load import build_empty
     from ..parallel.parallelize import PIPELINE_PARTS
-    from ..parallel.pipefusion import balanced_split
+    from ..parallel.pipefusion import balanced_split, meta_model
     info = inspect_model(source)
-    model = build_empty(info)
+    model = meta_model(info)
     sizes = [float(sum(p.numel() for p in block.parameters())) for name in PIPELINE_PARTS[info.family][0]
              for block in model.get_submodule(name)]
     return balanced_split(sizes, stages)

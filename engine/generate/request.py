@@ -117,18 +117,18 @@ class GenerateRequest:
         the ranks as stage_blocks); when none fits, the job is refused with the numbers."""
         from ..errors import PlanError
         from ..parallel.parallelize import PIPELINE_PARTS
-        from ..parallel.pipefusion import balanced_split, fit_stages, reference_costs
+        from ..parallel.pipefusion import fit_stages
         blocks, _ = PIPELINE_PARTS[info.family]
         plan = choice.plan
         if self.stage_blocks is not None:
             return choice
-        counts, gib = fit_stages(info, blocks, plan, work, hardware.memory_gib)
+        counts, gib, balanced = fit_stages(info, blocks, plan, work, hardware.memory_gib)
         per_stage = ", ".join(f"{g:.1f}" for g in gib)
         if counts is None:
             raise PlanError(f"plan {plan.describe()} does not fit {work.variant} in {hardware.memory_gib:.0f} GiB per "
                             f"GPU: its stages need {per_stage} GiB (weights, K/V buffers, activations) however the "
                             f"blocks are split; use more stages, fp8 weights or a smaller image")
-        if counts == balanced_split(reference_costs(info, blocks), plan.pipefusion):
+        if balanced:
             return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks need {per_stage} GiB")
         self.stage_blocks = counts
         return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks (the compute-balanced split does not "

@@ -58,6 +58,23 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
     return parallel
 
 
+def _sides(request: GenerateRequest) -> tuple[Conditioning, Conditioning | None]:
+    positive = Conditioning(request.cond, request.pooled, request.guidance)
+    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
+                if request.neg_cond is not None else None)
+    return positive, negative
+
+
+def _finish(ctx, request: GenerateRequest, mesh, info, samples: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The job's report (every rank) and its result (rank 0)."""
+    if request.compile:
+        ctx.info["compiled_graphs"] = compiled_graphs()  # the same after a later job of the same shapes: reused
+    ctx.info["bytes_sent_per_step"] = {k: v / request.steps for k, v in mesh.stats.sent.items()}
+    ctx.info["model"] = {"variant": info.variant, "layout": info.layout}
+    ctx.info["memory"] = ctx.memory()
+    return {"samples": samples.cpu()} if ctx.rank == 0 else None
+
+
 def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tensor] | None:
     """A KSampler run through the PipeFusion stages: this rank loads only its stage's weights."""
     info = inspect_model(request.model)
@@ -73,9 +90,7 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
     start = start_sampling(latent_raw.to(ctx.device), family=info.family, seed=request.seed, steps=request.steps,
                            cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
                            denoise=request.denoise, noise=noise.to(ctx.device))
-    positive = Conditioning(request.cond, request.pooled, request.guidance)
-    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
-                if request.neg_cond is not None else None)
+    positive, negative = _sides(request)
     ctx.check_cancel(0)
     with attention_kernels(request.attention, ctx.device):
         samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape), cfg=request.cfg,
@@ -84,12 +99,7 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
     ctx.info["pipefusion"] = {"stage": stage, "blocks": list(layout.blocks_of(stage)), "patches": layout.patches,
                               "warmup_steps": layout.warmup, "stage_blocks": list(layout.stage_blocks),
                               "held_bytes": pipeline.flow.loaded.stats.get("held_bytes")}
-    if request.compile:
-        ctx.info["compiled_graphs"] = compiled_graphs()
-    ctx.info["bytes_sent_per_step"] = {k: v / request.steps for k, v in mesh.stats.sent.items()}
-    ctx.info["model"] = {"variant": info.variant, "layout": info.layout}
-    ctx.info["memory"] = ctx.memory()
-    return {"samples": samples.cpu()} if ctx.rank == 0 else None
+    return _finish(ctx, request, mesh, info, samples)
 
 
 def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
@@ -101,9 +111,7 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
     parallel = _parallel_model(ctx, request, mesh)
     latent_raw = request.latent_raw.float()
     noise = prepare_noise(latent_raw, request.seed, request.batch_index)  # the whole batch's, as ComfyUI draws it
-    positive = Conditioning(request.cond, request.pooled, request.guidance)
-    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
-                if request.neg_cond is not None else None)
+    positive, negative = _sides(request)
 
     def on_step(step_index: int, total: int) -> None:
         ctx.progress(step_index + 1, total)
@@ -117,10 +125,4 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
                           callback=on_step)
     if parallel.cache is not None:
         ctx.info["step_cache"] = parallel.cache.stats.as_dict()
-    if request.compile:
-        ctx.info["compiled_graphs"] = compiled_graphs()  # the same after a later job of the same shapes: reused
-    ctx.info["bytes_sent_per_step"] = {k: v / request.steps for k, v in mesh.stats.sent.items()}
-    info = parallel.flow.loaded.info
-    ctx.info["model"] = {"variant": info.variant, "layout": info.layout}
-    ctx.info["memory"] = ctx.memory()
-    return {"samples": samples.cpu()} if ctx.rank == 0 else None
+    return _finish(ctx, request, mesh, parallel.flow.loaded.info, samples)

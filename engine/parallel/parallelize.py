@@ -50,6 +50,15 @@ SD3_TOKENS = TokenTable(processor=SD3SPProcessor, gather_after="proj_out", split
                         blocks=("transformer_blocks",))
 
 
+def pass_groups(sides: list[Conditioning], cfg_group) -> tuple[list[Conditioning], list[list[Conditioning]]]:
+    """The passes this rank computes (CFG parallel: one per rank, in group order) and the forwards they take: both
+    passes in one forward when their text lengths agree (exactly the same math), else one forward each."""
+    mine = [sides[cfg_group.rank]] if cfg_group.size > 1 and len(sides) == 2 else sides
+    if len(mine) == 2 and mine[0].cond.shape[1] != mine[1].cond.shape[1]:
+        return mine, [[s] for s in mine]
+    return mine, [mine]
+
+
 class ParallelFlow:
     """A FlowModel under a mesh: `predictor` gives the sampler its Predict; `close` gives the model back unchanged."""
 
@@ -136,7 +145,7 @@ class ParallelFlow:
             if any(s is None for s in sides):
                 raise ValueError("the sampler asked for the negative pass but the job has no negative conditioning")
             batch = x_model.shape[0]
-            mine = [sides[cfg.rank]] if cfg.size > 1 and len(sides) == 2 else sides   # CFG: one pass per rank
+            mine, groups = pass_groups(sides, cfg)
             per = batch // dp.size                                                      # dp: a contiguous share
             items = slice(dp.rank * per, (dp.rank + 1) * per)
             x = x_model[items]
@@ -146,8 +155,7 @@ class ParallelFlow:
                     self.cache.use_stream((tuple(s is positive for s in passes), items.start))
                 return self.flow.velocity(x_in, sigma, prepare(passes, batch, items))
 
-            if len(mine) == 2 and mine[0].cond.shape[1] == mine[1].cond.shape[1]:
-                # both passes in one forward when their text lengths agree (exactly the same math)
+            if len(groups) == 1 and len(mine) == 2:
                 v = velocity(mine, torch.cat([x, x])).unflatten(0, (2, -1))
             else:
                 v = torch.stack([velocity([s], x) for s in mine])

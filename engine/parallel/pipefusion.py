@@ -38,6 +38,7 @@ from ..sampling.ksampler import SamplingStart, guided_denoiser
 from ..sampling.samplers import sampler_steps
 from .attention import SequenceParallelAttention
 from .mesh import Mesh
+from .parallelize import pass_groups
 
 # header kinds
 REQUEST, PIECE, FINAL, STOP = 0, 1, 2, 3
@@ -360,15 +361,11 @@ class Pipeline:
         self.state = PieceState(layout, self.mesh["ulysses"].size)
         family = self.flow.family
         self.model = STAGES[family](self.flow, layout, self.mesh, self.block_lists, self.stage)
-        mine = set()
-        for name in self.block_lists:
-            for i, block in enumerate(self.flow.model.get_submodule(name)):
-                if any(block is b for b in self.model.blocks):
-                    mine.add(f"{name}.{i}.")
+        mine = stage_blocks_named(self.block_lists, block_counts(self.flow.loaded.info), layout, self.stage)
         processors = {}
         self.kvs = {}
         for key, original in self._originals.items():
-            if any(key.startswith(prefix) for prefix in mine):
+            if key.startswith(mine):
                 self.kvs[key] = StaleKV(self.state)
                 processors[key] = self.processor(SequenceParallelAttention(self.mesh, stale=self.kvs[key]))
             else:
@@ -448,18 +445,17 @@ class Pipeline:
                 kv.buffers.clear()
 
     def bind(self, positive: Conditioning, negative: Conditioning | None, latent_shape, cfg: float) -> None:
-        """This job's passes and batch share on this rank, grouped into forwards (both passes in one forward when
-        their text lengths agree, as parallelize's predictor does)."""
+        """This job's passes and batch share on this rank, grouped into forwards as parallelize's predictor groups
+        them (`pass_groups`)."""
         self.cfg_scale = cfg
         self.batch = latent_shape[0]
         self.latent_shape = tuple(latent_shape)
         sides = [positive] if cfg == 1.0 else [positive, negative]
         cfg_group, dp = self.mesh["cfg"], self.mesh["dp"]
         self.which = ("pos",) if cfg == 1.0 else ("pos", "neg")
-        mine = [sides[cfg_group.rank]] if cfg_group.size > 1 and len(sides) == 2 else sides
+        mine, groups = pass_groups(sides, cfg_group)
         per = self.batch // dp.size
         self.items = slice(dp.rank * per, (dp.rank + 1) * per)
-        groups = [[s] for s in mine] if len(mine) == 2 and mine[0].cond.shape[1] != mine[1].cond.shape[1] else [mine]
         self.groups = [(len(g), self.flow.prepare(g, self.batch, self.items)) for g in groups]
         self.passes_mine = len(mine)
         self.temb_cache: dict = {}
@@ -660,20 +656,31 @@ class Pipeline:
 # ---- the job's layout, the stage's weights ------------------------------------------------------------------------
 
 REFERENCE_TEXT = {"flux": 512, "sd3": 77 + 256}
-_COSTS: dict = {}
+_META: dict = {}   # checkpoint config -> (meta model, reference block costs): built once per model, not per job
+
+
+def _meta(info):
+    import json
+    from ..models.load import build_empty
+    key = (info.family, json.dumps(info.config, sort_keys=True, default=str))
+    if key not in _META:
+        _META[key] = (build_empty(info), {})
+    return _META[key]
+
+
+def meta_model(info) -> torch.nn.Module:
+    """The diffusers transformer of `info` on the meta device (shapes only), cached."""
+    return _meta(info)[0]
 
 
 def reference_costs(info, block_lists: tuple[str, ...]) -> list[float]:
     """Block costs at 1024x1024 and the encoders' usual text length: the balanced split depends on the model only,
     so a new image size never moves blocks between stages (which would mean loading weights again)."""
-    import json
-    from ..models.load import build_empty
-    key = (info.family, json.dumps(info.config, sort_keys=True, default=str))
-    if key not in _COSTS:
-        model = build_empty(info)
+    model, costs = _meta(info)
+    if block_lists not in costs:
         tokens = (1024 // 8 // info.latent_patch) ** 2
-        _COSTS[key] = block_costs(model, block_lists, tokens, REFERENCE_TEXT[info.family])
-    return _COSTS[key]
+        costs[block_lists] = block_costs(model, block_lists, tokens, REFERENCE_TEXT[info.family])
+    return costs[block_lists]
 
 
 def make_layout(info, block_lists: tuple[str, ...], plan, latent_h: int, latent_w: int, patches: int | None,
@@ -698,9 +705,8 @@ def layout_problems(info, plan, latent_h: int, latent_w: int, patches: int | Non
 def stage_memory(info, block_lists: tuple[str, ...], plan, work) -> tuple:
     """What a stage holds, in bytes: (per block: weights + its layers' K/V buffers, per stage: the embedders or final
     layer it holds plus the activations and runtime every stage has)."""
-    from ..models.load import build_empty
     from . import cost
-    model = build_empty(info)
+    model = meta_model(info)
     per_parameter = work.weight_bytes / max(1, info.parameters)
     sp = plan.ulysses * plan.ring
     forward = cost.items_per_rank(plan, work)
@@ -724,7 +730,8 @@ def stage_memory(info, block_lists: tuple[str, ...], plan, work) -> tuple:
 
 def fit_stages(info, block_lists: tuple[str, ...], plan, work, memory_gib: float):
     """The compute-balanced split if every stage fits `memory_gib`, else the most compute-balanced split that fits:
-    (blocks per stage or None, GiB per stage of that split or of the compute-balanced one)."""
+    (blocks per stage or None, GiB per stage of that split or of the compute-balanced one, whether the split is the
+    compute-balanced one)."""
     from .cost import GiB
     costs = reference_costs(info, block_lists)
     blocks, extras = stage_memory(info, block_lists, plan, work)
@@ -740,9 +747,9 @@ def fit_stages(info, block_lists: tuple[str, ...], plan, work, memory_gib: float
         return [need(k, edges[k], edges[k + 1]) for k in range(len(counts))]
     balanced = balanced_split(costs, plan.pipefusion)
     if max(gib(balanced)) <= memory_gib:
-        return balanced, gib(balanced)
+        return balanced, gib(balanced), True
     fitted = balanced_split(costs, plan.pipefusion, lambda st, a, b: need(st, a, b) <= memory_gib)
-    return fitted, gib(fitted if fitted else balanced)
+    return fitted, gib(fitted if fitted else balanced), False
 
 
 def block_counts(info) -> list[int]:
@@ -752,17 +759,20 @@ def block_counts(info) -> list[int]:
     return [info.config["num_layers"]]
 
 
+def stage_blocks_named(block_lists: tuple[str, ...], counts: list[int], layout: Layout, stage: int) -> tuple:
+    """Module-name prefixes of a stage's blocks ("transformer_blocks.3.", ...)."""
+    flat = [f"{name}.{i}." for name, n in zip(block_lists, counts) for i in range(n)]
+    return tuple(flat[i] for i in layout.blocks_of(stage))
+
+
 def stage_keep(block_lists: tuple[str, ...], counts: list[int], layout: Layout, stage: int):
     """The diffusers parameter names a stage holds: its blocks, the timestep/pooled embedder (every stage modulates
     with it), the image and text embedders on the first stage, the final layer on the last."""
-    prefixes = ["time_text_embed."]
+    prefixes = ("time_text_embed.",) + stage_blocks_named(block_lists, counts, layout, stage)
     if stage == 0:
-        prefixes += ["x_embedder.", "context_embedder.", "pos_embed."]
+        prefixes += ("x_embedder.", "context_embedder.", "pos_embed.")
     if stage == layout.stages - 1:
-        prefixes += ["norm_out.", "proj_out."]
-    flat = [f"{name}.{i}." for name, n in zip(block_lists, counts) for i in range(n)]
-    prefixes += [flat[i] for i in layout.blocks_of(stage)]
-    prefixes = tuple(prefixes)
+        prefixes += ("norm_out.", "proj_out.")
     return lambda name: name.startswith(prefixes)
 
 

@@ -201,7 +201,7 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
             plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
             if plan is None or plan_problems(plan, work):
                 continue
-            counts, gib = fit_stages(info, PIPELINE_PARTS[info.family][0], plan, work, hw.memory_gib)
+            counts, gib, _ = fit_stages(info, PIPELINE_PARTS[info.family][0], plan, work, hw.memory_gib)
             if counts:
                 helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
                              f"{', '.join(f'{g:.1f}' for g in gib)} GiB)")
