@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 from ..models.load import inspect_model
-from ..models.tiny import DTYPES, VARIANTS, write_tiny
+from ..models.quantized import SUPPORTED
+from ..models.tiny import DTYPES, FORMATS, VARIANTS, write_tiny
 from . import args as types
 from . import describe
 from .args import UsageError
@@ -23,16 +24,25 @@ def register(sub) -> None:
     p.add_argument("--seed", type=types.seed, default=0, help="weight seed")
     p.add_argument("--prefix", action="store_true", help="prefix keys with model.diffusion_model.")
     p.add_argument("--full", action="store_true", help="full checkpoint: prefix + text encoder / VAE keys")
+    p.add_argument("--format", default="safetensors", choices=list(FORMATS),
+                   help="safetensors (in --dtype); fp8_scaled: fp8 matrices with a scale_weight each, as ComfyUI's "
+                        "fp8_scaled releases; gguf: as ComfyUI-GGUF's files, matrices in --quant")
+    p.add_argument("--quant", default="Q8_0", choices=list(SUPPORTED),
+                   help="GGUF type of the matrices (vectors stay F32; a matrix whose rows are not whole blocks of "
+                        "the type falls back to Q8_0)")
     p.set_defaults(run=run, parser=p)
 
 
 def run(a) -> int:
     try:
-        path = write_tiny(a.kind, a.out, variant=a.variant, dtype=a.dtype, seed=a.seed, prefix=a.prefix, full=a.full)
-    except ValueError as e:  # a variant of another kind
-        raise UsageError(f"argument --variant: {e}") from None
+        path = write_tiny(a.kind, a.out, variant=a.variant, dtype=a.dtype, seed=a.seed, prefix=a.prefix, full=a.full,
+                          format=a.format, quant=a.quant)
+    except ValueError as e:  # a variant of another kind, or options the format does not take
+        raise UsageError(f"argument --{'variant' if 'variant' in str(e) else 'format'}: {e}") from None
     info = inspect_model(path)
-    print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {a.dtype} weights)")
+    weights = {"safetensors": f"{a.dtype} weights", "fp8_scaled": "fp8_scaled weights",
+               "gguf": f"GGUF: {info.quantization}"}[a.format]
+    print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {weights})")
     print(f"model   {describe.summary(info)}")
     print(f"takes   {describe.conditioning(info)}")
     print(f"latent  {describe.latent_rule(info)}")

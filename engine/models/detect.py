@@ -25,7 +25,9 @@ class CheckpointInfo:
     ignored: int = 0            # other tensors in the file (text encoders, VAE)
     parameters: int = 0         # the transformer's parameter count (what the planner's memory model weighs)
     block_parameters: int = 0   # of which in the transformer blocks
-    stored_fp8: bool = False    # the file stores matrices in fp8, which the loader keeps
+    stored_fp8: bool = False    # the file stores matrices in fp8 or GGUF blocks (<= ~1 byte a weight), which stay so
+    format: str = "safetensors"  # "safetensors" | "fp8_scaled" (ComfyUI's per-layer scale_weight) | "gguf"
+    quantization: str = ""      # GGUF: the transformer's tensor types with counts, e.g. "Q4_K x 120, F32 x 300"
 
     @property
     def heads(self) -> int:
@@ -98,9 +100,17 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
         raise CheckpointError(
             f"{path}: this looks like {_unsupported(names)}, not a FLUX.1 or SD3/SD3.5 transformer "
             f"(first keys: {', '.join(names[:3])}); supported: FLUX.1 dev/schnell and SD3-medium, SD3.5 "
-            f"medium/large, as single-file checkpoints or diffusers-format transformers")
-    keys = [k[len(prefix):] for k in tensors if k.startswith(prefix)]
-    shapes = {k[len(prefix):]: v.shape for k, v in tensors.items() if k.startswith(prefix)}
+            f"medium/large, as single-file checkpoints (safetensors, fp8_scaled or GGUF) or diffusers-format "
+            f"transformers")
+    arch = metadata.get("gguf.architecture")
+    if arch and arch != family:
+        raise CheckpointError(f"{path}: its GGUF architecture is {arch!r} but its tensors are a {family} transformer "
+                              f"({layout} layout); the file is mislabelled or damaged")
+    # as in ComfyUI, the marker makes a file fp8_scaled: without it, scale tensors are unexpected keys
+    scaled = {k for k in tensors if k.startswith(prefix) and is_scale_key(k[len(prefix):])} \
+        if prefix + "scaled_fp8" in tensors else set()
+    keys = [k[len(prefix):] for k in tensors if k.startswith(prefix) and k not in scaled]
+    shapes = {k[len(prefix):]: v.shape for k, v in tensors.items() if k.startswith(prefix) and k not in scaled}
     infer = {("bfl", "flux"): _flux_bfl, ("sai", "sd3"): _sd3_sai,
              ("diffusers", "flux"): _flux_diffusers, ("diffusers", "sd3"): _sd3_diffusers}[(layout, family)]
     try:
@@ -109,9 +119,23 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
         raise CheckpointError(f"{path}: a {family} transformer ({layout} layout) missing key {e.args[0]!r}; "
                               f"the file is incomplete or an unsupported variant") from None
     parameters, in_blocks = count_parameters(shapes)
-    fp8 = any(v.dtype.startswith("F8") for k, v in tensors.items() if k.startswith(prefix))
-    return CheckpointInfo(family, variant, layout, prefix, config, keys, ignored=len(tensors) - len(keys),
-                          parameters=parameters, block_parameters=in_blocks, stored_fp8=fp8)
+    dtypes = [tensors[prefix + k].dtype for k in keys]
+    fp8 = any(d.startswith("F8") for d in dtypes)
+    gguf = "gguf.architecture" in metadata
+    quantization = ""
+    if gguf:
+        counts = {d: dtypes.count(d) for d in sorted(set(dtypes))}
+        quantization = ", ".join(f"{d} x {n}" for d, n in counts.items())
+        fp8 = any(d not in ("F32", "F16", "BF16") for d in dtypes)
+    fmt = "gguf" if gguf else "fp8_scaled" if scaled else "safetensors"
+    return CheckpointInfo(family, variant, layout, prefix, config, keys, ignored=len(tensors) - len(keys) - len(scaled),
+                          parameters=parameters, block_parameters=in_blocks, stored_fp8=fp8, format=fmt,
+                          quantization=quantization)
+
+
+def is_scale_key(key: str) -> bool:
+    """ComfyUI's fp8_scaled tensors: the `scaled_fp8` marker and each layer's scale_weight / scale_input."""
+    return key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input"))
 
 
 def _rope_axes(head_dim: int, metadata: dict) -> tuple:

@@ -1,6 +1,7 @@
 """Load the FLUX.1 / SD3 transformer of a checkpoint into an unmodified diffusers transformer, streaming one
 tensor at a time (no full-file read, no text encoders or VAE, no hub). fp8 weights stay fp8 in memory and
-are cast to the compute dtype per layer call, as ComfyUI does with fp8 files."""
+are cast to the compute dtype per layer call, as ComfyUI does with fp8 files; fp8_scaled layers keep their
+scale_weight and GGUF block-quantized layers their blocks, both dequantized per layer call (models/quantized.py)."""
 from __future__ import annotations
 
 import glob
@@ -16,6 +17,8 @@ from safetensors import safe_open
 
 from .convert import apply_op, key_map
 from .detect import CheckpointInfo, detect
+from .gguf_file import GGUFTensors, is_gguf, read_gguf_header
+from .quantized import BLOCKS, GGUFLinear, LoraOnTop, dequantize
 from .safetensors_file import CheckpointError, TensorInfo, read_header
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,23 +40,40 @@ class LoadedTransformer:
         return self.info.family
 
 
-class CastLinear(torch.nn.Module):
+class CastLinear(LoraOnTop, torch.nn.Module):
     """A Linear whose weight stays in its stored dtype (fp8) and is cast to the input's dtype per call; with
-    `fp8_matmul` (engine/models/speed.py) the product itself runs in fp8 where the GPU has fp8 tensor cores."""
+    `fp8_matmul` (engine/models/speed.py) the product itself runs in fp8 where the GPU has fp8 tensor cores.
 
-    def __init__(self, linear: torch.nn.Linear):
+    scale: an fp8_scaled file's scale_weight (a scalar, or one per output row): the weight is the stored fp8 times
+    it, computed in float32 per call. Such a layer takes LoRAs on top (models/quantized.py): writing a LoRA into
+    the scaled fp8 weight would round it to fp8."""
+
+    def __init__(self, linear: torch.nn.Linear, scale: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.register_buffer("scale_weight", scale)
         self.fp8_matmul = False
+        self.init_loras()
+
+    @property
+    def lora_on_top(self) -> bool:
+        return self.scale_weight is not None
+
+    def dequantized(self) -> torch.Tensor:
+        w = self.weight.float()
+        return w * self.scale_weight if self.scale_weight is not None else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        if self.fp8_matmul:
+        scalar = self.scale_weight is None or self.scale_weight.numel() == 1
+        if self.fp8_matmul and scalar and not self.loras:
             from .speed import fp8_linear
-            return fp8_linear(x, self.weight, bias)
-        return F.linear(x, self.weight.to(x.dtype), bias)
+            return fp8_linear(x, self.weight, bias, self.scale_weight)
+        if self.scale_weight is None and not self.loras:
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        return F.linear(x, self.dense_weight(x.dtype), bias)
 
 
 def _files(path: str) -> list[str]:
@@ -74,7 +94,7 @@ def _headers(files: list[str]) -> tuple[dict[str, tuple[str, TensorInfo]], dict]
     where: dict[str, tuple[str, TensorInfo]] = {}
     metadata: dict = {}
     for f in files:
-        tensors, meta = read_header(f)
+        tensors, meta = read_gguf_header(f) if is_gguf(f) else read_header(f)
         metadata.update(meta)
         for k, v in tensors.items():
             where[k] = (f, v)
@@ -142,47 +162,114 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     unexpected = present - sources
     if unexpected:
         raise CheckpointError(f"{path}: {info.variant} ({info.layout} layout) has {len(unexpected)} unexpected keys: "
-                              f"{_few(unexpected)}; scaled-fp8, quantized or merged formats are not supported")
+                              f"{_few(unexpected)}; merged files and quantized formats other than fp8_scaled and GGUF "
+                              f"(e.g. bitsandbytes NF4) are not supported: use a plain, fp8_scaled or GGUF release")
+    orphans = [k for k in where if info.format == "fp8_scaled" and k.startswith(info.prefix)
+               and k.endswith((".scale_weight", ".scale_input"))
+               and k[len(info.prefix):].rsplit(".", 1)[0] + ".weight" not in present]
+    if orphans:
+        raise CheckpointError(f"{path}: {len(orphans)} fp8_scaled scales belong to no weight of the model: "
+                              f"{_few(orphans)}; the file is damaged or not a FLUX.1/SD3 transformer")
     targets = {dst for dst, _, _ in mapping}
     if targets != set(expected):
         raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
                               f"{_few(set(expected) ^ targets)}")
     wanted = mapping if keep is None else [(d, s_, o) for d, s_, o in mapping if keep(d)]
-    state, bytes_read = _stream(path, where, info, wanted, expected, compute, device, fp8_weights)
-    model.load_state_dict(state, strict=keep is None, assign=True)
+    state, quantized, scales, bytes_read = _stream(path, where, info, wanted, expected, compute, device, fp8_weights)
+    model.load_state_dict(state, strict=False, assign=True)  # what is absent is found by the meta check below
     del state
-    cast_layers = _wrap_fp8_linears(model)
+    quantized_layers = _install_quantized(model, quantized, compute)
+    cast_layers = _wrap_fp8_linears(model, scales)
     leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers())
                  if b.is_meta and (keep is None or keep(n))]
     if leftovers:
         raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
     model.eval().requires_grad_(False)
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
+             "scaled_linears": len(scales), "gguf_linears": quantized_layers, "format": info.format,
              "files": len(files), "ignored_tensors": info.ignored, "held_bytes": held_bytes(model)}
+    if info.quantization:
+        stats["quantization"] = info.quantization
     return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats, mapping=mapping,
                              fp8_weights=fp8_weights)
 
 
-def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) -> tuple[dict, int]:
-    """Read each source tensor once (one at a time) and produce the diffusers tensors `mapping` makes of it."""
+class _Safetensors:
+    def __init__(self, file: str):
+        self.handle = safe_open(file, "pt", device="cpu").__enter__()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.handle.get_tensor(key)
+
+    def close(self) -> None:
+        self.handle.__exit__(None, None, None)
+
+
+def _open(file: str, where: dict):
+    if is_gguf(file):
+        return GGUFTensors(file, {k: t for k, (f, t) in where.items() if f == file})
+    return _Safetensors(file)
+
+
+def _scale_of(path, where, key, info, raw, src, dst, op):
+    """An fp8_scaled layer's scale_weight, as the float32 factor for `dst` (a scalar, or a column per row)."""
+    s = raw.float()
+    if s.numel() == 1:
+        return s.reshape(())
+    if s.numel() == where[info.prefix + src][1].shape[0]:
+        return apply_op(s.reshape(-1), op).reshape(-1, 1)
+    raise CheckpointError(f"{path}: {key} has shape {list(s.shape)}; a scale_weight is one number or one per output "
+                          f"row of {src} ({where[info.prefix + src][1].shape[0]})")
+
+
+def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) -> tuple[dict, dict, dict, int]:
+    """Read each source tensor once (one at a time) and produce the diffusers tensors `mapping` makes of it: plain
+    tensors (state), GGUF block rows for Linear weights (quantized: {name: (uint8 rows, type)}), and fp8_scaled
+    factors (scales: {name: float32})."""
     by_source: dict[str, list] = {}
     for dst, src, op in mapping:
         by_source.setdefault(src, []).append((dst, op))
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, tuple[torch.Tensor, str]] = {}
+    scales: dict[str, torch.Tensor] = {}
     bytes_read = 0
     handles = {}
+
+    def read(key):
+        nonlocal bytes_read
+        file, tinfo = where[key]
+        if file not in handles:
+            handles[file] = _open(file, where)
+        bytes_read += tinfo.end - tinfo.begin
+        return handles[file].get(key), tinfo
+
     try:
         for src, outs in by_source.items():
-            file, tinfo = where[info.prefix + src]
-            if file not in handles:
-                handles[file] = safe_open(file, "pt", device="cpu").__enter__()
-            raw = handles[file].get_tensor(info.prefix + src)
-            bytes_read += tinfo.end - tinfo.begin
+            raw, tinfo = read(info.prefix + src)
+            scale_key = info.prefix + src[:-len("weight")] + "scale_weight" if src.endswith(".weight") else None
+            scale = read(scale_key)[0] if info.format == "fp8_scaled" and scale_key in where else None
+            blocks = tinfo.dtype in BLOCKS
             for dst, op in outs:
-                t = apply_op(raw, op)
-                if tuple(t.shape) != expected[dst]:
-                    raise CheckpointError(f"{path}: tensor {src!r} gives {dst} shape {list(t.shape)}, the model "
+                try:
+                    t = apply_op(raw, op)
+                except ValueError as e:   # a fused tensor whose rows do not add up
+                    raise CheckpointError(f"{path}: tensor {src!r} has shape {list(tinfo.shape)}, which does not "
+                                          f"give {dst}: {e}; the file is damaged or not the variant it seems") from None
+                shape = (t.shape[0],) + tuple(tinfo.shape[1:]) if blocks else tuple(t.shape)
+                if shape != expected[dst]:
+                    raise CheckpointError(f"{path}: tensor {src!r} gives {dst} shape {list(shape)}, the model "
                                           f"expects {list(expected[dst])}")
+                if blocks:
+                    if len(shape) == 2 and dst.endswith(".weight"):
+                        quantized[dst] = (t.to(device).contiguous(), tinfo.dtype)
+                    else:   # a vector or a conv kernel in blocks (converters keep them float): expanded once
+                        state[dst] = dequantize(t.to(device), tinfo.dtype, shape).to(compute)
+                    continue
+                if scale is not None:
+                    if t.ndim != 2:
+                        raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix "
+                                              f"(shape {list(t.shape)}); only Linear weights are scaled")
+                    scales[dst] = _scale_of(path, where, scale_key, info, scale, src, dst, op).to(device)
                 keep_fp8 = t.ndim == 2 and (t.dtype in FP8 or fp8_weights)
                 if keep_fp8 and t.dtype not in FP8:
                     t = t.to(torch.float8_e4m3fn)
@@ -190,8 +277,25 @@ def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) 
             del raw
     finally:
         for h in handles.values():
-            h.__exit__(None, None, None)
-    return state, bytes_read
+            h.close()
+    return state, quantized, scales, bytes_read
+
+
+def _install_quantized(model: torch.nn.Module, quantized: dict, compute: torch.dtype) -> int:
+    """Put each GGUF block weight into its layer: a Linear becomes a GGUFLinear; any other owner gets the expanded
+    weight (no diffusers FLUX/SD3 matrix is outside a Linear, so this is a safeguard)."""
+    count = 0
+    for name, (data, qtype) in quantized.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if isinstance(owner, torch.nn.Linear) and leaf == "weight":
+            parent_name, _, child = owner_name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, GGUFLinear(owner, data, qtype))
+            count += 1
+        else:
+            value = dequantize(data, qtype, tuple(getattr(owner, leaf).shape)).to(compute)
+            owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    return count
 
 
 @torch.no_grad()
@@ -201,15 +305,27 @@ def restore_weights(loaded: LoadedTransformer, names: set[str]) -> int:
     mapping = getattr(loaded, "mapping", None)
     if mapping is None:
         raise ValueError(f"{loaded.path}: weights that did not come from a file cannot be restored")
+    on_top = {n for n in names if getattr(lora_owner(loaded.model, n), "lora_on_top", False)}
+    for name in on_top:   # held quantized, never written: dropping the LoRA factors restores them
+        lora_owner(loaded.model, name).clear_loras()
     params = dict(loaded.model.named_parameters())
-    subset = [(dst, src, op) for dst, src, op in mapping if dst in names]
+    subset = [(dst, src, op) for dst, src, op in mapping if dst in names and dst not in on_top]
+    if not subset:
+        return 0
     expected = {dst: tuple(params[dst].shape) for dst, _, _ in subset}
     where, _ = _headers(_files(loaded.path))
-    state, bytes_read = _stream(loaded.path, where, loaded.info, subset, expected, loaded.dtype,
-                                params[subset[0][0]].device if subset else "cpu", loaded.fp8_weights)
+    state, quantized, _, bytes_read = _stream(loaded.path, where, loaded.info, subset, expected, loaded.dtype,
+                                              params[subset[0][0]].device, loaded.fp8_weights)
+    if quantized:
+        raise ValueError(f"{loaded.path}: {_few(quantized)} are held quantized and cannot be written to")
     for name, value in state.items():
         params[name].copy_(value)
     return bytes_read
+
+
+def lora_owner(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The module holding parameter `name`."""
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 _INFO_CACHE: dict[tuple, CheckpointInfo] = {}  # (path, files' mtime and size) -> info: one header read per file
@@ -283,11 +399,14 @@ def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device =
                                     "fp8_linears": cast_layers, "held_bytes": held_bytes(model)})
 
 
-def _wrap_fp8_linears(model: torch.nn.Module) -> int:
+def _wrap_fp8_linears(model: torch.nn.Module, scales: dict[str, torch.Tensor] | None = None) -> int:
+    """Every Linear with an fp8 weight, or an fp8_scaled scale, becomes a CastLinear."""
+    scales = scales or {}
     count = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and child.weight.dtype in FP8:
-                setattr(parent, name, CastLinear(child))
+            key = f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"
+            if isinstance(child, torch.nn.Linear) and (child.weight.dtype in FP8 or key in scales):
+                setattr(parent, name, CastLinear(child, scales.get(key)))
                 count += 1
     return count

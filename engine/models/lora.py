@@ -5,6 +5,8 @@ Formats: kohya (`lora_unet_double_blocks_0_img_attn_qkv.lora_down/lora_up/alpha`
 (`transformer.transformer_blocks.0.attn.to_q.lora_A/lora_B`). A delta named in the checkpoint's own layout goes
 through the same key map as the weights, so a fused qkv delta splits into to_q/to_k/to_v exactly as the weight
 did. Removing a LoRA reads the touched weights back from the checkpoint: no second copy of the model is kept.
+Layers held quantized (GGUF blocks, fp8_scaled) are never written: they keep the LoRA's factors and add
+s * up @ down * alpha / rank to their dequantized weight per call, and removing it drops the factors.
 """
 from __future__ import annotations
 
@@ -83,10 +85,11 @@ def check_lora(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> int
 
 
 @torch.no_grad()
-def lora_deltas(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> dict[str, torch.Tensor]:
-    """{diffusers parameter: float32 delta at strength 1} = up @ down * alpha / rank, routed like the weights."""
+def lora_factors(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> dict[str, list[tuple]]:
+    """{diffusers parameter: [(up, down, alpha / rank, op)]}: the factors of the source layer and the op (key map)
+    that takes the diffusers parameter's rows out of up @ down."""
     targets = LoraTargets(info, diffusers_keys)
-    deltas: dict[str, torch.Tensor] = {}
+    factors: dict[str, list[tuple]] = {}
     with safe_open(path, "pt", device="cpu") as f:
         for layer, (down_key, up_key, alpha_key) in lora_layers(path).items():
             source = targets.resolve(layer)
@@ -98,18 +101,30 @@ def lora_deltas(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> di
                                       f"(shapes {list(down.shape)}, {list(up.shape)})")
             rank = down.shape[0]
             scale = float(f.get_tensor(alpha_key).item()) / rank if alpha_key else 1.0
-            delta = (up @ down) * scale
             for dst, op in targets.routes[source]:
-                part = apply_op(delta, op)
-                deltas[dst] = deltas[dst] + part if dst in deltas else part
-    return deltas
+                factors.setdefault(dst, []).append((up, down, scale, op))
+    return factors
+
+
+def _delta(parts) -> torch.Tensor:
+    delta = None
+    for up, down, scale, op in parts:
+        part = apply_op((up @ down) * scale, op)
+        delta = part if delta is None else delta + part
+    return delta
+
+
+@torch.no_grad()
+def lora_deltas(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> dict[str, torch.Tensor]:
+    """{diffusers parameter: float32 delta at strength 1} = up @ down * alpha / rank, routed like the weights."""
+    return {dst: _delta(parts) for dst, parts in lora_factors(path, info, diffusers_keys).items()}
 
 
 @torch.no_grad()
 def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
     """Make the model's weights base + the given LoRAs. `state` remembers what is applied (per rank), so the same
     list costs nothing, and a changed list restores the touched weights from the checkpoint first."""
-    from .load import restore_weights
+    from .load import lora_owner, restore_weights
 
     wanted = tuple((os.path.abspath(p), os.stat(p).st_mtime_ns, float(s)) for p, s in loras)
     if state.get("applied", ()) == wanted:
@@ -118,15 +133,30 @@ def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
     touched = state.get("touched", set())
     restored = restore_weights(loaded, touched) if touched else 0
     touched = set()
+    on_top = 0
     for path, _, strength in wanted:
-        for name, delta in lora_deltas(path, loaded.info, set(params)).items():
+        for name, parts in lora_factors(path, loaded.info, set(params)).items():
             weight = params[name]
             if weight.is_meta:   # a PipeFusion stage holds only its own blocks
                 continue
+            owner = lora_owner(loaded.model, name)
+            if getattr(owner, "lora_on_top", False):
+                for up, down, scale, op in parts:
+                    up = apply_op(up, op)
+                    if (up.shape[0], down.shape[1]) != (owner.out_features, owner.in_features):
+                        raise CheckpointError(f"LoRA {os.path.basename(path)}: delta for {name} has shape "
+                                              f"{[up.shape[0], down.shape[1]]}, the weight "
+                                              f"{[owner.out_features, owner.in_features]}")
+                    owner.add_lora(up.to(weight.device), down.to(weight.device), scale, strength)
+                on_top += 1
+                touched.add(name)
+                continue
+            delta = _delta(parts)
             if weight.shape != delta.shape:
                 raise CheckpointError(f"LoRA {os.path.basename(path)}: delta for {name} has shape {list(delta.shape)}, "
                                       f"the weight {list(weight.shape)}")
             weight.copy_((weight.float() + strength * delta.to(weight.device)).to(weight.dtype))
             touched.add(name)
     state.update(applied=wanted, touched=touched)
-    return {"lora_changed": True, "lora_layers_touched": len(touched), "lora_restore_bytes": restored}
+    return {"lora_changed": True, "lora_layers_touched": len(touched), "lora_layers_on_top": on_top,
+            "lora_restore_bytes": restored}

@@ -78,17 +78,21 @@ def set_fp8_matmul(model: torch.nn.Module, on: bool) -> int:
     return len(layers)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias with both operands in float8_e4m3fn: the activations scaled per tensor to fp8's range,
-    the weight as stored (scale 1, as ComfyUI's fp8 files hold it), accumulated in fp32, returned in x's dtype."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (weight * weight_scale).T + bias with both operands in float8_e4m3fn: the activations scaled per tensor to
+    fp8's range, the weight as stored with its per-tensor scale (1 for plain fp8 files, an fp8_scaled file's
+    scale_weight), accumulated in fp32, returned in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
+    w_scale = (weight_scale.float().reshape(()) if weight_scale is not None
+               else torch.ones((), dtype=torch.float32, device=x.device))
     if rows.shape[1] % 16 or weight.shape[0] % 16:  # the fp8 kernels' alignment: fall back to a cast
-        return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+        dense = weight.to(x.dtype) if weight_scale is None else (weight.float() * w_scale).to(x.dtype)
+        return torch.nn.functional.linear(x, dense, bias)
     scale = (rows.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
     quantized = (rows / scale).to(torch.float8_e4m3fn)
     pad = -rows.shape[0] % 16
     if pad:
         quantized = torch.nn.functional.pad(quantized.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=one, bias=bias, out_dtype=x.dtype)
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype)
     return out[:rows.shape[0]].reshape(*x.shape[:-1], weight.shape[0])

@@ -5,6 +5,10 @@ FLUX.1 in the BFL layout (flux1-dev / flux1-schnell .safetensors); SD3 / SD3.5 i
 so the same function describes the full-size models (tests check those against diffusers' own
 single-file converters) and the tiny ones written here: deterministic random weights, at least 4
 heads and 4 blocks of each kind, so 4-way plans are testable.
+
+Besides plain safetensors, the same weights as ComfyUI's fp8_scaled files hold them (fp8 matrices, a float32
+scale_weight per layer, the `scaled_fp8` marker) and as ComfyUI-GGUF's .gguf files (arch field, BFL/SAI keys,
+matrices in one block type, vectors in F32).
 """
 from __future__ import annotations
 
@@ -181,6 +185,8 @@ _FULL_EXTRAS = {
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3fn": torch.float8_e4m3fn}
+FORMATS = ("safetensors", "fp8_scaled", "gguf")
+FP8_MAX = 448.0   # largest float8_e4m3fn: a scaled layer's largest weight maps onto it
 
 
 def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32") -> dict[str, torch.Tensor]:
@@ -211,26 +217,103 @@ def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32") -> dict
     return out
 
 
+def scaled_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 weights as a ComfyUI fp8_scaled file holds them: each matrix as float8_e4m3fn with a float32
+    `scale_weight` (its largest magnitude / 448) and a `scale_input` of 1, other tensors in bf16, and the empty
+    `scaled_fp8` marker, whose dtype is the weights' fp8 type."""
+    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for name, t in weights.items():
+        if t.ndim == 2 and name.endswith(".weight"):
+            layer = name[:-len("weight")]
+            scale = (t.float().abs().amax() / FP8_MAX).clamp(min=2.0 ** -30)
+            out[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+            out[layer + "scale_weight"] = scale.reshape(())
+            out[layer + "scale_input"] = torch.ones(())
+        else:
+            out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def gguf_type(name: str, shape: tuple, quant: str) -> str:
+    """The GGUF type a converter gives each tensor: vectors and tiny tensors F32; matrices in `quant`, or, where a
+    row is not a whole number of its blocks, Q8_0 (32-value blocks) as llama.cpp's fallback does, else F16."""
+    from .quantized import BLOCKS
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(shape) == 1 or numel <= 1024:
+        return "F32"
+    if quant not in BLOCKS:
+        return quant
+    if len(shape) == 2 and shape[-1] % BLOCKS[quant][1] == 0:
+        return quant
+    return "Q8_0" if len(shape) == 2 and shape[-1] % 32 == 0 else "F16"
+
+
+def write_gguf(path: str, kind: str, weights: dict[str, torch.Tensor], quant: str, metadata: dict[str, str]) -> dict:
+    """Write `weights` as a ComfyUI-GGUF-style file (general.architecture = kind); returns {type: tensor count}."""
+    import gguf
+    import numpy as np
+    from .quantized import quantize
+    writer = gguf.GGUFWriter(path, arch=kind)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in metadata.items():
+        writer.add_string(key, value)
+    counts: dict[str, int] = {}
+    for name, t in weights.items():
+        qtype = gguf_type(name, tuple(t.shape), quant)
+        x = t.float().numpy()
+        if qtype == "F32":
+            writer.add_tensor(name, x.astype(np.float32))
+        elif qtype == "F16":
+            writer.add_tensor(name, x.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(x, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        counts[qtype] = counts.get(qtype, 0) + 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return counts
+
+
 def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: str = "fp32", seed: int = 0,
-               prefix: bool = False, full: bool = False) -> str:
+               prefix: bool = False, full: bool = False, format: str = "safetensors", quant: str = "Q8_0") -> str:
     """Write one tiny checkpoint and return its path. `full` adds placeholder text-encoder / VAE tensors
-    and the `model.diffusion_model.` prefix, as in a full ComfyUI checkpoint."""
+    and the `model.diffusion_model.` prefix, as in a full ComfyUI checkpoint. format: safetensors (in `dtype`),
+    fp8_scaled, or gguf (matrices in `quant`, see gguf_type)."""
+    from .quantized import SUPPORTED
     if kind not in VARIANTS:
         raise ValueError(f"kind={kind!r} is invalid: use 'flux' or 'sd3'")
     variant = variant or VARIANTS[kind][0]
     if variant not in VARIANTS[kind]:
         raise ValueError(f"variant={variant!r} is not a {kind} variant: use one of {list(VARIANTS[kind])}")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is invalid: use one of {list(FORMATS)}")
+    if format != "safetensors" and dtype != "fp32":
+        raise ValueError(f"dtype={dtype!r} applies to the safetensors format; {format} sets its own types")
+    if format == "gguf" and (prefix or full):
+        raise ValueError("prefix/full apply to safetensors files: ComfyUI-GGUF files hold the bare transformer")
+    if format == "gguf" and quant not in SUPPORTED:
+        raise ValueError(f"quant={quant!r} is invalid: use one of {list(SUPPORTED)}")
+    dims = asdict(TINY[variant])
+    metadata = {"format": "pt", "xdit.synthetic": json.dumps({"variant": variant, "seed": seed, "dims": dims})}
+    os.makedirs(out_dir, exist_ok=True)
     weights = make_state_dict(variant, seed=seed, dtype=dtype)
+    if format == "gguf":
+        path = os.path.join(out_dir, f"tiny-{variant}-{quant}.gguf")
+        write_gguf(path, kind, weights, quant, {"xdit.synthetic": metadata["xdit.synthetic"]})
+        return path
+    if format == "fp8_scaled":
+        weights = scaled_fp8(weights)
     if prefix or full:
         weights = {COMFY_PREFIX + k: v for k, v in weights.items()}
     if full:
         gen = torch.Generator().manual_seed(seed + 1)
         for name in _FULL_EXTRAS[kind]:
             weights[name] = torch.randn(8, 8, generator=gen).to(torch.float16)
-    os.makedirs(out_dir, exist_ok=True)
     suffix = ("-full" if full else "-prefixed" if prefix else "") + ("" if dtype == "fp32" else f"-{dtype}")
+    suffix += "-fp8_scaled" if format == "fp8_scaled" else ""
     path = os.path.join(out_dir, f"tiny-{variant}{suffix}.safetensors")
-    dims = asdict(TINY[variant])
-    metadata = {"format": "pt", "xdit.synthetic": json.dumps({"variant": variant, "seed": seed, "dims": dims})}
     save_file(weights, path, metadata=metadata)
     return path

@@ -1,0 +1,253 @@
+"""Quantized weights kept quantized in memory: GGUF block formats dequantized in torch per layer call, and the
+Linear layers that hold them (GGUF blocks, or fp8 with a ComfyUI `scale_weight`) with LoRAs added on top per call.
+
+Dequantization is exact: every block is expanded in float32 with the operations, in the order, that the GGUF
+format defines (ggml's dequantize_row_* and the gguf package's numpy reference), so the result is the value the
+file stores, whatever the compute dtype; it is cast to the compute dtype once, at the end. The quantizers at the
+bottom write valid blocks for test files (make-tiny); their quality does not matter.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# GGUF block formats: name -> (ggml type id, values per block, bytes per block)
+BLOCKS = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+          "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+FLOATS = {"F32": (0, torch.float32, 4), "F16": (1, torch.float16, 2), "BF16": (30, torch.bfloat16, 2)}
+SUPPORTED = tuple(FLOATS) + tuple(BLOCKS)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 stored at byte `at` of every block, as a float32 column."""
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes (n, k) -> 4-bit values (n, 2k): the low nibbles of all k bytes, then the high ones (ggml's order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` bits of each block's little-endian bit field qh (n, bytes) -> (n, count) of 0/1."""
+    shifts = torch.arange(8, device=qh.device, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], -1)[:, :count]
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins packed in a K-quant's 12 scale bytes (n, 12) -> two (n, 8) float32."""
+    low_sc, low_m, high = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([low_sc & 63, (high & 0x0F) | ((low_sc >> 6) << 4)], dim=1)
+    mn = torch.cat([low_m & 63, (high >> 4) | ((low_m >> 6) << 4)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _q8_0(b):
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b, 0)
+
+
+def _q4_0(b):
+    return _f16(b, 0) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _q4_1(b):
+    return _f16(b, 0) * _nibbles(b[:, 4:]).float() + _f16(b, 2)
+
+
+def _q5(b, at):
+    return _nibbles(b[:, at + 4:]) | (_bits(b[:, at:at + 4], 32) << 4)
+
+
+def _q5_0(b):
+    return _f16(b, 0) * (_q5(b, 2).to(torch.int8) - 16).float()
+
+
+def _q5_1(b):
+    return _f16(b, 0) * _q5(b, 4).float() + _f16(b, 2)
+
+
+def _k_subblocks(q: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y = d * scale_j * q - dmin * min_j over the 8 sub-blocks of 32 of a Q4_K / Q5_K super-block."""
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn
+    return (d.unsqueeze(-1) * q.reshape(-1, 8, 32).float() - dmin.unsqueeze(-1)).reshape(-1, 256)
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K 4-bit values: each 32-byte group holds sub-block 2g in its low and 2g+1 in its high nibbles."""
+    groups = qs.reshape(-1, 4, 32)
+    return torch.stack([groups & 0x0F, groups >> 4], dim=2).reshape(-1, 256)
+
+
+def _q4_k(b):
+    return _k_subblocks(_k_nibbles(b[:, 16:144]), b)
+
+
+def _q5_k(b):
+    high = _bits(b[:, 16:48].contiguous(), 256).reshape(-1, 32, 8).transpose(1, 2)  # (n, bit j, element l)
+    return _k_subblocks(_k_nibbles(b[:, 48:176]) | (high.reshape(-1, 256) << 4), b)
+
+
+def _q6_k(b):
+    ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)                          # (n, half, 4 quarters, 32)
+    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
+    q = (low | (((qh >> shifts) & 3) << 4)).to(torch.int8) - 32          # quarter k of a half: ql half k%2, bits 2k
+    d = (_f16(b, 208) * scales).reshape(-1, 16, 1)                        # one scale per 16 values
+    return (d * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+
+
+_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+               "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """GGUF bytes (uint8, rows of whole blocks) -> float32 tensor of `shape`."""
+    if qtype in FLOATS:
+        return data.contiguous().view(FLOATS[qtype][1]).reshape(shape).float()
+    _, size, nbytes = BLOCKS[qtype]
+    blocks = data.reshape(-1, nbytes)
+    return _DEQUANTIZE[qtype](blocks).reshape(shape)
+
+
+def quantized_bytes(qtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of `shape` takes in `qtype` (its innermost dimension a whole number of blocks)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if qtype in FLOATS:
+        return numel * FLOATS[qtype][2]
+    _, size, nbytes = BLOCKS[qtype]
+    return numel // size * nbytes
+
+
+class LoraOnTop:
+    """For layers whose weight stays quantized: LoRAs are kept as their low-rank factors and added to the
+    dequantized float32 weight per call, so applying or removing one never touches (or re-reads) the weight."""
+    lora_on_top = True
+
+    def init_loras(self) -> None:
+        self.loras: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
+
+    def add_lora(self, up: torch.Tensor, down: torch.Tensor, scale: float, strength: float) -> None:
+        self.loras.append((up.float(), down.float(), scale, strength))
+
+    def clear_loras(self) -> None:
+        self.loras = []
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self.dequantized()
+        for up, down, scale, strength in self.loras:   # as lora.apply_loras merges: W + s * (up @ down) * scale
+            w = w + strength * ((up.to(w.device) @ down.to(w.device)) * scale)
+        return w.to(dtype)
+
+
+class GGUFLinear(LoraOnTop, torch.nn.Module):
+    """A Linear whose weight is held as GGUF blocks (uint8, one row of blocks per output feature) and dequantized
+    per call. The blocks are the `weight` parameter, so parameter names, stage predicates and held-byte counts see
+    it as the layer's weight."""
+
+    def __init__(self, linear: torch.nn.Linear, data: torch.Tensor, qtype: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qtype = qtype
+        self.weight = torch.nn.Parameter(data, requires_grad=False)
+        self.bias = linear.bias
+        self.init_loras()
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.weight, self.qtype, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.dense_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+
+# ---- quantizers (numpy), for writing test files ----------------------------------------------------------------
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """(n, 2k) 4-bit values -> (n, k) bytes: the first k in the low nibbles, the second k in the high ones."""
+    k = q.shape[1] // 2
+    return (q[:, :k] | (q[:, k:] << 4)).astype(np.uint8)
+
+
+def _pack_scale_min(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Inverse of _scale_min_k4: 8 six-bit scales and mins per block -> 12 bytes."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return out
+
+
+def _k_asymmetric(x: np.ndarray, levels: int):
+    """Q4_K/Q5_K: per 32-value sub-block, q = round((x - min) / step) with 6-bit scale and min indices."""
+    sub = x.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    step = (sub.max(axis=2) - lo) / levels
+    d = (step.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-lo.min(axis=1) / 63).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.rint(np.where(d[:, None] > 0, step / d[:, None], 0)), 0, 63).astype(np.uint8)
+        mn = np.clip(np.rint(np.where(dmin[:, None] > 0, -lo / dmin[:, None], 0)), 0, 63).astype(np.uint8)
+        scale = d[:, None] * sc
+        q = np.rint(np.where(scale[..., None] > 0, (sub + (dmin[:, None] * mn)[..., None]) / scale[..., None], 0))
+    q = np.clip(q, 0, levels).astype(np.uint8).reshape(-1, 4, 2, 32)     # group g: sub-blocks 2g, 2g+1
+    return d, dmin, sc, mn, q
+
+
+def _quantize_q4_k(x):
+    d, dmin, sc, mn, q = _k_asymmetric(x, 15)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_scale_min(sc, mn), qs], axis=1)
+
+
+def _quantize_q5_k(x):
+    d, dmin, sc, mn, q = _k_asymmetric(x, 31)
+    qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+    high = (q >> 4).reshape(-1, 8, 32)                                    # bit j of byte l: sub-block j, element l
+    qh = np.zeros((x.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= (high[:, j] << j).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_scale_min(sc, mn), qh, qs], axis=1)
+
+
+def _quantize_q6_k(x):
+    sub = x.reshape(-1, 16, 16)
+    step = np.abs(sub).max(axis=2) / 31
+    d = (step.max(axis=1) / 127).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.rint(np.where(d[:, None] > 0, step / d[:, None], 0)), -128, 127).astype(np.int8)
+        scale = d[:, None] * sc
+        q = np.rint(np.where(scale[..., None] != 0, sub / scale[..., None], 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # half, quarter, element
+    ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
+                         (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=2).reshape(-1, 128)
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
+    return np.concatenate([ql, qh.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+
+
+_OWN_QUANTIZERS = {"Q4_K": _quantize_q4_k, "Q5_K": _quantize_q5_k, "Q6_K": _quantize_q6_k}
+
+
+def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 array (rows, n) -> GGUF bytes (rows, n / block * bytes): gguf's own numpy quantizers where it has
+    them (legacy quants, floats), ours for the K-quants, which the gguf package cannot write."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype in _OWN_QUANTIZERS:
+        _, size, nbytes = BLOCKS[qtype]
+        return _OWN_QUANTIZERS[qtype](x.reshape(-1, size)).reshape(*x.shape[:-1], x.shape[-1] // size * nbytes)
+    import gguf
+    return gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype])
