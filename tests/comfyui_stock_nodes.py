@@ -5,7 +5,8 @@ Comfy-Org/ComfyUI (formerly comfyanonymous/ComfyUI), commit a125cd84b054a57729b5
 (comfyui_version.py: __version__ = "0.3.64"):
 - nodes.py: CLIPTextEncode, DualCLIPLoader, VAELoader, VAEDecode, VAEEncode, SaveImage, LoadImage
   (INPUT_TYPES, RETURN_TYPES, OUTPUT_NODE, NODE_DISPLAY_NAME_MAPPINGS; MAX_RESOLUTION = 16384);
-- comfy_extras/nodes_flux.py: FluxGuidance (V3 io.Schema);
+- comfy_extras/nodes_flux.py: FluxGuidance, FluxKontextImageScale (V3 io.Schema);
+- comfy_extras/nodes_edit_model.py: ReferenceLatent (V3 io.Schema);
 - comfy_extras/nodes_sd3.py: TripleCLIPLoader, EmptySD3LatentImage (V3 io.Schema).
 A V3 node without display_name is shown under its node_id; a V3 output without display_name is named after its
 type (comfy_api/latest/_io.py, get_v1_info: `o.display_name if o.display_name else o.io_type`). A V1 node without
@@ -92,6 +93,30 @@ STOCK_NODES = {
             {"name": "conditioning", "type": "CONDITIONING"},
             {"name": "guidance", "type": "FLOAT", "widget": "number", "default": 3.5, "min": 0.0, "max": 100.0,
              "step": 0.1},
+        ),
+        "outputs": (("CONDITIONING", "CONDITIONING"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_flux.py, FluxKontextImageScale: io.Image.Input("image"); io.Image.Output() (resizes to the
+    # PREFERED_KONTEXT_RESOLUTIONS entry nearest the image's aspect ratio)
+    "FluxKontextImageScale": {
+        "display_name": "FluxKontextImageScale",
+        "source": "comfy_extras/nodes_flux.py",
+        "inputs": (
+            {"name": "image", "type": "IMAGE"},
+        ),
+        "outputs": (("IMAGE", "IMAGE"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_edit_model.py, ReferenceLatent: io.Conditioning.Input("conditioning"),
+    # io.Latent.Input("latent", optional=True); io.Conditioning.Output() (appends latent["samples"] to the
+    # conditioning's "reference_latents")
+    "ReferenceLatent": {
+        "display_name": "ReferenceLatent",
+        "source": "comfy_extras/nodes_edit_model.py",
+        "inputs": (
+            {"name": "conditioning", "type": "CONDITIONING"},
+            {"name": "latent", "type": "LATENT", "optional": True},
         ),
         "outputs": (("CONDITIONING", "CONDITIONING"),),
         "output_node": False,

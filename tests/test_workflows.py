@@ -14,9 +14,10 @@ import comfyui_stock_nodes as stock
 from conftest import PACK_NAME, ROOT, load_pack
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
-WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img")
+WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
-               "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors"}
+               "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
+               "flux1-kontext-dev": "flux1-kontext-dev.safetensors"}
 WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
@@ -247,7 +248,7 @@ def test_the_pack_replaces_the_sampler_and_the_model_loader_only(name):
     assert save["inputs"]["images"] == [decode_id, 0]
     for side in ("positive", "negative"):
         src_id, src = source(api, sampler_id, side)
-        while src["class_type"] == "FluxGuidance":
+        while src["class_type"] in ("FluxGuidance", "ReferenceLatent"):
             src_id, src = source(api, src_id, "conditioning")
         assert src["class_type"] == "CLIPTextEncode", side
         assert source(api, src_id, "clip")[1]["class_type"] in ("DualCLIPLoader", "TripleCLIPLoader")
@@ -313,6 +314,28 @@ def test_flux1_dev_img2img_denoises_an_encoded_image_partly():
     assert api[encode_id]["inputs"]["vae"] == api[decode_id]["inputs"]["vae"]  # one VAE encodes and decodes
     assert "EmptySD3LatentImage" not in {n["class_type"] for n in api.values()}
     assert source(api, sampler_id, "positive")[1]["class_type"] == "FluxGuidance"
+
+
+def test_flux1_kontext_dev_edits_a_reference_image_as_comfyuis_kontext_example():
+    """LoadImage -> FluxKontextImageScale -> VAEEncode -> ReferenceLatent on the prompt -> FluxGuidance 2.5 ->
+    positive; the image to sample is an empty 1024x1024 latent, 20 euler/simple steps at cfg 1.0."""
+    _, api = load("flux1-kontext-dev")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert (s["cfg"], s["steps"], s["denoise"], s["sampler_name"], s["scheduler"]) == (1.0, 20, 1.0, "euler", "simple")
+    guidance_id, guidance = source(api, sampler_id, "positive")
+    assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 2.5
+    reference_id, reference = source(api, guidance_id, "conditioning")
+    assert reference["class_type"] == "ReferenceLatent"
+    assert source(api, reference_id, "conditioning")[1]["inputs"]["text"].strip()
+    encode_id, encode = source(api, reference_id, "latent")
+    assert encode["class_type"] == "VAEEncode"
+    scale_id, scale = source(api, encode_id, "pixels")
+    assert scale["class_type"] == "FluxKontextImageScale"
+    assert source(api, scale_id, "image")[1]["class_type"] == "LoadImage"
+    assert api[encode_id]["inputs"]["vae"] == api[only(api, "VAEDecode")[0]]["inputs"]["vae"]
+    assert source(api, sampler_id, "latent_image")[1]["inputs"] == {"width": 1024, "height": 1024, "batch_size": 1}
+    assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""  # unused at cfg 1.0
 
 
 def test_the_test_catches_a_broken_workflow(definitions):

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from ..models.flow import REFERENCE_METHODS
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.speed import ATTENTION
 from ..parallel.devices import Hardware
 from ..parallel.plan import AUTO, ParallelPlan, PlanChoice, Workload, resolve_plan
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
+TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
 SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
 
 
@@ -57,6 +59,11 @@ class GenerateRequest:
     patches: int | None = None            # PipeFusion: latent row bands (None: one per stage)
     warmup_steps: int = 1                 # PipeFusion: steps run whole before patches use stale K/V
     stage_blocks: list[int] | None = None  # PipeFusion: blocks per stage (None: balanced by cost)
+    # FLUX.1 Kontext (ReferenceLatent): raw VAE latents [B|1, 16, h, w] per side, placed by the side's method
+    reference_latents: list[torch.Tensor] | None = field(default=None, metadata=TENSOR_LIST)
+    neg_reference_latents: list[torch.Tensor] | None = field(default=None, metadata=TENSOR_LIST)
+    reference_latents_method: str = "offset"
+    neg_reference_latents_method: str = "offset"
 
     @classmethod
     def random_conditioning(cls, model: str, width: int, height: int, *, text_tokens: int, batch: int = 1,
@@ -95,6 +102,9 @@ class GenerateRequest:
                 raise ValueError(f"cfg={self.cfg} needs a negative conditioning (neg_cond and neg_pooled); give one "
                                  f"or use cfg 1.0")
             self._check_side("neg_cond", self.neg_cond, self.neg_pooled, info, batch)
+        self._check_references("reference_latents", self.reference_latents, info, batch)
+        if self.negative_pass:
+            self._check_references("neg_reference_latents", self.neg_reference_latents, info, batch)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
         if self.loras:
@@ -148,6 +158,9 @@ class GenerateRequest:
                                    self.stage_blocks)
         if self.cache_threshold is not None:
             problems.append("the step cache does not combine with pipefusion yet: leave cache_threshold unset")
+        if self.reference_latents or (self.negative_pass and self.neg_reference_latents):
+            problems.append("reference latents (FLUX.1 Kontext) do not combine with pipefusion yet: use ulysses, ring, "
+                            "cfg or dp")
         if problems:
             raise PlanError(f"plan {plan.describe()} cannot run this job: " + "; ".join(problems))
 
@@ -197,6 +210,10 @@ class GenerateRequest:
                 not isinstance(self.stage_blocks, (list, tuple)) or not self.stage_blocks
                 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.stage_blocks)):
             raise ValueError(f"stage_blocks={self.stage_blocks!r} is invalid: use one block count >= 1 per stage")
+        for name in ("reference_latents_method", "neg_reference_latents_method"):
+            if getattr(self, name) not in REFERENCE_METHODS:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use one of "
+                                 f"{', '.join(REFERENCE_METHODS)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
         if self.batch_index is not None and (
@@ -239,6 +256,30 @@ class GenerateRequest:
             if t.shape[0] not in (1, batch):
                 raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give 1 or {batch}")
 
+    @staticmethod
+    def _check_references(name, refs, info, batch) -> None:
+        if refs is None:
+            return
+        rows = "1" if batch == 1 else f"1 or {batch}"
+        if not isinstance(refs, (list, tuple)):
+            raise ValueError(f"{name} is a {type(refs).__name__}: give a list of latents [{rows}, 16, h, w] "
+                             f"(what ReferenceLatent puts in the conditioning)")
+        if refs and info.family != "flux":
+            raise ValueError(f"{name} holds {len(refs)} reference latent(s) but {info.variant} takes none: only "
+                             f"FLUX.1 (Kontext) does; remove the ReferenceLatent node or use a FLUX model")
+        for i, r in enumerate(refs):
+            what = f"{name}[{i}]"
+            if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+                kind = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
+                raise ValueError(f"{what} is {kind}: give a floating-point latent [{rows}, 16, h, w] (VAEEncode)")
+            if r.ndim != 4 or r.shape[1] != 16 or r.shape[0] not in (1, batch) or r.shape[2] < 2 or r.shape[3] < 2:
+                raise ValueError(f"{what} of shape {list(r.shape)} is invalid: {info.variant} takes [{rows}, 16, h, w] "
+                                 f"(VAEEncode's latent: one image, or one per image of the batch)")
+            if r.shape[2] % 2 or r.shape[3] % 2:
+                raise ValueError(f"{what} of shape {list(r.shape)} is invalid: its image is {r.shape[3] * 8}x"
+                                 f"{r.shape[2] * 8} px; FLUX takes references whose sides are multiples of 16 px "
+                                 f"(FluxKontextImageScale gives such sizes)")
+
     # ---- across the process boundary ---------------------------------------------------------------------------
     def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """(JSON document, tensors) of a validated request: every field, none left to a default on the far side."""
@@ -247,6 +288,10 @@ class GenerateRequest:
         spec, inputs = {}, {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.metadata.get("list"):
+                spec[f.name] = None if value is None else len(value)
+                inputs.update({f"{f.name}.{i}": t for i, t in enumerate(value or [])})
+                continue
             if f.metadata.get("tensor"):
                 if value is not None:
                     inputs[f.name] = value
@@ -260,18 +305,26 @@ class GenerateRequest:
         if not self.negative_pass:  # the sampler never runs the negative pass: its tensors stay home
             inputs.pop("neg_cond", None)
             inputs.pop("neg_pooled", None)
+            spec["neg_reference_latents"] = None
+            inputs = {k: v for k, v in inputs.items() if not k.startswith("neg_reference_latents.")}
         return spec, inputs
 
     @classmethod
     def from_job(cls, spec: dict, inputs: dict[str, torch.Tensor]) -> "GenerateRequest":
         """The request as the client validated it; a document with missing or unknown fields is refused."""
-        scalar = {f.name for f in fields(cls) if not f.metadata.get("tensor")}
+        scalar = {f.name for f in fields(cls) if not f.metadata.get("tensor")}   # list fields: their length
         tensor = {f.name for f in fields(cls) if f.metadata.get("tensor")}
+        lists = {f.name for f in fields(cls) if f.metadata.get("list")}
         missing, unknown = scalar - set(spec), set(spec) - scalar
-        if missing or unknown or set(inputs) - tensor:
+        listed = {f"{name}.{i}" for name in lists - missing for i in range(spec[name] or 0)}
+        strays = set(inputs) - tensor - listed
+        missing |= listed - set(inputs)
+        if missing or unknown or strays:
             raise ValueError(f"generate job document does not match this engine's request: missing {sorted(missing)}, "
-                             f"unknown {sorted(unknown | (set(inputs) - tensor))} (client and ranks differ in version?)")
+                             f"unknown {sorted(unknown | strays)} (client and ranks differ in version?)")
         values = dict(spec, plan=ParallelPlan.from_dict(spec["plan"]), loras=[tuple(x) for x in spec["loras"]])
-        request = cls(**values, **inputs)
+        values.update({name: None if spec[name] is None else [inputs[f"{name}.{i}"] for i in range(spec[name])]
+                       for name in lists})
+        request = cls(**values, **{k: v for k, v in inputs.items() if k in tensor})
         request.check_scalars()
         return request

@@ -59,8 +59,10 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
 
 
 def _sides(request: GenerateRequest) -> tuple[Conditioning, Conditioning | None]:
-    positive = Conditioning(request.cond, request.pooled, request.guidance)
-    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
+    positive = Conditioning(request.cond, request.pooled, request.guidance, tuple(request.reference_latents or ()),
+                            request.reference_latents_method)
+    negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance,
+                             tuple(request.neg_reference_latents or ()), request.neg_reference_latents_method)
                 if request.neg_cond is not None else None)
     return positive, negative
 

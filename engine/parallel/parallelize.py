@@ -8,6 +8,11 @@ batch, and the velocities are gathered, so the sampler always runs on the whole 
 exact). The job handler and FlowModel hold no parallel branch: with a one-rank mesh every group has one member and
 every split and gather is a no-op.
 
+FLUX.1 Kontext reference tokens follow the image tokens in the same inputs. Where image and reference tokens together
+divide the degree they are split as one sequence; otherwise every rank holds the reference tokens in full (joint,
+like text that does not divide), the processor is told so (`joint_reference_tokens`), and the gather takes only the
+image shards.
+
 Seams: a new family is a table and a processor. PipeFusion (pipefusion.py) splits the table's `blocks` into stages
 and runs its own loop with the same processors. The step cache (engine/parallel/cache.py) wraps the same block
 lists, its skip decision agreed over every rank; the predictor tells it which stream (pass and batch share) each model call belongs to.
@@ -38,12 +43,14 @@ class TokenTable:
     split_after: str | None = None                  # module whose output (tokens on dim 1) is split: for families
     #                                                 that add positions on the whole patch grid
     blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
+    reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
+    #                                                 many per forward): split with them or joint
 
 
 FLUX_TOKENS = TokenTable(processor=FluxSPProcessor, gather_after="proj_out",
                          split_inputs=(("hidden_states", 1), ("img_ids", 0)),
                          text_inputs=(("encoder_hidden_states", 1), ("txt_ids", 0)),
-                         blocks=("transformer_blocks", "single_transformer_blocks"))
+                         blocks=("transformer_blocks", "single_transformer_blocks"), reference_tokens=True)
 # SD3 adds its positional embedding to the whole patch grid: split right after it. Its 77+N text tokens rarely
 # divide a degree, so they are always joint (they reach the processor separately, as encoder_hidden_states).
 SD3_TOKENS = TokenTable(processor=SD3SPProcessor, gather_after="proj_out", split_after="pos_embed",
@@ -52,9 +59,10 @@ SD3_TOKENS = TokenTable(processor=SD3SPProcessor, gather_after="proj_out", split
 
 def pass_groups(sides: list[Conditioning], cfg_group) -> tuple[list[Conditioning], list[list[Conditioning]]]:
     """The passes this rank computes (CFG parallel: one per rank, in group order) and the forwards they take: both
-    passes in one forward when their text lengths agree (exactly the same math), else one forward each."""
+    passes in one forward when their text lengths and reference latents' shapes agree (exactly the same math), else
+    one forward each (ComfyUI does not concatenate such conds either)."""
     mine = [sides[cfg_group.rank]] if cfg_group.size > 1 and len(sides) == 2 else sides
-    if len(mine) == 2 and mine[0].cond.shape[1] != mine[1].cond.shape[1]:
+    if len(mine) == 2 and mine[0].forward_shape != mine[1].forward_shape:
         return mine, [[s] for s in mine]
     return mine, [mine]
 
@@ -68,6 +76,7 @@ class ParallelFlow:
         self._hooks: list = []
         self._original_processors: dict | None = None
         self.cache: StepCache | None = None
+        self._joint_references = 0   # reference tokens every rank holds in full in the current forward
         if mesh["sp"].size > 1:
             self._split_tokens()
 
@@ -82,7 +91,16 @@ class ParallelFlow:
             self._hooks.append(model.get_submodule(table.split_after).register_forward_hook(
                 lambda module, args, out: self._shard(out, 1, table.split_after)))
         self._hooks.append(model.get_submodule(table.gather_after).register_forward_hook(
-            lambda module, args, out: self.mesh.all_gather(out, "sp", dim=1, kind="sp_gather")))
+            lambda module, args, out: self._gather(out)))
+
+    def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's output tokens -> the whole sequence; joint reference tokens (the same on every rank) are
+        appended once, after the gathered image tokens."""
+        m = self._joint_references
+        if not m:
+            return self.mesh.all_gather(tokens, "sp", dim=1, kind="sp_gather")
+        image = self.mesh.all_gather(tokens[:, :-m], "sp", dim=1, kind="sp_gather")
+        return torch.cat([image, tokens[:, -m:]], dim=1)
 
     def _shard(self, tokens: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         sp = self.mesh["sp"]
@@ -93,8 +111,23 @@ class ParallelFlow:
 
     def _split_forward_inputs(self, module, args, kwargs):
         kwargs = dict(kwargs)
+        refs = self.flow.reference_tokens if self.table.reference_tokens else 0
+        joint_refs = 0
+        if refs:
+            first, dim = self.table.split_inputs[0]
+            joint_refs = refs if kwargs[first].shape[dim] % self.mesh["sp"].size else 0
+        self._joint_references = joint_refs
         for name, dim in self.table.split_inputs:
-            kwargs[name] = self._shard(kwargs[name], dim, name)
+            t = kwargs[name]
+            if joint_refs:
+                image = t.narrow(dim, 0, t.shape[dim] - joint_refs)
+                kwargs[name] = torch.cat([self._shard(image, dim, name), t.narrow(dim, image.shape[dim], joint_refs)],
+                                         dim=dim)
+            else:
+                kwargs[name] = self._shard(t, dim, name)
+        if self.table.reference_tokens:
+            kwargs["joint_attention_kwargs"] = {**(kwargs.get("joint_attention_kwargs") or {}),
+                                                "joint_reference_tokens": joint_refs}
         if self.table.text_inputs:
             first, dim = self.table.text_inputs[0]
             count = kwargs[first].shape[dim]

@@ -2,7 +2,8 @@
 processor interface. They compute what diffusers' FluxAttnProcessor / JointAttnProcessor2_0 compute, with
 the attention itself going through the sequence-parallel entry point. Text tokens are either sharded with
 the image tokens (FLUX, when their count divides the degree) or held in full by every rank (joint): the token hooks
-say which per forward through diffusers' own `joint_attention_kwargs` (`joint_text_tokens`, 0 when split)."""
+say which per forward through diffusers' own `joint_attention_kwargs` (`joint_text_tokens`, 0 when split). FLUX.1
+Kontext reference tokens, at the end of the image tokens, are split or joint the same way (`joint_reference_tokens`)."""
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,10 @@ class FluxSPProcessor:
         self.attention = attention
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
-                 joint_text_tokens: int = 0):
+                 joint_text_tokens: int = 0, joint_reference_tokens: int = 0):
         """joint_text_tokens: the text tokens every rank holds in full, at the front of a single block's sequence
-        (0: the text is split with the image tokens)."""
+        (0: the text is split with the image tokens); joint_reference_tokens: the reference tokens every rank holds
+        in full, at the end of the sequence (0: none, or split with the image tokens)."""
         if attention_mask is not None:
             raise ValueError("sequence-parallel FLUX attention takes no attention mask")
         q, k, v = (proj(hidden_states).unflatten(-1, (-1, attn.head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v))
@@ -31,10 +33,12 @@ class FluxSPProcessor:
         if image_rotary_emb is not None:  # the model computed it from this rank's (sliced) position ids
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        if joint_text_tokens:
-            n = joint_text_tokens
-            image, text = self.attention(q[:, n:], k[:, n:], v[:, n:], joint=(q[:, :n], k[:, :n], v[:, :n]))
-            out = torch.cat([text, image], dim=1)
+        if joint_text_tokens or joint_reference_tokens:
+            # the sequence is [text | image shard | references]: the joint ones enter the attention together
+            n, end = joint_text_tokens, q.shape[1] - joint_reference_tokens
+            joint = tuple(torch.cat([t[:, :n], t[:, end:]], dim=1) for t in (q, k, v))
+            image, held = self.attention(q[:, n:end], k[:, n:end], v[:, n:end], joint=joint)
+            out = torch.cat([held[:, :n], image, held[:, n:]], dim=1)
         else:
             out, _ = self.attention(q, k, v)
         out = out.flatten(2, 3).to(q.dtype)
