@@ -30,3 +30,17 @@ def test_a_message_too_large_for_the_control_channel_is_refused():
     a, _ = socket.socketpair()
     with pytest.raises(ValueError, match="shared-memory bridge"):
         Channel(a).send({"blob": "x" * (2 << 20)})
+
+
+def test_the_bridge_carries_views_of_broadcast_values(tmp_path):
+    """A sampler may pass sigma as a one-element slice of an expanded tensor (stride 0), x as a transposed view:
+    both cross with their values."""
+    import torch
+
+    from engine.runtime import bridge
+
+    sigma = torch.tensor(0.25).expand(4)[:1]
+    x = torch.arange(12.0).reshape(3, 4).t()
+    manifest = bridge.write_segment(str(tmp_path / "seg"), {"sigma": sigma, "x": x})
+    back = bridge.read_segment({**manifest, "path": str(tmp_path / "seg")})
+    assert torch.equal(back["sigma"], sigma) and torch.equal(back["x"], x)

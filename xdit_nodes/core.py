@@ -20,6 +20,7 @@ from ..engine.parallel.plan import AUTO, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.samplers import SAMPLERS
 from ..engine.sampling.schedules import SCHEDULERS
+from .guider import EngineGuider
 
 ENGINE_TYPE = "XDIT_ENGINE"
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
@@ -96,20 +97,49 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
         ((ENGINE_TYPE, "engine"),))
 
 
-SAMPLER_SPEC = NodeSpec(
-    "XDiTSampler", "xDiT Sampler", CATEGORY,
-    "KSampler on the xDiT engine: the same inputs and the same latent as ComfyUI's KSampler, across several GPUs.",
+def sampler_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec:
+    """The xDiT Sampler's spec; inside ComfyUI with ComfyUI's own sampler and scheduler lists (every name KSampler
+    offers: those the engine has run in its own loop, the others are driven by ComfyUI's sampler through the
+    guider path)."""
+    return NodeSpec(
+        "XDiTSampler", "xDiT Sampler", CATEGORY,
+        "KSampler on the xDiT engine: the same inputs and the same latent as ComfyUI's KSampler, across several GPUs.",
+        (Field("engine", ENGINE_TYPE),
+         Field("seed", "INT", 0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+         Field("steps", "INT", 20, min=1, max=10000),
+         Field("cfg", "FLOAT", 8.0, min=0.0, max=100.0, step=0.1, round=0.01),
+         Field("sampler_name", "COMBO", sampler_names[0], tuple(sampler_names)),
+         Field("scheduler", "COMBO", scheduler_names[0], tuple(scheduler_names)),
+         Field("positive", "CONDITIONING"),
+         Field("negative", "CONDITIONING"),
+         Field("latent_image", "LATENT"),
+         Field("denoise", "FLOAT", 1.0, min=0.0, max=1.0, step=0.01)),
+        (("LATENT", "LATENT"),))
+
+
+SAMPLER_SPEC = sampler_spec()
+
+
+def engine_loop_runs(sampler_name: str, scheduler: str) -> bool:
+    """Whether the engine's own loop has this sampler and scheduler (then it runs there, in one job)."""
+    return sampler_name in SAMPLERS and scheduler in SCHEDULERS
+
+
+GUIDER_SPEC = NodeSpec(
+    "XDiTGuider", "xDiT Guider", CATEGORY,
+    "BasicGuider / CFGGuider on the xDiT engine, for SamplerCustomAdvanced: ComfyUI's own noise, sampler (every "
+    "KSamplerSelect name) and sigmas drive the engine one model evaluation at a time. Leave negative unconnected "
+    "for FLUX (cfg 1).",
     (Field("engine", ENGINE_TYPE),
-     Field("seed", "INT", 0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
-     Field("steps", "INT", 20, min=1, max=10000),
-     Field("cfg", "FLOAT", 8.0, min=0.0, max=100.0, step=0.1, round=0.01),
-     Field("sampler_name", "COMBO", SAMPLERS[0], SAMPLERS),
-     Field("scheduler", "COMBO", SCHEDULERS[0], SCHEDULERS),
      Field("positive", "CONDITIONING"),
-     Field("negative", "CONDITIONING"),
-     Field("latent_image", "LATENT"),
-     Field("denoise", "FLOAT", 1.0, min=0.0, max=1.0, step=0.01)),
-    (("LATENT", "LATENT"),))
+     Field("cfg", "FLOAT", 1.0, min=0.0, max=100.0, step=0.1, round=0.01,
+           tooltip="1.0 (FLUX.1-dev, schnell) runs the positive only; above 1 needs the negative (SD3/SD3.5)"),
+     Field("negative", "CONDITIONING", optional=True),
+     Field("model", "MODEL", optional=True,
+           tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) the sampler should "
+                   "use; the engine's own model file is used for the weights")),
+    (("GUIDER", "GUIDER"),))
+
 
 def lora_spec(lora_names: list[str]) -> NodeSpec:
     return NodeSpec(
@@ -277,6 +307,44 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     return cond, pooled, extras.get("guidance")
 
 
+def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
+    """FLUX.1 Kontext: the raw VAE latents ReferenceLatent appended to a CONDITIONING checked by conditioning_tensors,
+    and the method FluxKontextMultiReferenceLatentMethod set (ComfyUI's model defaults to offset)."""
+    extras = conditioning[0][1]
+    refs = extras.get("reference_latents")
+    if refs is not None and not isinstance(refs, (list, tuple)):
+        raise ValueError(f"{name} has reference_latents of type {type(refs).__name__}: connect ReferenceLatent, "
+                         f"which gives a list of latents")
+    return (list(refs) if refs is not None else None), extras.get("reference_latents_method") or "offset"
+
+
+def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
+                seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
+                denoise: float = 1.0, batch_index=None, negative_always: bool = False) -> GenerateRequest:
+    """The engine request for these settings and ComfyUI values (not yet validated). The negative is read when
+    cfg != 1, or whenever it is given with negative_always (a guider: ComfyUI's CFG++ samplers use it at cfg 1)."""
+    cond, pooled, guidance = conditioning_tensors(positive, "positive")
+    refs, method = conditioning_references(positive, "positive")
+    neg_cond = neg_pooled = neg_refs = None
+    neg_method = "offset"
+    if cfg != 1.0 or (negative_always and negative is not None):
+        neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
+        neg_refs, neg_method = conditioning_references(negative, "negative")
+    return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
+                           seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
+                           scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
+                           guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
+                           fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
+                           batch_index=list(batch_index) if batch_index is not None else None,
+                           loras=list(settings.loras), plan=settings.requested_plan(),
+                           cache_threshold=settings.cache_threshold or None, compile=settings.compile,
+                           attention=settings.attention,
+                           patches=(settings.patches or None) if settings.pipefusion > 1 else None,
+                           warmup_steps=min(settings.warmup_steps, int(steps)),
+                           reference_latents=refs, reference_latents_method=method,
+                           neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method)
+
+
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
            before_job=None, registry: EngineRegistry = REGISTRY) -> dict:
@@ -287,22 +355,9 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                          "VAEEncode to it")
     if latent.get("noise_mask") is not None:
         raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
-    cond, pooled, guidance = conditioning_tensors(positive, "positive")
-    neg_cond = neg_pooled = None
-    if cfg != 1.0:
-        neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
-    batch_index = latent.get("batch_index")
-    request = GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent["samples"],
-                              seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
-                              scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
-                              guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
-                              fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
-                              batch_index=list(batch_index) if batch_index is not None else None,
-                              loras=list(settings.loras), plan=settings.requested_plan(),
-                              cache_threshold=settings.cache_threshold or None, compile=settings.compile,
-                              attention=settings.attention,
-                              patches=(settings.patches or None) if settings.pipefusion > 1 else None,
-                              warmup_steps=min(settings.warmup_steps, int(steps)))
+    request = job_request(settings, positive, negative, latent["samples"], cfg=cfg, seed=seed, steps=steps,
+                          sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
+                          batch_index=latent.get("batch_index"))
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
     choice = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     if before_job is not None:
@@ -320,6 +375,31 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
     return out
+
+
+def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_patcher, sampling_function,
+           before_job=None, registry: EngineRegistry = REGISTRY) -> EngineGuider:
+    """The xDiT Guider's GUIDER. The request is built and validated when SamplerCustomAdvanced runs it, against the
+    latent it is given; the conditioning is checked now, so a wrong input fails at this node."""
+    settings.validate()
+    if settings.pipefusion > 1 or settings.cache_threshold:
+        raise ValueError(f"the engine has {'pipefusion' if settings.pipefusion > 1 else 'cache_threshold'} set, "
+                         f"which runs only inside the engine's own sampler loop: with the xDiT Guider use pipefusion "
+                         f"1 and cache_threshold 0, or use xDiT Sampler")
+    cfg = float(cfg)
+    if cfg != 1.0 and negative is None:
+        raise ValueError(f"cfg={cfg} needs a negative conditioning: connect one, or use cfg 1.0 (FLUX)")
+    job_request(settings, positive, negative, torch.zeros(1, 16, 2, 2), cfg=cfg, negative_always=True)
+
+    def request_for(latent_raw: torch.Tensor, cfg_now: float) -> GenerateRequest:
+        request = job_request(settings, positive, negative, latent_raw, cfg=cfg_now, negative_always=True)
+        choice = request.validate(len(settings.gpus), hardware_for(settings.device, len(settings.gpus), settings.gpus))
+        record = registry.get(settings)
+        record.last_plan, record.last_plan_reason = choice.plan.describe(), choice.reason
+        return request
+
+    return EngineGuider(model_patcher, sampling_function, cfg=cfg, has_negative=negative is not None,
+                        request_for=request_for, engine_for=lambda: registry.get(settings), before_job=before_job)
 
 
 def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> str:

@@ -9,9 +9,12 @@ import folder_paths
 from comfy_api.v0_0_2 import ComfyExtension, io, ui
 
 from ..engine.errors import JobCancelled
+from ..engine.models.gguf_file import find_gguf_files
 from . import core
 
 EngineType = io.Custom(core.ENGINE_TYPE)
+_TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.String, "MODEL": io.Model,
+          "GUIDER": io.Guider, core.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 
 
@@ -30,19 +33,25 @@ def _input(f: core.Field):
         return io.Boolean.Input(f.name, default=f.default, **tip)
     if f.type == "STRING":
         return io.String.Input(f.name, default=f.default, **tip)
-    return {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, core.ENGINE_TYPE: EngineType}[f.type].Input(f.name, **tip)
+    return _TYPES[f.type].Input(f.name, **tip)
 
 
 def _schema(spec: core.NodeSpec) -> io.Schema:
-    outputs = [{"LATENT": io.Latent, "STRING": io.String, core.ENGINE_TYPE: EngineType}[t].Output(display_name=n)
-               for t, n in spec.outputs]
+    outputs = [_TYPES[t].Output(display_name=n) for t, n in spec.outputs]
     return io.Schema(node_id=spec.node_id, display_name=spec.display_name, category=spec.category,
                      description=spec.description, inputs=[_input(f) for f in spec.inputs], outputs=outputs,
                      is_output_node=spec.output_node)
 
 
+def _gguf_files() -> dict[str, str]:
+    """ComfyUI lists no .gguf in its model folders (ComfyUI-GGUF adds its own "unet_gguf" name for them): the
+    engine reads them, so they are found here in the same folders."""
+    return find_gguf_files([p for folder in MODEL_FOLDERS for p in folder_paths.get_folder_paths(folder)])
+
+
 def _model_names() -> list[str]:
-    return sorted({n for folder in MODEL_FOLDERS for n in folder_paths.get_filename_list(folder)})
+    listed = {n for folder in MODEL_FOLDERS for n in folder_paths.get_filename_list(folder)}
+    return sorted(listed | set(_gguf_files()))
 
 
 def _model_path(name: str) -> str:
@@ -50,6 +59,8 @@ def _model_path(name: str) -> str:
         path = folder_paths.get_full_path(folder, name)
         if path:
             return path
+    if name in (found := _gguf_files()):
+        return found[name]
     raise ValueError(f"model_name={name!r} is not in ComfyUI's {' or '.join(MODEL_FOLDERS)} folders")
 
 
@@ -98,10 +109,14 @@ def _make_room(settings: core.EngineSettings) -> None:
 class XDiTSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.SAMPLER_SPEC)
+        import comfy.samplers
+        return _schema(core.sampler_spec(comfy.samplers.KSampler.SAMPLERS, comfy.samplers.KSampler.SCHEDULERS))
 
     @classmethod
     def execute(cls, engine, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
+        if not core.engine_loop_runs(sampler_name, scheduler):
+            return io.NodeOutput(_comfy_driven(engine, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                               latent_image, denoise))
         progress = comfy.utils.ProgressBar(steps)  # its update also raises on interrupt, on this thread
         try:
             latent = core.sample(engine, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
@@ -112,6 +127,78 @@ class XDiTSampler(io.ComfyNode):
             mm.throw_exception_if_processing_interrupted()  # ComfyUI's own interrupt exception, flag cleared
             raise
         return io.NodeOutput(latent)
+
+
+class _NoWeights(torch.nn.Module):
+    """Stands where ComfyUI's model would hold its diffusion model: the engine's ranks hold the weights."""
+    dtype = torch.float32
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this MODEL carries only the xDiT engine's sampling settings (no weights): sample it with "
+                           "xDiT Sampler or the xDiT Guider, not KSampler or BasicGuider")
+
+
+def sampling_model(settings: core.EngineSettings):
+    """A ComfyUI model without weights for the engine's model family: ComfyUI's own model sampling (sigmas,
+    noise scaling, percent_to_sigma) and latent format, for ComfyUI's samplers, schedulers and previews."""
+    import comfy.model_patcher
+    import comfy.supported_models as models
+
+    info = core.inspect_model(settings.model_path)
+    if info.family == "flux":
+        config_class = models.Flux if info.config.get("guidance_embeds") else models.FluxSchnell
+        unet = {"image_model": "flux", "guidance_embed": bool(info.config.get("guidance_embeds"))}
+    else:
+        config_class, unet = models.SD3, {"in_channels": 16, "pos_embed_scaling_factor": None}
+    config = config_class(dict(unet, disable_unet_model_creation=True))
+    model = config.get_model({})
+    model.diffusion_model = _NoWeights()
+    device = mm.intermediate_device()
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
+
+
+class XDiTGuider(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.GUIDER_SPEC)
+
+    @classmethod
+    def execute(cls, engine, positive, cfg, negative=None, model=None):
+        import comfy.samplers
+
+        patcher = sampling_model(engine)
+        if model is not None:  # its sampling settings (ModelSamplingFlux/SD3), our weights
+            patcher.model.model_sampling = model.get_model_object("model_sampling")
+        guider = core.guider(engine, positive, negative, cfg, model_patcher=patcher,
+                             sampling_function=comfy.samplers.sampling_function,
+                             before_job=lambda: _make_room(engine))
+        return io.NodeOutput(guider)
+
+
+def _comfy_driven(settings, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
+    """A sampler or scheduler the engine's loop does not have: ComfyUI's KSampler (its sigmas, noise and sampler)
+    drives the engine through the xDiT Guider, one model evaluation per call."""
+    import comfy.sample
+    import comfy.samplers
+
+    if not isinstance(latent_image, dict) or "samples" not in latent_image:
+        raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
+                         "VAEEncode to it")
+    if latent_image.get("noise_mask") is not None:
+        raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
+    patcher = sampling_model(settings)
+    guider = core.guider(settings, positive, negative, cfg, model_patcher=patcher,
+                         sampling_function=comfy.samplers.sampling_function, before_job=lambda: _make_room(settings))
+    sigmas = comfy.samplers.KSampler(patcher, steps=steps, device="cpu", sampler=sampler_name, scheduler=scheduler,
+                                     denoise=denoise).sigmas   # ComfyUI's own schedule, denoise and discarded sigma
+    samples = latent_image["samples"]
+    noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
+    progress = comfy.utils.ProgressBar(len(sigmas) - 1)
+    out = guider.sample(noise, samples, comfy.samplers.sampler_object(sampler_name), sigmas,
+                        callback=lambda step, x0, x, total: progress.update_absolute(step + 1, total), seed=seed)
+    latent = dict(latent_image)
+    latent["samples"] = out.to(mm.intermediate_device())
+    return latent
 
 
 class XDiTLoRA(io.ComfyNode):
@@ -147,4 +234,4 @@ class XDiTEngineInfo(io.ComfyNode):
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTEngineInfo]
+        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTGuider, XDiTEngineInfo]

@@ -85,6 +85,8 @@ def _as_bytes(t: torch.Tensor):
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
+    if t.numel() and t.stride(0) != 1:  # a one-element view of a broadcast value: "contiguous", stride 0
+        t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return t.view(torch.uint8).numpy()
 
 

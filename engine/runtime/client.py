@@ -260,6 +260,12 @@ class Engine:
     def _submit(self, kind, spec, inputs, on_progress, should_cancel, deadlines) -> JobResult:
         t_submit = time.perf_counter()
         deadlines = deadlines or self.deadlines
+        job_id, crc, t_ready, t_written = self._send_job(kind, spec, inputs, deadlines)
+        return self._collect(job_id, crc, _Watch(self.world, job_id), deadlines, on_progress, should_cancel,
+                             (t_submit, t_ready, t_written))
+
+    def _send_job(self, kind, spec, inputs, deadlines) -> tuple[int, int, float, float]:
+        """Write the job's inputs to shared memory and tell every rank; returns (job id, crc32, times)."""
         deadlines.validate()
         inputs = dict(inputs or {})
         spec = dict(spec or {})
@@ -280,7 +286,18 @@ class Engine:
                 if rank == 0:
                     message.update(doc=doc, segment=segment)
                 chan.send(message)
-            reports = self._await_job(job_id, deadlines, on_progress, should_cancel)
+        except (ChannelClosed, OSError) as e:
+            bridge.unlink_quietly(segment_path)
+            self._fail(f"control channel failed: {e}")
+            raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
+                              f"replaced", phase="sent") from e
+        return job_id, crc, t_ready, t_written
+
+    def _collect(self, job_id, crc, watch, deadlines, on_progress, should_cancel, times) -> JobResult:
+        """Wait for every rank's final report of `job_id`, read its outputs and remove its shared memory."""
+        t_submit, t_ready, t_written = times
+        try:
+            reports = self._await_job(job_id, deadlines, on_progress, should_cancel, watch)
             t_read0 = time.perf_counter()
             outputs: dict[str, torch.Tensor] = {}
             for report in reports:
@@ -296,10 +313,7 @@ class Engine:
             raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
                               f"replaced", phase="sent") from e
         finally:
-            bridge.unlink_quietly(segment_path)
-            if self.engine_dir:
-                for path in glob.glob(os.path.join(self.engine_dir, f"j{job_id}-out-r*")):
-                    bridge.unlink_quietly(path)
+            self._unlink_job_files(job_id)
         rank_t = [r["timings"] for r in reports]
         timings = {
             "queue_s": t_ready - t_submit,
@@ -312,18 +326,33 @@ class Engine:
         return JobResult(outputs=outputs, timings=timings, ranks=[r["info"] for r in reports],
                          job_id=job_id, crc32=crc)
 
+    def _unlink_job_files(self, job_id: int) -> None:
+        if self.engine_dir:
+            for path in glob.glob(os.path.join(self.engine_dir, f"j{job_id}-*")):
+                bridge.unlink_quietly(path)
+
+    def session(self, kind: str, spec: dict | None = None, inputs: dict[str, torch.Tensor] | None = None, *,
+                deadlines: Deadlines | None = None) -> "Session":
+        """Start a job that answers calls (e.g. one model evaluation each) until the caller ends it; use as a
+        context manager: `with engine.session("guide", spec, inputs) as s: out = s.call({"x": x}, sigma=0.5)`.
+        The engine serves nothing else meanwhile. Leaving the block ends the job; an exception in the block ends it
+        too (the ranks stop serving and stay up) and is re-raised."""
+        return Session(self, kind, spec, inputs, deadlines or self.deadlines)
+
     def _fail(self, reason: str) -> None:
         """The group may be mid-collective: kill it now (frees GPUs at once); start anew on the next job."""
         self._broken = reason
         kill_all(self._procs, [], None)
 
-    def _await_job(self, job_id: int, deadlines: Deadlines, on_progress, should_cancel) -> list[dict]:
-        now = time.monotonic()
-        phase = {r: "sent" for r in range(self.world)}
-        phase_start = {r: now for r in range(self.world)}
-        last_seen = {r: now for r in range(self.world)}
-        final: dict[int, dict] = {}
-        first_error_at = None
+    def _await_job(self, job_id: int, deadlines: Deadlines, on_progress, should_cancel, watch: "_Watch",
+                   call: int | None = None) -> list[dict] | dict:
+        """Follow the job's ranks until each has finished (the reports, rank order) or, with `call`, until rank 0
+        answers that call (its answer). Every wait has a deadline; a dead, silent or late rank fails the job."""
+        phase, phase_start, last_seen, final = watch.phase, watch.phase_start, watch.last_seen, watch.final
+        if call is not None:  # between calls nobody read the ranks' heartbeats: they count from now
+            now = time.monotonic()
+            for rank in last_seen:
+                last_seen[rank] = now
         cancel_sent = cancel_requested = False
         caller_error: BaseException | None = None  # a callback raised: cancel, let ranks finish, re-raise
         sel = selectors.DefaultSelector()
@@ -331,6 +360,8 @@ class Engine:
             sel.register(chan.sock, selectors.EVENT_READ, rank)
         try:
             while len(final) < self.world:
+                if call is not None and call in watch.answers and not final:
+                    return watch.answers.pop(call)
                 if caller_error is None and should_cancel is not None:
                     try:
                         cancel_requested = bool(should_cancel())
@@ -360,6 +391,8 @@ class Engine:
                         op = m["op"]
                         if op == "phase":
                             phase[rank], phase_start[rank] = m["phase"], now
+                        elif op == "answer":
+                            watch.answers[m["call"]] = m
                         elif op == "progress" and on_progress is not None and caller_error is None:
                             try:
                                 on_progress(m["step"], m["total"])
@@ -367,11 +400,11 @@ class Engine:
                                 caller_error = e
                         elif op in ("done", "error", "cancelled"):
                             final[rank] = m
-                            if op == "error" and first_error_at is None:
-                                first_error_at = now
+                            if op == "error" and watch.first_error_at is None:
+                                watch.first_error_at = now
                 now = time.monotonic()
-                if first_error_at is not None and len(final) < self.world and \
-                        now - first_error_at > deadlines.error_grace_s:
+                if watch.first_error_at is not None and len(final) < self.world and \
+                        now - watch.first_error_at > deadlines.error_grace_s:
                     r, m = next((r, m) for r, m in sorted(final.items()) if m["op"] == "error")
                     self._fail(f"rank {r} failed in phase {m['phase']}; others did not finish")
                     raise EngineError(f"job {job_id}: rank {r} failed in phase {m['phase']}: {m['message']}; "
@@ -404,4 +437,96 @@ class Engine:
         if any(m["op"] == "cancelled" for m in final.values()):
             steps = sorted({m.get("step") for m in final.values() if m["op"] == "cancelled"})
             raise JobCancelled(f"job {job_id} cancelled at step {steps[0]}; the engine is ready", step=steps[0])
+        if call is not None:
+            raise EngineError(f"job {job_id}: the ranks ended the job without answering call {call}", phase="compute")
         return [final[r] for r in range(self.world)]
+
+
+class _Watch:
+    """What the client knows of a running job's ranks; a session keeps it across its calls."""
+
+    def __init__(self, world: int, job_id: int):
+        now = time.monotonic()
+        self.job_id = job_id
+        self.phase = {r: "sent" for r in range(world)}
+        self.phase_start = dict.fromkeys(range(world), now)
+        self.last_seen = dict.fromkeys(range(world), now)
+        self.final: dict[int, dict] = {}
+        self.answers: dict[int, dict] = {}   # call -> rank 0's answer, until taken
+        self.first_error_at: float | None = None
+
+
+class Session:
+    """A job that answers calls: see Engine.session. Holds the engine (one job at a time) from enter to exit."""
+
+    def __init__(self, engine: Engine, kind: str, spec, inputs, deadlines: Deadlines):
+        self.engine, self.kind, self.spec, self.inputs, self.deadlines = engine, kind, spec, inputs, deadlines
+        self.job_id: int | None = None
+        self.calls = 0
+        self.result: JobResult | None = None   # the job's result, once ended
+        self.call_s: list[float] = []          # each call's time as the caller saw it (write, compute, read)
+        self._watch: _Watch | None = None
+
+    def __enter__(self) -> "Session":
+        self.engine._lock.acquire()
+        try:
+            t_submit = time.perf_counter()
+            self.job_id, self._crc, t_ready, t_written = self.engine._send_job(self.kind, self.spec, self.inputs,
+                                                                               self.deadlines)
+            self._times = (t_submit, t_ready, t_written)
+            self._watch = _Watch(self.engine.world, self.job_id)
+        except BaseException:
+            self.engine._lock.release()
+            raise
+        return self
+
+    def call(self, inputs: dict[str, torch.Tensor], **meta) -> dict[str, torch.Tensor]:
+        """One call: `inputs` through shared memory and `meta` (small JSON values) to the ranks; rank 0's outputs."""
+        if self._watch is None or self.result is not None:
+            raise RuntimeError("the session is not open: use it inside its with-block")
+        engine, job_id = self.engine, self.job_id
+        t0 = time.perf_counter()
+        self.calls += 1
+        call = self.calls
+        path = os.path.join(engine.engine_dir, f"j{job_id}-c{call}-in")
+        try:
+            manifest = bridge.write_segment(path, inputs) if inputs else None
+            doc = json.dumps({"call": call, "meta": meta, "entries": manifest["entries"] if manifest else []},
+                             sort_keys=True, separators=(",", ":"))
+            engine._chans[0].send({"op": "call", "job_id": job_id, "call": call, "doc": doc,
+                                   "segment": {"path": path, "nbytes": manifest["nbytes"]} if manifest else None})
+            answer = engine._await_job(job_id, self.deadlines, None, None, self._watch, call=call)
+            outputs = bridge.read_segment(answer["outputs"]) if answer.get("outputs") else {}
+        except (ChannelClosed, OSError) as e:
+            engine._fail(f"control channel failed: {e}")
+            raise EngineError(f"job {job_id}: the engine's control channel failed during call {call} ({e}); the "
+                              f"ranks will be replaced", phase="compute") from e
+        finally:
+            bridge.unlink_quietly(path)
+            if engine.engine_dir:
+                bridge.unlink_quietly(os.path.join(engine.engine_dir, f"j{job_id}-c{call}-out"))
+        self.call_s.append(time.perf_counter() - t0)
+        return outputs
+
+    def __exit__(self, exc_type, exc, tb):
+        engine = self.engine
+        try:
+            if self._watch is not None and not self._watch.final and engine._broken is None:
+                try:
+                    end = json.dumps({"call": 0, "end": True, "aborted": exc_type is not None, "entries": []})
+                    engine._chans[0].send({"op": "call", "job_id": self.job_id, "call": 0, "doc": end,
+                                           "segment": None})
+                except (ChannelClosed, OSError):
+                    pass
+            if engine._broken is None:
+                try:
+                    self.result = engine._collect(self.job_id, self._crc, self._watch, self.deadlines, None, None,
+                                                  self._times)
+                except BaseException:
+                    if exc_type is None:
+                        raise
+            else:
+                engine._unlink_job_files(self.job_id)
+        finally:
+            engine._lock.release()
+        return False

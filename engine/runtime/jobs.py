@@ -83,6 +83,20 @@ class JobContext:
         """How long any one wait for another rank may take (the process group's collective timeout)."""
         return float(self._rt._init.get("collective_timeout_s", 1800.0))
 
+    def calls(self):
+        """Serve a session (client: Engine.session): yields (call, meta, tensors) on every rank, in the same order,
+        until the client ends it; answer each with answer(). Rank 0 waits at most the collective timeout for the
+        next call, the other ranks wait in the broadcast that brings it."""
+        while True:
+            received = self._rt.next_call(self.job_id, self.deadline_s)
+            if received is None:
+                return
+            yield received
+
+    def answer(self, call: int, outputs: dict[str, torch.Tensor] | None, **info) -> None:
+        """A call's outputs (rank 0's are returned; the others' are ignored) and small JSON facts about it."""
+        self._rt.answer_call(self.job_id, call, outputs, info)
+
     def check_cancel(self, step: int) -> None:
         """Raise on every rank at once if the client asked any rank to cancel (agreed by all_reduce MAX,
         so no rank leaves a collective the others still wait in)."""
@@ -110,6 +124,24 @@ def echo(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     if ctx.rank == int(spec.get("return_rank", 0)):
         return inputs
     return None
+
+
+@job("echo_calls")
+def echo_calls(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """A session that answers each call with its tensors times `scale` (meta) plus this rank's count of calls, summed
+    over the ranks: what the engine's own tests check the call path with. `raise_on_rank` at call `raise_at_call`
+    makes one rank fail mid-session."""
+    served = 0
+    for call, meta, tensors in ctx.calls():
+        served += 1
+        if spec.get("raise_on_rank") == ctx.rank and call == int(spec.get("raise_at_call", 0)):
+            raise RuntimeError(f"echo_calls job told to fail on rank {ctx.rank} at call {call}")
+        count = torch.tensor([float(served)])
+        if ctx.world > 1:
+            dist.all_reduce(count, group=ctx.group)
+        ctx.answer(call, {**{k: v * float(meta.get("scale", 1.0)) for k, v in tensors.items()}, "served": count})
+    ctx.info["calls"] = served
+    return {"base": inputs["base"]} if ctx.rank == 0 and "base" in inputs else None
 
 
 @job("inspect")
@@ -140,6 +172,15 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     from ..generate.run import run_generate
 
     return run_generate(ctx, GenerateRequest.from_job(spec, inputs))
+
+
+@job("guide")
+def guide(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """The model driven one evaluation per call by a sampler in the client's process (engine/generate/guide.py)."""
+    from ..generate.guide import run_guide
+    from ..generate.request import GenerateRequest
+
+    return run_guide(ctx, GenerateRequest.from_job(spec, inputs))
 
 
 @job("comm_probe")

@@ -185,6 +185,34 @@ class RankRuntime:
         segment = {"nbytes": n_payload} if n_payload else None
         return doc, self._manifest(doc, segment), data[n_padded:]
 
+    def next_call(self, job_id: int, timeout_s: float) -> tuple[int, dict, dict[str, torch.Tensor]] | None:
+        """A session's next call on every rank: rank 0 takes it from the client (waiting up to timeout_s) and
+        broadcasts it like a job. Returns (call, meta, tensors), or None when the client ended the session."""
+        message: dict = {}
+        if self.rank == 0:
+            try:
+                message = self.inbox.get(timeout=timeout_s)
+            except queue.Empty:
+                raise EngineError(f"job {job_id}: no call from the client for {timeout_s:g} s (the collective "
+                                  f"timeout); the session ends", rank=0, phase="compute") from None
+            if message.get("op") != "call" or message.get("job_id") != job_id:
+                raise EngineError(f"job {job_id}: expected a call, the client sent {message.get('op')!r} for job "
+                                  f"{message.get('job_id')}", rank=0, phase="compute")
+        doc, manifest, buf = self._receive_job(message)
+        header = json.loads(doc)
+        if header.get("end"):
+            return None
+        return header["call"], header["meta"], bridge.tensors_from_buffer(buf, manifest)
+
+    def answer_call(self, job_id: int, call: int, outputs: dict[str, torch.Tensor] | None, info: dict) -> None:
+        """Rank 0 returns a call's outputs through shared memory; the other ranks have nothing to say."""
+        if self.rank != 0:
+            return
+        manifest = None
+        if outputs:
+            manifest = bridge.write_segment(os.path.join(self.engine_dir, f"j{job_id}-c{call}-out"), outputs)
+        self.chan.send({"op": "answer", "job_id": job_id, "call": call, "outputs": manifest, "info": info})
+
     @staticmethod
     def _manifest(doc: str, segment: dict | None) -> dict:
         entries = json.loads(doc)["entries"]

@@ -1,0 +1,133 @@
+"""Run inside a real ComfyUI's Python (by tests/test_comfyui_live.py): SamplerCustomAdvanced with the xDiT Guider
+against the same graph with ComfyUI's own BasicGuider (FLUX) / CFGGuider (SD3) on the model ComfyUI loads from the
+same file (UNETLoader), with RandomNoise, KSamplerSelect, BasicScheduler and a SplitSigmas edit; then every sampler
+name KSamplerSelect offers through both guiders. The native model is built as UNETLoader builds it, with the tiny
+file's widths (ComfyUI's FLUX detection assumes FLUX.1's full widths). Prints one JSON report.
+Usage: python comfyui_live_guider_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
+import asyncio
+import json
+import os
+import sys
+import time
+
+comfyui, pack_parent, models = sys.argv[1:4]
+sys.argv = ["main.py", "--cpu"]
+sys.path.insert(0, comfyui)
+os.chdir(comfyui)
+import torch  # noqa: E402
+import comfy.options  # noqa: E402
+comfy.options.enable_args_parsing()
+import comfy.samplers  # noqa: E402
+import folder_paths  # noqa: E402
+import nodes  # noqa: E402
+
+folder_paths.add_model_folder_path("diffusion_models", os.path.join(models, "diffusion_models"))
+folder_paths.add_model_folder_path("custom_nodes", pack_parent)
+asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
+
+
+def call(name, **kw):
+    """Run a node as ComfyUI's executor would: V3 classes through EXECUTE_NORMALIZED, V1 through FUNCTION."""
+    cls = nodes.NODE_CLASS_MAPPINGS[name]
+    if hasattr(cls, "EXECUTE_NORMALIZED"):
+        return cls.EXECUTE_NORMALIZED(**kw).args
+    return getattr(cls(), cls.FUNCTION)(**kw)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+g = torch.Generator().manual_seed(0)
+flux_cond = [[torch.randn(1, 24, 4096, generator=g), {"pooled_output": torch.randn(1, 768, generator=g),
+                                                      "guidance": 3.5}]]
+sd3_pos = [[torch.randn(1, 30, 4096, generator=g), {"pooled_output": torch.randn(1, 2048, generator=g)}]]
+sd3_neg = [[torch.randn(1, 30, 4096, generator=g), {"pooled_output": torch.randn(1, 2048, generator=g)}]]
+latent = {"samples": torch.zeros(1, 16, 8, 8)}
+report = {"registered": "XDiTGuider" in nodes.NODE_CLASS_MAPPINGS, "graphs": [], "samplers": {}}
+
+
+def engine(file, gpus):
+    return call("XDiTEngine", model_name=file, family="auto", weight_dtype="default", gpus=gpus, plan="auto",
+                ulysses=1, ring=1, cfg_parallel=False, dp=1, timeout_s=600)[0]
+
+
+def native_model(file):
+    """UNETLoader's model, except that ComfyUI's FLUX detection fixes FLUX.1's widths (3072, 24 heads): the tiny file's
+    widths are given to it; everything else (config class, weights, model sampling) is ComfyUI's own."""
+    import comfy.model_detection
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.utils
+
+    sd = comfy.utils.load_torch_file(folder_paths.get_full_path("diffusion_models", file))
+    unet_config = comfy.model_detection.detect_unet_config(sd, "")
+    if unet_config.get("image_model") == "flux":
+        width = sd["img_in.weight"].shape[0]
+        unet_config.update(hidden_size=width, num_heads=width // 32, axes_dim=[4, 14, 14])
+    config = comfy.model_detection.model_config_from_unet_config(unet_config, sd)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(sd, "")
+    model.load_model_weights(sd, "")
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def guiders(family, file, gpus, cfg=4.0):
+    model = native_model(file)
+    eng = engine(file, gpus)
+    if family == "flux":
+        native = call("BasicGuider", model=model, conditioning=flux_cond)[0]
+        ours = call("XDiTGuider", engine=eng, positive=flux_cond, cfg=1.0)[0]
+    else:
+        native = call("CFGGuider", model=model, positive=sd3_pos, negative=sd3_neg, cfg=cfg)[0]
+        ours = call("XDiTGuider", engine=eng, positive=sd3_pos, negative=sd3_neg, cfg=cfg)[0]
+    return model, native, ours
+
+
+def run(guider, sampler_name, sigmas, seed=5, lat=latent, add_noise=True):
+    noise = call("RandomNoise", noise_seed=seed)[0] if add_noise else call("DisableNoise")[0]
+    sampler = call("KSamplerSelect", sampler_name=sampler_name)[0]
+    return call("SamplerCustomAdvanced", noise=noise, guider=guider, sampler=sampler, sigmas=sigmas,
+                latent_image=lat)[0]
+
+
+for family, file in (("flux", "tiny-flux-dev.safetensors"), ("sd3", "tiny-sd3.5-medium.safetensors")):
+    for gpus in ("0", "0,1"):
+        model, native, ours = guiders(family, file, gpus)
+        sigmas = call("BasicScheduler", model=model, scheduler="simple", steps=4, denoise=1.0)[0]
+        high, low = call("SplitSigmas", sigmas=sigmas, step=2)
+        entry = {"family": family, "gpus": gpus}
+        for name, guider in (("native", native), ("xdit", ours)):
+            first = run(guider, "euler", high)
+            entry[name] = run(guider, "euler", low, lat=first, add_noise=False)["samples"]
+        entry["whole_xdit"] = run(ours, "euler", sigmas)["samples"]
+        report["graphs"].append({"family": family, "gpus": gpus, "split_rel_l2": rel(entry["xdit"], entry["native"]),
+                                 "split_vs_whole_rel_l2": rel(entry["xdit"], entry["whole_xdit"]),
+                                 "plan": ours.last_run["plan"], "calls": ours.last_run["calls"]})
+
+for family, file in (("flux", "tiny-flux-dev.safetensors"), ("sd3", "tiny-sd3.5-medium.safetensors")):
+    model, native, ours = guiders(family, file, "0", cfg=2.0)
+    sigmas = call("BasicScheduler", model=model, scheduler="simple", steps=3, denoise=1.0)[0]
+    for name in comfy.samplers.SAMPLER_NAMES:
+        t0 = time.perf_counter()
+        try:
+            want = run(native, name, sigmas)["samples"]
+            got = run(ours, name, sigmas)["samples"]
+            report["samplers"][f"{family}/{name}"] = {"rel_l2": rel(got, want), "calls": ours.last_run["calls"],
+                                                      "finite": bool(torch.isfinite(got).all()),
+                                                      "s": round(time.perf_counter() - t0, 2)}
+        except Exception as e:  # reported, not hidden: the test fails on any entry that is not a number
+            report["samplers"][f"{family}/{name}"] = {"error": f"{type(e).__name__}: {e}"}
+report["ksampler"] = {}
+for family, file, pos, neg, cfg in (("flux", "tiny-flux-dev.safetensors", flux_cond, flux_cond, 1.0),
+                                    ("sd3", "tiny-sd3.5-medium.safetensors", sd3_pos, sd3_neg, 3.0)):
+    model, eng = native_model(file), engine(file, "0,1")
+    for sampler_name, scheduler, denoise in (("uni_pc", "simple", 1.0), ("lcm", "beta", 1.0),
+                                             ("res_multistep", "karras", 0.7), ("euler", "simple", 1.0)):
+        job = dict(seed=3, steps=3, cfg=cfg, sampler_name=sampler_name, scheduler=scheduler, positive=pos,
+                   negative=neg, latent_image=latent, denoise=denoise)
+        want = call("KSampler", model=model, **job)[0]["samples"]
+        got = call("XDiTSampler", engine=eng, **job)[0]["samples"]
+        report["ksampler"][f"{family}/{sampler_name}/{scheduler}/{denoise}"] = rel(got, want)
+print("REPORT " + json.dumps(report))
