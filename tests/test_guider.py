@@ -5,36 +5,23 @@ on 1 and 2 ranks, for FLUX (cfg 1, no negative) and SD3 (cfg > 1, CFG parallel),
 
 The stand-ins below restate ComfyUI 0.3.64's formulas (comfy/samplers.py sampling_function, cfg_function,
 KSAMPLER.sample; comfy/model_sampling.py CONST); the real ones run in tests/test_comfyui_live.py."""
-import importlib
 import math
 
 import pytest
 import torch
 
-from engine.models.tiny import write_tiny
 from engine.sampling.ksampler import _percent_to_sigma
 from engine.sampling.latent_formats import latent_format
 from engine.sampling.noise import prepare_noise
 from engine.sampling.samplers import sample as engine_sample
 from engine.sampling.schedules import FlowSampling, compute_sigmas
 
-from conftest import PACK_NAME, load_pack
+import test_nodes
 from test_nodes import empty_latent, flux_conditioning, sd3_conditioning, settings
 from tolerance import fp32_bound, report, sampling_amplification
 
 
-@pytest.fixture(scope="module")
-def core():
-    load_pack()
-    module = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
-    yield module
-    module.REGISTRY.unload()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("guider")
-    return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium")}
+core, models = test_nodes.core, test_nodes.models  # fixtures: the pack's core module, the tiny model files
 
 
 class ConstSampling:
