@@ -2,12 +2,15 @@
 
 
 class EngineError(RuntimeError):
-    """A job or the rank group failed. `rank` and `phase` say where, when known."""
+    """A job or the rank group failed. `rank` and `phase` say where, when known; `oom` marks an out-of-memory failure."""
 
-    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None):
+    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None, oom: bool = False,
+                 memory: dict | None = None):
         super().__init__(message)
         self.rank = rank
         self.phase = phase
+        self.oom = oom          # the rank ran out of memory (CUDA, or the host's for CPU ranks)
+        self.memory = memory    # what that rank held then (GiB), as JobContext.memory() reports it
 
 
 class JobCancelled(EngineError):

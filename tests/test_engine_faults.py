@@ -127,3 +127,103 @@ def test_close_stops_the_ranks_and_removes_shared_memory():
     e.close()
     assert all(pid_gone(p) for p in pids)
     assert not os.path.exists(path)
+
+
+def test_a_step_that_stalls_past_step_s_names_the_rank_phase_and_step():
+    deadlines = Deadlines(step_s=1.5, heartbeat_s=10, error_grace_s=1)
+    with Engine(2, device="cpu", deadlines=deadlines) as e:
+        with pytest.raises(EngineError, match=r"made no progress for 1.5 s during phase compute at step \d.*step_s") \
+                as info:
+            e.submit("echo", {"steps": 4, "step_sleep_s": 0.2}, {"x": torch.zeros(1)})   # fine: 0.2 s steps
+            e.submit("echo", {"steps": 4, "step_sleep_s": 30}, {"x": torch.zeros(1)})    # a step that hangs
+        print(str(info.value).splitlines()[0])
+        assert info.value.phase == "compute" and info.value.rank in (0, 1)
+        assert e.submit("echo", {}, {"x": torch.ones(1)}, deadlines=FAST).outputs["x"].item() == 1.0
+
+
+def test_an_idle_engine_outlives_its_collective_timeout():
+    """No collective runs while idle, so a process-group timeout shorter than the idle time ends nothing."""
+    with Engine(2, device="cpu", deadlines=FAST, collective_timeout_s=2) as e:
+        x = torch.randn(8)
+        assert torch.equal(e.submit("echo", {"steps": 2, "return_rank": 1}, {"x": x}).outputs["x"], x)
+        time.sleep(5)
+        assert torch.equal(e.submit("echo", {"steps": 2, "return_rank": 1}, {"x": x}).outputs["x"], x)
+        assert not e.restarts
+
+
+def test_a_model_load_past_its_deadline_names_the_load_and_its_scaled_limit(tmp_path):
+    """The load's deadline is load_s + load_s_per_gib per GiB of the file; a rank stuck in it (stopped here, with a
+    heartbeat deadline longer than the load's) fails the job naming the load."""
+    from engine.generate.request import GenerateRequest
+    from engine.runtime.faults import Fault
+
+    assert Deadlines(load_s=300, load_s_per_gib=60).for_phase("load", 23 * 2**30) == 300 + 60 * 23
+    fault = Fault(rank=1, point="load", action="stop", marker=str(tmp_path / "fired"))
+    deadlines = Deadlines(load_s=1.0, load_s_per_gib=60, heartbeat_s=60, error_grace_s=1)
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2)
+    request.validate(2)
+    with Engine(2, device="cpu", deadlines=deadlines, env=fault.env()) as e:
+        with pytest.raises(EngineError, match=r"rank 1 exceeded the load deadline .*\(1 s, 1 s \+ 60 s/GiB") as info:
+            request.submit(e)
+        print(str(info.value).splitlines()[0])
+        assert info.value.phase == "load" and len(fault.firings()) == 1
+        assert request.submit(e).outputs["samples"].shape == request.latent_raw.shape
+
+
+def test_a_second_failure_in_a_row_backs_off_instead_of_restarting_in_a_loop(tmp_path):
+    from engine.runtime.faults import Fault
+
+    fault = Fault(rank=1, point="start", action="kill", times=3, marker=str(tmp_path / "fired"))
+    e = Engine(2, device="cpu", deadlines=Deadlines(backoff_s=1.5, heartbeat_s=10), env=fault.env(), start=False)
+    try:
+        for _ in range(2):   # two start-ups in a row fail
+            with pytest.raises(EngineError, match="rank 1 exited during start-up"):
+                e.submit("echo", {}, {"x": torch.ones(1)})
+        with pytest.raises(EngineError, match=r"failed 2 times in a row .*backoff_s") as info:
+            e.submit("echo", {}, {"x": torch.ones(1)})
+        print(str(info.value))
+        assert len(fault.firings()) == 2 and not e.pids   # refused without starting anything
+        time.sleep(1.6)
+        with pytest.raises(EngineError, match="rank 1 exited during start-up"):   # the third try, after the wait
+            e.submit("echo", {}, {"x": torch.ones(1)})
+        with pytest.raises(EngineError, match=r"failed 3 times in a row .*in [23] s"):   # the wait doubles
+            e.submit("echo", {}, {"x": torch.ones(1)})
+        time.sleep(3.1)
+        assert e.submit("echo", {}, {"x": torch.ones(1)}).outputs["x"].item() == 1.0   # the fault is spent
+        assert e._failures == 0
+    finally:
+        e.close()
+
+
+def test_an_out_of_memory_generate_job_names_plans_and_settings_that_need_less(tmp_path):
+    from engine.generate.request import GenerateRequest
+    from engine.parallel.plan import ParallelPlan
+    from engine.runtime.faults import Fault
+
+    fault = Fault(rank=1, point="step", action="oom", step=1, marker=str(tmp_path / "fired"))
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=3,
+                                                  plan=ParallelPlan(ulysses=2))
+    request.validate(2)
+    with Engine(2, device="cpu", deadlines=FAST, env=fault.env()) as e:
+        with pytest.raises(EngineError) as info:
+            request.submit(e)
+        message = str(info.value)
+        print(message)
+        assert info.value.oom and info.value.rank == 1
+        assert "rank 1 ran out of memory in phase compute at step 1" in message
+        assert "the planner estimated" in message and "for ulysses2 (weights" in message
+        assert request.submit(e).outputs["samples"].shape == request.latent_raw.shape
+
+
+def test_out_of_memory_advice_for_flux_dev_on_24_gib_cards_names_what_would_fit():
+    """At FLUX.1-dev's real size (no weights loaded: the planner works from the model's dims) on two 24 GiB GPUs."""
+    from engine.generate.request import GenerateRequest
+    from engine.parallel.plan import ParallelPlan
+
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,
+                                                  plan=ParallelPlan(ulysses=2), dtype="bf16")
+    request.validate(2)
+    advice = request.memory_advice(2, {"device_total_gib": 24.0, "peak_gib": 23.5})
+    print(advice)
+    assert "for ulysses2" in advice and "on a 24 GiB device" in advice
+    assert "fp8 weights would fit" in advice and "explicit pipefusion2" in advice

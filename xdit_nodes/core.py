@@ -364,7 +364,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
         before_job()
     record = registry.get(settings)
     t0 = time.perf_counter()
-    result = record.engine.submit("generate", *request.to_job(), on_progress=on_progress, should_cancel=should_cancel)
+    result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel)
     record.last_plan = choice.plan.describe()
     record.last_plan_reason = choice.reason
     record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)

@@ -185,13 +185,12 @@ class Progress:
 def run(a) -> int:
     request, ranks, choice = prepare(a)
     print(choice.reason, flush=True)
-    spec, inputs = request.to_job()
     progress = Progress()
     t0 = time.perf_counter()
     with Engine(ranks, device="cuda" if a.gpus else "cpu", gpus=a.gpus) as engine:
         t_start = time.perf_counter() - t0
         try:
-            result = engine.submit("generate", spec, inputs, on_progress=progress)
+            result = request.submit(engine, on_progress=progress)
         finally:
             progress.close()
     samples = result.outputs["samples"]

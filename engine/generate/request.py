@@ -111,15 +111,55 @@ class GenerateRequest:
             self._check_loras(info)
         if ranks is None:
             ranks = self.plan.world_size if isinstance(self.plan, ParallelPlan) else 1
-        work = Workload.from_info(info, lat.shape[2], lat.shape[3], batch=batch, negative_pass=self.negative_pass,
-                                  text_tokens=self.cond.shape[1], dtype=self.dtype, fp8_weights=self.fp8_weights,
-                                  compiled=self.compile)
+        work = self.workload(info)
         choice = resolve_plan(self.plan, ranks, work, hardware)
         self._check_pipefusion(info, choice.plan, lat.shape[2], lat.shape[3])
         if choice.plan.pipefusion > 1 and hardware is not None and hardware.device != "cpu":
             choice = self._fit_stages(info, choice, work, hardware)
         self.plan = choice.plan
         return choice
+
+    def workload(self, info) -> Workload:
+        """What the planner and the cost model know of this job."""
+        lat = self.latent_raw
+        return Workload.from_info(info, lat.shape[2], lat.shape[3], batch=lat.shape[0],
+                                  negative_pass=self.negative_pass, text_tokens=self.cond.shape[1], dtype=self.dtype,
+                                  fp8_weights=self.fp8_weights, compiled=self.compile)
+
+    def submit(self, engine, **kwargs):
+        """Run this validated request as a generate job on `engine` (kwargs: Engine.submit's callbacks). A rank that
+        runs out of memory fails the job with what it held and the plans and settings that need less."""
+        from ..errors import EngineError
+        try:
+            return engine.submit("generate", *self.to_job(), **kwargs)
+        except EngineError as e:
+            if not e.oom:
+                raise
+            raise EngineError(f"{e}; {self.memory_advice(engine.world, e.memory)}", rank=e.rank, phase=e.phase,
+                              oom=True, memory=e.memory) from e
+
+    def memory_advice(self, ranks: int, memory: dict | None) -> str:
+        """After an out-of-memory failure under this (resolved) plan: the planner's estimate, the plans of `ranks`
+        GPUs it expects to need less, and what else would (fp8 weights, PipeFusion, more GPUs), measured against the
+        device's size when the rank reported it, else against the estimate that proved too small."""
+        from ..parallel import cost
+        from ..parallel.plan import feasible, memory_helps
+        work = self.workload(inspect_model(self.model))
+        estimate = cost.memory_gib(self.plan, work)
+        failed = estimate["total"]
+        total = (memory or {}).get("device_total_gib")
+        budget = total or failed
+        lighter = sorted((cost.memory_gib(p, work)["total"], p.describe()) for p in feasible(ranks, work)
+                         if p != self.plan)
+        lighter = [(g, name) for g, name in lighter if g < min(failed, budget)]
+        advice = [f"the planner estimated {failed:.1f} GiB per rank for {self.plan.describe()} (weights "
+                  f"{estimate['weights']:.1f}, activations {estimate['activations']:.1f}, runtime "
+                  f"{estimate['runtime']:.1f})" + (f" on a {total:.0f} GiB device" if total else "")]
+        if lighter:
+            advice.append("plans that need less: " + ", ".join(f"{name} (est. {g:.1f} GiB)" for g, name in lighter[:3]))
+        advice += memory_helps(ranks, work, budget * (1 if total else 0.99))
+        advice.append("a smaller image or batch shrinks the activations")
+        return "; ".join(advice)
 
     def _fit_stages(self, info, choice: PlanChoice, work: Workload, hardware: Hardware) -> PlanChoice:
         """PipeFusion on GPUs: each stage's weights, K/V buffers and activations must fit a GPU. The stages are

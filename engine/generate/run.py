@@ -37,8 +37,11 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
         release_model_memory(ctx.device)  # the old weights (and graphs compiled around them) go before the new come
         model_class(inspect_model(request.model).family)  # diffusers' modules imported before the baseline
         ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
+        # the load's deadline grows with the file (Deadlines.load_s + load_s_per_gib per GiB)
+        ctx.enter_phase("load", bytes=0 if request.model.startswith("synthetic:") else os.path.getsize(request.model))
         loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights,
                             keep=stage[1] if stage else None)
+        ctx.enter_phase("compute")
         state.update(key=key, loaded=loaded, flow=FlowModel(loaded))
         ctx.info["loaded"] = loaded.stats
     if state.get("mesh") is not mesh:

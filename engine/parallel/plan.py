@@ -182,17 +182,17 @@ def _fmt_estimate(e: cost.Estimate) -> str:
     return f"est. {e.step_ms:.0f} ms/step (compute {e.compute_ms:.0f}, comm {e.comm_ms:.0f})"
 
 
-def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> str:
-    """Why no plan fits the GPUs' memory, with the numbers and what would help."""
-    m = best.memory
+def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
+    """What would bring `work` on `ranks` GPUs under `gib` per GPU: fp8 weights, an explicit PipeFusion plan (it
+    divides the blocks' weights between the GPUs), more GPUs. Empty when none of these would."""
     helps = []
     if work.weight_bytes and not work.fp8_weights:
         per = cost.DTYPE_BYTES[work.dtype]
         light = Workload(**{**asdict(work), "weight_bytes": work.weight_bytes // per,
                             "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
-        if min(cost.memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= hw.memory_gib:
+        if min(cost.memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= gib:
             helps.append(f"fp8 weights would fit ({light.weight_bytes / cost.GiB:.1f} GiB of weights)")
-    if ranks > 1:   # PipeFusion divides the blocks' weights between the GPUs (explicit plans only)
+    if ranks > 1:
         from ..models.synthetic import synthetic_info
         from .parallelize import PIPELINE_PARTS
         from .pipefusion import fit_stages
@@ -201,15 +201,22 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
             plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
             if plan is None or plan_problems(plan, work):
                 continue
-            counts, gib, _ = fit_stages(info, PIPELINE_PARTS[info.family][0], plan, work, hw.memory_gib)
+            counts, stage_gib, _ = fit_stages(info, PIPELINE_PARTS[info.family][0], plan, work, gib)
             if counts:
                 helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
-                             f"{', '.join(f'{g:.1f}' for g in gib)} GiB)")
+                             f"{', '.join(f'{g:.1f}' for g in stage_gib)} GiB)")
                 break
     more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
-                 if any(cost.memory_gib(p, work)["total"] <= hw.memory_gib for p in feasible(n, work))), None)
+                 if any(cost.memory_gib(p, work)["total"] <= gib for p in feasible(n, work))), None)
     if more:
         helps.append(f"{more} GPUs would fit (sequence parallel splits the activations)")
+    return helps
+
+
+def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> str:
+    """Why no plan fits the GPUs' memory, with the numbers and what would help."""
+    m = best.memory
+    helps = memory_helps(ranks, work, hw.memory_gib)
     helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
                  "GPUs with more memory")
     return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "

@@ -32,17 +32,25 @@ PHASES = ("sent", "broadcast", "compute", "return")
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Seconds. A phase that runs past its deadline, or a busy rank silent past `heartbeat_s`, fails the job."""
+    """Seconds. A phase that runs past its deadline, a step that does not finish within `step_s`, or a rank silent past
+    `heartbeat_s` (busy or starting) fails the job, naming the rank, the phase and the step. An idle engine has no
+    deadline and runs no collective, so no process-group timeout can end it."""
 
     start_s: float = 180.0       # all ranks up and the process group formed
     broadcast_s: float = 120.0   # job received and verified on every rank ("sent" counts here too)
-    compute_s: float = 3600.0    # the job itself
+    load_s: float = 300.0        # loading a model's weights: this, plus load_s_per_gib for each GiB of the file
+    load_s_per_gib: float = 60.0  # (60 s/GiB: a 23 GiB FLUX.1-dev file read at 17 MB/s, e.g. from a network disk)
+    compute_s: float = 3600.0    # the job itself (model load excluded)
+    step_s: float = 900.0        # one step of the job's loop, or one call of a session (the first may compile)
     return_s: float = 120.0      # results written to shared memory
-    heartbeat_s: float = 15.0    # a busy rank that says nothing for this long is hung
+    heartbeat_s: float = 15.0    # a busy or starting rank that says nothing for this long is hung
     error_grace_s: float = 3.0   # after one rank fails, how long the others get to report
     shutdown_s: float = 10.0
+    backoff_s: float = 10.0      # after a second failure in a row, no restart for this long (doubling, up to 16x)
 
-    def for_phase(self, phase: str) -> float:
+    def for_phase(self, phase: str, nbytes: int = 0) -> float:
+        if phase == "load":
+            return self.load_s + self.load_s_per_gib * nbytes / 2**30
         return {"sent": self.broadcast_s, "broadcast": self.broadcast_s,
                 "compute": self.compute_s, "return": self.return_s}[phase]
 
@@ -69,7 +77,8 @@ class Engine:
 
     def __init__(self, ranks: int = 1, *, device: str = "cpu", gpus: list[int] | None = None,
                  deadlines: Deadlines | None = None, heartbeat_interval_s: float = 0.5,
-                 collective_timeout_s: float = 1800.0, rank_stdio: str = "log", start: bool = True):
+                 collective_timeout_s: float = 1800.0, rank_stdio: str = "log", env: dict[str, str] | None = None,
+                 start: bool = True):
         if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
             raise ValueError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
         if device not in ("cpu", "cuda"):
@@ -96,6 +105,7 @@ class Engine:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.collective_timeout_s = collective_timeout_s
         self.rank_stdio = rank_stdio
+        self.env = dict(env or {})   # added to the ranks' environment (e.g. NCCL settings, faults.ENV)
         self.generation = 0          # how many times the rank group was (re)started
         self.restarts: list[str] = []  # why each replacement happened
         self._procs: list[subprocess.Popen] = []
@@ -103,6 +113,9 @@ class Engine:
         self.engine_dir: str | None = None
         self.rank_info: list[dict] = []
         self._broken: str | None = None
+        self._failures = 0           # failures in a row (a job every rank answered ends the run)
+        self._retry_at = 0.0         # monotonic time before which no restart is tried (backoff)
+        self._last_failure = ""
         self._job_ids = itertools.count(1)
         self._finalizer = None
         self._lock = threading.RLock()  # one job (or lifecycle change) at a time
@@ -129,7 +142,7 @@ class Engine:
         self.engine_dir = bridge.make_engine_dir()
         self.generation += 1
         store_path = os.path.join(self.engine_dir, f"store-{self.generation}")
-        env = rank_env(self.gpus if self.device == "cuda" else None)
+        env = {**rank_env(self.gpus if self.device == "cuda" else None), **self.env}
         threads = max(1, (os.cpu_count() or 1) // self.world)
         self._finalizer = weakref.finalize(self, kill_all, self._procs, self._chans, self.engine_dir)
         pgid = 0
@@ -146,13 +159,18 @@ class Engine:
                            "heartbeat_interval_s": self.heartbeat_interval_s,
                            "collective_timeout_s": self.collective_timeout_s, "threads": threads})
             self.rank_info = self._wait_ready()
-        except BaseException:
+        except BaseException as e:
             self._teardown()
+            if isinstance(e, Exception):
+                self._note_failure(f"start-up failed: {str(e).splitlines()[0]}")
             raise
         self._broken = None
 
     def _wait_ready(self) -> list[dict]:
+        """Every rank's "ready". A rank heard from (it says hello once its runtime is up, then beats) that falls silent
+        past heartbeat_s is stopped or hung; one never heard from has until start_s."""
         ready: dict[int, dict] = {}
+        heard: dict[int, float] = {}
         deadline = time.monotonic() + self.deadlines.start_s
         sel = selectors.DefaultSelector()
         for rank, chan in enumerate(self._chans):
@@ -168,12 +186,20 @@ class Engine:
                     rank = key.data
                     try:
                         for message in self._chans[rank].recv_ready():
+                            heard[rank] = time.monotonic()
                             if message.get("op") == "ready":
                                 ready[rank] = message
                     except ChannelClosed:
                         status = self._reap(rank)
                         raise EngineError(f"rank {rank} exited during start-up ({status})"
                                           f"{self._log_tail(rank)}", rank=rank, phase="start") from None
+                now = time.monotonic()
+                silent = [r for r, t in heard.items() if r not in ready and now - t > self.deadlines.heartbeat_s]
+                if silent:
+                    raise EngineError(f"rank {silent[0]} stopped answering during start-up (no heartbeat for "
+                                      f"{self.deadlines.heartbeat_s:g} s, deadline heartbeat_s; pid "
+                                      f"{self._procs[silent[0]].pid}){self._log_tail(silent[0])}",
+                                      rank=silent[0], phase="start")
         finally:
             sel.close()
         return [ready[r] for r in range(self.world)]
@@ -235,14 +261,33 @@ class Engine:
 
     def _ensure_healthy(self) -> None:
         if not self._procs:
+            self._check_backoff()
             self.start()
             return
         if self._broken:
+            self._check_backoff()
             self.restart(self._broken)
             return
         dead = [r for r, p in enumerate(self._procs) if p.poll() is not None]
         if dead:
+            self._check_backoff()
             self.restart(f"rank {dead[0]} had exited while idle ({signal_name(self._procs[dead[0]].poll())})")
+
+    def _note_failure(self, reason: str) -> None:
+        """A failure that took the rank group down (or kept it from starting). From the second in a row on, the next
+        start waits backoff_s, doubling with each further failure (up to 16x): a fault that repeats is reported at
+        once instead of restarting the ranks in a loop."""
+        self._failures += 1
+        self._last_failure = reason
+        if self._failures >= 2:
+            self._retry_at = time.monotonic() + self.deadlines.backoff_s * min(16, 2 ** (self._failures - 2))
+
+    def _check_backoff(self) -> None:
+        left = self._retry_at - time.monotonic()
+        if self._failures >= 2 and left > 0:
+            raise EngineError(f"the engine failed {self._failures} times in a row (last: {self._last_failure}); it "
+                              f"starts its ranks again in {left:.0f} s (deadline backoff_s), so a repeating fault does "
+                              f"not loop: check the rank logs, the GPUs and the model", phase="start")
 
     # ---- jobs ----------------------------------------------------------------------------------
     def submit(self, kind: str, spec: dict | None = None, inputs: dict[str, torch.Tensor] | None = None, *,
@@ -342,17 +387,19 @@ class Engine:
     def _fail(self, reason: str) -> None:
         """The group may be mid-collective: kill it now (frees GPUs at once); start anew on the next job."""
         self._broken = reason
+        self._note_failure(reason)
         kill_all(self._procs, [], None)
 
     def _await_job(self, job_id: int, deadlines: Deadlines, on_progress, should_cancel, watch: "_Watch",
                    call: int | None = None) -> list[dict] | dict:
         """Follow the job's ranks until each has finished (the reports, rank order) or, with `call`, until rank 0
-        answers that call (its answer). Every wait has a deadline; a dead, silent or late rank fails the job."""
+        answers that call (its answer). Every wait has a deadline; a dead, silent, stalled or late rank fails the job
+        with an error naming the rank, the phase and the step."""
         phase, phase_start, last_seen, final = watch.phase, watch.phase_start, watch.last_seen, watch.final
-        if call is not None:  # between calls nobody read the ranks' heartbeats: they count from now
+        if call is not None:  # between calls nobody read the ranks' heartbeats, and a call is a step: count from now
             now = time.monotonic()
             for rank in last_seen:
-                last_seen[rank] = now
+                last_seen[rank] = watch.step_start[rank] = now
         cancel_sent = cancel_requested = False
         caller_error: BaseException | None = None  # a callback raised: cancel, let ranks finish, re-raise
         sel = selectors.DefaultSelector()
@@ -378,9 +425,9 @@ class Engine:
                     except ChannelClosed:
                         sel.unregister(key.fileobj)
                         status = self._reap(rank)
-                        where = phase[rank] if rank not in final else "after finishing its part"
+                        where = watch.where(rank) if rank not in final else "after finishing its part"
                         self._fail(f"rank {rank} died ({status})")
-                        raise EngineError(f"job {job_id}: rank {rank} died during phase {where} ({status}); "
+                        raise EngineError(f"job {job_id}: rank {rank} died during {where} ({status}); "
                                           f"the ranks will be replaced before the next job{self._log_tail(rank)}",
                                           rank=rank, phase=phase[rank]) from None
                     now = time.monotonic()
@@ -391,13 +438,17 @@ class Engine:
                         op = m["op"]
                         if op == "phase":
                             phase[rank], phase_start[rank] = m["phase"], now
+                            watch.limit[rank] = deadlines.for_phase(m["phase"], m.get("bytes", 0))
+                            watch.step_start[rank] = now
+                        elif op in ("hb", "progress"):
+                            watch.note_step(rank, m.get("step"), now)
+                            if op == "progress" and on_progress is not None and caller_error is None:
+                                try:
+                                    on_progress(m["step"], m["total"])
+                                except BaseException as e:  # e.g. ComfyUI's interrupt, raised by its progress bar
+                                    caller_error = e
                         elif op == "answer":
                             watch.answers[m["call"]] = m
-                        elif op == "progress" and on_progress is not None and caller_error is None:
-                            try:
-                                on_progress(m["step"], m["total"])
-                            except BaseException as e:  # e.g. ComfyUI's interrupt, raised by its progress bar
-                                caller_error = e
                         elif op in ("done", "error", "cancelled"):
                             final[rank] = m
                             if op == "error" and watch.first_error_at is None:
@@ -407,39 +458,66 @@ class Engine:
                         now - watch.first_error_at > deadlines.error_grace_s:
                     r, m = next((r, m) for r, m in sorted(final.items()) if m["op"] == "error")
                     self._fail(f"rank {r} failed in phase {m['phase']}; others did not finish")
-                    raise EngineError(f"job {job_id}: rank {r} failed in phase {m['phase']}: {m['message']}; "
-                                      f"the ranks will be replaced before the next job", rank=r, phase=m["phase"])
-                for rank in range(self.world):
-                    if rank in final:
-                        continue
-                    if now - last_seen[rank] > deadlines.heartbeat_s:
-                        self._fail(f"rank {rank} stopped answering in phase {phase[rank]}")
-                        raise EngineError(f"job {job_id}: rank {rank} stopped answering during phase "
-                                          f"{phase[rank]} (no heartbeat for {deadlines.heartbeat_s:g} s, deadline "
-                                          f"heartbeat_s; pid {self._procs[rank].pid}); the ranks will be replaced",
-                                          rank=rank, phase=phase[rank])
-                    limit = deadlines.for_phase(phase[rank])
-                    if now - phase_start[rank] > limit:
-                        name = "broadcast" if phase[rank] == "sent" else phase[rank]
-                        self._fail(f"rank {rank} exceeded the {name} deadline")
-                        raise EngineError(f"job {job_id}: rank {rank} exceeded the {name} deadline "
-                                          f"({limit:g} s, deadline {name}_s); the ranks will be replaced",
-                                          rank=rank, phase=name)
+                    raise self._rank_error(job_id, r, m, "; the ranks will be replaced before the next job")
+                self._check_deadlines(job_id, deadlines, watch, now)
         finally:
             sel.close()
+        self._failures = 0   # every rank answered: the group is sound, whatever the job's outcome
         if caller_error is not None:
             raise caller_error
         errors = [(r, m) for r, m in sorted(final.items()) if m["op"] == "error"]
         if errors:  # every rank answered, so the group is back in step and stays up
-            r, m = errors[0]
-            raise EngineError(f"job {job_id}: rank {r} failed in phase {m['phase']}: {m['message']}",
-                              rank=r, phase=m["phase"])
+            raise self._rank_error(job_id, *errors[0], "")
         if any(m["op"] == "cancelled" for m in final.values()):
             steps = sorted({m.get("step") for m in final.values() if m["op"] == "cancelled"})
             raise JobCancelled(f"job {job_id} cancelled at step {steps[0]}; the engine is ready", step=steps[0])
         if call is not None:
             raise EngineError(f"job {job_id}: the ranks ended the job without answering call {call}", phase="compute")
         return [final[r] for r in range(self.world)]
+
+    def _check_deadlines(self, job_id: int, deadlines: Deadlines, watch: "_Watch", now: float) -> None:
+        """A rank silent past heartbeat_s, a step or call past step_s, or a phase past its deadline fails the job."""
+        phase = watch.phase
+        for rank in range(self.world):
+            if rank in watch.final:
+                continue
+            if now - watch.last_seen[rank] > deadlines.heartbeat_s:
+                self._fail(f"rank {rank} stopped answering during {watch.where(rank)}")
+                raise EngineError(f"job {job_id}: rank {rank} stopped answering during {watch.where(rank)} (no "
+                                  f"heartbeat for {deadlines.heartbeat_s:g} s, deadline heartbeat_s; pid "
+                                  f"{self._procs[rank].pid}); the ranks will be replaced", rank=rank, phase=phase[rank])
+            if phase[rank] == "compute" and now - watch.step_start[rank] > deadlines.step_s:
+                stalled = sorted((r for r in range(self.world) if r not in watch.final and phase[r] == "compute"
+                                  and now - watch.step_start[r] > deadlines.step_s), key=lambda r: watch.step_start[r])
+                behind = stalled[0]   # the rank stuck longest; the others may only be waiting for it
+                self._fail(f"rank {behind} stalled during {watch.where(behind)}")
+                raise EngineError(f"job {job_id}: rank {behind} made no progress for {deadlines.step_s:g} s during "
+                                  f"{watch.where(behind)} (deadline step_s; ranks stalled: "
+                                  f"{', '.join(map(str, stalled))}); the ranks will be replaced",
+                                  rank=behind, phase="compute")
+            limit = watch.limit.get(rank) or deadlines.for_phase(phase[rank])
+            if now - watch.phase_start[rank] > limit:
+                name = "broadcast" if phase[rank] == "sent" else phase[rank]
+                self._fail(f"rank {rank} exceeded the {name} deadline")
+                detail = (f"{deadlines.load_s:g} s + {deadlines.load_s_per_gib:g} s/GiB, deadlines load_s and "
+                          f"load_s_per_gib" if name == "load" else f"deadline {name}_s")
+                raise EngineError(f"job {job_id}: rank {rank} exceeded the {name} deadline during "
+                                  f"{watch.where(rank)} ({limit:g} s, {detail}); the ranks will be replaced",
+                                  rank=rank, phase=name)
+
+    def _rank_error(self, job_id: int, rank: int, m: dict, then: str) -> EngineError:
+        """A rank's error report as the caller sees it; an out-of-memory one says what the rank held."""
+        at = f" at step {m['step']}" if m.get("step") is not None else ""
+        if m.get("oom"):
+            mem = m.get("memory") or {}
+            held = (f"; it held {mem['peak_gib']:.1f} GiB at peak, the device {mem['device_used_gib']:.1f} of "
+                    f"{mem['device_total_gib']:.1f} GiB" if "device_total_gib" in mem else
+                    f"; its peak RSS was {mem['peak_rss_gib']:.1f} GiB" if "peak_rss_gib" in mem else "")
+            return EngineError(f"job {job_id}: rank {rank} ran out of memory in phase {m['phase']}{at}: "
+                               f"{m['message'].splitlines()[0]}{held}{then}", rank=rank, phase=m["phase"], oom=True,
+                               memory=mem)
+        return EngineError(f"job {job_id}: rank {rank} failed in phase {m['phase']}{at}: {m['message']}{then}",
+                           rank=rank, phase=m["phase"])
 
 
 class _Watch:
@@ -451,9 +529,24 @@ class _Watch:
         self.phase = {r: "sent" for r in range(world)}
         self.phase_start = dict.fromkeys(range(world), now)
         self.last_seen = dict.fromkeys(range(world), now)
+        self.limit: dict[int, float] = {}       # rank -> its current phase's deadline, once the rank named it
+        self.step: dict[int, int] = {}          # rank -> the last step it reported
+        self.step_start = dict.fromkeys(range(world), now)  # since when each rank has been on that step
         self.final: dict[int, dict] = {}
         self.answers: dict[int, dict] = {}   # call -> rank 0's answer, until taken
         self.first_error_at: float | None = None
+
+    def note_step(self, rank: int, step: int | None, now: float) -> None:
+        if step is not None and step != self.step.get(rank):
+            self.step[rank], self.step_start[rank] = step, now
+
+    def where(self, rank: int) -> str:
+        """"phase compute at step 3": where a rank was, for an error message."""
+        name = "broadcast" if self.phase[rank] == "sent" else self.phase[rank]
+        if name != "compute" or not self.step:
+            return f"phase {name}"
+        # the ranks step together (each step has collectives), and a rank's own count lags by up to a heartbeat
+        return f"phase {name} at step {max(self.step.values())}"
 
 
 class Session:

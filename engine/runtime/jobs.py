@@ -7,6 +7,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import faults
+
 HANDLERS: dict[str, Callable] = {}
 
 
@@ -15,6 +17,30 @@ def job(kind: str):
         HANDLERS[kind] = fn
         return fn
     return register
+
+
+def rank_memory(device: torch.device) -> dict:
+    """A rank's own memory, GiB: RSS and its high-water mark; on CUDA what torch holds, its peak and the device's use."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            status = {line.split(":")[0]: line.split()[1] for line in f if line.startswith(("VmRSS", "VmHWM"))}
+        out["rss_gib"] = int(status["VmRSS"]) / 2**20
+        out["peak_rss_gib"] = int(status["VmHWM"]) / 2**20   # the process's high-water mark
+    except (OSError, KeyError):
+        pass
+    if device.type == "cuda":
+        out["allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        free, total = torch.cuda.mem_get_info(device)
+        out["device_used_gib"], out["device_total_gib"] = (total - free) / 2**30, total / 2**30
+    return out
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator failing (a job too large for the host)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
 class JobCancelledSignal(Exception):
@@ -54,23 +80,18 @@ class JobContext:
 
     def memory(self) -> dict:
         """This rank's own memory (measured here: asking from the client would open CUDA contexts in ComfyUI)."""
-        out = {}
-        try:
-            with open("/proc/self/status") as f:
-                status = {line.split(":")[0]: line.split()[1] for line in f if line.startswith(("VmRSS", "VmHWM"))}
-            out["rss_gib"] = int(status["VmRSS"]) / 2**20
-            out["peak_rss_gib"] = int(status["VmHWM"]) / 2**20   # the process's high-water mark
-        except (OSError, KeyError):
-            pass
-        if self.device.type == "cuda":
-            out["allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
-            out["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            free, total = torch.cuda.mem_get_info(self.device)
-            out["device_used_gib"], out["device_total_gib"] = (total - free) / 2**30, total / 2**30
-        return out
+        return rank_memory(self.device)
+
+    def enter_phase(self, phase: str, **detail) -> None:
+        """The job moves to `phase` ("load" with bytes=N: reading N bytes of weights; "compute"): the client applies
+        that phase's deadline from now."""
+        self._rt.enter_phase(self.job_id, phase, **detail)
+        faults.fire(self._rt.fault, self.rank, phase)
 
     def progress(self, step: int, total: int) -> None:
-        """Rank 0 reports; the client calls the caller's progress callback on the caller's thread."""
+        """Rank 0 reports; the client calls the caller's progress callback on the caller's thread. Every rank notes the
+        step: its heartbeats carry it, so a stall names the step."""
+        self._rt.step = step
         if self.rank == 0:
             self._rt.chan.send({"op": "progress", "job_id": self.job_id, "step": step, "total": total})
 
@@ -100,6 +121,7 @@ class JobContext:
     def check_cancel(self, step: int) -> None:
         """Raise on every rank at once if the client asked any rank to cancel (agreed by all_reduce MAX,
         so no rank leaves a collective the others still wait in)."""
+        self._rt.step = step
         flag = int(self._rt.cancel_job_id == self.job_id)
         if self.world > 1:
             t = torch.tensor([flag], dtype=torch.int64, device=self.device)
@@ -107,6 +129,7 @@ class JobContext:
             flag = int(t.item())
         if flag:
             raise JobCancelledSignal(step)
+        faults.fire(self._rt.fault, self.rank, "step", step)
 
 
 @job("echo")

@@ -22,9 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import bridge
+from . import bridge, faults
 from ..errors import EngineError
-from .jobs import HANDLERS, JobContext, JobCancelledSignal
+from .jobs import HANDLERS, JobContext, JobCancelledSignal, is_out_of_memory, rank_memory
 from .protocol import Channel, ChannelClosed
 
 
@@ -39,6 +39,10 @@ class RankRuntime:
         self.ppid = os.getppid()
         self.inbox: queue.Queue = queue.Queue()
         self.busy = False
+        self.starting = True          # heartbeats flow from start-up on, so a rank stopped in it is seen
+        self.phase: str | None = None  # of the running job, for reports and heartbeats
+        self.step: int | None = None   # the last step the running job reached on this rank
+        self.fault = faults.from_env()
         self.cancel_job_id: int | None = None
         self.stopping = False
         self.cache: dict = {}
@@ -83,9 +87,9 @@ class RankRuntime:
             time.sleep(self.heartbeat_interval_s)
             if os.getppid() != self.ppid and not self.stopping:
                 self._client_gone()
-            if self.busy:
+            if self.busy or self.starting:
                 try:
-                    self.chan.send({"op": "hb"})
+                    self.chan.send({"op": "hb", "phase": self.phase, "step": self.step})
                 except (ChannelClosed, OSError):
                     pass
 
@@ -99,6 +103,7 @@ class RankRuntime:
 
     # ---- jobs ----------------------------------------------------------------------------------
     def serve(self) -> None:
+        self.starting = False
         self.chan.send({"op": "ready", "rank": self.rank, "pid": os.getpid(), "device": str(self.device),
                         "backend": self.backend if self.world > 1 else "none", "torch": torch.__version__})
         while True:
@@ -110,13 +115,21 @@ class RankRuntime:
             if op == "job":
                 self.run_job(message)
 
+    def enter_phase(self, job_id: int, phase: str, **detail) -> None:
+        """Tell the client this rank's job is now in `phase` (its deadline starts now); detail: e.g. the bytes a load
+        reads, which scale its deadline."""
+        self.phase = phase
+        self.chan.send({"op": "phase", "job_id": job_id, "phase": phase, **detail})
+
     def run_job(self, message: dict) -> None:
         job_id = message["job_id"]
-        phase = "broadcast"
         self.busy = True
+        self.step = None
         timings = {}
+        out_of_memory = False
         try:
-            self.chan.send({"op": "phase", "job_id": job_id, "phase": phase})
+            self.enter_phase(job_id, "broadcast")
+            faults.fire(self.fault, self.rank, "broadcast")
             t0 = time.perf_counter()
             doc, manifest, buf = self._receive_job(message)
             crc = bridge.checksum(doc.encode(), bridge.payload_crc(buf, manifest))
@@ -125,39 +138,48 @@ class RankRuntime:
             job = json.loads(doc)
             if job["job_id"] != job_id:
                 raise EngineError(f"rank {self.rank} was told job {job_id} but received job {job['job_id']}",
-                                  rank=self.rank, phase=phase)
+                                  rank=self.rank, phase=self.phase)
             handler = HANDLERS.get(job["kind"])
             if handler is None:
                 raise EngineError(f"job kind {job['kind']!r} is unknown to the ranks; known: {sorted(HANDLERS)}")
             inputs = bridge.tensors_from_buffer(buf, manifest)
 
-            phase = "compute"
-            self.chan.send({"op": "phase", "job_id": job_id, "phase": phase})
+            self.enter_phase(job_id, "compute")
             t0 = time.perf_counter()
             ctx = JobContext(self, job_id)
             outputs = handler(ctx, job["spec"], inputs)
             timings["compute_s"] = time.perf_counter() - t0
 
-            phase = "return"
-            self.chan.send({"op": "phase", "job_id": job_id, "phase": phase})
+            self.enter_phase(job_id, "return")
             t0 = time.perf_counter()
             out_manifest = None
             if outputs:
                 path = os.path.join(self.engine_dir, f"j{job_id}-out-r{self.rank}")
                 out_manifest = bridge.write_segment(path, outputs)
+            faults.fire(self.fault, self.rank, "return")
             timings["return_s"] = time.perf_counter() - t0
             self.chan.send({"op": "done", "job_id": job_id, "timings": timings, "outputs": out_manifest,
                             "info": {"rank": self.rank, "job_id": job_id, "crc32": crc, **ctx.info}})
         except JobCancelledSignal as e:
-            self.chan.send({"op": "cancelled", "job_id": job_id, "phase": phase, "step": e.step})
+            self.chan.send({"op": "cancelled", "job_id": job_id, "phase": self.phase, "step": e.step})
         except Exception as e:  # reported to the client, which decides whether the group is still sound
-            self.chan.send({"op": "error", "job_id": job_id, "phase": phase,
-                            "message": f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e),
-                            "traceback": traceback.format_exc(limit=20)})
+            out_of_memory = is_out_of_memory(e)
+            report = {"op": "error", "job_id": job_id, "phase": self.phase, "step": self.step,
+                      "message": f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e),
+                      "traceback": traceback.format_exc(limit=20)}
+            if out_of_memory:  # what the device held when it ran out: the client names a plan that needs less
+                report.update(oom=True, memory=rank_memory(self.device))
+            self.chan.send(report)
         finally:
             self.busy = False
+            self.phase = None
             if self.cancel_job_id == job_id:
                 self.cancel_job_id = None
+        if out_of_memory:  # the failed job's activations are unreachable now: give them back to the device
+            import gc
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _receive_job(self, message: dict) -> tuple[str, dict, torch.Tensor]:
         """Rank 0 reads the job from shared memory and broadcasts document + payload to all ranks."""
@@ -252,6 +274,8 @@ def main(argv: list[str]) -> None:
     init = chan.recv()
     runtime = RankRuntime(chan, init)
     runtime.start_threads()  # first, so a client that dies during rendezvous still takes us down
+    chan.send({"op": "hello", "rank": runtime.rank, "pid": os.getpid()})
+    faults.fire(runtime.fault, runtime.rank, "start")
     runtime.connect()
     runtime.serve()
     if runtime.group is not None:
