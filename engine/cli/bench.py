@@ -27,7 +27,7 @@ from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import bench_gpu, bench_guider, bench_memory, bench_plans
+from . import bench_gpu, bench_guider, bench_memory, bench_plans, bench_soak
 from .args import UsageError
 
 
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="the whole suite at sizes for a CPU run of a few minutes")
     p.add_argument("--json", type=types.output_file, help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
-    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu,guider}")
+    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu,guider,soak}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -74,6 +74,7 @@ def register(sub) -> None:
     bench_memory.register(bench, _emit)
     bench_gpu.register(bench, _emit)
     bench_guider.register(bench, _emit)
+    bench_soak.register(bench, _emit)
 
 
 def _emit(a, name: str, rows: list[dict]) -> int:
