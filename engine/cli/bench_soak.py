@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -52,16 +53,17 @@ def register(bench, emit) -> None:
     p.add_argument("--jobs", type=types.positive_int, default=None,
                    help=f"jobs after the warm-up (default {DEFAULT_JOBS}; {QUICK_JOBS} with --quick)")
     p.add_argument("--quick", dest="soak_quick", action="store_true", help=f"{QUICK_JOBS} jobs unless --jobs says")
-    p.add_argument("--ranks", type=types.ranks, default=None, help="CPU ranks, an even number (default 2)")
+    p.add_argument("--ranks", type=types.ranks, default=2, help="CPU ranks, an even number; with --gpus one rank per "
+                                                                "GPU")
     p.add_argument("--gpus", type=types.gpu_list, help="CUDA GPUs, one per rank, an even number (default: CPU ranks)")
     p.set_defaults(run=lambda a: _run(a, emit), parser=p)
 
 
 def _run(a, emit) -> int:
-    if a.gpus and a.ranks and a.ranks != len(a.gpus):
+    if a.gpus and a.ranks != 2 and a.ranks != len(a.gpus):
         raise UsageError(f"argument --ranks: {a.ranks} does not match --gpus {','.join(map(str, a.gpus))} "
                          f"({len(a.gpus)} GPUs): give one of them, or as many ranks as GPUs")
-    ranks = len(a.gpus) if a.gpus else (a.ranks or 2)
+    ranks = len(a.gpus) if a.gpus else a.ranks
     if ranks % 2:
         flag = f"--gpus {','.join(map(str, a.gpus))}" if a.gpus else f"--ranks {ranks}"
         raise UsageError(f"argument {flag.split()[0]}: {flag.split()[1]} gives {ranks} rank(s): bench soak rotates a "
@@ -71,7 +73,7 @@ def _run(a, emit) -> int:
     summary = bench_soak(jobs, ranks, a.gpus)
     emit(a, "soak", [summary])
     if summary["problems"]:
-        print(f"bench soak: failed: {'; '.join(summary['problems'])}", flush=True)
+        print(f"{a.parser.prog}: failed: {'; '.join(summary['problems'])}", file=sys.stderr, flush=True)
         return 1
     return 0
 
@@ -259,21 +261,21 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
           f"{', '.join(c.name for c in configs)}; tiny synthetic models, {SIZE}x{SIZE}, {STEPS} euler steps, "
           f"{len(SIGMAS)} guide calls; one job in {period} interrupted (a cancel at a varying step, or a session "
           f"aborted by an exception); every result against its configuration's first run (torch.equal)", flush=True)
-    counts = {"jobs": 0, "generate": 0, "echo": 0, "guide sessions": 0, "cancels asked": 0, "cancelled": 0,
-              "finished before the cancel landed": 0, "sessions aborted": 0, "compared": 0, "matched": 0,
-              "mismatches": 0, "matched right after an interrupt": 0}
-    cancel_steps: dict[int, int] = {}
+    def tally() -> dict:
+        return {"jobs": 0, "generate": 0, "echo": 0, "guide sessions": 0, "cancels asked": 0, "cancelled": 0,
+                "finished before the cancel landed": 0, "sessions aborted": 0, "compared": 0, "matched": 0,
+                "mismatches": 0, "matched right after an interrupt": 0, "cancelled at step": {}}
+    warm, counts = tally(), tally()
     mismatches: list[str] = []
     gpu_mib: dict[int, float] = {}
     problems: list[str] = []
 
-    def one(c: Config, interrupt_at: int | None, after_interrupt: bool, tally: bool) -> None:
+    def one(c: Config, interrupt_at: int | None, after_interrupt: bool, counts: dict) -> None:
         outs, what = run_once(engine, c, interrupt_at)
         c.runs += 1
         _gpu_mib(what.get("info", []), gpu_mib)
-        if tally:
-            counts["jobs"] += 1
-            counts["guide sessions" if c.kind == "guide" else c.kind] += 1
+        counts["jobs"] += 1
+        counts["guide sessions" if c.kind == "guide" else c.kind] += 1
         if interrupt_at is not None:
             c.interrupted += 1
             if c.kind == "guide":
@@ -282,7 +284,8 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
                 counts["cancels asked"] += 1
                 if what.get("cancelled"):
                     counts["cancelled"] += 1
-                    cancel_steps[what["step"]] = cancel_steps.get(what["step"], 0) + 1
+                    steps = counts["cancelled at step"]
+                    steps[what["step"]] = steps.get(what["step"], 0) + 1
                 else:
                     counts["finished before the cancel landed"] += 1
         if outs is None:
@@ -304,28 +307,26 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
     with Engine(ranks, device=device, gpus=gpus) as engine:
         # warm-up: references, a matching second run, one interrupt each (models, meshes, allocator, gloo buffers)
         for c in configs:
-            one(c, None, False, False)
+            one(c, None, False, warm)
         for c in configs:
-            one(c, None, False, False)
+            one(c, None, False, warm)
         for c in configs:
-            one(c, 1, False, False)
-            one(c, None, True, False)
+            one(c, 1, False, warm)
+            one(c, None, True, warm)
         warm_s = time.perf_counter() - t0
         engine_dir, pids = engine.engine_dir, list(engine.pids)
         before = snapshot(engine, gpu_mib)
         print(f"soak: warm-up done in {warm_s:.1f} s ({sum(c.runs for c in configs)} runs); before: "
               + ", ".join(f"{k} {v}" for k, v in before["counts"].items()), flush=True)
         t1 = time.perf_counter()
-        log_every = log_every or max(1, jobs // 10)
+        log_every = log_every or max(10, jobs // 10)
         previous_interrupted = False
-        interrupts = 0
         for i in range(jobs):
             c = configs[i % len(configs)]
             interrupt_at = None
             if i % period == period - 1:
-                interrupt_at = interrupts // len(configs) % c.interrupt_targets  # each config's targets in turn
-                interrupts += 1
-            one(c, interrupt_at, previous_interrupted, True)
+                interrupt_at = (c.interrupted + i % len(configs)) % c.interrupt_targets  # its targets in turn
+            one(c, interrupt_at, previous_interrupted, counts)
             previous_interrupted = interrupt_at is not None
             if (i + 1) % log_every == 0 or i + 1 == jobs:
                 print(f"soak: {i + 1}/{jobs} jobs, {counts['cancelled']} cancelled, {counts['sessions aborted']} "
@@ -350,20 +351,23 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
                                                                      "fell")))
     print(markdown(("metric", "before", "after", "delta", "per 100 jobs"), rows))
     max_diff = max(c.max_diff for c in configs)
-    steps_seen = ", ".join(f"step {s}: {n}" for s, n in sorted(cancel_steps.items())) or "none"
     print(markdown(("configuration", "runs", "interrupted", "max abs diff vs reference"),
                    [(c.name, c.runs, c.interrupted, f"{c.max_diff:.3g}") for c in configs]))
-    print(markdown(("count", "value"), [(k, v) for k, v in counts.items()] + [
-        ("cancelled at", steps_seen), ("engine restarts", len(restarts)),
-        ("rank pids alive after close", len(alive)), ("engine dir left after close", "yes" if dir_left else "no"),
-        ("wall time (soak / warm-up)", f"{soak_s:.1f} s / {warm_s:.1f} s"),
-        ("jobs per second", f"{jobs / soak_s:.2f}")]))
+
+    def at(steps: dict) -> str:
+        return ", ".join(f"{s}: {n}" for s, n in sorted(steps.items())) or "-"
+    print(markdown(("count", "warm-up", "soak"),
+                   [(k, at(warm[k]) if isinstance(v, dict) else warm[k], at(v) if isinstance(v, dict) else v)
+                    for k, v in counts.items()] + [
+        ("engine restarts", "", len(restarts)), ("rank pids alive after close", "", len(alive)),
+        ("engine dir left after close", "", "yes" if dir_left else "no"),
+        ("wall time", f"{warm_s:.1f} s", f"{soak_s:.1f} s"), ("jobs per second", "", f"{jobs / soak_s:.2f}")]))
     for key, b in before["counts"].items():
         if after["counts"][key] != b:
             problems.append(f"{key} went from {b} to {after['counts'][key]}")
-    if counts["mismatches"]:
-        problems.append(f"{counts['mismatches']} of {counts['compared']} results differed from their reference "
-                        f"({mismatches[0]})")
+    if counts["mismatches"] + warm["mismatches"]:
+        problems.append(f"{counts['mismatches'] + warm['mismatches']} of {counts['compared'] + warm['compared']} "
+                        f"results differed from their reference ({mismatches[0]})")
     if restarts or generation != 1:
         problems.append(f"the engine restarted {len(restarts)} time(s): {restarts[:1]}")
     if alive:
@@ -372,7 +376,8 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
         problems.append(f"engine dir(s) left after close: {own_left or [engine_dir]}")
     rss = {k: (after["memory"][k] - v) / jobs * 100 for k, v in before["memory"].items() if "RSS" in k}
     verdict = ("PASS" if not problems else "FAIL") + (
-        f": {counts['matched']}/{counts['compared']} results bitwise equal to their reference (max abs diff "
+        f": {counts['matched'] + warm['matched']}/{counts['compared'] + warm['compared']} results (warm-up "
+        f"included) bitwise equal to their reference (max abs diff "
         f"{max_diff:.3g}), {counts['cancelled']} cancels and {counts['sessions aborted']} aborted sessions, "
         f"{len(restarts)} restarts; files, shared memory, fds and threads "
         f"{'flat' if not any('went from' in p for p in problems) else 'NOT flat'}; RSS growth per 100 jobs "
@@ -380,8 +385,8 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
         + " (reported, not judged: allocators keep freed pages)")
     print(f"verdict: {verdict}", flush=True)
     return {"jobs": jobs, "ranks": ranks, "device": device, "interrupt_every": period, "counts": counts,
-            "cancel_steps": cancel_steps, "restarts": restarts, "before": before, "after": after,
+            "warmup_counts": warm, "restarts": restarts, "before": before, "after": after,
             "max_abs_diff": max_diff, "configs": {c.name: {"runs": c.runs, "interrupted": c.interrupted,
                                                            "max_abs_diff": c.max_diff} for c in configs},
-            "alive_after_close": alive, "engine_dir_left": dir_left, "soak_s": soak_s, "warmup_s": warm_s,
+            "alive_after_close": alive, "engine_dir_left": dir_left or bool(own_left), "soak_s": soak_s, "warmup_s": warm_s,
             "problems": problems, "verdict": verdict}
