@@ -35,17 +35,17 @@ from .args import UsageError
 from .tables import markdown
 
 DEFAULT_JOBS, QUICK_JOBS = 500, 60
+ROTATION = 6                # configurations (make_configs)
 STEPS = 4                   # euler steps per generate job
 SIGMAS = (1.0, 0.6, 0.3)    # one guide call each
 SIZE = 128                  # pixels: a 16x16 latent
-MiB = 2 ** 20
 
 
 def register(bench, emit) -> None:
     from . import args as types
     p = bench.add_parser("soak", help="many jobs with interrupts: results vs references, resources before/after",
                          description="Runs jobs of every plan on one engine, interrupting one in "
-                                     f"{interrupt_period(6)} (a cancel at a varying step, or a session aborted by an "
+                                     f"{interrupt_period(ROTATION)} (a cancel at a varying step, or a session aborted by an "
                                      "exception), and checks every result against the first run of its "
                                      "configuration; reports RSS, shared-memory entries, file descriptors and "
                                      "threads before and after. Exit 0: every result matched and the counts are "
@@ -261,6 +261,7 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
           f"{', '.join(c.name for c in configs)}; tiny synthetic models, {SIZE}x{SIZE}, {STEPS} euler steps, "
           f"{len(SIGMAS)} guide calls; one job in {period} interrupted (a cancel at a varying step, or a session "
           f"aborted by an exception); every result against its configuration's first run (torch.equal)", flush=True)
+
     def tally() -> dict:
         return {"jobs": 0, "generate": 0, "echo": 0, "guide sessions": 0, "cancels asked": 0, "cancelled": 0,
                 "finished before the cancel landed": 0, "sessions aborted": 0, "compared": 0, "matched": 0,
@@ -299,9 +300,9 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
             counts["matched right after an interrupt"] += after_interrupt
         else:
             counts["mismatches"] += 1
-            if len(mismatches) < 5:
-                mismatches.append(f"{c.name} run {c.runs} differs from its reference (max abs diff {c.max_diff:.3g})")
-            print(f"soak: MISMATCH: {mismatches[-1] if mismatches else c.name}", flush=True)
+            note = f"{c.name} run {c.runs} differs from its reference (max abs diff so far {c.max_diff:.3g})"
+            mismatches.append(note)
+            print(f"soak: MISMATCH: {note}", flush=True)
 
     t0 = time.perf_counter()
     with Engine(ranks, device=device, gpus=gpus) as engine:
