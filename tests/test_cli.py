@@ -146,6 +146,14 @@ CASES = {
     "bench-bridge-size-0": (["bench", "bridge", "--sizes-mb", "16,0"], r"argument --sizes-mb: '16,0': 0 is invalid"),
     "bench-bridge-repeats": (["bench", "bridge", "--repeats", "0"], r"argument --repeats: 0 is invalid"),
     "bench-bridge-xdit-repeats": (["bench", "bridge", "--xdit-repeats", "-1"], r"--xdit-repeats: -1 is invalid"),
+    "bench-soak-jobs-0": (["bench", "soak", "--jobs", "0"], r"argument --jobs: 0 is invalid: use an integer >= 1"),
+    "bench-soak-jobs-not-int": (["bench", "soak", "--jobs", "many"], r"argument --jobs: 'many' is not an integer"),
+    "bench-soak-ranks-odd": (["bench", "soak", "--ranks", "3"], r"argument --ranks: 3 gives 3 rank\(s\): .*even"),
+    "bench-soak-ranks-9": (["bench", "soak", "--ranks", "9"], r"argument --ranks: 9 is invalid: use 1 to 8"),
+    "bench-soak-gpus-without-cuda": (["bench", "soak", "--gpus", "0,1"], r"argument --gpus: 0,1 needs CUDA"),
+    "bench-soak-one-gpu": (["bench", "soak", "--gpus", "0"], r"argument --gpus: 0 gives 1 rank\(s\): .*even", 1),
+    "bench-soak-ranks-vs-gpus": (["bench", "soak", "--ranks", "4", "--gpus", "0,1"],
+                                 r"argument --ranks: 4 does not match --gpus 0,1 \(2 GPUs\)", 2),
 }
 
 
@@ -167,7 +175,7 @@ def test_every_user_error_exits_2_with_one_line_before_any_rank_starts(case, fil
 
 @pytest.mark.parametrize("command", [["demo"], ["generate"], ["make-tiny"], ["bench", "bridge"],
                                      ["bench", "overhead"], ["bench", "comm"], ["bench", "gpu"],
-                                     ["bench", "cache"], ["bench", "scaling"]], ids=" ".join)
+                                     ["bench", "cache"], ["bench", "scaling"], ["bench", "soak"]], ids=" ".join)
 def test_help_shows_the_defaults(command, capsys):
     assert main(command + ["--help"]) == 0
     out = capsys.readouterr().out

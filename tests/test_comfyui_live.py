@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -100,6 +101,17 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
                       "gpus": "0", "plan": "auto", "ulysses": 1, "ring": 1, "cfg_parallel": False, "dp": 1,
                       "timeout_s": 600}},
                   "2": {"class_type": "XDiTEngineInfo", "inputs": {"engine": ["1", 0], "unload": False}}}
+        # a model name not in the folders (a workflow from another machine) is refused at validation, not at run
+        unknown = {**prompt, "1": {**prompt["1"], "inputs": {**prompt["1"]["inputs"],
+                                                           "model_name": "flux1-dev.safetensors"}}}
+        request = urllib.request.Request(f"{base}/prompt", data=json.dumps({"prompt": unknown}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        errors = json.dumps(json.loads(refused.value.read())["node_errors"])
+        print("refused at validation:", refused.value.code, errors)
+        assert refused.value.code == 400 and "model_name 'flux1-dev.safetensors' is not in models/diffusion_models" \
+            in errors and "found: " in errors and "tiny-flux-dev.safetensors" in errors
         request = urllib.request.Request(f"{base}/prompt", data=json.dumps({"prompt": prompt}).encode(),
                                          headers={"Content-Type": "application/json"})
         prompt_id = json.loads(urllib.request.urlopen(request, timeout=10).read())["prompt_id"]

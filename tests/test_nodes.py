@@ -252,3 +252,88 @@ def test_lora_node_chains_without_changing_upstream_settings_and_equals_generate
                   (out["samples"] - want).abs().max(),
                   fp32_bound(want.abs().max(), reduction=4096, depth=8, amplification=sampling_amplification(2)))
     assert "LoRA: " in core.describe(chained)
+
+
+# ---- validation: a file name not in ComfyUI's folders is refused before anything runs --------------------------
+def test_a_file_name_check_accepts_listed_names_refuses_others_naming_what_exists_and_passes_linked_inputs(core):
+    names = ["b.gguf", "a.safetensors", "sub/c.safetensors"]
+    where = "models/diffusion_models or models/checkpoints"
+    assert core.check_file_name("model_name", "a.safetensors", names, where) is True
+    assert core.check_file_name("model_name", "sub/c.safetensors", names, where) is True
+    message = core.check_file_name("model_name", "flux1-dev.safetensors", names, where)
+    print(message)
+    assert message == ("model_name 'flux1-dev.safetensors' is not in models/diffusion_models or models/checkpoints; "
+                       "found: a.safetensors, b.gguf, sub/c.safetensors")
+    # linked from another node: ComfyUI passes None at validation; the node checks the value when it runs
+    assert core.check_file_name("model_name", None, names, where) is True
+    assert core.check_file_name("lora_name", "x.safetensors", [], "models/loras") == \
+        "lora_name 'x.safetensors' is not in models/loras; found: nothing"
+    assert core.check_file_name("lora_name", 3, ["3"], "models/loras").startswith("lora_name 3 is not in")
+    many = core.check_file_name("lora_name", "z", [f"l{i:02}.safetensors" for i in range(30)], "models/loras")
+    assert many.endswith("l11.safetensors and 18 more") and "\n" not in many
+
+
+@pytest.fixture
+def nodes_module(monkeypatch, tmp_path):
+    """xdit_nodes/nodes.py imported against stand-ins for ComfyUI's modules: folder_paths over real folders (a
+    diffusion_models folder with a .safetensors and a .gguf, a checkpoints folder, a loras folder); comfy_api only as
+    far as the module's import needs it. Removed from sys.modules afterwards."""
+    import types
+    folders = {name: tmp_path / name for name in ("diffusion_models", "checkpoints", "loras")}
+    for path in folders.values():
+        path.mkdir()
+    (folders["diffusion_models"] / "flux-a.safetensors").write_bytes(b"")
+    (folders["diffusion_models"] / "flux-q8.gguf").write_bytes(b"")
+    (folders["checkpoints"] / "sd35.safetensors").write_bytes(b"")
+    (folders["loras"] / "style.safetensors").write_bytes(b"")
+
+    class Anything:
+        def __getattr__(self, name):
+            return Anything()
+
+        def __call__(self, *args, **kwargs):
+            return Anything()
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        m.__getattr__ = lambda attr: Anything()
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    def listed(folder):  # ComfyUI's list: its own extensions only (no .gguf)
+        return sorted(p.name for p in folders[folder].iterdir() if p.suffix == ".safetensors")
+
+    module("folder_paths", get_filename_list=listed, get_folder_paths=lambda folder: [str(folders[folder])],
+           get_full_path=lambda folder, name: str(folders[folder] / name) if name in listed(folder) else None)
+    comfy = module("comfy")
+    comfy.model_management, comfy.utils = module("comfy.model_management"), module("comfy.utils")
+    io = types.SimpleNamespace(ComfyNode=type("ComfyNode", (), {}), Custom=Anything(), Conditioning=Anything(),
+                               Latent=Anything(), String=Anything(), Model=Anything(), Guider=Anything())
+    module("comfy_api")
+    module("comfy_api.v0_0_2", ComfyExtension=type("ComfyExtension", (), {}), io=io, ui=Anything())
+    load_pack()
+    name = PACK_NAME + ".xdit_nodes.nodes"
+    sys.modules.pop(name, None)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_the_engine_and_lora_nodes_validate_their_file_names_at_validation_as_comfyui_calls_them(nodes_module):
+    n = nodes_module
+    # ComfyUI passes the inputs its validate_inputs names (by keyword); a linked input arrives as None
+    for node, name in ((n.XDiTEngine, "model_name"), (n.XDiTLoRA, "lora_name")):
+        params = list(inspect.signature(node.validate_inputs).parameters)
+        assert params == [name], params   # only this input: ComfyUI skips its own checks for the inputs named
+        assert node.validate_inputs(**{name: None}) is True
+    for known in ("flux-a.safetensors", "flux-q8.gguf", "sd35.safetensors"):  # the combo's list, .gguf included
+        assert n.XDiTEngine.validate_inputs(model_name=known) is True
+    refused = n.XDiTEngine.validate_inputs(model_name="flux1-dev.safetensors")
+    lora = n.XDiTLoRA.validate_inputs(lora_name="other.safetensors")
+    print(refused, lora, sep="\n")
+    assert refused == ("model_name 'flux1-dev.safetensors' is not in models/diffusion_models or models/checkpoints; "
+                       "found: flux-a.safetensors, flux-q8.gguf, sd35.safetensors")
+    assert n.XDiTLoRA.validate_inputs(lora_name="style.safetensors") is True
+    assert lora == "lora_name 'other.safetensors' is not in models/loras; found: style.safetensors"

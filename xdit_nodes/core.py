@@ -152,6 +152,20 @@ def lora_spec(lora_names: list[str]) -> NodeSpec:
         ((ENGINE_TYPE, "engine"),))
 
 
+def check_file_name(input_name: str, value, names, where: str, shown: int = 12) -> bool | str:
+    """A node's validate_inputs for a file-name widget (ComfyUI checks no V3 combo value itself): True for a name in
+    `names` (the list the widget offers), else one line naming the input, the value, `where` it was looked for and
+    what is there. None is what ComfyUI passes at validation for an input linked from another node: its value is not
+    known before that node runs, so it passes here and the node checks it when it runs."""
+    if value is None:
+        return True
+    names = sorted(set(names))
+    if isinstance(value, str) and value in names:
+        return True
+    found = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    return f"{input_name} {value!r} is not in {where}; found: {found or 'nothing'}"
+
+
 INFO_SPEC = NodeSpec(
     "XDiTEngineInfo", "xDiT Engine Info", CATEGORY,
     "Shows the engine's plan, GPUs, per-rank memory and the last job's timings; unload frees its GPUs.",

@@ -16,6 +16,7 @@ EngineType = io.Custom(core.ENGINE_TYPE)
 _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.String, "MODEL": io.Model,
           "GUIDER": io.Guider, core.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
+MODEL_WHERE = "models/" + " or models/".join(MODEL_FOLDERS)
 
 
 def _input(f: core.Field):
@@ -79,6 +80,11 @@ class XDiTEngine(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return _schema(core.engine_spec(_model_names()))
+
+    @classmethod
+    def validate_inputs(cls, model_name=None):
+        """At validation (ComfyUI does not check V3 combo values): a model name not in the folders is refused."""
+        return core.check_file_name("model_name", model_name, _model_names(), MODEL_WHERE)
 
     @classmethod
     def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
@@ -205,6 +211,10 @@ class XDiTLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         return _schema(core.lora_spec(folder_paths.get_filename_list("loras")))
+
+    @classmethod
+    def validate_inputs(cls, lora_name=None):
+        return core.check_file_name("lora_name", lora_name, folder_paths.get_filename_list("loras"), "models/loras")
 
     @classmethod
     def execute(cls, engine, lora_name, strength_model):

@@ -1,11 +1,11 @@
-"""`python -m engine bench [--quick] [--json PATH] [overhead | bridge | comm | scaling | cache | gpu]`: benchmarks
-that print markdown tables, saying what they measure as they go. Without a name, every benchmark runs (gpu where
+"""`python -m engine bench [--quick] [--json PATH] [overhead | bridge | comm | scaling | cache | gpu | soak ...]`:
+benchmarks that print markdown tables, saying what they measure as they go. Without a name, every benchmark runs (gpu where
 CUDA is present), with --quick at sizes that take a few minutes on a CPU.
 
 overhead: the 1-rank engine's generate job vs the same Euler loop in process, alternating; bridge: tensor round trips
 through our shared-memory bridge vs the xDiT-style path (pickle -> torch.ByteTensor(list(bytes)) -> dist.send over
 gloo); comm: bytes one rank sends per step, per plan, measured vs analytic; scaling and cache: engine/cli/bench_plans.py;
-gpu: engine/cli/bench_gpu.py."""
+gpu: engine/cli/bench_gpu.py; soak (jobs with interrupts, resources before and after): engine/cli/bench_soak.py."""
 from __future__ import annotations
 
 import json
@@ -27,7 +27,7 @@ from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans
+from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_soak
 from .args import UsageError
 
 
@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="the whole suite at sizes for a CPU run of a few minutes")
     p.add_argument("--json", type=types.output_file, help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
-    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu,guider,faults}")
+    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu,guider,faults,soak}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -75,6 +75,7 @@ def register(sub) -> None:
     bench_gpu.register(bench, _emit)
     bench_guider.register(bench, _emit)
     bench_faults.register(bench, _emit)
+    bench_soak.register(bench, _emit)
 
 
 def _emit(a, name: str, rows: list[dict]) -> int:
@@ -110,9 +111,14 @@ def _run_suite(a) -> int:
         results["gpu"] = bench_gpu.bench_gpu([0], list(bench_gpu.MODELS), list(bench_gpu.ROWS), 1024, 2, None)
     else:
         print("\n## gpu\nskipped: this torch sees no CUDA device", flush=True)
+    print("\n## soak", flush=True)
+    results["soak"] = bench_soak.bench_soak(bench_soak.QUICK_JOBS if q else bench_soak.DEFAULT_JOBS)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    if results["soak"]["problems"]:
+        print(f"{a.parser.prog}: soak failed: {'; '.join(results['soak']['problems'])}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
