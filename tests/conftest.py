@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from engine.cli.bench_faults import owned_dirs
 from engine.runtime import bridge
 from engine.runtime.client import Deadlines, Engine
 
@@ -25,7 +26,11 @@ def load_pack(name=PACK_NAME):
     return module
 
 
-def engine_dirs() -> set[str]:
+def engine_dirs(owner: int | None = None) -> set[str]:
+    """Engine directories in shared memory; with `owner`, only that process's (other test runs on the machine make
+    and remove their own at any time)."""
+    if owner is not None:
+        return owned_dirs(owner)
     return {n for n in os.listdir(bridge.SHM_ROOT) if n.startswith(bridge.DIR_PREFIX)}
 
 

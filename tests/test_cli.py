@@ -163,14 +163,14 @@ def test_every_user_error_exits_2_with_one_line_before_any_rank_starts(case, fil
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
     monkeypatch.setattr(Engine, "start", lambda self: pytest.fail("a rank was started for a user error"))
-    before = engine_dirs()
+    before = engine_dirs(owner=os.getpid())
     code = main([a.format(**files) for a in argv])
     out, err = capsys.readouterr()
     assert code == 2, (out, err)
     assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, err
     assert err.startswith("python -m engine") and ": error: " in err, err
     assert re.search(expected, err), (expected, err)
-    assert engine_dirs() == before
+    assert engine_dirs(owner=os.getpid()) == before
 
 
 @pytest.mark.parametrize("command", [["demo"], ["generate"], ["make-tiny"], ["bench", "bridge"],
@@ -218,7 +218,6 @@ def test_generate_ranks_2_plan_auto_says_which_plan_and_gives_the_one_rank_laten
 
 
 def test_ctrl_c_during_generate_exits_130_in_one_line_and_leaves_no_rank_or_shared_memory(files):
-    before = engine_dirs()
     args = [a.format(**files) for a in GEN] + ["--steps", "5000", "--width", "64", "--height", "64", "--ulysses", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "engine", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
@@ -238,7 +237,7 @@ def test_ctrl_c_during_generate_exits_130_in_one_line_and_leaves_no_rank_or_shar
     assert proc.returncode == 130, err
     assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err, err
     assert all(pid_gone(pid) for pid in ranks)
-    assert engine_dirs() == before
+    assert engine_dirs(owner=proc.pid) == set()
 
 
 def _parent(pid: str) -> int | None:
