@@ -46,6 +46,8 @@ class Worker:
         self.prefix = ""
         self.generation: dict | None = None   # {"g", "procs", "chans", "dir", "stop"}
         self.lost: str | None = None
+        self.closing = threading.Event()
+        self.threads: list[threading.Thread] = []
 
     # ---- joining -----------------------------------------------------------------------------------------------
     def join(self):
@@ -89,7 +91,7 @@ class Worker:
         store = self.join()
         self.say(f"joined {self.where} as node {self.node} ({self.nranks} rank(s), {self.device}, interface "
                  f"{self.interface})")
-        threading.Thread(target=self._heartbeat, args=(connect(self.host, self.port),), daemon=True).start()
+        self._thread(self._heartbeat, connect(self.host, self.port))
         commands = Pipe(store, self.prefix + "/cmd", self.key)
         try:
             while True:
@@ -114,12 +116,20 @@ class Worker:
                     return 0
         finally:
             self._stop_generation()
+            self.closing.set()
+            for t in self.threads:  # none may still be inside a store call when the interpreter exits
+                t.join(timeout=2)
+
+    def _thread(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self.threads = [t for t in self.threads if t.is_alive()] + [t]
+        t.start()
 
     def _heartbeat(self, store) -> None:
         try:
-            while True:
+            while not self.closing.is_set():
                 store.add(f"{self.prefix}/alive", 1)
-                time.sleep(WORKER_HEARTBEAT_S)
+                self.closing.wait(WORKER_HEARTBEAT_S)
         except dist.DistError as e:
             self.lost = f"lost the engine at {self.where}: {str(e).splitlines()[0]}"
 
@@ -138,8 +148,8 @@ class Worker:
             base = f"{self.prefix}/g{g}/r{rank}"
             down = Pipe(connect(self.host, self.port), base + "/down", self.key)
             up = Pipe(connect(self.host, self.port), base + "/up", self.key)
-            threading.Thread(target=self._down, args=(gen, rank, local, chan, down), daemon=True).start()
-            threading.Thread(target=self._up, args=(gen, rank, proc, chan, up), daemon=True).start()
+            self._thread(self._down, gen, rank, local, chan, down)
+            self._thread(self._up, gen, rank, proc, chan, up)
         self.say(f"generation {g}: started ranks {ranks[0]}-{ranks[-1]} (pids {[p.pid for p in gen['procs']]})")
 
     def _stop_generation(self) -> None:
