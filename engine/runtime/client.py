@@ -127,7 +127,11 @@ class Engine:
             self._cluster = Cluster(listen, list(remote_ranks), ranks, secret_from(secret), device,
                                     self.deadlines.heartbeat_s, interface)
         if start:
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self._close_cluster()  # stop listening: nobody holds this engine to close it
+                raise
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @property
