@@ -231,8 +231,6 @@ class RemoteRank:
         except (ChannelClosed, OSError, ValueError, dist.DistError) as e:
             if not self._ended.is_set() and not isinstance(e, (ChannelClosed, OSError)):
                 self.end(1, f"relay to node {self.session.node} failed: {e}")
-        finally:
-            del pipe
 
     def _up(self, pipe: Pipe) -> None:
         try:
@@ -259,8 +257,6 @@ class RemoteRank:
             self.end(1, f"refused a message from node {self.session.node}: {e}")
         except (ChannelClosed, OSError, dist.DistError) as e:
             self.end(1, f"relay from node {self.session.node} failed: {e}")
-        finally:
-            del pipe
 
     # Popen's interface, as the client uses it
     def poll(self) -> int | None:
@@ -417,8 +413,6 @@ class Cluster:
                 for node in self.nodes:
                     if node.session:
                         node.session.lose("the rendezvous store failed")
-        finally:
-            del store
 
     def _admit(self, node: Node, attempt: int) -> None:
         base = f"xdit/node{node.node}/a{attempt}"
@@ -467,8 +461,6 @@ class Cluster:
         except dist.DistError as e:
             if not self._stop.is_set():
                 log.warning("worker attempt %d for node %d failed: %s", attempt, node.node, str(e).splitlines()[0])
-        finally:
-            del store
 
     # ---- generations -----------------------------------------------------------------------------------------
     def begin(self, generation: int, start_s: float) -> None:
