@@ -342,7 +342,9 @@ class Cluster:
                 raise ValueError(f"listen={listen!r}: {ip} is not an address of this machine; use one of its own "
                                  f"addresses, or name the interface with interface=")
         self.host, self.interface, self.secret, self.device = ip, interface, secret, device
-        self.heartbeat_s = heartbeat_s
+        # a silent worker is declared lost before its busy ranks' own heartbeat deadline would name them "silent":
+        # the error then says which node went away
+        self.node_silence_s = heartbeat_s * 2 / 3
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -399,9 +401,9 @@ class Cluster:
                         now = time.monotonic()
                         if value != s.alive_value:
                             s.alive_value, s.alive_at = value, now
-                        elif now - s.alive_at > self.heartbeat_s:
+                        elif now - s.alive_at > self.node_silence_s:
                             reason = (f"node {node.node}'s worker stopped answering (no heartbeat for "
-                                      f"{self.heartbeat_s:g} s, deadline heartbeat_s)")
+                                      f"{self.node_silence_s:.3g} s, 2/3 of deadline heartbeat_s)")
                             log.warning("%s; waiting for it to join again", reason)
                             s.command({"op": "bye", "reason": reason})
                             with self._lock:
