@@ -1,4 +1,4 @@
-"""The command line, `python -m engine demo | generate | plan | make-tiny | bench ...`.
+"""The command line, `python -m engine demo | generate | plan | make-tiny | bench | worker ...`.
 
 Exit codes: 0 done; 1 the engine failed at run time (EngineError: a rank died, a deadline passed) or a demo check
 failed; 2 a user error, found before any rank starts wherever no rank is needed to know; 130 interrupted (Ctrl-C),
@@ -15,13 +15,13 @@ PROG = "python -m engine"
 
 
 def build_parser():
-    from . import bench, demo, generate, plan, tiny
+    from . import bench, demo, generate, plan, tiny, worker
     from .args import Parser
 
     parser = Parser(prog=PROG, description="Multi-GPU FLUX/SD3 engine: runs ComfyUI's KSampler on a group of rank "
                                            "processes")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,plan,make-tiny,bench}")
-    for module in (demo, generate, plan, tiny, bench):
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,plan,make-tiny,bench,worker}")
+    for module in (demo, generate, plan, tiny, bench, worker):
         module.register(sub)
     return parser
 

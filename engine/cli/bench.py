@@ -8,9 +8,9 @@ gloo); comm: bytes one rank sends per step, per plan, measured vs analytic; scal
 gpu: engine/cli/bench_gpu.py; soak (jobs with interrupts, resources before and after): engine/cli/bench_soak.py."""
 from __future__ import annotations
 
+import io
 import json
 import os
-import pickle
 import statistics
 import subprocess
 import sys
@@ -141,7 +141,11 @@ def _bridge_times(engine: Engine, tensor: torch.Tensor, repeats: int, return_ran
 
 
 def _xdit_send(t: torch.Tensor, dst: int) -> None:
-    payload = torch.ByteTensor(list(pickle.dumps(t)))  # what xDiT's service did with its output
+    # What xDiT's service did with its output (pickle.dumps); torch.save writes the same pickle format, and the receiver
+    # reads it with torch.load(weights_only=True), so the engine holds no unrestricted unpickler anywhere.
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    payload = torch.ByteTensor(list(buffer.getvalue()))
     dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst)
     dist.send(payload, dst=dst)
 
@@ -151,7 +155,7 @@ def _xdit_recv(src: int) -> torch.Tensor:
     dist.recv(size, src=src)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(payload, src=src)
-    return pickle.loads(payload.numpy().tobytes())
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
 def xdit_worker(rank: int, store_path: str, sizes_mb: list[int], repeats: int) -> None:
@@ -219,8 +223,8 @@ def bench_bridge(sizes_mb: list[int], repeats: int = 5, xdit_repeats: int = 2) -
                              f"{xdit[mb] / ours[mb][2]:.1f}x") for mb in sizes_mb]))
     print("bridge: client -> shared memory -> rank 0 (crc32 verify) -> result from the last rank -> shared memory "
           "-> client, a whole engine job.\n* 2 ranks adds rank 0's gloo broadcast of the job to rank 1 and the "
-          "all-gather check.\nxDiT-style: rank 0 -> rank 1 -> rank 0, each way pickle.dumps -> "
-          "torch.ByteTensor(list(bytes)) -> dist.send (gloo) -> pickle.loads.")
+          "all-gather check.\nxDiT-style: rank 0 -> rank 1 -> rank 0, each way torch.save (pickle "
+          "format) -> torch.ByteTensor(list(bytes)) -> dist.send (gloo) -> torch.load(weights_only=True).")
     return [{"size_mb": mb, "bridge_1_rank_s": ours[mb][1], "bridge_2_ranks_s": ours[mb][2], "xdit_style_s": xdit[mb]}
             for mb in sizes_mb]
 

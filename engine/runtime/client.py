@@ -73,12 +73,19 @@ class Engine:
     """A persistent group of rank processes. Use as a context manager or call close().
 
     ranks: 1..8. device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank from `gpus`).
+
+    Ranks on other machines (remote.py): `listen="HOST:PORT"` (an address of this machine; port 0 picks a free one,
+    see `listen_address`) and `remote_ranks=[n1, n2, ...]`, the ranks of node 1, 2, ... (each joins with `python -m
+    engine worker --join HOST:PORT --node-rank K --ranks nK`); they follow this machine's `ranks` in rank order.
+    `secret` (default $XDIT_SECRET) is required unless HOST is loopback; `interface` names the network interface
+    gloo/NCCL use here (default: the one holding HOST). Rank 0 stays here: results return through this machine.
     """
 
     def __init__(self, ranks: int = 1, *, device: str = "cpu", gpus: list[int] | None = None,
                  deadlines: Deadlines | None = None, heartbeat_interval_s: float = 0.5,
                  collective_timeout_s: float = 1800.0, rank_stdio: str = "log", env: dict[str, str] | None = None,
-                 start: bool = True):
+                 start: bool = True, listen: str | None = None, remote_ranks: list[int] | None = None,
+                 secret: str | bytes | None = None, interface: str | None = None):
         if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
             raise ValueError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
         if device not in ("cpu", "cuda"):
@@ -97,7 +104,14 @@ class Engine:
             raise ValueError(f"gpus={gpus} given with device='cpu': drop gpus or use device='cuda'")
         if rank_stdio not in ("log", "inherit"):
             raise ValueError(f"rank_stdio={rank_stdio!r} is invalid: use 'log' or 'inherit'")
-        self.world = ranks
+        if (listen is None) != (not remote_ranks):
+            raise ValueError(f"listen={listen!r} and remote_ranks={remote_ranks!r}: give both (ranks on other machines) "
+                             f"or neither (this machine only)")
+        if remote_ranks and not all(isinstance(n, int) and 1 <= n <= MAX_RANKS for n in remote_ranks):
+            raise ValueError(f"remote_ranks={remote_ranks!r} is invalid: list each node's ranks, 1 to {MAX_RANKS} each, "
+                             f"e.g. [2]")
+        self.local_ranks = ranks
+        self.world = ranks + sum(remote_ranks or [])
         self.device = device
         self.gpus = gpus
         self.deadlines = deadlines or Deadlines()
@@ -119,13 +133,27 @@ class Engine:
         self._job_ids = itertools.count(1)
         self._finalizer = None
         self._lock = threading.RLock()  # one job (or lifecycle change) at a time
+        self._cluster = None
+        if listen is not None:
+            from .remote import Cluster, secret_from
+            self._cluster = Cluster(listen, list(remote_ranks), ranks, secret_from(secret), device,
+                                    self.deadlines.heartbeat_s, interface)
         if start:
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self._close_cluster()  # stop listening: nobody holds this engine to close it
+                raise
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    @property
+    def listen_address(self) -> str | None:
+        """HOST:PORT where workers join (None for an engine on this machine only)."""
+        return self._cluster.address if self._cluster else None
 
     @property
     def running(self) -> bool:
@@ -143,21 +171,29 @@ class Engine:
         self.generation += 1
         store_path = os.path.join(self.engine_dir, f"store-{self.generation}")
         env = {**rank_env(self.gpus if self.device == "cuda" else None), **self.env}
-        threads = max(1, (os.cpu_count() or 1) // self.world)
+        threads = max(1, (os.cpu_count() or 1) // self.local_ranks)
+        if self._cluster:
+            env.update(self._cluster.rank_env())
         self._finalizer = weakref.finalize(self, kill_all, self._procs, self._chans, self.engine_dir)
         pgid = 0
         try:
+            if self._cluster:
+                self._cluster.begin(self.generation, self.deadlines.start_s)
             for rank in range(self.world):
                 log = os.path.join(self.engine_dir, f"rank{rank}.log") if self.rank_stdio == "log" else None
-                proc, chan = spawn_rank(env, pgid, log)
-                pgid = pgid or proc.pid  # all ranks share one process group, led by rank 0
+                if rank >= self.local_ranks:  # on another machine: its worker starts it, the store relays its channel
+                    proc, chan = self._cluster.spawn(rank, self.generation)
+                else:
+                    proc, chan = spawn_rank(env, pgid, log)
+                    pgid = pgid or proc.pid  # this machine's ranks share one process group, led by rank 0
                 self._procs.append(proc)
                 self._chans.append(chan)
                 chan.send({"op": "init", "rank": rank, "world": self.world,
                            "backend": "nccl" if self.device == "cuda" else "gloo",
                            "local_device": rank, "engine_dir": self.engine_dir, "store_path": store_path,
                            "heartbeat_interval_s": self.heartbeat_interval_s,
-                           "collective_timeout_s": self.collective_timeout_s, "threads": threads})
+                           "collective_timeout_s": self.collective_timeout_s, "threads": threads,
+                           "tcp_store": self._cluster.store_info(self.generation) if self._cluster else None})
             self.rank_info = self._wait_ready()
         except BaseException as e:
             self._teardown()
@@ -209,9 +245,11 @@ class Engine:
             self._procs[rank].wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
-        return signal_name(self._procs[rank].poll())
+        return getattr(self._procs[rank], "reason", None) or signal_name(self._procs[rank].poll())
 
     def _log_tail(self, rank: int) -> str:
+        if rank >= self.local_ranks:
+            return getattr(self._procs[rank], "log_tail", "") if rank < len(self._procs) else ""
         return log_tail(self.engine_dir, rank)
 
     def _teardown(self) -> None:
@@ -240,6 +278,12 @@ class Engine:
             except subprocess.TimeoutExpired:
                 pass
         self._teardown()
+        self._close_cluster()
+
+    def _close_cluster(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
 
     def restart(self, reason: str = "requested") -> None:
         with self._lock:
@@ -256,6 +300,7 @@ class Engine:
     def __exit__(self, exc_type, *exc):
         if exc_type is not None and not issubclass(exc_type, Exception):
             self._teardown()  # Ctrl-C (KeyboardInterrupt), SystemExit: kill the ranks now, do not wait for a busy job
+            self._close_cluster()
         else:
             self.close()
 

@@ -60,9 +60,15 @@ class RankRuntime:
         """Join the process group (none at world size 1: no collective, no send, ever)."""
         init = self._init
         if self.world > 1:
-            store = dist.FileStore(init["store_path"], self.world)
+            timeout = timedelta(seconds=init["collective_timeout_s"])
+            if init.get("tcp_store"):  # ranks on several machines: the client's TCPStore, one prefix per generation
+                where = init["tcp_store"]
+                store = dist.PrefixStore(where["prefix"], dist.TCPStore(where["host"], where["port"], None, False,
+                                                                        timeout))
+            else:
+                store = dist.FileStore(init["store_path"], self.world)
             dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
-                                    timeout=timedelta(seconds=init["collective_timeout_s"]))
+                                    timeout=timeout)
             self.group = dist.group.WORLD
 
     # ---- threads -------------------------------------------------------------------------------
