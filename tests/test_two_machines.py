@@ -145,7 +145,7 @@ def test_killing_the_worker_mid_job_names_the_remote_rank_then_a_new_worker_repl
         time.sleep(0.1)
     assert pid_gone(remote_pid)  # the worker's rank died with it
 
-    e.deadlines = Deadlines(start_s=2, heartbeat_s=3, error_grace_s=6)
+    e.deadlines = Deadlines(start_s=2, heartbeat_s=3, error_grace_s=6, backoff_s=1)
     t0 = time.monotonic()
     with pytest.raises(EngineError, match=r"node 1 \(rank 1\) did not join within 2 s") as info:
         e.submit("echo", {}, {"x": torch.ones(2)})
@@ -153,6 +153,7 @@ def test_killing_the_worker_mid_job_names_the_remote_rank_then_a_new_worker_repl
 
     e.deadlines = TWO
     workers.append(launch_worker(e.listen_address, SECRET))
+    time.sleep(1.1)   # the worker's loss and the failed start were two failures in a row: the engine backs off 1 s
     out = e.submit("echo", {}, {"x": torch.ones(5)}).outputs["x"]
     assert out.sum().item() == 5.0
     print(f"a new worker joined; restarts: {e.restarts}")
