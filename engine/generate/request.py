@@ -38,21 +38,32 @@ def host_memory_gib() -> float | None:
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Refuse a tensor holding NaN or inf, naming it and the first such value; read a few rows at a time, so the
-    check's own memory stays small whatever the tensor's size."""
+    """Refuse a tensor holding NaN or inf, naming it and the first such value; read a block of at most
+    FINITE_CHUNK elements at a time, so the check's own memory stays small whatever the tensor's size."""
     t = t.reshape(1) if t.ndim == 0 else t
+    where = _first_nonfinite(t)
+    if where is not None:
+        raise ValueError(f"{name} holds {t[tuple(where)].item()} at index {where} (shape {list(t.shape)}): give "
+                         f"finite values (check the node or encoder that made it)")
+
+
+def _first_nonfinite(t: torch.Tensor) -> list[int] | None:
     if t.numel() == 0:
-        return
+        return None
     per_row = t.numel() // t.shape[0]
-    step = max(1, FINITE_CHUNK // max(1, per_row))
+    if per_row > FINITE_CHUNK:   # rows too large to check whole: one row at a time, recursively
+        for i in range(t.shape[0]):
+            inner = _first_nonfinite(t[i])
+            if inner is not None:
+                return [i] + inner
+        return None
+    step = max(1, FINITE_CHUNK // per_row)
     for start in range(0, t.shape[0], step):
         bad = ~torch.isfinite(t[start:start + step])
         if bool(bad.any()):
             where = [int(i) for i in bad.nonzero()[0]]
-            where[0] += start
-            value = t[tuple(where)].item()
-            raise ValueError(f"{name} holds {value} at index {where} (shape {list(t.shape)}): give finite values "
-                             f"(check the node or encoder that made it)")
+            return [where[0] + start] + where[1:]
+    return None
 
 
 def check_latent_size(info, latent_h: int, latent_w: int) -> None:
@@ -150,17 +161,22 @@ class GenerateRequest:
         if ranks is None:
             ranks = self.plan.world_size if isinstance(self.plan, ParallelPlan) else 1
         work = Workload.from_info(info, lat.shape[2], lat.shape[3], batch=batch, negative_pass=self.negative_pass,
-                                  text_tokens=self.cond.shape[1], dtype=self.dtype, fp8_weights=self.fp8_weights,
+                                  text_tokens=self._text_tokens(), dtype=self.dtype, fp8_weights=self.fp8_weights,
                                   compiled=self.compile)
         self._check_memory(work, ranks, hardware, lat.shape[2], lat.shape[3])  # before any tensor is read
-        for name, t in self.tensors_to_check():
-            check_finite(name, t)
         choice = resolve_plan(self.plan, ranks, work, hardware)
         self._check_pipefusion(info, choice.plan, lat.shape[2], lat.shape[3])
+        for name, t in self.tensors_to_check():   # sizes known to fit: now the values are read
+            check_finite(name, t)
         if choice.plan.pipefusion > 1 and hardware is not None and hardware.device != "cpu":
             choice = self._fit_stages(info, choice, work, hardware)
         self.plan = choice.plan
         return choice
+
+    def _text_tokens(self) -> int:
+        """The longest prompt a pass runs (cond; neg_cond too with a negative pass)."""
+        sides = [self.cond] + ([self.neg_cond] if self.negative_pass else [])
+        return max(t.shape[1] for t in sides)
 
     def tensors_to_check(self):
         """(name, tensor) of every input tensor the sampler reads: the negative side only with a negative pass."""
@@ -187,12 +203,14 @@ class GenerateRequest:
         if not plans:
             return   # resolve_plan says why no plan runs it
         cpu = hardware is not None and hardware.device == "cpu"
+        # every rank receives the whole payload (a broadcast view crosses at its full size)
+        inputs = sum(t.numel() * t.element_size() for _, t in self.tensors_to_check()) / cost.GiB
         if cpu:
             have = host_memory_gib()
             if have is None:
                 return
             parts = min((cost.memory_gib(p, work) for p in plans), key=lambda m: m["weights"] + m["activations"])
-            need = (parts["weights"] + parts["activations"]) * ranks
+            need = (parts["weights"] + parts["activations"] + inputs) * ranks
             where = f"this machine has {have:.0f} GiB of RAM for {ranks} CPU rank(s)"
         else:
             hw = hardware or assumed_hardware(ranks)
@@ -200,13 +218,14 @@ class GenerateRequest:
             if have is None:
                 return
             parts = min((cost.memory_gib(p, work) for p in plans), key=lambda m: m["activations"])
-            need = parts["activations"]
+            need = parts["activations"] + inputs
             where = f"the GPUs have {have:.0f} GiB each"
         if need <= have:
             return
         raise ValueError(f"latent {latent_w * 8}x{latent_h * 8} px, batch {work.batch}, {work.text_tokens} text tokens "
                          f"needs about {need:,.0f} GiB {'in all' if cpu else 'per GPU'} (per rank: activations "
-                         f"{parts['activations']:,.1f} GiB, weights {parts['weights']:,.1f} GiB); {where}: use a "
+                         f"{parts['activations']:,.1f} GiB, inputs {inputs:,.1f} GiB, weights "
+                         f"{parts['weights']:,.1f} GiB); {where}: use a "
                          f"smaller image, batch or prompt")
 
     def _fit_stages(self, info, choice: PlanChoice, work: Workload, hardware: Hardware) -> PlanChoice:
