@@ -105,7 +105,7 @@ def test_bit_flips_anywhere_in_model_and_lora_files(files, tmp_path):
         shutil.copyfile(files[name], work[name])
     sizes = {n: (os.path.getsize(p), header_size(p)) for n, p in work.items()}
 
-    @cases(120)
+    @cases(250)
     @given(name=st.sampled_from(sorted(work)), in_header=st.booleans(), where=st.floats(0, 1, exclude_max=True),
            bit=st.integers(0, 7))
     def prop(name, in_header, where, bit):
@@ -130,7 +130,7 @@ def test_files_cut_at_any_length(files, tmp_path):
     tally = Tally("truncations")
     data = {n: open(files[n], "rb").read() for n in ["flux", "gguf", "fp8_scaled", "gguf-q4k", "lora-kohya"]}
 
-    @cases(60)
+    @cases(100)
     @given(name=st.sampled_from(sorted(data)), cut=st.one_of(st.integers(0, 64), st.floats(0, 1, exclude_max=True)))
     def prop(name, cut):
         raw = data[name]
@@ -211,7 +211,7 @@ def test_safetensors_headers_that_lie(files, tmp_path):
     tally = Tally("safetensors header lies")
     parts = {n: split_safetensors(files[n]) for n in ["flux", "sd3", "fp8_scaled", "lora-kohya", "lora-diffusers"]}
 
-    @cases(150)
+    @cases(300)
     @given(name=st.sampled_from(sorted(parts)), data=st.data())
     def prop(name, data):
         header, body = parts[name]
@@ -233,7 +233,7 @@ def test_gguf_headers_that_lie(files, tmp_path):
     data = {n: open(files[n], "rb").read() for n in ("gguf", "gguf-q4k")}
     heads = {n: header_size(files[n]) for n in data}
 
-    @cases(120)
+    @cases(200)
     @given(name=st.sampled_from(sorted(data)), where=st.floats(0, 1, exclude_max=True),
            width=st.sampled_from([1, 4, 8]),
            value=st.one_of(st.sampled_from([0, 1, 2, 3, 31, 32, 255, 2 ** 31, 2 ** 32 - 1, 2 ** 63, 2 ** 64 - 1]),

@@ -34,7 +34,7 @@ def workloads(draw):
 def test_any_degrees_ranks_and_workload_resolve_or_are_refused_with_the_numbers():
     tally = Tally("plans")
 
-    @cases(400)
+    @cases(600)
     @given(degrees=st.one_of(st.just("auto"), st.dictionaries(st.sampled_from(DEGREES), DEGREE, max_size=5),
                              st.sampled_from(["Auto", "", 3, None])),
            ranks=RANKS, work=workloads(), hw=st.sampled_from(["assumed", "cpu", "rtx4090", "h100-pcie"]))
@@ -82,7 +82,7 @@ def test_plan_flags_of_the_cli_give_a_plan_or_one_line(tmp_path):
     parser = build_parser()
     tally = Tally("CLI plan flags")
 
-    @cases(150)
+    @cases(200)
     @given(flags=st.dictionaries(st.sampled_from(["--ulysses", "--ring", "--dp", "--pipefusion", "--ranks"]),
                                  FLAG_TEXT, min_size=1, max_size=2),
            cfg_parallel=st.booleans(), auto=st.booleans())

@@ -72,7 +72,7 @@ def read_all(data: bytes, ready: bool) -> tuple[list[dict], BaseException]:
 def test_any_bytes_on_the_control_channel_give_messages_then_a_clear_close():
     tally = Tally("control frames")
 
-    @cases(400)
+    @cases(600)
     @given(frames=st.lists(FRAMES, max_size=6), ready=st.booleans())
     def prop(frames, ready):
         data = b"".join(f for _, f in frames)

@@ -222,11 +222,15 @@ class GenerateRequest:
             where = f"the GPUs have {have:.0f} GiB each"
         if need <= have:
             return
-        raise ValueError(f"latent {latent_w * 8}x{latent_h * 8} px, batch {work.batch}, {work.text_tokens} text tokens "
+        if parts["weights"] * (ranks if cpu else 1) >= have / 2:   # the model itself is the most of it
+            help = f"the weights alone need {parts['weights'] * (ranks if cpu else 1):,.1f} GiB: use fp8 weights, " \
+                   f"bf16, fewer CPU ranks or a machine with more memory"
+        else:
+            help = "use a smaller image, batch or prompt"
+        raise ValueError(f"{work.variant} with latent {latent_w * 8}x{latent_h * 8} px, batch {work.batch}, {work.text_tokens} text tokens "
                          f"needs about {need:,.0f} GiB {'in all' if cpu else 'per GPU'} (per rank: activations "
                          f"{parts['activations']:,.1f} GiB, inputs {inputs:,.1f} GiB, weights "
-                         f"{parts['weights']:,.1f} GiB); {where}: use a "
-                         f"smaller image, batch or prompt")
+                         f"{parts['weights']:,.1f} GiB); {where}: {help}")
 
     def _fit_stages(self, info, choice: PlanChoice, work: Workload, hardware: Hardware) -> PlanChoice:
         """PipeFusion on GPUs: each stage's weights, K/V buffers and activations must fit a GPU. The stages are
