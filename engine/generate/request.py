@@ -5,19 +5,65 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import torch
 
 from ..models.flow import REFERENCE_METHODS
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.speed import ATTENTION
-from ..parallel.devices import Hardware
-from ..parallel.plan import AUTO, ParallelPlan, PlanChoice, Workload, resolve_plan
+from ..parallel import cost
+from ..parallel.devices import Hardware, assumed_hardware
+from ..parallel.plan import AUTO, ParallelPlan, PlanChoice, Workload, feasible, resolve_plan
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
 SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
+FINITE_CHUNK = 1 << 22      # elements checked for NaN/inf at a time (the check's own memory stays small)
+
+
+def host_memory_gib() -> float | None:
+    """The host's RAM in GiB (MemTotal of /proc/meminfo, else sysconf), None when neither says."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 / cost.GiB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cost.GiB
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor holding NaN or inf, naming it and the first such value; read a block of at most
+    FINITE_CHUNK elements at a time, so the check's own memory stays small whatever the tensor's size."""
+    t = t.reshape(1) if t.ndim == 0 else t
+    where = _first_nonfinite(t)
+    if where is not None:
+        raise ValueError(f"{name} holds {t[tuple(where)].item()} at index {where} (shape {list(t.shape)}): give "
+                         f"finite values (check the node or encoder that made it)")
+
+
+def _first_nonfinite(t: torch.Tensor) -> list[int] | None:
+    if t.numel() == 0:
+        return None
+    per_row = t.numel() // t.shape[0]
+    if per_row > FINITE_CHUNK:   # rows too large to check whole: one row at a time, recursively
+        for i in range(t.shape[0]):
+            inner = _first_nonfinite(t[i])
+            if inner is not None:
+                return [i] + inner
+        return None
+    step = max(1, FINITE_CHUNK // per_row)
+    for start in range(0, t.shape[0], step):
+        bad = ~torch.isfinite(t[start:start + step])
+        if bool(bad.any()):
+            where = [int(i) for i in bad.nonzero()[0]]
+            return [where[0] + start] + where[1:]
+    return None
 
 
 def check_latent_size(info, latent_h: int, latent_w: int) -> None:
@@ -86,6 +132,9 @@ class GenerateRequest:
         says) and stored in `plan`. Raises ValueError (PlanError, CheckpointError) naming the input, the value and
         what works."""
         self.check_scalars()
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} is invalid: give a checkpoint path, a diffusers folder or "
+                             f"synthetic:<variant>[:tiny]")
         info = inspect_model(self.model)  # CheckpointError (a ValueError) for a bad file; cached while unchanged
         lat = self.latent_raw
         if not isinstance(lat, torch.Tensor) or lat.ndim != 4 or lat.shape[1] != 16 or not lat.is_floating_point():
@@ -112,8 +161,11 @@ class GenerateRequest:
         if ranks is None:
             ranks = self.plan.world_size if isinstance(self.plan, ParallelPlan) else 1
         work = self.workload(info)
+        self._check_memory(work, ranks, hardware, lat.shape[2], lat.shape[3])  # before any tensor is read
         choice = resolve_plan(self.plan, ranks, work, hardware)
         self._check_pipefusion(info, choice.plan, lat.shape[2], lat.shape[3])
+        for name, t in self.tensors_to_check():   # sizes known to fit: now the values are read
+            check_finite(name, t)
         if choice.plan.pipefusion > 1 and hardware is not None and hardware.device != "cpu":
             choice = self._fit_stages(info, choice, work, hardware)
         self.plan = choice.plan
@@ -123,7 +175,7 @@ class GenerateRequest:
         """What the planner and the cost model know of this job."""
         lat = self.latent_raw
         return Workload.from_info(info, lat.shape[2], lat.shape[3], batch=lat.shape[0],
-                                  negative_pass=self.negative_pass, text_tokens=self.cond.shape[1], dtype=self.dtype,
+                                  negative_pass=self.negative_pass, text_tokens=self._text_tokens(), dtype=self.dtype,
                                   fp8_weights=self.fp8_weights, compiled=self.compile)
 
     def submit(self, engine, **kwargs):
@@ -160,6 +212,65 @@ class GenerateRequest:
         advice += memory_helps(ranks, work, budget * (1 if total else 0.99))
         advice.append("a smaller image or batch shrinks the activations")
         return "; ".join(advice)
+
+    def _text_tokens(self) -> int:
+        """The longest prompt a pass runs (cond; neg_cond too with a negative pass)."""
+        sides = [self.cond] + ([self.neg_cond] if self.negative_pass else [])
+        return max(t.shape[1] for t in sides)
+
+    def tensors_to_check(self):
+        """(name, tensor) of every input tensor the sampler reads: the negative side only with a negative pass."""
+        yield "latent", self.latent_raw
+        yield "cond", self.cond
+        yield "pooled", self.pooled
+        if self.negative_pass:
+            yield "neg_cond", self.neg_cond
+            yield "neg_pooled", self.neg_pooled
+        for name in ("reference_latents",) + (("neg_reference_latents",) if self.negative_pass else ()):
+            for i, r in enumerate(getattr(self, name) or ()):
+                yield f"{name}[{i}]", r
+
+    def _check_memory(self, work: Workload, ranks: int, hardware: Hardware | None, latent_h: int,
+                      latent_w: int) -> None:
+        """Refuse a job too large for the machine from the cost model's estimate (cost.memory_gib), before anything
+        is allocated. CPU ranks share the host's RAM: weights and activations of every rank must fit it. A GPU must
+        hold at least the activations of the best plan (weights that do not fit are the planner's to explain, with
+        fp8 and PipeFusion advice)."""
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 8:
+            return   # resolve_plan names a bad rank count
+        plans = [self.plan] if isinstance(self.plan, ParallelPlan) and self.plan.world_size == ranks else \
+            feasible(ranks, work)
+        if not plans:
+            return   # resolve_plan says why no plan runs it
+        cpu = hardware is not None and hardware.device == "cpu"
+        # every rank receives the whole payload (a broadcast view crosses at its full size)
+        inputs = sum(t.numel() * t.element_size() for _, t in self.tensors_to_check()) / cost.GiB
+        if cpu:
+            have = host_memory_gib()
+            if have is None:
+                return
+            parts = min((cost.memory_gib(p, work) for p in plans), key=lambda m: m["weights"] + m["activations"])
+            need = (parts["weights"] + parts["activations"] + inputs) * ranks
+            where = f"this machine has {have:.0f} GiB of RAM for {ranks} CPU rank(s)"
+        else:
+            hw = hardware or assumed_hardware(ranks)
+            have = hw.memory_gib
+            if have is None:
+                return
+            parts = min((cost.memory_gib(p, work) for p in plans), key=lambda m: m["activations"])
+            need = parts["activations"] + inputs
+            where = f"the GPUs have {have:.0f} GiB each"
+        if need <= have:
+            return
+        if parts["weights"] * (ranks if cpu else 1) >= have / 2:   # the model itself is the most of it
+            help = f"the weights alone need {parts['weights'] * (ranks if cpu else 1):,.1f} GiB: use fp8 weights, " \
+                   f"bf16, fewer CPU ranks or a machine with more memory"
+        else:
+            help = "use a smaller image, batch or prompt"
+        raise ValueError(f"{work.variant} with latent {latent_w * 8}x{latent_h * 8} px, batch {work.batch}, {work.text_tokens} text tokens "
+                         f"needs about {need:,.0f} GiB {'in all' if cpu else 'per GPU'} (per rank: activations "
+                         f"{parts['activations']:,.1f} GiB, inputs {inputs:,.1f} GiB, weights "
+                         f"{parts['weights']:,.1f} GiB); {where}: {help}")
 
     def _fit_stages(self, info, choice: PlanChoice, work: Workload, hardware: Hardware) -> PlanChoice:
         """PipeFusion on GPUs: each stage's weights, K/V buffers and activations must fit a GPU. The stages are
@@ -225,6 +336,11 @@ class GenerateRequest:
             raise ValueError(f"cfg={self.cfg} is invalid: use a value > 0 (1.0 for FLUX.1-dev/schnell)")
         if not 0 < self.denoise <= 1:
             raise ValueError(f"denoise={self.denoise} is invalid: use a value in (0, 1]")
+        for name, valid in (("dtype", COMPUTE_DTYPES), ("sampler", SAMPLERS), ("scheduler", SCHEDULERS),
+                            ("attention", ATTENTION), ("reference_latents_method", REFERENCE_METHODS),
+                            ("neg_reference_latents_method", REFERENCE_METHODS)):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use one of {', '.join(valid)}")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
         if self.sampler not in SAMPLERS:
@@ -256,6 +372,12 @@ class GenerateRequest:
                                  f"{', '.join(REFERENCE_METHODS)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
+        if not isinstance(self.loras, (list, tuple)) or any(
+                not isinstance(e, (list, tuple)) or len(e) != 2 or not isinstance(e[0], str) or not e[0]
+                or isinstance(e[1], bool) or not isinstance(e[1], (int, float)) or not math.isfinite(e[1])
+                for e in self.loras):
+            raise ValueError(f"loras={self.loras!r} is invalid: use a list of (path, strength) pairs with finite "
+                             f"strengths")
         if self.batch_index is not None and (
                 not isinstance(self.batch_index, (list, tuple))
                 or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < SEED_LIMIT
@@ -352,19 +474,38 @@ class GenerateRequest:
     @classmethod
     def from_job(cls, spec: dict, inputs: dict[str, torch.Tensor]) -> "GenerateRequest":
         """The request as the client validated it; a document with missing or unknown fields is refused."""
+        if not isinstance(spec, dict) or not isinstance(inputs, dict):
+            raise ValueError(f"generate job document is malformed: spec is a {type(spec).__name__} and inputs a "
+                             f"{type(inputs).__name__}, not objects (client and ranks differ in version?)")
         scalar = {f.name for f in fields(cls) if not f.metadata.get("tensor")}   # list fields: their length
         tensor = {f.name for f in fields(cls) if f.metadata.get("tensor")}
         lists = {f.name for f in fields(cls) if f.metadata.get("list")}
         missing, unknown = scalar - set(spec), set(spec) - scalar
+        for name in lists - missing:
+            n = spec[name]
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64):
+                raise ValueError(f"generate job document is malformed: {name}={n!r} is not a count of tensors")
         listed = {f"{name}.{i}" for name in lists - missing for i in range(spec[name] or 0)}
         strays = set(inputs) - tensor - listed
         missing |= listed - set(inputs)
+        missing |= {f.name for f in fields(cls) if f.metadata.get("tensor") and not f.metadata.get("list")
+                    and f.default is MISSING and f.default_factory is MISSING} - set(inputs)
         if missing or unknown or strays:
             raise ValueError(f"generate job document does not match this engine's request: missing {sorted(missing)}, "
                              f"unknown {sorted(unknown | strays)} (client and ranks differ in version?)")
+        bad = [k for k, v in inputs.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ValueError(f"generate job document is malformed: inputs {sorted(bad)} are not tensors")
+        if not isinstance(spec["plan"], dict):
+            raise ValueError(f"generate job document is malformed: plan={spec['plan']!r} is not an object of degrees")
+        if not isinstance(spec["loras"], list) or not all(isinstance(x, list) and len(x) == 2 for x in spec["loras"]):
+            raise ValueError(f"generate job document is malformed: loras={spec['loras']!r} is not a list of "
+                             f"[path, strength] pairs")
         values = dict(spec, plan=ParallelPlan.from_dict(spec["plan"]), loras=[tuple(x) for x in spec["loras"]])
         values.update({name: None if spec[name] is None else [inputs[f"{name}.{i}"] for i in range(spec[name])]
                        for name in lists})
         request = cls(**values, **{k: v for k, v in inputs.items() if k in tensor})
         request.check_scalars()
+        if not isinstance(request.model, str):
+            raise ValueError(f"generate job document is malformed: model={request.model!r} is not a path")
         return request

@@ -118,6 +118,16 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
     except KeyError as e:
         raise CheckpointError(f"{path}: a {family} transformer ({layout} layout) missing key {e.args[0]!r}; "
                               f"the file is incomplete or an unsupported variant") from None
+    except CheckpointError as e:   # the config's own checks: say which file
+        raise CheckpointError(f"{path}: {e}") from None
+    except (IndexError, TypeError, ValueError, ZeroDivisionError) as e:   # a tensor of the wrong rank or size 0
+        raise CheckpointError(f"{path}: a {family} transformer ({layout} layout) whose tensor shapes make no "
+                              f"model ({type(e).__name__}: {e}); the file is damaged or an unsupported variant") from None
+    bad = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool) and v < 1
+           and k not in ("patch_size",)} if isinstance(config, dict) else {}
+    if bad or config.get("patch_size", 1) < 1:
+        raise CheckpointError(f"{path}: a {family} transformer ({layout} layout) whose tensor shapes give "
+                              f"{bad or {'patch_size': config.get('patch_size')}}; the file is damaged")
     parameters, in_blocks = count_parameters(shapes)
     dtypes = [tensors[prefix + k].dtype for k in keys]
     fp8 = any(d.startswith("F8") for d in dtypes)

@@ -127,6 +127,16 @@ def build_empty(info: CheckpointInfo) -> torch.nn.Module:
         return model_class(info.family)(**info.config)
 
 
+def _build_checked(path: str, info: CheckpointInfo) -> torch.nn.Module:
+    """build_empty, with a config diffusers refuses (shapes no real model has) said as the file's fault."""
+    try:
+        return build_empty(info)
+    except Exception as e:
+        raise CheckpointError(f"{path}: its tensor shapes give a {info.family} config diffusers cannot build "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); the file is damaged or an "
+                              f"unsupported variant") from None
+
+
 def _few(names) -> str:
     names = sorted(names)
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -150,7 +160,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     files = _files(path)
     where, metadata = _headers(files)
     info = _detect(path, files, where, metadata)
-    model = build_empty(info)
+    model = _build_checked(path, info)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     mapping = key_map(info.layout, info.family, info.config) or [(k, k, None) for k in expected]
     sources = {src for _, src, _ in mapping}
@@ -195,11 +205,22 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
 
 
 class _Safetensors:
+    """safetensors' reader on a file whose header read_header checked; what it still refuses is said in one line."""
+
     def __init__(self, file: str):
-        self.handle = safe_open(file, "pt", device="cpu").__enter__()
+        self.name = os.path.basename(file)
+        try:
+            self.handle = safe_open(file, "pt", device="cpu").__enter__()
+        except Exception as e:
+            raise CheckpointError(f"{self.name}: safetensors cannot open it ({type(e).__name__}: {e}); the file is "
+                                  f"damaged") from None
 
     def get(self, key: str) -> torch.Tensor:
-        return self.handle.get_tensor(key)
+        try:
+            return self.handle.get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{self.name}: safetensors cannot read tensor {key!r} ({type(e).__name__}: {e}); "
+                                  f"the file is damaged") from None
 
     def close(self) -> None:
         self.handle.__exit__(None, None, None)

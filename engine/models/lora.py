@@ -90,18 +90,36 @@ def lora_factors(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> d
     that takes the diffusers parameter's rows out of up @ down."""
     targets = LoraTargets(info, diffusers_keys)
     factors: dict[str, list[tuple]] = {}
-    with safe_open(path, "pt", device="cpu") as f:
-        for layer, (down_key, up_key, alpha_key) in lora_layers(path).items():
+    name = os.path.basename(path)
+    layers = lora_layers(path)   # the header checked first: safetensors' reader then opens a sound file
+    try:
+        f = safe_open(path, "pt", device="cpu")
+    except Exception as e:
+        raise CheckpointError(f"LoRA {name}: safetensors cannot open it ({type(e).__name__}: {e})") from None
+    with f:
+        for layer, (down_key, up_key, alpha_key) in layers.items():
             source = targets.resolve(layer)
             if source is None:
-                raise CheckpointError(f"LoRA {os.path.basename(path)}: layer {layer} matches no layer of this model")
+                raise CheckpointError(f"LoRA {name}: layer {layer} matches no layer of this model")
             down, up = f.get_tensor(down_key).float(), f.get_tensor(up_key).float()
-            if down.ndim != 2 or up.ndim != 2:
-                raise CheckpointError(f"LoRA {os.path.basename(path)}: layer {layer} is not a linear LoRA "
-                                      f"(shapes {list(down.shape)}, {list(up.shape)})")
+            if down.ndim != 2 or up.ndim != 2 or down.shape[0] < 1 or up.shape[1] != down.shape[0]:
+                raise CheckpointError(f"LoRA {name}: layer {layer} is not a linear LoRA: down {list(down.shape)} "
+                                      f"and up {list(up.shape)} must be [rank, in] and [out, rank], rank >= 1")
             rank = down.shape[0]
-            scale = float(f.get_tensor(alpha_key).item()) / rank if alpha_key else 1.0
+            scale = 1.0
+            if alpha_key:
+                alpha = f.get_tensor(alpha_key).float()
+                if alpha.numel() != 1 or not torch.isfinite(alpha).all():
+                    raise CheckpointError(f"LoRA {name}: {alpha_key} must be one finite number, it has shape "
+                                          f"{list(alpha.shape)}" + (f" and value {alpha.item()}" if alpha.numel() == 1
+                                                                    else ""))
+                scale = float(alpha.item()) / rank
             for dst, op in targets.routes[source]:
+                try:
+                    apply_op(up, op)
+                except ValueError as e:   # a fused layer whose rows do not split as the model's do
+                    raise CheckpointError(f"LoRA {name}: layer {layer} has up {list(up.shape)}, which does not give "
+                                          f"{dst}: {e}") from None
                 factors.setdefault(dst, []).append((up, down, scale, op))
     return factors
 

@@ -24,6 +24,10 @@ class CheckpointError(ValueError):
     """A model file that cannot be used; the message names the file and what is wrong with it."""
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
@@ -56,16 +60,26 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{name} is not a safetensors file: its header is not JSON ({e})") from None
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{name}: the header's __metadata__ is not an object of strings: {str(metadata)[:80]}; "
+                              f"the file is damaged")
     data_bytes = size - 8 - n_header
     tensors: dict[str, TensorInfo] = {}
     for key, entry in header.items():
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{name}: header entry {key!r} is malformed: {entry!r}") from None
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list) \
+                    or len(offsets) != 2 or not all(_is_int(v) for v in shape + offsets):
+                raise TypeError
+            shape, (begin, end) = tuple(shape), offsets
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{name}: header entry {key!r} is malformed: {str(entry)[:120]}; the file is "
+                                  f"damaged") from None
         if dtype not in DTYPE_SIZES:
             raise CheckpointError(f"{name}: tensor {key!r} has dtype {dtype!r}, which is not supported "
                                   f"(supported: {sorted(TORCH_DTYPES)})")
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{name}: header lies about tensor {key!r}: shape {list(shape)} has a negative size")
         numel = 1
         for d in shape:
             numel *= d
@@ -76,6 +90,17 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raise CheckpointError(f"{name} is truncated: tensor {key!r} ends at byte {end} of the data section but "
                                   f"the file holds only {data_bytes} data bytes ({size} bytes in all); download it again")
         tensors[key] = TensorInfo(dtype, shape, begin, end)
+    at = 0   # the tensors tile the data section exactly, in offset order (what safetensors' own reader requires)
+    for key, t in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if t.begin != at:
+            what = f"overlaps the previous tensor (which ends at {at})" if t.begin < at else \
+                f"leaves a gap of {t.begin - at} bytes after byte {at}"
+            raise CheckpointError(f"{name}: header lies about tensor {key!r}: its data starts at byte {t.begin} and "
+                                  f"{what}; the file is damaged")
+        at = t.end
+    if tensors and at != data_bytes:
+        raise CheckpointError(f"{name}: the header accounts for {at} data bytes but the file holds {data_bytes} "
+                              f"after it; the file is damaged or has bytes appended")
     if not tensors:
         raise CheckpointError(f"{name} holds no tensors")
     return tensors, metadata

@@ -24,7 +24,7 @@ import torch
 from . import bridge
 from ..errors import EngineError, JobCancelled
 from .launch import kill_all, log_tail, rank_env, signal_name, spawn_rank
-from .protocol import Channel, ChannelClosed
+from .protocol import Channel, ChannelClosed, ProtocolError
 
 MAX_RANKS = 8
 PHASES = ("sent", "broadcast", "compute", "return")
@@ -225,7 +225,10 @@ class Engine:
                             heard[rank] = time.monotonic()
                             if message.get("op") == "ready":
                                 ready[rank] = message
-                    except ChannelClosed:
+                    except ChannelClosed as e:
+                        if isinstance(e, ProtocolError):
+                            raise EngineError(f"rank {rank} broke the control protocol during start-up ({e})",
+                                              rank=rank, phase="start") from None
                         status = self._reap(rank)
                         raise EngineError(f"rank {rank} exited during start-up ({status})"
                                           f"{self._log_tail(rank)}", rank=rank, phase="start") from None
@@ -467,10 +470,15 @@ class Engine:
                     rank = key.data
                     try:
                         messages = self._chans[rank].recv_ready()
-                    except ChannelClosed:
+                    except ChannelClosed as e:
                         sel.unregister(key.fileobj)
-                        status = self._reap(rank)
                         where = watch.where(rank) if rank not in final else "after finishing its part"
+                        if isinstance(e, ProtocolError):  # garbage from a live rank: as broken as a dead one
+                            self._fail(f"rank {rank} broke the control protocol: {e}")
+                            raise EngineError(f"job {job_id}: rank {rank} broke the control protocol during "
+                                              f"{where} ({e}); the ranks will be replaced before the next job",
+                                              rank=rank, phase=phase[rank]) from None
+                        status = self._reap(rank)
                         self._fail(f"rank {rank} died ({status})")
                         raise EngineError(f"job {job_id}: rank {rank} died during {where} ({status}); "
                                           f"the ranks will be replaced before the next job{self._log_tail(rank)}",
@@ -482,6 +490,11 @@ class Engine:
                             continue
                         op = m["op"]
                         if op == "phase":
+                            if m.get("phase") not in PHASES + ("load",):
+                                self._fail(f"rank {rank} broke the control protocol: phase {m.get('phase')!r}")
+                                raise EngineError(f"job {job_id}: rank {rank} broke the control protocol: it named "
+                                                  f"phase {m.get('phase')!r}; the ranks will be replaced",
+                                                  rank=rank, phase=phase[rank])
                             phase[rank], phase_start[rank] = m["phase"], now
                             watch.limit[rank] = deadlines.for_phase(m["phase"], m.get("bytes", 0))
                             watch.step_start[rank] = now

@@ -17,6 +17,11 @@ class ChannelClosed(ConnectionError):
     """The peer closed its end (it exited or was killed)."""
 
 
+class ProtocolError(ChannelClosed):
+    """The peer sent what is not a control message (an oversized frame, bytes that are not JSON, JSON that is not a
+    message): its end is as good as closed, and handlers of ChannelClosed treat the peer as broken."""
+
+
 class Channel:
     """One end of a socketpair carrying JSON messages. send() is thread-safe; recv() is for one reader."""
 
@@ -44,12 +49,22 @@ class Channel:
             return None
         (size,) = _HEADER.unpack_from(self._buf)
         if size > MAX_MESSAGE_BYTES:
-            raise ConnectionError(f"control frame of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+            raise ProtocolError(f"control frame of {size} bytes exceeds {MAX_MESSAGE_BYTES >> 20} MiB (its first "
+                                f"bytes: {bytes(self._buf[:16])!r})")
         if len(self._buf) < _HEADER.size + size:
             return None
         payload = bytes(self._buf[_HEADER.size:_HEADER.size + size])
         del self._buf[:_HEADER.size + size]
-        return json.loads(payload)
+        try:
+            message = json.loads(payload)
+        except ValueError as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ProtocolError(f"control frame is not JSON: {e} (its first bytes: {payload[:32]!r})") from None
+        if not isinstance(message, dict):
+            raise ProtocolError(f"control message is not an object: a JSON {type(message).__name__} "
+                                f"({payload[:32]!r})")
+        if not isinstance(message.get("op"), str):
+            raise ProtocolError(f"control message has no op: {payload[:64]!r}")
+        return message
 
     def recv(self) -> dict:
         """Blocking read of one message; raises ChannelClosed on EOF."""
@@ -65,6 +80,9 @@ class Channel:
         except ConnectionResetError as e:
             raise ChannelClosed(str(e)) from e
         if not chunk:
+            if self._buf:   # a peer killed mid-send, or one that sent a partial frame: closed either way
+                raise ChannelClosed(f"peer closed the control channel in the middle of a frame ({len(self._buf)} "
+                                    f"bytes of it received)")
             raise ChannelClosed("peer closed the control channel")
         self._buf += chunk
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import bridge, faults
 from ..errors import EngineError
 from .jobs import HANDLERS, JobContext, JobCancelledSignal, is_out_of_memory, rank_memory
-from .protocol import Channel, ChannelClosed
+from .protocol import Channel, ChannelClosed, ProtocolError
 
 
 class RankRuntime:
@@ -81,11 +81,14 @@ class RankRuntime:
             while True:
                 message = self.chan.recv()
                 if message.get("op") == "cancel":
-                    self.cancel_job_id = message["job_id"]
+                    self.cancel_job_id = message.get("job_id")
                 else:
                     self.inbox.put(message)
-        except (ChannelClosed, OSError, ValueError):
+        except BaseException as e:  # closed, or garbage on the channel (ProtocolError): the client is broken
             if not self.stopping:
+                if not isinstance(e, ChannelClosed) or isinstance(e, ProtocolError):
+                    print(f"rank {self.rank}: control channel from the client is broken ({type(e).__name__}: {e}); "
+                          f"taking the rank group down", file=sys.stderr, flush=True)
                 self._client_gone()
 
     def _ticker(self) -> None:
