@@ -5,8 +5,6 @@ import sys
 
 import pytest
 
-from engine.cli.bench_faults import owned_dirs
-from engine.runtime import bridge
 from engine.runtime.client import Deadlines, Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,23 +22,6 @@ def load_pack(name=PACK_NAME):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def engine_dirs(owner: int | None = None) -> set[str]:
-    """Engine directories in shared memory; with `owner`, only that process's (other test runs on the machine make
-    and remove their own at any time)."""
-    if owner is not None:
-        return owned_dirs(owner)
-    return {n for n in os.listdir(bridge.SHM_ROOT) if n.startswith(bridge.DIR_PREFIX)}
-
-
-def pid_gone(pid: int) -> bool:
-    """True once pid is gone or a zombie (killed, waiting only to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, engine_dirs, pid_gone
+from engine.runtime.bridge import engine_dirs
+from engine.runtime.launch import pid_gone
+from conftest import ROOT
 from safetensors.torch import save_file
 
 from engine.cli import main

@@ -134,7 +134,7 @@ def test_engine_on_one_cuda_rank(models):
     assert again.ranks[0]["compiled_graphs"] == compiled.ranks[0]["compiled_graphs"]  # graphs reused
     assert "peak_gib" in memory
     assert free_after >= free_before - 64 * 2**20, "the closed engine left CUDA memory allocated"
-    from conftest import pid_gone
+    from engine.runtime.launch import pid_gone
     assert all(pid_gone(pid) for pid in pids)
 
 

@@ -13,7 +13,9 @@ import torch
 from engine.runtime.client import Deadlines, Engine
 from engine.errors import EngineError
 
-from conftest import FAST, ROOT, engine_dirs, pid_gone
+from engine.runtime.bridge import engine_dirs
+from engine.runtime.launch import pid_gone
+from conftest import FAST, ROOT
 
 
 def run_until_step(engine, step, action, steps=400):

@@ -7,7 +7,8 @@ import torch
 from engine.runtime import bridge
 from engine.runtime.client import Engine
 
-from conftest import FAST, engine_dirs
+from engine.runtime.bridge import engine_dirs
+from conftest import FAST
 
 
 def open_fds(pid: int) -> int:

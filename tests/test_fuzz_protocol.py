@@ -18,7 +18,8 @@ from engine.errors import EngineError
 from engine.runtime.client import Engine
 from engine.runtime.protocol import MAX_MESSAGE_BYTES, Channel, ChannelClosed, ProtocolError
 
-from conftest import FAST, pid_gone
+from engine.runtime.launch import pid_gone
+from conftest import FAST
 from fuzz import Tally, cases, one_line
 
 PROTOCOL_WORDS = ("exceeds 1 MiB", "is not JSON", "is not an object", "has no op")

@@ -17,7 +17,8 @@ from engine.errors import EngineError
 from engine.parallel.plan import ParallelPlan
 from engine.runtime.client import Deadlines, Engine
 
-from conftest import ROOT, pid_gone
+from engine.runtime.launch import pid_gone
+from conftest import ROOT
 from test_engine_resources import _listening, _socket_inodes
 
 SECRET = "correct horse battery staple"

@@ -20,7 +20,7 @@ from ..errors import EngineError, JobCancelled
 from ..runtime import bridge
 from ..runtime.client import Deadlines, Engine
 from ..runtime.faults import Fault
-from ..runtime.launch import PACK_ROOT
+from ..runtime.launch import PACK_ROOT, proc_stat
 from .tables import markdown
 
 ROLES = {"receiver": 0, "returner": 1, "other": 2}   # rank 0 receives every job; echo's return_rank 1 returns it
@@ -86,30 +86,10 @@ def group_alive(pgid: int) -> list[int]:
     """Live (not zombie) processes in process group `pgid`."""
     alive = []
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        stat = proc_stat(int(name)) if name.isdigit() else None
+        if stat is not None and stat[1] == pgid and stat[0] != "Z":
             alive.append(int(name))
     return alive
-
-
-def owned_dirs(pid: int) -> set[str]:
-    """The engine directories in shared memory whose owner is `pid` (engines of other processes are not ours)."""
-    found = set()
-    for name in os.listdir(bridge.SHM_ROOT):
-        if name.startswith(bridge.DIR_PREFIX):
-            try:
-                with open(os.path.join(bridge.SHM_ROOT, name, "owner")) as f:
-                    if int(f.read().strip()) == pid:
-                        found.add(name)
-            except (OSError, ValueError):
-                continue
-    return found
 
 
 def _wait_gone(pgid: int, seconds: float) -> bool:
@@ -156,8 +136,8 @@ def rank_fault(role: str, point: str, action: str, tmp: str) -> dict:
                 checks.append("the next job returned wrong data")
         except EngineError as e:
             checks.append(f"the next job failed: {str(e).splitlines()[0]}")
-        if owned_dirs(os.getpid()) != {os.path.basename(engine.engine_dir or "")}:
-            checks.append(f"shared memory left behind: {sorted(owned_dirs(os.getpid()))}")
+        if bridge.engine_dirs(os.getpid()) != {os.path.basename(engine.engine_dir or "")}:
+            checks.append(f"shared memory left behind: {sorted(bridge.engine_dirs(os.getpid()))}")
         left = [n for n in os.listdir(engine.engine_dir) if n.startswith("j")] if engine.engine_dir else []
         if left:
             checks.append(f"job segments left: {left}")
@@ -199,15 +179,15 @@ def client_death(point: str, tmp: str) -> dict:
     if fired:
         pgid = fired[0]["pgid"]
         end = time.monotonic() + 15
-        while (group_alive(pgid) or owned_dirs(proc.pid)) and time.monotonic() < end:
+        while (group_alive(pgid) or bridge.engine_dirs(proc.pid)) and time.monotonic() < end:
             time.sleep(0.05)
         detected = time.time() - fired[0]["time"]
         if group_alive(pgid):
             checks.append(f"orphaned ranks: {group_alive(pgid)}")
             for pid in group_alive(pgid):
                 os.kill(pid, 9)
-        if owned_dirs(proc.pid):
-            checks.append(f"shared memory left behind: {sorted(owned_dirs(proc.pid))}")
+        if bridge.engine_dirs(proc.pid):
+            checks.append(f"shared memory left behind: {sorted(bridge.engine_dirs(proc.pid))}")
     else:
         checks.append("the fault did not fire")
     return {"fault": "client kill -9", "role": "client", "phase": PHASES[point], "detected_s": detected,

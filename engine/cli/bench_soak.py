@@ -31,6 +31,7 @@ from ..generate.request import GenerateRequest
 from ..parallel.plan import ParallelPlan
 from ..runtime import bridge
 from ..runtime.client import Engine
+from ..runtime.launch import pid_gone
 from .args import UsageError
 from .tables import markdown
 
@@ -211,25 +212,11 @@ def _status(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-def own_engine_dirs() -> list[str]:
-    """Engine directories under SHM_ROOT whose owner is this process."""
-    found = []
-    for name in os.listdir(bridge.SHM_ROOT):
-        if name.startswith(bridge.DIR_PREFIX):
-            try:
-                with open(os.path.join(bridge.SHM_ROOT, name, "owner")) as f:
-                    if int(f.read().strip()) == os.getpid():
-                        found.append(name)
-            except (OSError, ValueError):
-                continue
-    return sorted(found)
-
-
 def snapshot(engine: Engine, gpu_mib: dict[int, float]) -> dict:
     """Counts (judged: must stay flat) and memory (reported)."""
     procs = {"client": os.getpid(), **{f"rank {r}": pid for r, pid in enumerate(engine.pids)}}
     counts = {"engine dir files": len(os.listdir(engine.engine_dir)),
-              "own engine dirs in " + bridge.SHM_ROOT: len(own_engine_dirs()),
+              "own engine dirs in " + bridge.SHM_ROOT: len(sorted(bridge.engine_dirs(os.getpid()))),
               "client threads": _status(os.getpid(), "Threads")}
     counts.update({f"{name} fds": len(os.listdir(f"/proc/{pid}/fd")) for name, pid in procs.items()})
     memory = {f"{name} RSS MiB": _status(pid, "VmRSS") / 1024 for name, pid in procs.items()}
@@ -242,14 +229,6 @@ def _gpu_mib(info: list[dict], into: dict[int, float]) -> None:
         mem = rank.get("memory", {})
         if "allocated_gib" in mem:
             into[rank["rank"]] = mem["allocated_gib"] * 1024
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 # ---- the soak --------------------------------------------------------------------------------------------------
@@ -337,9 +316,9 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
         after = snapshot(engine, gpu_mib)
         restarts = list(engine.restarts)
         generation = engine.generation
-    alive = [pid for pid in pids if not _gone(pid)]
+    alive = [pid for pid in pids if not pid_gone(pid)]
     dir_left = os.path.exists(engine_dir)
-    own_left = own_engine_dirs()
+    own_left = sorted(bridge.engine_dirs(os.getpid()))
 
     rows = []
     for group in ("counts", "memory"):

@@ -48,20 +48,33 @@ def remove_engine_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _dir_owner(path: str) -> int | None:
+    """The pid that made engine directory `path` (None when unreadable)."""
+    try:
+        with open(os.path.join(path, "owner")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def engine_dirs(owner: int | None = None) -> set[str]:
+    """Names of the engine directories under SHM_ROOT; with `owner`, only those that process made."""
+    names = {n for n in os.listdir(SHM_ROOT) if n.startswith(DIR_PREFIX)}
+    if owner is None:
+        return names
+    return {n for n in names if _dir_owner(os.path.join(SHM_ROOT, n)) == owner}
+
+
 def sweep_stale_dirs() -> list[str]:
     """Remove engine directories whose owning process is gone (left by a machine-wide crash)."""
     removed = []
-    for name in os.listdir(SHM_ROOT):
-        if not name.startswith(DIR_PREFIX):
-            continue
+    for name in engine_dirs():
         path = os.path.join(SHM_ROOT, name)
+        owner = _dir_owner(path)
         try:
-            with open(os.path.join(path, "owner")) as f:
-                owner = int(f.read().strip())
-            os.stat(path)
-            if os.stat(path).st_uid != os.getuid():
+            if owner is None or os.stat(path).st_uid != os.getuid():
                 continue
-        except (OSError, ValueError):
+        except OSError:
             continue
         if not _pid_alive(owner):
             remove_engine_dir(path)

@@ -59,6 +59,22 @@ def log_tail(engine_dir: str | None, rank: int, lines: int = 15) -> str:
     return ("\n--- rank %d log (last lines) ---\n" % rank + "\n".join(text)) if text else ""
 
 
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, process group) of `pid` from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[2])
+
+
+def pid_gone(pid: int) -> bool:
+    """True once pid is gone or a zombie (killed, waiting only to be reaped)."""
+    stat = proc_stat(pid)
+    return stat is None or stat[0] == "Z"
+
+
 def signal_name(returncode: int | None) -> str:
     if returncode is None:
         return "still running"
