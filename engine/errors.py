@@ -23,3 +23,12 @@ class JobCancelled(EngineError):
 
 class PlanError(ValueError):
     """A parallel plan that cannot run; raised before any rank starts."""
+
+
+class JobCancelledSignal(Exception):
+    """Raised on every rank of a job the client cancelled, at the step the ranks agreed on (the rank turns it into
+    the client's JobCancelled)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"cancelled at step {step}")
+        self.step = step

@@ -80,7 +80,7 @@ def test_attention_lse_and_ring_merge_on_cuda(dtype):
 
 
 def test_fp8_products_on_cuda():
-    from engine.models.speed import fp8_linear, fp8_supported
+    from engine.models.quantized import fp8_linear, fp8_supported
     if not fp8_supported(torch.device("cuda")):
         pytest.skip("this GPU has no fp8 tensor cores (compute capability < 8.9)")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -101,7 +101,7 @@ def _job(models, family, **options):
     r = GenerateRequest(model=models[family], cond=torch.randn(1, 24, 4096, generator=g),
                         pooled=torch.randn(1, pooled, generator=g), latent_raw=torch.zeros(1, 16, 16, 16), seed=5,
                         steps=4, **options)
-    r.validate(1)
+    r = r.validate(1)
     return r.to_job()
 
 

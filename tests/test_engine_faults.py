@@ -163,7 +163,7 @@ def test_a_model_load_past_its_deadline_names_the_load_and_its_scaled_limit(tmp_
     fault = Fault(rank=1, point="load", action="stop", marker=str(tmp_path / "fired"))
     deadlines = Deadlines(load_s=1.0, load_s_per_gib=60, heartbeat_s=60, error_grace_s=1)
     request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2)
-    request.validate(2)
+    request = request.validate(2)
     with Engine(2, device="cpu", deadlines=deadlines, env=fault.env()) as e:
         with pytest.raises(EngineError, match=r"rank 1 exceeded the load deadline .*\(1 s, 1 s \+ 60 s/GiB") as info:
             request.submit(e)
@@ -205,7 +205,7 @@ def test_an_out_of_memory_generate_job_names_plans_and_settings_that_need_less(t
     fault = Fault(rank=1, point="step", action="oom", step=1, marker=str(tmp_path / "fired"))
     request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=3,
                                                   plan=ParallelPlan(ulysses=2))
-    request.validate(2)
+    request = request.validate(2)
     with Engine(2, device="cpu", deadlines=FAST, env=fault.env()) as e:
         with pytest.raises(EngineError) as info:
             request.submit(e)
@@ -224,7 +224,7 @@ def test_out_of_memory_advice_for_flux_dev_on_24_gib_cards_names_what_would_fit(
 
     request = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,
                                                   plan=ParallelPlan(ulysses=2), dtype="bf16")
-    request.validate(2)
+    request = request.validate(2)
     advice = request.memory_advice(2, {"device_total_gib": 24.0, "peak_gib": 23.5})
     print(advice)
     assert "for ulysses2" in advice and "on a 24 GiB device" in advice

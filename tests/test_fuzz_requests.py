@@ -4,6 +4,7 @@ whose one line names the input; absurd sizes are refused from the cost model's m
 allocated; a rank-side job document that is malformed is refused as clearly; the CLI maps these to exit 2."""
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,26 +94,25 @@ SCALARS = ["seed", "steps", "cfg", "denoise", "guidance", "sampler", "scheduler"
 
 @st.composite
 def fault(draw, family):
-    """(mutate(request) -> extra validate kwargs, words one of which the refusal must name)."""
+    """(mutate(request) -> (the request with the fault, extra validate kwargs), words one of which the refusal must
+    name). Requests are frozen: a fault is a request with one field replaced."""
     target = draw(st.sampled_from(["latent", "cond", "pooled", "neg_cond", "neg_pooled", "scalar", "references",
                                    "plan", "ranks", "loras", "model"]))
     if target == "latent":
         value, words = draw(latent_fault(family))
-        return (lambda r: setattr(r, "latent_raw", value)), words
+        return (lambda r: (replace(r, latent_raw=value), {})), words
     if target in ("cond", "pooled", "neg_cond", "neg_pooled"):
         value, words = draw(side_fault(family, target))
 
-        def set_side(r):
-            setattr(r, target, value)
-            if target.startswith("neg"):
-                r.cfg = 3.0   # the negative side is read only with a negative pass
+        def set_side(r):   # the negative side is read only with a negative pass
+            return replace(r, **{target: value}, **({"cfg": 3.0} if target.startswith("neg") else {})), {}
         return set_side, words
     if target == "scalar":
         name = draw(st.sampled_from(SCALARS))
         value = draw(st.one_of(ANY_VALUE, st.sampled_from([0, -1, 10001, 2 ** 64, "euler", "fp32", "nope"])))
         words = (name, "pipefusion") if name in ("patches", "stage_blocks") else \
             (name, "negative") if name == "cfg" else (name, "fp8") if name.startswith("fp8") else (name,)
-        return (lambda r: setattr(r, name, value)), words
+        return (lambda r: (replace(r, **{name: value}), {})), words
     if target == "references":
         refs = draw(st.one_of(
             st.sampled_from(["x", 3, torch.zeros(1, 16, 8, 8)]),
@@ -124,25 +124,23 @@ def fault(draw, family):
         name = draw(st.sampled_from(["reference_latents", "neg_reference_latents"]))
 
         def set_refs(r):
-            setattr(r, name, refs)
-            if name.startswith("neg"):
-                r.cfg = 2.0
+            return replace(r, **{name: refs}, **({"cfg": 2.0} if name.startswith("neg") else {})), {}
         return set_refs, (name,)
     if target == "plan":
         plan = draw(st.sampled_from(["bogus", 3, None, ParallelPlan(ulysses=2), ParallelPlan(cfg=2),
                                      ParallelPlan(dp=2), ParallelPlan(ring=8), ParallelPlan(pipefusion=3)]))
-        return (lambda r: setattr(r, "plan", plan)), ("plan", "ranks")
+        return (lambda r: (replace(r, plan=plan), {})), ("plan", "ranks")
     if target == "ranks":
         ranks = draw(st.sampled_from([0, -1, 9, 2.5, True, "2", 10 ** 9, None, 3, 8]))
-        return (lambda r: {"ranks": ranks}), ("ranks", "plan")
+        return (lambda r: (r, {"ranks": ranks})), ("ranks", "plan")
     if target == "loras":
         loras = draw(st.sampled_from(["style.safetensors", [("missing.safetensors", 1.0)], [("a",)], [(1, 1.0)],
                                       [(__file__, math.nan)], ["abc"], [(__file__, 1.0)], [("", 0.5)],
                                       [(__file__, True)], 7]))
-        return (lambda r: setattr(r, "loras", loras)), ("lora",)
+        return (lambda r: (replace(r, loras=loras), {})), ("lora",)
     model = draw(st.sampled_from(["", None, 3, "/nonexistent/model.safetensors", "synthetic:bogus", __file__,
                                   "synthetic:", os.path.dirname(__file__)]))
-    return (lambda r: setattr(r, "model", model)), ("model", "synthetic", os.path.basename(str(model)) or "model")
+    return (lambda r: (replace(r, model=model), {})), ("model", "synthetic", os.path.basename(str(model)) or "model")
 
 
 def attempt(request, ranks=None, hardware="cpu"):
@@ -151,7 +149,7 @@ def attempt(request, ranks=None, hardware="cpu"):
         ok = isinstance(ranks, int) and not isinstance(ranks, bool) and 1 <= ranks <= 8
         hardware = cpu_hardware(ranks if ok else 1)
     try:
-        request.validate(ranks, hardware)
+        request = request.validate(ranks, hardware)
     except ValueError as e:
         assert one_line(str(e)), f"{type(e).__name__} not in one line: {e!r}"
         return str(e)
@@ -167,7 +165,7 @@ def test_one_bad_input_is_accepted_or_refused_naming_it():
     def prop(family, data, assumed):
         request = base(family)
         mutate, words = data.draw(fault(family))
-        extra = mutate(request) or {}
+        request, extra = mutate(request)
         message = attempt(request, hardware=None if assumed else "cpu", **extra)
         if message is None:
             tally("accepted")
@@ -196,7 +194,8 @@ def test_many_bad_inputs_at_once_give_one_clear_refusal():
         request, extra, named = base(family), {}, set(VOCABULARY)
         for _ in range(n):
             mutate, words = data.draw(fault(family))
-            extra.update(mutate(request) or {})
+            request, more = mutate(request)
+            extra.update(more)
             named.update(w.lower() for w in words)
         message = attempt(request, **extra)
         if message is None:
@@ -216,10 +215,9 @@ def test_absurd_sizes_are_refused_with_a_memory_estimate_before_allocating():
     messages = []
     for lat in (huge(1, 16, 8192, 8192), huge(10 ** 6, 16, 8, 8)):
         for hardware in (cpu_hardware(1), None):
-            r = base("flux")
-            r.latent_raw = lat
+            r = replace(base("flux"), latent_raw=lat)
             with pytest.raises(ValueError) as info:
-                r.validate(1, hardware)
+                r = r.validate(1, hardware)
             messages.append(str(info.value))
     print("\n".join(messages))
     assert messages[0].startswith("flux-dev with latent 65536x65536 px, batch 1, 4 text tokens needs about ")
@@ -230,17 +228,13 @@ def test_absurd_sizes_are_refused_with_a_memory_estimate_before_allocating():
 
 
 def test_nan_and_inf_are_refused_naming_the_tensor_and_where():
-    r = base("flux")
-    r.pooled = poisoned((1, 768), math.nan, 5)
+    r = replace(base("flux"), pooled=poisoned((1, 768), math.nan, 5))
     with pytest.raises(ValueError, match=r"^pooled holds nan at index \[0, 5\] \(shape \[1, 768\]\)"):
-        r.validate(1, cpu_hardware(1))
-    r = base("flux")
-    r.cfg = 2.0
-    r.neg_cond = poisoned((1, 4, CONTEXT), -math.inf, CONTEXT + 2)
+        r = r.validate(1, cpu_hardware(1))
+    r = replace(base("flux"), cfg=2.0, neg_cond=poisoned((1, 4, CONTEXT), -math.inf, CONTEXT + 2))
     with pytest.raises(ValueError, match=r"^neg_cond holds -inf at index \[0, 1, 2\]"):
-        r.validate(1, cpu_hardware(1))
-    r = base("flux")
-    r.neg_cond = poisoned((1, 4, CONTEXT), math.nan, 0)   # cfg 1.0: the negative side is never read
+        r = r.validate(1, cpu_hardware(1))
+    r = replace(base("flux"), neg_cond=poisoned((1, 4, CONTEXT), math.nan, 0))   # cfg 1.0: the negative is never read
     assert attempt(r, 1) is None
 
 
@@ -255,7 +249,7 @@ JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 
 @pytest.mark.timeout(300)
 def test_a_malformed_job_document_is_refused_in_one_line():
     request = base("flux")
-    request.validate(1, cpu_hardware(1))
+    request = request.validate(1, cpu_hardware(1))
     spec, inputs = request.to_job()
     back = GenerateRequest.from_job(dict(spec), dict(inputs))   # the sound document crosses
     assert back.steps == request.steps and torch.equal(back.cond, request.cond)

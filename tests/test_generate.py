@@ -119,7 +119,7 @@ def test_a_batch_gives_each_item_its_own_noise_and_conditioning(files):
     common = dict(model=files["sd3"], seed=5, steps=3, cfg=2.0, sampler="dpmpp_2m", scheduler="normal",
                   neg_cond=neg, neg_pooled=neg_pooled)
     batch = GenerateRequest(cond=cond, pooled=pooled, latent_raw=torch.zeros(2, 16, 8, 8), **common)
-    batch.validate()
+    batch = batch.validate()
     from tolerance import fp32_bound, report, sampling_amplification
     with Engine(1, device="cpu") as engine:
         together = engine.submit("generate", *batch.to_job()).outputs["samples"]
@@ -130,7 +130,7 @@ def test_a_batch_gives_each_item_its_own_noise_and_conditioning(files):
         for i in range(2):
             one = GenerateRequest(cond=cond[i:i + 1], pooled=pooled[i:i + 1], latent_raw=torch.zeros(1, 16, 8, 8),
                                   batch_index=[i], **common)
-            one.validate()
+            one = one.validate()
             alone = engine.submit("generate", *one.to_job()).outputs["samples"]
             assert report(f"batch item {i} vs alone with batch_index [{i}]", (alone[0] - together[i]).abs().max(),
                           bound)

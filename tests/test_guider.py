@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling.ksampler import _percent_to_sigma
-from engine.sampling.latent_formats import latent_format
+from engine import families
 from engine.sampling.noise import prepare_noise
 from engine.sampling.samplers import sample as engine_sample
 from engine.sampling.schedules import FlowSampling, compute_sigmas
@@ -43,7 +42,7 @@ class SamplingModel:
     """What ComfyUI's BaseModel offers a guider: latent format and model sampling."""
 
     def __init__(self, family):
-        self.family, self.format = family, latent_format(family)
+        self.family, self.format = family, families.get(family).latent
         self.model_sampling = ConstSampling()
 
     def process_latent_in(self, x):
@@ -88,7 +87,7 @@ class Sampler:
 
         sampling = FlowSampling.flux() if model_wrap.inner_model.family == "flux" else FlowSampling.sd3()
         x = engine_sample(self.name, denoise, x, sigmas, seed=extra_args["seed"], callback=on_step,
-                          percent_to_sigma=_percent_to_sigma(sampling))
+                          percent_to_sigma=sampling.percent_to_sigma)
         return model_wrap.inner_model.model_sampling.inverse_noise_scaling(sigmas[-1], x)
 
 

@@ -3,12 +3,19 @@ and end to end against a reference loop written here."""
 import pytest
 import torch
 
+from engine import families
 from engine.sampling.ksampler import ksample
-from engine.sampling.latent_formats import latent_format
+from engine.sampling.latent_formats import LatentFormat
 from engine.sampling.noise import prepare_noise
 from engine.sampling.schedules import FlowSampling, compute_sigmas
 
 TOLERANCE = 1e-6
+
+
+def fam(name: str, variant: str | None = None) -> dict:
+    """ksample's model sampling and latent format for a family's (first) variant."""
+    family = families.get(name)
+    return dict(sampling=family.sampling(variant or family.variants[0]), latent=family.latent)
 
 
 class ToyModel:
@@ -64,16 +71,27 @@ def test_prepare_noise_batch_index_picks_draws_from_one_stream():
 
 @pytest.mark.parametrize("family, scale, shift", [("flux", 0.3611, 0.1159), ("sd3", 1.5305, 0.0609)])
 def test_latent_format_constants_and_round_trip(family, scale, shift):
-    fmt = latent_format(family)
+    fmt = families.get(family).latent
     x = raw_latent()
     assert torch.equal(fmt.process_in(x), (x - shift) * scale)
     assert torch.equal(fmt.process_out(x), x / scale + shift)
     assert float((fmt.process_out(fmt.process_in(x)) - x).abs().max()) <= 1e-6
 
 
-def test_unknown_latent_format_is_named():
-    with pytest.raises(ValueError, match=r"family='sdxl'.*'flux', 'sd3'"):
-        latent_format("sdxl")
+def test_per_channel_latent_format_round_trip():
+    """A video VAE's format (per-channel mean and std, ComfyUI's Wan21 kind) on a one-frame 5-D latent."""
+    g = torch.Generator().manual_seed(4)
+    mean, std = tuple(torch.randn(16, generator=g).tolist()), tuple((torch.rand(16, generator=g) + 0.5).tolist())
+    fmt = LatentFormat("per-channel", mean=mean, std=std, spatial_dims=3)
+    x = torch.randn(2, 16, 1, 6, 4, generator=g)
+    m, sd = torch.tensor(mean).view(1, 16, 1, 1, 1), torch.tensor(std).view(1, 16, 1, 1, 1)
+    assert torch.equal(fmt.process_in(x), (x - m) * 1.0 / sd)
+    assert float((fmt.process_out(fmt.process_in(x)) - x).abs().max()) <= 1e-6
+
+
+def test_unknown_family_is_named():
+    with pytest.raises(ValueError, match=r"family 'sdxl' is unknown: use one of flux, sd3"):
+        families.get("sdxl")
 
 
 # ---- ksample pieces ---------------------------------------------------------------------------------------------------
@@ -89,7 +107,7 @@ def test_all_zero_latent_is_not_shifted_but_a_real_one_is():
     s0 = sigmas[0]
     for latent in (torch.zeros(1, 16, 6, 4), raw_latent(1)):
         model = ToyModel()
-        ksample(model, latent, family="flux", seed=seed, steps=steps, cfg=1.0, sampler="euler", scheduler="simple",
+        ksample(model, latent, **fam("flux"), seed=seed, steps=steps, cfg=1.0, sampler="euler", scheduler="simple",
                 denoise=denoise)
         x_first, sigma_first, _ = first_call(model)
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
@@ -101,7 +119,7 @@ def test_all_zero_latent_is_not_shifted_but_a_real_one_is():
 def test_cfg_one_requests_only_the_positive_and_more_requests_both():
     for cfg, expected in ((1.0, ("pos",)), (3.5, ("pos", "neg"))):
         model = ToyModel()
-        ksample(model, raw_latent(), family="sd3", seed=1, steps=3, cfg=cfg, sampler="heun", scheduler="normal")
+        ksample(model, raw_latent(), **fam("sd3"), seed=1, steps=3, cfg=cfg, sampler="heun", scheduler="normal")
         assert {which for _, _, which in model.calls} == {expected}
         assert len(model.calls) == 5  # heun: two model evaluations per step, one on the last step
 
@@ -109,7 +127,7 @@ def test_cfg_one_requests_only_the_positive_and_more_requests_both():
 def test_denoise_below_one_runs_the_tail_of_the_longer_schedule():
     steps, denoise = 5, 0.6
     model = ToyModel()
-    ksample(model, raw_latent(), family="sd3", seed=2, steps=steps, cfg=2.0, sampler="euler", scheduler="simple",
+    ksample(model, raw_latent(), **fam("sd3"), seed=2, steps=steps, cfg=2.0, sampler="euler", scheduler="simple",
             denoise=denoise)
     longer = compute_sigmas(FlowSampling.sd3(), "simple", int(steps / denoise))  # 8 steps, keep the last 5
     assert len(longer) == 9
@@ -117,13 +135,15 @@ def test_denoise_below_one_runs_the_tail_of_the_longer_schedule():
     x_first, _, _ = first_call(model)
     noise = torch.randn(2, 16, 6, 4, generator=torch.Generator().manual_seed(2))
     s0 = longer[-(steps + 1)]
-    assert torch.equal(x_first, s0 * noise + (1.0 - s0) * latent_format("sd3").process_in(raw_latent()))
+    assert torch.equal(x_first, s0 * noise + (1.0 - s0) * families.get("sd3").latent.process_in(raw_latent()))
 
 
 def test_shift_changes_the_schedule_the_model_sees():
     default, shifted = ToyModel(), ToyModel()
-    ksample(default, raw_latent(), family="sd3", seed=2, steps=4, cfg=1.0, sampler="euler", scheduler="simple")
-    ksample(shifted, raw_latent(), family="sd3", seed=2, steps=4, cfg=1.0, sampler="euler", scheduler="simple", shift=6.0)
+    latent = families.get("sd3").latent
+    ksample(default, raw_latent(), **fam("sd3"), seed=2, steps=4, cfg=1.0, sampler="euler", scheduler="simple")
+    ksample(shifted, raw_latent(), sampling=FlowSampling.sd3(6.0), latent=latent, seed=2, steps=4, cfg=1.0,
+            sampler="euler", scheduler="simple")
     assert [s for _, s, _ in default.calls] == [float(s) for s in compute_sigmas(FlowSampling.sd3(3.0), "simple", 4)[:-1]]
     assert [s for _, s, _ in shifted.calls] == [float(s) for s in compute_sigmas(FlowSampling.sd3(6.0), "simple", 4)[:-1]]
 
@@ -166,10 +186,11 @@ def reference_ksample(model, latent_raw, *, family, seed, steps, cfg, scheduler,
 ])
 def test_ksample_matches_reference_loop(family, sampler, scheduler, denoise, zero):
     latent = torch.zeros(2, 16, 6, 4) if zero else raw_latent()
-    kwargs = dict(family=family, seed=424242, steps=6, cfg=3.5, scheduler=scheduler, denoise=denoise)
+    kwargs = dict(seed=424242, steps=6, cfg=3.5, scheduler=scheduler, denoise=denoise)
     steps_seen = []
-    got = ksample(ToyModel(), latent, sampler=sampler, callback=lambda i, n: steps_seen.append((i, n)), **kwargs)
-    want = reference_ksample(ToyModel(), latent, sampler=sampler, **kwargs)
+    got = ksample(ToyModel(), latent, sampler=sampler, callback=lambda i, n: steps_seen.append((i, n)),
+                  **fam(family), **kwargs)
+    want = reference_ksample(ToyModel(), latent, sampler=sampler, family=family, **kwargs)
     diff = float((got - want).abs().max())
     print(f"ksample {family} {sampler} {scheduler} denoise={denoise}: max abs diff vs reference = {diff:.3g}")
     assert got.shape == latent.shape and got.dtype == torch.float32
@@ -181,9 +202,9 @@ def test_ksample_matches_reference_loop(family, sampler, scheduler, denoise, zer
 def test_given_noise_replaces_the_seeded_noise():
     latent = raw_latent()
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(77))
-    with_noise = ksample(ToyModel(), latent, family="flux", seed=1, steps=3, cfg=2.0, sampler="dpmpp_2m",
+    with_noise = ksample(ToyModel(), latent, **fam("flux"), seed=1, steps=3, cfg=2.0, sampler="dpmpp_2m",
                          scheduler="simple", noise=noise)
-    seeded_77 = ksample(ToyModel(), latent, family="flux", seed=77, steps=3, cfg=2.0, sampler="dpmpp_2m",
+    seeded_77 = ksample(ToyModel(), latent, **fam("flux"), seed=77, steps=3, cfg=2.0, sampler="dpmpp_2m",
                         scheduler="simple")
     assert torch.equal(with_noise, seeded_77)  # dpmpp_2m draws nothing after the initial noise
 
@@ -191,7 +212,7 @@ def test_given_noise_replaces_the_seeded_noise():
 @pytest.mark.parametrize("sampler", ["euler", "dpmpp_2m_sde"])
 def test_batch_items_get_their_own_noise(sampler):
     latent = torch.zeros(2, 16, 6, 4)
-    args = dict(family="sd3", seed=9, steps=4, cfg=2.5, sampler=sampler, scheduler="simple")
+    args = dict(**fam("sd3"), seed=9, steps=4, cfg=2.5, sampler=sampler, scheduler="simple")
     both = ksample(ToyModel(), latent, **args)
     assert not torch.allclose(both[0], both[1])
     from tolerance import fp32_bound, report, sampling_amplification
@@ -210,11 +231,11 @@ def test_batch_items_get_their_own_noise(sampler):
 
 # ---- errors -------------------------------------------------------------------------------------------------------------
 
-GOOD = dict(family="flux", seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple")
+GOOD = dict(**fam("flux"), seed=0, steps=4, cfg=1.0, sampler="euler", scheduler="simple")
 
 
 @pytest.mark.parametrize("change, pattern", [
-    (dict(family="sdxl"), r"family='sdxl'.*'flux', 'sd3'"),
+    (dict(sampling="flux"), r"model sampling 'flux' and latent format .* are invalid"),
     (dict(sampler="lms"), r"sampler='lms'.*euler, euler_ancestral, heun, dpmpp_2m, dpmpp_2m_sde"),
     (dict(scheduler="cosine"), r"scheduler='cosine'.*simple"),
     (dict(steps=0), r"steps=0.*integer >= 1"),
@@ -224,7 +245,6 @@ GOOD = dict(family="flux", seed=0, steps=4, cfg=1.0, sampler="euler", scheduler=
     (dict(denoise=0.0), r"denoise=0.0.*\(0, 1\]"),
     (dict(denoise=1.5), r"denoise=1.5.*\(0, 1\]"),
     (dict(seed=-1), r"seed=-1.*\[0, 2\*\*64\)"),
-    (dict(shift=0.0), r"shift=0.0.*> 0"),
     (dict(batch_index=[0]), r"batch_index=\[0\].*batch of 2"),
 ])
 def test_bad_inputs_raise_value_error_naming_the_value(change, pattern):
@@ -233,7 +253,7 @@ def test_bad_inputs_raise_value_error_naming_the_value(change, pattern):
 
 
 @pytest.mark.parametrize("latent, pattern", [
-    (torch.zeros(2, 4, 8, 8), r"latent_raw .*shape \[2, 4, 8, 8\].*\[batch, 16, height, width\]"),
+    (torch.zeros(2, 4, 8, 8), r"latent_raw .*shape \[2, 4, 8, 8\].*\[B, 16, H/8, W/8\]"),
     (torch.zeros(16, 8, 8), r"latent_raw .*shape \[16, 8, 8\]"),
     (torch.zeros(1, 16, 8, 8, dtype=torch.int64), r"latent_raw is a torch.int64 tensor"),
 ])

@@ -101,7 +101,7 @@ def run(s, model, loras=()):
     g = torch.Generator().manual_seed(4)
     r = GenerateRequest(model=model, cond=torch.randn(1, 16, 4096, generator=g), pooled=torch.randn(1, 768, generator=g),
                         latent_raw=torch.zeros(1, 16, 16, 16), seed=2, steps=3, loras=list(loras))
-    r.validate()
+    r = r.validate()
     result = s["engine"].submit("generate", *r.to_job())
     return result.outputs["samples"], result.ranks[0]
 
@@ -168,7 +168,7 @@ def test_sd3_kohya_lora_equals_the_merged_checkpoint(tmp_path):
         outs = []
         for model, loras in ((merged, []), (base, [(lora, 1.0)])):
             r = GenerateRequest(model=model, loras=loras, **common)
-            r.validate()
+            r = r.validate()
             outs.append(e.submit("generate", *r.to_job()).outputs["samples"])
     diff = (outs[0] - outs[1]).abs().max().item()
     print(f"SD3.5 kohya LoRA (incl. the last block's swapped modulation) vs merged: max abs diff {diff:.3g}")

@@ -17,10 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.models.flow import Conditioning, FlowModel
-from engine.models.convert import apply_op, flux_bfl_map
-from engine.models.load import CastLinear, inspect_checkpoint, load_transformer
+from engine import families
+from engine.models.convert import apply_op
+from engine.models.load import inspect_checkpoint, load_transformer
+from engine.models.quantized import CastLinear
 from engine.models.safetensors_file import CheckpointError
-from engine.models.tiny import REAL, shapes_for, write_tiny, FluxDims
+from engine.models.tiny import shapes_for, write_tiny
 from dataclasses import replace
 
 from conftest import ROOT
@@ -119,7 +121,8 @@ def test_flux_conversion_equals_diffusers_single_file_converter_at_full_width():
     # diffusers' FLUX converter hard-codes FLUX.1's 3072 width, so compare at full width with one block of each
     # kind. Each tensor is a random column broadcast across its rows' width: distinct rows (any mix-up of
     # q/k/v, mlp or shift/scale rows shows) for the memory of a vector.
-    dims = replace(REAL["flux-dev"], depth=1, depth_single=1)
+    flux = families.get("flux")
+    dims = replace(flux.variant_dims("flux-dev", "full"), depth=1, depth_single=1)
     g = torch.Generator().manual_seed(0)
     checkpoint = {}
     for k, shape in shapes_for("flux-dev", dims).items():
@@ -127,7 +130,7 @@ def test_flux_conversion_equals_diffusers_single_file_converter_at_full_width():
             torch.randn(shape[0], 1, generator=g).expand(shape)
     info_config = {"num_attention_heads": dims.heads, "attention_head_dim": dims.head_dim, "guidance_embeds": True,
                    "num_layers": 1, "num_single_layers": 1}
-    ours = {dst: apply_op(checkpoint[src], op) for dst, src, op in flux_bfl_map(info_config)}
+    ours = {dst: apply_op(checkpoint[src], op) for dst, src, op in flux.key_map("bfl", info_config)}
     theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(checkpoint))
     assert sorted(ours) == sorted(theirs)
     for k in ours:
@@ -221,7 +224,7 @@ def test_an_sdxl_unet_is_recognised_and_refused_by_name(tmp_path):
     p = tmp_path / "sdxl.safetensors"
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4),
                "model.diffusion_model.label_emb.0.0.weight": torch.zeros(4, 4)}, str(p))
-    with pytest.raises(CheckpointError, match="looks like an SDXL UNet, not a FLUX.1 or SD3/SD3.5 transformer"):
+    with pytest.raises(CheckpointError, match="looks like an SDXL UNet, not a transformer the engine runs"):
         inspect_checkpoint(str(p))
 
 

@@ -201,7 +201,7 @@ def test_latent_keys_other_than_samples_pass_through_as_ksampler_keeps_them(core
 
 @pytest.mark.parametrize("change,message", [
     (dict(positive=flux_conditioning() + flux_conditioning()), "holds 2 conditioning entries"),
-    (dict(positive=[[torch.zeros(1, 8, 4096), {}]]), "has no pooled_output"),
+    (dict(positive=[[torch.zeros(1, 8, 4096), {}]]), "pooled is missing: flux-dev takes a pooled conditioning"),
     (dict(positive=[[torch.zeros(1, 8, 4096), {"pooled_output": torch.zeros(1, 768), "area": (8, 8, 0, 0)}]]),
      "carries area"),
     (dict(latent=dict(empty_latent(), noise_mask=torch.ones(1, 1, 16, 16))), "noise_mask"),

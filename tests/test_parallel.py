@@ -24,7 +24,7 @@ def request(tiny_models, family, *, batch=1, cfg=1.0, text_tokens=24, plan=Paral
                         pooled=torch.randn(batch, pooled, generator=g), latent_raw=torch.zeros(batch, 16, *latent_hw),
                         seed=5, steps=3, cfg=cfg, sampler=sampler, neg_cond=torch.randn(1, text_tokens, 4096, generator=g),
                         neg_pooled=torch.randn(1, pooled, generator=g), plan=plan)
-    r.validate()
+    r = r.validate()
     return r
 
 

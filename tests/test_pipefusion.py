@@ -8,9 +8,9 @@ from engine.generate.request import GenerateRequest
 from engine.models.flow import Conditioning, FlowModel
 from engine.models.load import held_bytes, inspect_model, load_model
 from engine.parallel.mesh import Mesh
-from engine.parallel.parallelize import PIPELINE_PARTS
-from engine.parallel.pipefusion import (Layout, Pipeline, balanced_split, block_counts, make_layout, split_rows,
-                                        stage_keep)
+from engine.parallel.pipefusion.layout import (Layout, balanced_split, block_counts, make_layout, split_rows,
+                                               stage_keep)
+from engine.parallel.pipefusion.pipeline import Pipeline
 from engine.parallel.plan import ParallelPlan
 from tolerance import fp32_bound, report, sampling_amplification
 
@@ -22,8 +22,7 @@ def request(tiny_models, family, *, plan=ParallelPlan(), steps=3, cfg=1.0, text=
                         pooled=torch.randn(batch, pooled, generator=g), latent_raw=torch.zeros(batch, 16, *hw),
                         seed=5, steps=steps, cfg=cfg, neg_cond=torch.randn(1, text, 4096, generator=g),
                         neg_pooled=torch.randn(1, pooled, generator=g), plan=plan, **kw)
-    r.validate()
-    return r
+    return r.validate()
 
 
 def run(engines, r):
@@ -45,8 +44,7 @@ def test_patches_split_rows_evenly_and_stages_split_blocks_by_cost():
     assert balanced_split([5.0, 1.0, 1.0, 1.0], 2) == [1, 3]
     assert balanced_split([2.0] * 19 + [1.0] * 38, 2) == [19, 38]
     info = inspect_model("synthetic:flux-dev")
-    blocks, _ = PIPELINE_PARTS["flux"]
-    layout = make_layout(info, blocks, ParallelPlan(pipefusion=4), 128, 128, None, 1, None)
+    layout = make_layout(info, ParallelPlan(pipefusion=4), 128, 128, None, 1, None)
     # FLUX's double and single blocks cost about the same per token: 57 blocks in 4 nearly equal stages
     assert sum(layout.stage_blocks) == 57 and max(layout.stage_blocks) - min(layout.stage_blocks) <= 2, layout
 
@@ -77,7 +75,6 @@ def fresh_kv_check(path: str, family: str, device: str = "cpu", dtype: str = "fp
     that are all from this same call, equals the whole call's rows (also run on CUDA by test_cuda.py)."""
     loaded = load_model(path, device=device, dtype=dtype)
     flow = FlowModel(loaded)
-    blocks, processor = PIPELINE_PARTS[family]
     info = loaded.info
     layout = Layout(1, 4, 1, 8, 8, tuple(split_rows(8, 4)), (sum(block_counts(info)),), 1)
     g = torch.Generator().manual_seed(3)
@@ -86,7 +83,7 @@ def fresh_kv_check(path: str, family: str, device: str = "cpu", dtype: str = "fp
     x = torch.randn(1, 16, 16, 16, generator=g)
     sigma = 0.6
     reference = flow.velocity(x, torch.tensor(sigma), flow.prepare([pos], 1)).cpu()  # diffusers' forward
-    pipeline = Pipeline(flow, Mesh(ParallelPlan(), 0, 1), blocks, processor)
+    pipeline = Pipeline(flow, Mesh(ParallelPlan(), 0, 1))
     try:
         pipeline.setup(layout)
         pipeline.bind(pos, None, x.shape, 1.0)
@@ -114,7 +111,7 @@ def test_patches_with_fresh_kv_equal_the_whole_call_and_the_whole_call_equals_th
 
 
 def test_a_stalled_stage_names_the_stage_what_it_waited_for_and_the_peer():
-    from engine.parallel.pipefusion import StageStall
+    from engine.parallel.pipefusion.pipeline import StageStall
 
     class Never:
         def wait(self, timeout=None):
@@ -141,12 +138,11 @@ def test_a_stalled_stage_names_the_stage_what_it_waited_for_and_the_peer():
 def test_a_stage_reads_and_holds_only_its_blocks_and_the_embedders_it_needs(tiny_models, family):
     full = load_model(tiny_models[family])
     info = full.info
-    blocks, _ = PIPELINE_PARTS[family]
-    layout = make_layout(info, blocks, ParallelPlan(pipefusion=2), 16, 16, None, 1, None)
+    layout = make_layout(info, ParallelPlan(pipefusion=2), 16, 16, None, 1, None)
     full_state = full.model.state_dict()
     held_total = 0
     for stage in range(2):
-        keep = stage_keep(blocks, block_counts(info), layout, stage)
+        keep = stage_keep(info, layout, stage)
         part = load_model(tiny_models[family], keep=keep)
         held = {n for n, t in part.model.state_dict().items() if not t.is_meta}
         assert held == {n for n in full_state if keep(n)}
@@ -274,7 +270,7 @@ def test_a_cancelled_pipeline_drains_and_the_engine_runs_the_next_job(tiny_model
 def test_bytes_between_stages_equal_the_analytic_volume(tiny_models, engines):
     """Per call a stage sends each patch's activations (text with patch 0) and the last stage each patch's next
     input; counted at the send, per rank, against the closed form."""
-    from engine.parallel.pipefusion import analytic_p2p_bytes
+    from engine.parallel.pipefusion.layout import analytic_p2p_bytes
     steps, text = 3, 24
     r = request(tiny_models, "flux", plan=ParallelPlan(pipefusion=2), steps=steps, text=text, patches=4)
     _, result = run(engines, r)
@@ -295,29 +291,28 @@ def test_stages_balance_compute_unless_a_stage_would_not_fit_then_the_most_balan
     put the 19 double blocks, twice a single block's weights, on the first GPU: 18 GiB. On 24 GiB cards that stays;
     on 16 GiB cards the split moves to [21, 36]; on 12 GiB no two-stage split fits and the job is refused."""
     from engine.parallel.devices import stated_hardware
-    from engine.parallel.pipefusion import fit_stages
+    from engine.parallel.pipefusion.layout import fit_stages
     from engine.parallel.plan import Workload
     info = inspect_model("synthetic:flux-dev")
-    blocks, _ = PIPELINE_PARTS["flux"]
     work = Workload.for_variant("flux-dev")
     plan = ParallelPlan(pipefusion=2)
-    counts, gib, balanced = fit_stages(info, blocks, plan, work, 24)
+    counts, gib, balanced = fit_stages(info, plan, work, 24)
     print(f"24 GiB: {counts} need {gib}")
     assert counts == [28, 29] and balanced and 17 < gib[0] < 19 and gib[1] < gib[0]
-    counts, gib, balanced = fit_stages(info, blocks, plan, work, 16)
+    counts, gib, balanced = fit_stages(info, plan, work, 16)
     print(f"16 GiB: {counts} need {gib}")
     assert counts[0] < 28 and not balanced and sum(counts) == 57 and max(gib) <= 16
-    assert fit_stages(info, blocks, plan, work, 12)[0] is None
+    assert fit_stages(info, plan, work, 12)[0] is None
     # the request takes the fitted split to the ranks, and refuses what cannot fit, before any rank starts
     r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,
                                             plan=ParallelPlan(pipefusion=2), dtype="bf16")
-    choice = r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=16))
-    print(choice.reason)
-    assert r.stage_blocks == counts and "does not fit 16 GiB" in choice.reason
+    r = r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=16))
+    print(r.choice.reason)
+    assert r.stage_blocks == counts and "does not fit 16 GiB" in r.choice.reason
     r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=20,
                                             plan=ParallelPlan(pipefusion=2), dtype="bf16")
     with pytest.raises(PlanError, match="pipefusion2 does not fit flux-dev in 12 GiB per GPU: its stages need"):
-        r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=12))
+        r = r.validate(2, stated_hardware(2, "RTX 4090", "pcie", memory_gib=12))
 
 
 def test_xdits_failing_case_flux_dev_1024_pipefusion_4_is_accepted_with_a_layout_that_adds_up():
@@ -325,10 +320,9 @@ def test_xdits_failing_case_flux_dev_1024_pipefusion_4_is_accepted_with_a_layout
     [4096, 4096, 4096, 4096]"). Here the patches are row bands computed from the latent: checked before launch."""
     r = GenerateRequest.random_conditioning("synthetic:flux-dev", 1024, 1024, text_tokens=512, steps=28,
                                             plan=ParallelPlan(pipefusion=4), dtype="bf16")
-    r.validate(4)
+    r = r.validate(4)
     info = inspect_model("synthetic:flux-dev")
-    layout = make_layout(info, PIPELINE_PARTS["flux"][0], r.plan, 128, 128, r.patches, r.warmup_steps,
-                         r.stage_blocks)
+    layout = make_layout(info, r.plan, 128, 128, r.patches, r.warmup_steps, r.stage_blocks)
     print(layout)
     assert [layout.band_tokens(m) for m in range(4)] == [1024] * 4 and sum(layout.stage_blocks) == 57
     assert sorted(torch.cat([layout.local_tokens(m, 0) for m in range(4)]).tolist()) == list(range(4096))

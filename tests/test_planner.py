@@ -243,7 +243,7 @@ def test_the_request_passes_its_hardware_to_the_planner(tmp_path):
     g = torch.Generator().manual_seed(0)
     request = GenerateRequest(model=write_tiny("flux", str(tmp_path)), cond=torch.randn(1, 8, 4096, generator=g),
                               pooled=torch.randn(1, 768, generator=g), latent_raw=torch.zeros(1, 16, 16, 16))
-    choice = request.validate(2, stated_hardware(2, "L40S", "pcie"))
+    choice = request.validate(2, stated_hardware(2, "L40S", "pcie")).choice
     print(choice.reason)
     assert "on 2x L40S over PCIe (peer access)" in choice.reason
 

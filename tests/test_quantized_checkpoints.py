@@ -22,8 +22,7 @@ from engine.models.load import inspect_model, load_model
 from engine.models.quantized import SUPPORTED, GGUFLinear, dequantize, quantize
 from engine.models.safetensors_file import CheckpointError
 from engine.models.tiny import make_state_dict, write_tiny
-from engine.parallel.parallelize import PIPELINE_PARTS
-from engine.parallel.pipefusion import block_counts, make_layout, stage_keep
+from engine.parallel.pipefusion.layout import make_layout, stage_keep
 from engine.parallel.plan import ParallelPlan
 
 from conftest import ROOT
@@ -89,7 +88,7 @@ def request(path, kind, *, plan=ParallelPlan(), loras=(), **kw):
                         neg_pooled=torch.randn(1, pooled, generator=g),
                         latent_raw=torch.zeros(1, 16, 16, 16), seed=3, steps=STEPS, cfg=cfg, plan=plan,
                         loras=list(loras), **kw)
-    r.validate()
+    r = r.validate()
     return r
 
 
@@ -218,12 +217,11 @@ def test_a_pipefusion_stage_loads_only_its_blocks_of_a_gguf_file_and_two_stages_
     path, _ = files[("flux", "gguf", "Q4_K")]
     full = load_model(path)
     info = full.info
-    blocks, _ = PIPELINE_PARTS["flux"]
-    layout = make_layout(info, blocks, ParallelPlan(pipefusion=2), 16, 16, None, 1, None)
+    layout = make_layout(info, ParallelPlan(pipefusion=2), 16, 16, None, 1, None)
     full_state = full.model.state_dict()
     held = []
     for stage in range(2):
-        keep = stage_keep(blocks, block_counts(info), layout, stage)
+        keep = stage_keep(info, layout, stage)
         part = load_model(path, keep=keep)
         names = {n for n, t in part.model.state_dict().items() if not t.is_meta}
         assert names == {n for n in full_state if keep(n)}

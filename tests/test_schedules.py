@@ -80,7 +80,7 @@ def test_zero_denoise_gives_an_empty_float32_schedule():
 
 def test_sigma_tables_and_timestep_conversions_follow_comfyui():
     flux, sd3 = SAMPLINGS["flux_shift_1.15"], SAMPLINGS["sd3_shift_3.0"]
-    assert (flux.family, flux.shift, sd3.family, sd3.shift) == ("flux", 1.15, "sd3", 3.0)
+    assert (flux.kind, flux.shift, sd3.kind, sd3.shift, sd3.multiplier) == ("flux", 1.15, "discrete_flow", 3.0, 1000)
     assert flux.sigmas.shape == (10_000,) and sd3.sigmas.shape == (1_000,)
     assert flux.sigmas.dtype == sd3.sigmas.dtype == torch.float32
     assert float(flux.sigma_max) == float(sd3.sigma_max) == 1.0

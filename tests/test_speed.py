@@ -21,7 +21,7 @@ def job(model, **options):
     g = torch.Generator().manual_seed(11)
     r = GenerateRequest(model=model, cond=torch.randn(1, 24, 4096, generator=g), pooled=torch.randn(1, 768, generator=g),
                         latent_raw=torch.zeros(1, 16, 16, 16), seed=5, steps=3, **options)
-    r.validate(1)
+    r = r.validate(1)
     return r.to_job()
 
 

@@ -18,7 +18,15 @@ from diffusers.loaders.single_file_utils import (
 )
 from safetensors import safe_open
 
-from engine.models.tiny import REAL, TINY, VARIANTS, COMFY_PREFIX, FluxDims, shapes_for, write_tiny
+from engine import families
+from engine.families.flux import FluxDims
+from engine.models.tiny import COMFY_PREFIX, shapes_for, write_tiny
+
+# FLUX.1 and SD3/SD3.5, the families diffusers has single-file converters for
+CONVERTED = [families.get("flux"), families.get("sd3")]
+REAL = {v: d for f in CONVERTED for v, d in f.dims["full"].items()}
+TINY = {v: d for f in CONVERTED for v, d in f.dims["tiny"].items()}
+VARIANTS = {f.name: f.variants for f in CONVERTED}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..engine import families
 from ..engine.generate.request import GenerateRequest
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import ATTENTION, CUDA_ONLY
@@ -24,7 +25,7 @@ from .guider import EngineGuider
 
 ENGINE_TYPE = "XDIT_ENGINE"
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
-FAMILIES = ("auto", "flux", "sd3")
+FAMILIES = ("auto",) + families.names()
 PLANS = ("auto", "explicit")
 ATTENTION_KERNELS = tuple(ATTENTION)
 
@@ -306,10 +307,7 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"{name} holds {len(conditioning)} conditioning entries (combined or area conditioning); the "
                          f"xDiT Sampler takes exactly one: use a single text encode")
     cond, extras = conditioning[0][0], conditioning[0][1]
-    pooled = extras.get("pooled_output")
-    if pooled is None:
-        raise ValueError(f"{name} has no pooled_output: encode it with a FLUX (DualCLIPLoader) or SD3 "
-                         f"(TripleCLIPLoader) text encoder")
+    pooled = extras.get("pooled_output")   # None for families without one; the request checks it per family
     unsupported = [k for k in ("area", "mask", "control", "gligen") if extras.get(k) is not None]
     if extras.get("strength", 1.0) != 1.0:
         unsupported.append("strength")
@@ -351,7 +349,7 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
                            batch_index=list(batch_index) if batch_index is not None else None,
                            loras=list(settings.loras), plan=settings.requested_plan(),
-                           cache_threshold=settings.cache_threshold or None, compile=settings.compile,
+                           cache_threshold=settings.cache_threshold, compile=settings.compile,
                            attention=settings.attention,
                            patches=(settings.patches or None) if settings.pipefusion > 1 else None,
                            warmup_steps=min(settings.warmup_steps, int(steps)),
@@ -373,7 +371,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"))
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
-    choice = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
+    request = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
+    choice = request.choice
     if before_job is not None:
         before_job()
     record = registry.get(settings)
@@ -407,9 +406,9 @@ def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_pa
 
     def request_for(latent_raw: torch.Tensor, cfg_now: float) -> GenerateRequest:
         request = job_request(settings, positive, negative, latent_raw, cfg=cfg_now, negative_always=True)
-        choice = request.validate(len(settings.gpus), hardware_for(settings.device, len(settings.gpus), settings.gpus))
+        request = request.validate(len(settings.gpus), hardware_for(settings.device, len(settings.gpus), settings.gpus))
         record = registry.get(settings)
-        record.last_plan, record.last_plan_reason = choice.plan.describe(), choice.reason
+        record.last_plan, record.last_plan_reason = request.plan.describe(), request.choice.reason
         return request
 
     return EngineGuider(model_patcher, sampling_function, cfg=cfg, has_negative=negative is not None,

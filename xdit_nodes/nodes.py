@@ -151,12 +151,8 @@ def sampling_model(settings: core.EngineSettings):
     import comfy.supported_models as models
 
     info = core.inspect_model(settings.model_path)
-    if info.family == "flux":
-        config_class = models.Flux if info.config.get("guidance_embeds") else models.FluxSchnell
-        unet = {"image_model": "flux", "guidance_embed": bool(info.config.get("guidance_embeds"))}
-    else:
-        config_class, unet = models.SD3, {"in_channels": 16, "pos_embed_scaling_factor": None}
-    config = config_class(dict(unet, disable_unet_model_creation=True))
+    class_name, unet = info.spec.comfy_model(info.config)
+    config = getattr(models, class_name)(dict(unet, disable_unet_model_creation=True))
     model = config.get_model({})
     model.diffusion_model = _NoWeights()
     device = mm.intermediate_device()

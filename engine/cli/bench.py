@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..models.tiny import REAL
+from ..families import VARIANTS
 from ..parallel.comm import MODELS, PLANS, analytic_bytes
 from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
@@ -53,7 +53,7 @@ def register(sub) -> None:
                          help="one-rank generate job vs the same loop in process (alternating)",
                          description="One rank's generate job against a plain in-process diffusers Euler loop with "
                                      "the same random weights and inputs, run alternately after a warm-up of each.")
-    g.add_argument("--model", default="flux-dev", choices=list(REAL), help="synthetic variant (random weights)")
+    g.add_argument("--model", default="flux-dev", choices=list(VARIANTS), help="synthetic variant (random weights)")
     g.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
     g.add_argument("--gpus", type=types.gpu_list, help="one CUDA GPU index to run on (default: the CPU)")
     g.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")
@@ -235,36 +235,17 @@ def _sync(device: str) -> None:
 
 
 @torch.no_grad()
-def _plain_loop(loaded, family: str, noise: torch.Tensor, sigmas: torch.Tensor, cond, pooled, neg, neg_pooled,
-                cfg: float, device: str) -> tuple[torch.Tensor, float]:
-    """A plain in-process Euler loop over the diffusers transformer: the baseline without any engine around it."""
-    model, dtype = loaded.model, loaded.dtype
+def _plain_loop(flow, noise: torch.Tensor, sigmas: torch.Tensor, positive, negative, cfg: float,
+                device: str) -> tuple[torch.Tensor, float]:
+    """A plain in-process Euler loop over the family's one forward (FlowModel.velocity, the unmodified diffusers
+    transformer): the baseline without any engine around it."""
+    sides = [positive] + ([negative] if cfg != 1.0 else [])
     x = (sigmas[0] * noise).to(device)
-    b, c, h, w = x.shape
-    cond, pooled = cond.to(device, dtype), pooled.to(device, dtype)
-    if cfg != 1.0:
-        cond = torch.cat([cond, neg.to(device, dtype)])
-        pooled = torch.cat([pooled, neg_pooled.to(device, dtype)])
-    n = cond.shape[0]
-    if family == "flux":
-        rows = torch.arange(h // 2, device=device).repeat_interleave(w // 2)
-        cols = torch.arange(w // 2, device=device).repeat(h // 2)
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], 1).float()
-        txt_ids = torch.zeros(cond.shape[1], 3, device=device)
-        guidance = torch.full((n,), 3.5, device=device) if model.config.guidance_embeds else None
+    prepared = flow.prepare(sides, x.shape[0])
     _sync(device)
     t0 = time.perf_counter()
-    for sigma, nxt in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-        xin = x.to(dtype).repeat(n // b, 1, 1, 1)
-        if family == "flux":
-            packed = xin.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, -1, c * 4)
-            out = model(hidden_states=packed, encoder_hidden_states=cond, pooled_projections=pooled,
-                        timestep=torch.full((n,), sigma, device=device), img_ids=img_ids, txt_ids=txt_ids,
-                        guidance=guidance, return_dict=False)[0]
-            v = out.reshape(n, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c, h, w).float()
-        else:
-            v = model(hidden_states=xin, encoder_hidden_states=cond, pooled_projections=pooled,
-                      timestep=torch.full((n,), sigma * 1000.0, device=device), return_dict=False)[0].float()
+    for sigma, nxt in zip(sigmas[:-1], sigmas[1:]):
+        v = flow.velocity(x.repeat(len(sides), *([1] * (x.ndim - 1))), sigma, prepared)
         if cfg != 1.0:
             v_pos, v_neg = v.chunk(2)
             v = v_neg + cfg * (v_pos - v_neg)  # CFG on denoised = x - sigma*v is CFG on v
@@ -275,34 +256,35 @@ def _plain_loop(loaded, family: str, noise: torch.Tensor, sigmas: torch.Tensor, 
 
 def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
                    dtype: str, repeats: int) -> list[dict]:
-    """One rank: the engine's generate job vs a plain in-process diffusers loop, same weights and inputs, run
-    alternately (engine, loop, engine, loop, ...) so that drift in the machine's speed hits both alike."""
+    """One rank: the engine's generate job vs a plain in-process loop over the same forward, same weights and inputs,
+    run alternately (engine, loop, engine, loop, ...) so that drift in the machine's speed hits both alike."""
     from ..generate.request import GenerateRequest
-    from ..models.load import load_model
+    from ..models.flow import Conditioning, FlowModel
+    from ..models.load import inspect_model, load_model
     from ..sampling.noise import prepare_noise
-    from ..sampling.schedules import FlowSampling, compute_sigmas
+    from ..sampling.schedules import compute_sigmas
 
     device = "cuda" if gpus else "cpu"
     source = f"synthetic:{variant}" + (":tiny" if size == "tiny" else "")
-    family = "flux" if variant.startswith("flux") else "sd3"
-    cfg = 1.0 if family == "flux" else 4.5
-    request = GenerateRequest.random_conditioning(source, width, height, text_tokens=512 if family == "flux" else 333,
-                                                  seed=0, steps=steps, cfg=cfg, dtype=dtype)
+    info = inspect_model(source)
+    cfg = info.spec.cfg
     try:
-        request.validate(ranks=1)
+        request = GenerateRequest.random_conditioning(source, width, height, seed=0, steps=steps, cfg=cfg,
+                                                      dtype=dtype).validate(ranks=1)
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec, inputs = request.to_job()
     print(f"{source} {width}x{height}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
           f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; a warm-up of each path, then "
           f"{repeats} alternating timed runs of each (median)")
-    loaded = load_model(source, dtype=dtype, device=device)
+    flow = FlowModel(load_model(source, dtype=dtype, device=device))
     noise = prepare_noise(request.latent_raw, request.seed)
-    sigmas = compute_sigmas(FlowSampling.flux() if family == "flux" else FlowSampling.sd3(), "simple", steps)
+    sigmas = compute_sigmas(request.sampling(info), "simple", steps)
+    positive = Conditioning(request.cond, request.pooled, request.guidance)
+    negative = Conditioning(request.neg_cond, request.neg_pooled, request.guidance)
 
     def plain():
-        return _plain_loop(loaded, family, noise, sigmas, request.cond, request.pooled, request.neg_cond,
-                           request.neg_pooled, cfg, device)
+        return _plain_loop(flow, noise, sigmas, positive, negative, cfg, device)
 
     print("measuring: engine (1 rank, model built on the rank) and the plain loop (in this process), alternating ...",
           flush=True)
@@ -316,22 +298,20 @@ def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, 
     engine_total = statistics.median(r.timings["total_s"] for r in runs)
     engine_compute = statistics.median(r.timings["compute_s"] for r in runs)
     plain_s = statistics.median(t for _, t in loops)
-    scale, shift = (0.3611, 0.1159) if family == "flux" else (1.5305, 0.0609)
-    diff = (runs[-1].outputs["samples"] - (loops[-1][0] / scale + shift)).abs().max().item()
+    diff = (runs[-1].outputs["samples"] - info.spec.latent.process_out(loops[-1][0])).abs().max().item()
     params = first.ranks[0].get("loaded", {}).get("parameters", 0)
     print(markdown(("path", "per image", "per step", "vs plain"), [
         ("engine: generate job, 1 rank", f"{engine_total:.3f} s", f"{engine_total / steps * 1e3:.1f} ms",
          f"{engine_total / plain_s:.3f}x"),
         ("  of which compute on the rank", f"{engine_compute:.3f} s", f"{engine_compute / steps * 1e3:.1f} ms",
          f"{engine_compute / plain_s:.3f}x"),
-        ("plain diffusers loop, in process", f"{plain_s:.3f} s", f"{plain_s / steps * 1e3:.1f} ms", "1.000x")]))
+        ("plain loop over the same forward, in process", f"{plain_s:.3f} s", f"{plain_s / steps * 1e3:.1f} ms",
+         "1.000x")]))
     print(f"engine overhead: {(engine_total / plain_s - 1) * 100:+.1f}% ({(engine_total - plain_s) * 1e3:+.1f} ms per "
           f"job); model {params / 1e6:,.1f} M parameters, built on the rank in "
           f"{first.ranks[0].get('loaded', {}).get('load_s', 0):.1f} s; engine breakdown: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in runs[-1].timings.items()))
-    note = (f" (the plain loop rounds timestep*1000 to {dtype} inside diffusers' FLUX; the engine embeds it in fp32 "
-            f"as ComfyUI does)") if family == "flux" and dtype != "fp32" else ""
-    print(f"latents: engine vs plain loop max abs diff {diff:.3g}{note}")
+    print(f"latents: engine vs plain loop max abs diff {diff:.3g}")
     return [{"model": source, "width": width, "height": height, "steps": steps, "dtype": dtype, "device": device,
              "engine_job_s": engine_total, "engine_compute_s": engine_compute, "plain_loop_s": plain_s,
              "ratio": engine_total / plain_s, "max_abs_diff": diff}]

@@ -32,13 +32,12 @@ def register(bench, emit) -> None:
 
 
 def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, repeats: int = 3) -> list[dict]:
-    family = inspect_model(model).family
+    info = inspect_model(model)
     request = GenerateRequest.random_conditioning(model, width, height, text_tokens=16, seed=1, steps=steps,
-                                                  cfg=1.0 if family == "flux" else 4.0)
-    request.validate(ranks)
+                                                  cfg=info.spec.cfg).validate(ranks)
     spec, inputs = request.to_job()
-    start = start_sampling(request.latent_raw, family=family, seed=1, steps=steps, cfg=request.cfg,
-                           sampler="euler", scheduler="simple")
+    start = start_sampling(request.latent_raw, sampling=request.sampling(info), latent=info.spec.latent, seed=1,
+                           steps=steps, cfg=request.cfg, sampler="euler", scheduler="simple")
     loop_s, guide_s, call_s, diffs = [], [], [], []
     with Engine(ranks) as engine:
         for i in range(repeats + 1):  # the first of each warms up (model load, first forward)

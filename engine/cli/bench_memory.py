@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from ..generate.request import GenerateRequest
 from ..models.load import inspect_model
-from ..parallel.pipefusion import analytic_p2p_bytes
-from ..parallel.plan import DEFAULT_TEXT_TOKENS, ParallelPlan
+from ..parallel.pipefusion.layout import analytic_p2p_bytes, balanced_split, block_lists, meta_model
+from ..parallel.plan import ParallelPlan
 from ..runtime.client import Engine
 from . import args as types
 from .tables import markdown
@@ -29,20 +29,16 @@ def register(bench, emit) -> None:
 
 
 def _job(source: str, plan: ParallelPlan, steps: int = 2, size: int = 256, **fields) -> GenerateRequest:
-    family = inspect_model(source).family
     r = GenerateRequest.random_conditioning(source, size, size, text_tokens=64, steps=steps, plan=plan,
-                                            cfg=1.0 if family == "flux" else 4.5, **fields)
-    r.validate(plan.world_size)
-    return r
+                                            cfg=inspect_model(source).spec.cfg, **fields)
+    return r.validate(plan.world_size)
 
 
 def weight_split(source: str, stages: int) -> list[int]:
     """Blocks per stage balanced by the blocks' weights (what --stage-blocks can ask for)."""
-    from ..parallel.parallelize import PIPELINE_PARTS
-    from ..parallel.pipefusion import balanced_split, meta_model
     info = inspect_model(source)
     model = meta_model(info)
-    sizes = [float(sum(p.numel() for p in block.parameters())) for name in PIPELINE_PARTS[info.family][0]
+    sizes = [float(sum(p.numel() for p in block.parameters())) for name in block_lists(info)
              for block in model.get_submodule(name)]
     return balanced_split(sizes, stages)
 
@@ -120,7 +116,7 @@ def bench_comm_pipefusion(quick: bool = False) -> list[dict]:
                                           batch=forward_batch, latent=(16, 16, 16), patches=m, act_bytes=4)
             real = inspect_model(f"synthetic:{variant}").config
             full = analytic_p2p_bytes(stage, p, calls=28, image_tokens=4096,
-                                      text_tokens=DEFAULT_TEXT_TOKENS[info.family],
+                                      text_tokens=info.spec.text_tokens,
                                       hidden=real["num_attention_heads"] * real["attention_head_dim"],
                                       batch=forward_batch, latent=(16, 128, 128), patches=m, act_bytes=2) / 28
             table.append((variant, f"pipefusion{p}, {m} patches", stage, f"{counted / steps / 1e3:.1f} kB",

@@ -31,7 +31,7 @@ def register(bench, emit) -> None:
     c.set_defaults(run=lambda a: emit(a, "cache", bench_cache(a.steps)), parser=c)
 
 
-def _request(size: int, steps: int, plan, cfg: float = 1.0, threshold: float | None = None, batch: int = 1):
+def _request(size: int, steps: int, plan, cfg: float = 1.0, threshold: float = 0.0, batch: int = 1):
     from ..generate.request import GenerateRequest
     return GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", size, size, text_tokens=24, batch=batch,
                                                seed=0, steps=steps, cfg=cfg, plan=plan, cache_threshold=threshold)
@@ -44,14 +44,12 @@ def bench_scaling(size: int, steps: int, max_ranks: int, repeats: int = 3) -> li
     rows, out = [], []
     base = None
     for ranks in range(1, max_ranks + 1):
-        chosen = _request(size, steps, AUTO, cfg=3.0, batch=2)
-        chosen.validate(ranks)
+        chosen = _request(size, steps, AUTO, cfg=3.0, batch=2).validate(ranks)
         plans = [p for p in candidates(ranks) if p.pipefusion == 1]
         with Engine(ranks, device="cpu") as engine:
             for plan in plans:
-                r = _request(size, steps, plan, cfg=3.0, batch=2)
                 try:
-                    r.validate(ranks)
+                    r = _request(size, steps, plan, cfg=3.0, batch=2).validate(ranks)
                 except ValueError:
                     continue  # a plan this job cannot run (heads, tokens, batch): not a row
                 spec, inputs = r.to_job()
@@ -75,9 +73,7 @@ def bench_cache(steps: int) -> list[dict]:
     rows, out = [], []
     with Engine(1, device="cpu") as engine:
         def job(threshold):
-            r = _request(256, steps, ParallelPlan(), threshold=threshold)
-            r.validate(1)
-            spec, inputs = r.to_job()
+            spec, inputs = _request(256, steps, ParallelPlan(), threshold=threshold or 0.0).validate(1).to_job()
             engine.submit("generate", spec, inputs)  # warm-up
             return engine.submit("generate", spec, inputs)
 

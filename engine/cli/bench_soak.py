@@ -113,7 +113,7 @@ def _generate(name: str, model: str, plan: ParallelPlan, batch: int = 1, cfg: fl
     r = GenerateRequest.random_conditioning(model, SIZE, SIZE, text_tokens=16, batch=batch, draw_seed=7, seed=11,
                                             steps=STEPS, cfg=cfg, plan=plan)
     try:
-        r.validate(plan.world_size)
+        r = r.validate(plan.world_size)
     except ValueError as e:
         raise UsageError(f"bench soak: plan {plan.describe()} for {model}: {e}") from None
     spec, inputs = r.to_job()
@@ -127,7 +127,7 @@ def make_configs(ranks: int) -> list[Config]:
     g = torch.Generator().manual_seed(5)
     guide = GenerateRequest.random_conditioning(sd3, SIZE, SIZE, text_tokens=16, draw_seed=9, cfg=4.0,
                                                 plan=ParallelPlan(cfg=2, ulysses=half))
-    guide.validate(ranks)
+    guide = guide.validate(ranks)
     return [
         _generate(f"flux ulysses{ranks}", flux, ParallelPlan(ulysses=ranks)),
         _generate(f"flux ring{ranks}", flux, ParallelPlan(ring=ranks)),

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..generate.request import GenerateRequest
+from ..generate.request import GenerateRequest, empty_latent
 from ..models.load import inspect_model
 from ..models.tiny import write_tiny
 from ..parallel.plan import ParallelPlan
@@ -68,9 +68,11 @@ def _report(checks: dict[str, bool]) -> dict[str, bool]:
 def _inspect(path: str, info, ranks: int) -> dict[str, bool]:
     """Part 1: the inspect job, its inputs shaped as this model's job carries them."""
     gen = torch.Generator().manual_seed(0)
-    cond, pooled = describe.cond_tensors(info, 256, gen)
-    inputs = {"noise": torch.randn(1, 16, HEIGHT // 8, WIDTH // 8, generator=gen), "cond": cond.to(torch.bfloat16),
-              "pooled": pooled}
+    cond, pooled = describe.cond_tensors(info, info.spec.text_tokens, gen)
+    inputs = {"noise": torch.randn(empty_latent(info, WIDTH, HEIGHT).shape, generator=gen),
+              "cond": cond.to(torch.bfloat16)}
+    if pooled is not None:
+        inputs["pooled"] = pooled
     if info.config.get("guidance_embeds"):
         inputs["guidance"] = torch.tensor([3.5])
     t0 = time.perf_counter()
@@ -80,8 +82,7 @@ def _inspect(path: str, info, ranks: int) -> dict[str, bool]:
         result = engine.submit("inspect", {"path": path}, inputs)
     seen = result.ranks[0]["checkpoint"]
     nbytes = sum(t.numel() * t.element_size() for t in inputs.values())
-    blocks = (f"{seen.get('double_blocks')} double / {seen.get('single_blocks')} single blocks"
-              if info.family == "flux" else f"{seen.get('joint_blocks')} joint blocks")
+    blocks = ", ".join(f"{n} {name}" for name, n in seen["blocks"].items())
     print(f"job     {result.job_id}: inspect + {len(inputs)} tensors ({nbytes / 2**20:.1f} MiB: "
           + ", ".join(f"{k} {list(t.shape)}" for k, t in inputs.items()) + ")")
     print(f"        each rank saw {seen['tensors']} tensors, {seen['parameters']:,} parameters, {blocks}")
@@ -99,12 +100,11 @@ def _requests(path: str, info) -> tuple[GenerateRequest, GenerateRequest]:
     """The 1-rank and the ulysses2 requests of parts 2 and 3, validated (UsageError if this model cannot run them)."""
     gen = torch.Generator().manual_seed(1)
     cond, pooled = describe.cond_tensors(info, 64, gen)
-    job = dict(model=path, cond=cond, pooled=pooled, latent_raw=torch.zeros(1, 16, HEIGHT // 8, WIDTH // 8), seed=7,
+    job = dict(model=path, cond=cond, pooled=pooled, latent_raw=empty_latent(info, WIDTH, HEIGHT), seed=7,
                steps=STEPS)
-    one, two = GenerateRequest(**job, plan=ParallelPlan()), GenerateRequest(**job, plan=ParallelPlan(ulysses=2))
     try:
-        one.validate()
-        two.validate()
+        one = GenerateRequest(**job, plan=ParallelPlan()).validate()
+        two = GenerateRequest(**job, plan=ParallelPlan(ulysses=2)).validate()
     except ValueError as e:
         raise UsageError(f"argument --model: {path}: {e}") from None
     return one, two

@@ -1,4 +1,4 @@
-"""What a FLUX/SD3 checkpoint is and what it takes, in the words `demo` and `make-tiny` print."""
+"""What a checkpoint is and what it takes, in the words `demo` and `make-tiny` print (each family says its part)."""
 from __future__ import annotations
 
 import torch
@@ -6,14 +6,10 @@ import torch
 from ..models.detect import CheckpointInfo
 
 LAYOUTS = {"bfl": "BFL", "sai": "SAI MMDiT", "diffusers": "diffusers", "synthetic": "synthetic"}
-CLIP_TOKENS = 77  # SD3's CLIP-L+G tokens, padded to the T5 width and put before T5's
 
 
 def blocks(info: CheckpointInfo) -> str:
-    c = info.config
-    if info.family == "flux":
-        return f"{c['num_layers']} double + {c['num_single_layers']} single blocks"
-    return f"{c['num_layers']} joint blocks"
+    return info.spec.describe_blocks(info.config)
 
 
 def summary(info: CheckpointInfo) -> str:
@@ -26,27 +22,23 @@ def summary(info: CheckpointInfo) -> str:
 
 def conditioning(info: CheckpointInfo) -> str:
     """The CONDITIONING tensors the model takes, as ComfyUI's text encoders give them."""
-    c = info.config
-    width, pooled = c["joint_attention_dim"], c["pooled_projection_dim"]
-    if info.family == "flux":
-        guidance = "; guidance embedded (FluxGuidance)" if c.get("guidance_embeds") else "; no guidance input"
-        return f"cond [B, N, {width}] (T5-XXL), pooled [B, {pooled}] (CLIP-L){guidance}"
-    return (f"cond [B, {CLIP_TOKENS}+N, {width}] (CLIP-L+G padded to {width}, then T5-XXL), pooled [B, {pooled}] "
-            f"(CLIP-L+G)")
+    return info.spec.describe_conditioning(info.config)
 
 
 def latent_rule(info: CheckpointInfo) -> str:
     """The LATENT the model samples, and the image sizes it takes."""
-    rule = "[B, 16, H/8, W/8] for a W x H image, W and H multiples of 16 px (raw VAE space)"
-    if info.family == "sd3":  # the position embedding is cropped from a fixed grid
-        grid = info.config["pos_embed_max_size"]
-        rule += f", at most {grid * info.config['patch_size'] * 8} px a side (position grid {grid}x{grid})"
+    fmt = info.spec.latent
+    rule = (f"{fmt.shape_rule()} for a W x H image, W and H multiples of {info.latent_patch * fmt.downscale} px "
+            f"(raw VAE space)")
+    side = info.spec.max_latent_side(info.config)
+    if side:  # the position embedding is cropped from a fixed grid
+        rule += f", at most {side * fmt.downscale} px a side (position grid {side // info.latent_patch})"
     return rule
 
 
-def cond_tensors(info: CheckpointInfo, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random (cond, pooled) shaped as this model takes them, batch 1, with `tokens` T5 tokens."""
-    c = info.config
-    n = tokens + (CLIP_TOKENS if info.family == "sd3" else 0)
-    return (torch.randn(1, n, c["joint_attention_dim"], generator=generator),
-            torch.randn(1, c["pooled_projection_dim"], generator=generator))
+def cond_tensors(info: CheckpointInfo, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor,
+                                                                                         torch.Tensor | None]:
+    """Random (cond, pooled or None) shaped as this model takes them, batch 1, with `tokens` text tokens."""
+    pooled = info.spec.pooled_width(info.config)
+    return (torch.randn(1, tokens, info.spec.cond_width(info.config), generator=generator),
+            torch.randn(1, pooled, generator=generator) if pooled else None)

@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..generate.request import GenerateRequest
-from ..models.load import COMPUTE_DTYPES
+from ..generate.request import GenerateRequest, empty_latent
+from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
 from ..parallel.devices import hardware_for
@@ -108,11 +108,11 @@ def _plan(a) -> ParallelPlan | str:
     return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
 
 
-def _latent(a) -> torch.Tensor:
+def _latent(a, info) -> torch.Tensor:
     if a.latent is None:
         if a.denoise < 1:
             raise UsageError(f"argument --denoise: {a.denoise} needs an input --latent to denoise from (img2img)")
-        return torch.zeros(a.batch or 1, 16, (a.height or 1024) // 8, (a.width or 1024) // 8)
+        return empty_latent(info, a.width or 1024, a.height or 1024, a.batch or 1)
     samples = _read(a.latent, "--latent").get("samples")
     if samples is None:
         raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor: give a ComfyUI LATENT file")
@@ -129,16 +129,22 @@ def _latent(a) -> torch.Tensor:
 
 def build_request(a) -> GenerateRequest:
     """The request the flags describe (not yet validated). Raises UsageError for a bad input file."""
+    try:
+        info = inspect_model(a.model)
+    except ValueError as e:   # CheckpointError: the model file is not one the engine reads
+        raise UsageError(f"argument --model: {e}") from None
     cond = _read(a.cond, "--cond")
-    missing = [k for k in ("cond", "pooled") if k not in cond]
+    pooled = info.spec.pooled_width(info.config) is not None
+    missing = [k for k in ("cond",) + (("pooled",) if pooled else ()) if k not in cond]
     if missing:
         raise UsageError(f"argument --cond: {a.cond} has no {' or '.join(map(repr, missing))} tensor (it has "
-                         f"{sorted(cond)}): it needs cond and pooled, and neg_cond and neg_pooled for cfg != 1")
-    return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond["pooled"], latent_raw=_latent(a),
+                         f"{sorted(cond)}): it needs cond{' and pooled' if pooled else ''}, and neg_cond"
+                         f"{' and neg_pooled' if pooled else ''} for cfg != 1")
+    return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond.get("pooled"), latent_raw=_latent(a, info),
                            seed=a.seed, steps=a.steps, cfg=a.cfg, sampler=a.sampler, scheduler=a.scheduler,
                            denoise=a.denoise, neg_cond=cond.get("neg_cond"), neg_pooled=cond.get("neg_pooled"),
                            guidance=a.guidance, dtype=a.dtype, plan=_plan(a), loras=a.lora,
-                           cache_threshold=a.cache_threshold, compile=a.compile, attention=a.attention,
+                           cache_threshold=a.cache_threshold or 0.0, compile=a.compile, attention=a.attention,
                            fp8_weights=a.fp8_weights, fp8_matmul=a.fp8_matmul, patches=a.patches,
                            warmup_steps=a.warmup_steps, stage_blocks=a.stage_blocks)
 
@@ -158,10 +164,10 @@ def prepare(a):
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs for {ranks} "
                          f"ranks: give one GPU per rank")
     try:
-        choice = request.validate(ranks, hardware_for("cuda" if a.gpus else "cpu", ranks, a.gpus))
+        request = request.validate(ranks, hardware_for("cuda" if a.gpus else "cpu", ranks, a.gpus))
     except ValueError as e:  # PlanError, CheckpointError, a tensor of the wrong shape ...
         raise UsageError(str(e)) from None
-    return request, ranks, choice
+    return request, ranks, request.choice
 
 
 class Progress:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from argparse import ArgumentTypeError
 
 from ..errors import PlanError
-from ..generate.request import check_latent_size
+from ..families import VARIANTS
+from ..generate.inputs import check_latent
+from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
-from ..models.tiny import REAL
 from ..parallel import cost
 from ..parallel.devices import GPUS, LINKS, find_gpu, stated_hardware
-from ..parallel.plan import AUTO, DEFAULT_TEXT_TOKENS, ParallelPlan, Workload, candidates, feasible, plan_problems, \
+from ..parallel.plan import AUTO, ParallelPlan, Workload, candidates, feasible, plan_problems, \
     rank_plans, resolve_plan
 from . import args as types
 from . import describe
@@ -22,12 +23,12 @@ STATED_LINKS = [k for k in LINKS if k != "cpu"]                    # CPU ranks s
 
 def model_or_variant(text: str) -> str:
     """A known variant (its full-size dims) or a FLUX/SD3 checkpoint, as a model source inspect_model reads."""
-    if text in REAL:
+    if text in VARIANTS:
         return f"synthetic:{text}"
     try:
         inspect_model(text)
     except (ValueError, OSError) as e:
-        raise ArgumentTypeError(f"{text!r} is not a known model ({', '.join(REAL)}) and not a checkpoint: "
+        raise ArgumentTypeError(f"{text!r} is not a known model ({', '.join(VARIANTS)}) and not a checkpoint: "
                                 f"{e}") from None
     return text
 
@@ -45,7 +46,7 @@ def register(sub) -> None:
                                    "compute and exposed communication; memory per GPU) and print them ranked, with "
                                    "the plan auto chooses and why. Nothing runs: the figures are the cost model's.")
     p.add_argument("--model", required=True, type=model_or_variant,
-                   help=f"a known model ({', '.join(REAL)}) or a FLUX/SD3 checkpoint file or diffusers folder")
+                   help=f"a known model ({', '.join(VARIANTS)}) or a checkpoint file or diffusers folder")
     p.add_argument("--gpus", required=True, type=types.ranks, help="number of GPUs, 1 to 8 (one rank each)")
     p.add_argument("--interconnect", required=True, choices=STATED_LINKS, help="the link between the GPUs")
     p.add_argument("--width", type=types.pixels, default=1024, help="image width in pixels")
@@ -91,11 +92,11 @@ def _table(ranked: list[cost.Estimate]) -> list[str]:
 def run(a) -> int:
     info = inspect_model(a.model)
     try:
-        check_latent_size(info, a.height // 8, a.width // 8)
+        latent_h, latent_w = check_latent(info, empty_latent(info, a.width, a.height))
     except ValueError as e:
         raise UsageError(f"argument --width/--height: {e}") from None
-    work = Workload.from_info(info, a.height // 8, a.width // 8, batch=a.batch, negative_pass=a.cfg != 1.0,
-                              text_tokens=DEFAULT_TEXT_TOKENS[info.family], dtype=a.dtype, fp8_weights=a.fp8)
+    work = Workload.from_info(info, latent_h, latent_w, batch=a.batch, negative_pass=a.cfg != 1.0,
+                              text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8)
     hw = stated_hardware(a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect,
                          a.gpu_memory_gb)
     print("\n".join(_header(info, work, hw, a)) + "\n")

@@ -5,7 +5,8 @@ import os
 
 from ..models.load import inspect_model
 from ..models.quantized import SUPPORTED
-from ..models.tiny import DTYPES, FORMATS, VARIANTS, write_tiny
+from .. import families
+from ..models.tiny import DTYPES, FORMATS, variants, write_tiny
 from . import args as types
 from . import describe
 from .args import UsageError
@@ -13,11 +14,11 @@ from .args import UsageError
 
 def register(sub) -> None:
     p = sub.add_parser("make-tiny", help="write a tiny synthetic checkpoint in a real ComfyUI layout",
-                       description="Write a deterministic random-weight FLUX.1 (BFL layout) or SD3/SD3.5 (SAI MMDiT "
-                                   "layout) checkpoint with 4 heads and 4 blocks of each kind, and print its "
-                                   "dimensions and the conditioning it takes.")
-    p.add_argument("--kind", choices=list(VARIANTS), required=True, help="model family")
-    p.add_argument("--variant", help="; ".join(f"{k}: {' | '.join(v)}" for k, v in VARIANTS.items())
+                       description="Write a deterministic random-weight checkpoint of a model family in the layout "
+                                   "its released files have (e.g. FLUX.1: BFL, SD3/SD3.5: SAI MMDiT) with 4 heads and "
+                                   "4 blocks of each kind, and print its dimensions and the conditioning it takes.")
+    p.add_argument("--kind", choices=list(families.names()), required=True, help="model family")
+    p.add_argument("--variant", help="; ".join(f"{k}: {' | '.join(variants(k))}" for k in families.names())
                                      + " (default: the first of the kind)")
     p.add_argument("--out", type=types.output_dir, required=True, help="folder to write into (created if missing)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight dtype")

@@ -26,8 +26,8 @@ def check_guide(request: GenerateRequest) -> None:
     if request.plan.pipefusion > 1:
         raise PlanError(f"plan {request.plan.describe()} uses pipefusion, which pipelines the engine's own sampler "
                         f"loop: with a guider (ComfyUI's sampler) use ulysses, ring, cfg or dp, or use xDiT Sampler")
-    if request.cache_threshold is not None:
-        raise PlanError("the step cache counts the engine's own steps: leave cache_threshold unset with a guider, "
+    if request.cache_threshold:
+        raise PlanError("the step cache counts the engine's own steps: set cache_threshold 0 with a guider, "
                         "or use xDiT Sampler")
 
 

@@ -7,11 +7,12 @@ import os
 import torch
 
 from ..models.flow import Conditioning, FlowModel
-from ..models.load import inspect_model, load_model, model_class
+from ..models.load import inspect_model, load_model
 from ..models.lora import apply_loras
 from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
-from ..parallel.parallelize import PIPELINE_PARTS, parallelize
-from ..parallel.pipefusion import Pipeline, block_counts, make_layout, stage_keep
+from ..parallel.parallelize import parallelize
+from ..parallel.pipefusion.layout import make_layout, stage_keep
+from ..parallel.pipefusion.pipeline import Pipeline
 from ..sampling.ksampler import ksample, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
@@ -35,7 +36,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
             state["parallel"].close()
         state.clear()
         release_model_memory(ctx.device)  # the old weights (and graphs compiled around them) go before the new come
-        model_class(inspect_model(request.model).family)  # diffusers' modules imported before the baseline
+        inspect_model(request.model).spec.model_class()  # diffusers' modules imported before the baseline
         ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
         # the load's deadline grows with the file (Deadlines.load_s + load_s_per_gib per GiB)
         ctx.enter_phase("load", bytes=0 if request.model.startswith("synthetic:") else os.path.getsize(request.model))
@@ -47,8 +48,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
     if state.get("mesh") is not mesh:
         if state.get("parallel") is not None:
             state["parallel"].close()
-        parallel = (Pipeline(state["flow"], mesh, *PIPELINE_PARTS[state["flow"].family]) if stage
-                    else parallelize(state["flow"], mesh))
+        parallel = Pipeline(state["flow"], mesh) if stage else parallelize(state["flow"], mesh)
         state.update(parallel=parallel, mesh=mesh)
     if request.loras or state.get("lora_state", {}).get("touched"):
         ctx.info.update(apply_loras(state["loaded"], request.loras, state.setdefault("lora_state", {})))
@@ -57,7 +57,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
     set_compiled(state["flow"].model, blocks, request.compile)
     set_fp8_matmul(state["flow"].model, request.fp8_matmul)
     if not stage:
-        parallel.set_step_cache(request.cache_threshold)
+        parallel.set_step_cache(request.cache_threshold or None)
     return parallel
 
 
@@ -83,18 +83,17 @@ def _finish(ctx, request: GenerateRequest, mesh, info, samples: torch.Tensor) ->
 def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tensor] | None:
     """A KSampler run through the PipeFusion stages: this rank loads only its stage's weights."""
     info = inspect_model(request.model)
-    blocks, _ = PIPELINE_PARTS[info.family]
     latent_raw = request.latent_raw.float()
-    layout = make_layout(info, blocks, request.plan, latent_raw.shape[2], latent_raw.shape[3], request.patches,
+    layout = make_layout(info, request.plan, latent_raw.shape[-2], latent_raw.shape[-1], request.patches,
                          request.warmup_steps, request.stage_blocks)
     stage = mesh["pipefusion"].rank
-    keep = stage_keep(blocks, block_counts(info), layout, stage)
+    keep = stage_keep(info, layout, stage)
     pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep))
     pipeline.setup(layout)
     noise = prepare_noise(latent_raw, request.seed, request.batch_index)
-    start = start_sampling(latent_raw.to(ctx.device), family=info.family, seed=request.seed, steps=request.steps,
-                           cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
-                           denoise=request.denoise, noise=noise.to(ctx.device))
+    start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.spec.latent,
+                           seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
+                           scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device))
     positive, negative = _sides(request)
     ctx.check_cancel(0)
     with attention_kernels(request.attention, ctx.device):
@@ -124,10 +123,11 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
 
     ctx.check_cancel(0)
     with attention_kernels(request.attention, ctx.device):
-        samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device), family=parallel.family,
-                          seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
-                          scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device),
-                          callback=on_step)
+        info = parallel.flow.loaded.info
+        samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device),
+                          sampling=request.sampling(info), latent=info.spec.latent, seed=request.seed,
+                          steps=request.steps, cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
+                          denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step)
     if parallel.cache is not None:
         ctx.info["step_cache"] = parallel.cache.stats.as_dict()
     return _finish(ctx, request, mesh, parallel.flow.loaded.info, samples)

@@ -1,5 +1,5 @@
-"""A GGUF file (city96's ComfyUI-GGUF FLUX.1 / SD3 quantizations), validated before anything is loaded, then read
-with the `gguf` package.
+"""A GGUF file (city96's ComfyUI-GGUF quantizations of the engine's families), validated before anything is loaded,
+then read with the `gguf` package.
 
 The header is parsed here first, byte by byte with bounds checks, so that a truncated, damaged or lying file fails
 with one line naming the file, the tensor and the numbers (the gguf package would fail inside numpy, or map
@@ -13,12 +13,12 @@ import warnings
 
 import torch
 
+from .. import families
 from .quantized import BLOCKS, FLOATS, SUPPORTED, quantized_bytes
 from .safetensors_file import CheckpointError, TensorInfo
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
-ARCHES = ("flux", "sd3")   # general.architecture of ComfyUI-GGUF's FLUX.1 and SD3/SD3.5 files
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 # value type id -> struct format of a scalar (8: string, 9: array)
@@ -40,7 +40,7 @@ def is_gguf(path: str) -> bool:
         return False
 
 
-MAX_HEADER_BYTES = 64 << 20   # a real FLUX/SD3 file's header is well under a megabyte
+MAX_HEADER_BYTES = 64 << 20   # a real transformer file's header is well under a megabyte
 
 
 class _Bytes:
@@ -183,11 +183,12 @@ def _parse(name: str, cur: _Bytes, size: int, n_tensors: int, n_kv: int):
     reshaped = sorted(k for k in arrays if k.startswith("comfy.gguf.orig_shape."))
     if reshaped:
         raise CheckpointError(f"{name}: {len(reshaped)} tensors are stored reshaped ({reshaped[0]}); ComfyUI-GGUF "
-                              f"does that only for UNet models, not FLUX.1 or SD3 transformers")
+                              f"does that only for UNet models, not diffusion transformers")
     arch = metadata.get("general.architecture")
-    if arch is not None and arch not in ARCHES:
-        raise CheckpointError(f"{name} is a GGUF of architecture {arch!r}, not a FLUX.1 or SD3/SD3.5 transformer "
-                              f"(supported: {', '.join(ARCHES)})")
+    arches = [a for f in families.FAMILIES for a in f.gguf_arches]
+    if arch is not None and arch not in arches:
+        raise CheckpointError(f"{name} is a GGUF of architecture {arch!r}, not a transformer the engine runs "
+                              f"(supported: {', '.join(arches)})")
     metadata["gguf.architecture"] = arch or ""
     return tensors, metadata
 

@@ -1,4 +1,4 @@
-"""Load the FLUX.1 / SD3 transformer of a checkpoint into an unmodified diffusers transformer, streaming one
+"""Load the transformer of a checkpoint into its family's unmodified diffusers transformer, streaming one
 tensor at a time (no full-file read, no text encoders or VAE, no hub). fp8 weights stay fp8 in memory and
 are cast to the compute dtype per layer call, as ComfyUI does with fp8 files; fp8_scaled layers keep their
 scale_weight and GGUF block-quantized layers their blocks, both dequantized per layer call (models/quantized.py)."""
@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from .convert import apply_op, key_map
 from .detect import CheckpointInfo, detect
 from .gguf_file import GGUFTensors, is_gguf, read_gguf_header
-from .quantized import BLOCKS, GGUFLinear, LoraOnTop, dequantize
+from .quantized import BLOCKS, CastLinear, GGUFLinear, dequantize
 from .safetensors_file import CheckpointError, TensorInfo, read_header
+from .synthetic import init_random_, is_synthetic, synthetic_info
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -38,42 +38,6 @@ class LoadedTransformer:
     @property
     def family(self) -> str:
         return self.info.family
-
-
-class CastLinear(LoraOnTop, torch.nn.Module):
-    """A Linear whose weight stays in its stored dtype (fp8) and is cast to the input's dtype per call; with
-    `fp8_matmul` (engine/models/speed.py) the product itself runs in fp8 where the GPU has fp8 tensor cores.
-
-    scale: an fp8_scaled file's scale_weight (a scalar, or one per output row): the weight is the stored fp8 times
-    it, computed in float32 per call. Such a layer takes LoRAs on top (models/quantized.py): writing a LoRA into
-    the scaled fp8 weight would round it to fp8."""
-
-    def __init__(self, linear: torch.nn.Linear, scale: torch.Tensor | None = None):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.register_buffer("scale_weight", scale)
-        self.fp8_matmul = False
-        self.init_loras()
-
-    @property
-    def lora_on_top(self) -> bool:
-        return self.scale_weight is not None
-
-    def dequantized(self) -> torch.Tensor:
-        w = self.weight.float()
-        return w * self.scale_weight if self.scale_weight is not None else w
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        scalar = self.scale_weight is None or self.scale_weight.numel() == 1
-        if self.fp8_matmul and scalar and not self.loras:
-            from .speed import fp8_linear
-            return fp8_linear(x, self.weight, bias, self.scale_weight)
-        if self.scale_weight is None and not self.loras:
-            return F.linear(x, self.weight.to(x.dtype), bias)
-        return F.linear(x, self.dense_weight(x.dtype), bias)
 
 
 def _files(path: str) -> list[str]:
@@ -116,15 +80,10 @@ def _detect(path: str, files: list[str], where: dict, metadata: dict) -> Checkpo
     return detect(path, {k: v for k, (_, v) in where.items()}, metadata, stated)
 
 
-def model_class(family: str):
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-    return FluxTransformer2DModel if family == "flux" else SD3Transformer2DModel
-
-
 def build_empty(info: CheckpointInfo) -> torch.nn.Module:
     """The diffusers transformer for `info`, on the meta device (no memory until weights are assigned)."""
     with torch.device("meta"):
-        return model_class(info.family)(**info.config)
+        return info.spec.model_class()(**info.config)
 
 
 def _build_checked(path: str, info: CheckpointInfo) -> torch.nn.Module:
@@ -162,7 +121,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     info = _detect(path, files, where, metadata)
     model = _build_checked(path, info)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    mapping = key_map(info.layout, info.family, info.config) or [(k, k, None) for k in expected]
+    mapping = key_map(info) or [(k, k, None) for k in expected]
     sources = {src for _, src, _ in mapping}
     present = set(info.keys)
     missing = sources - present
@@ -179,7 +138,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
                and k[len(info.prefix):].rsplit(".", 1)[0] + ".weight" not in present]
     if orphans:
         raise CheckpointError(f"{path}: {len(orphans)} fp8_scaled scales belong to no weight of the model: "
-                              f"{_few(orphans)}; the file is damaged or not a FLUX.1/SD3 transformer")
+                              f"{_few(orphans)}; the file is damaged or not a transformer the engine runs")
     targets = {dst for dst, _, _ in mapping}
     if targets != set(expected):
         raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
@@ -304,7 +263,7 @@ def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) 
 
 def _install_quantized(model: torch.nn.Module, quantized: dict, compute: torch.dtype) -> int:
     """Put each GGUF block weight into its layer: a Linear becomes a GGUFLinear; any other owner gets the expanded
-    weight (no diffusers FLUX/SD3 matrix is outside a Linear, so this is a safeguard)."""
+    weight (no diffusers transformer matrix here is outside a Linear, so this is a safeguard)."""
     count = 0
     for name, (data, qtype) in quantized.items():
         owner_name, _, leaf = name.rpartition(".")
@@ -355,7 +314,6 @@ _INFO_CACHE: dict[tuple, CheckpointInfo] = {}  # (path, files' mtime and size) -
 def inspect_model(source: str) -> CheckpointInfo:
     """inspect_checkpoint for a path, or the info of a synthetic model source. A file's headers are read once and
     reused until the file changes (mtime or size)."""
-    from .synthetic import is_synthetic, synthetic_info
     if is_synthetic(source):
         return synthetic_info(source)
     files = _files(source)
@@ -398,7 +356,6 @@ def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device =
     """load_transformer for a path; for a synthetic source, random weights built directly on `device` in `dtype`
     (each tensor's values depend only on the seed and its name, so a stage that holds part of the model holds the
     same values as a rank that holds all of it)."""
-    from .synthetic import init_random_, is_synthetic, synthetic_info
     if not is_synthetic(source):
         return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights, keep=keep)
     if dtype not in COMPUTE_DTYPES:

@@ -1,4 +1,4 @@
-"""LoRA files users have for FLUX.1 and SD3/SD3.5, applied inside the ranks as weight deltas.
+"""LoRA files users have for the engine's families, applied inside the ranks as weight deltas.
 
 Formats: kohya (`lora_unet_double_blocks_0_img_attn_qkv.lora_down/lora_up/alpha`), BFL/ComfyUI
 (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A/lora_B`), and diffusers/PEFT
@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from .convert import apply_op, key_map
 from .detect import CheckpointInfo
+from .load import lora_owner, restore_weights
 from .safetensors_file import CheckpointError, read_header
 
 PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_",
@@ -35,7 +36,7 @@ class LoraTargets:
     """Where a LoRA layer name lands in the diffusers model: directly (diffusers names) or through the key map."""
 
     def __init__(self, info: CheckpointInfo, diffusers_keys: set[str]):
-        mapping = key_map(info.layout, info.family, info.config) or []
+        mapping = key_map(info) or []
         self.routes: dict[str, list] = {}  # source weight key -> [(diffusers key, op)]
         for dst, src, op in mapping:
             if src.endswith(".weight"):
@@ -142,7 +143,6 @@ def lora_deltas(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> di
 def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
     """Make the model's weights base + the given LoRAs. `state` remembers what is applied (per rank), so the same
     list costs nothing, and a changed list restores the touched weights from the checkpoint first."""
-    from .load import lora_owner, restore_weights
 
     wanted = tuple((os.path.abspath(p), os.stat(p).st_mtime_ns, float(s)) for p, s in loras)
     if state.get("applied", ()) == wanted:

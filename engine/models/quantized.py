@@ -1,5 +1,6 @@
 """Quantized weights kept quantized in memory: GGUF block formats dequantized in torch per layer call, and the
-Linear layers that hold them (GGUF blocks, or fp8 with a ComfyUI `scale_weight`) with LoRAs added on top per call.
+Linear layers that hold them (GGUF blocks; fp8, with or without a ComfyUI `scale_weight`, cast per call or multiplied
+in fp8) with LoRAs added on top per call.
 
 Dequantization is exact: every block is expanded in float32 with the operations, in the order, that the GGUF
 format defines (ggml's dequantize_row_* and the gguf package's numpy reference), so the result is the value the
@@ -173,6 +174,69 @@ class GGUFLinear(LoraOnTop, torch.nn.Module):
 
 # ---- quantizers (numpy), for writing test files ----------------------------------------------------------------
 
+FP8_MAX = 448.0  # largest float8_e4m3fn
+
+
+class CastLinear(LoraOnTop, torch.nn.Module):
+    """A Linear whose weight stays in its stored dtype (fp8) and is cast to the input's dtype per call; with
+    `fp8_matmul` (set by engine/models/speed.py) the product itself runs in fp8 where the GPU has fp8 tensor cores.
+
+    scale: an fp8_scaled file's scale_weight (a scalar, or one per output row): the weight is the stored fp8 times
+    it, computed in float32 per call. Such a layer takes LoRAs on top (models/quantized.py): writing a LoRA into
+    the scaled fp8 weight would round it to fp8."""
+
+    def __init__(self, linear: torch.nn.Linear, scale: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.register_buffer("scale_weight", scale)
+        self.fp8_matmul = False
+        self.init_loras()
+
+    @property
+    def lora_on_top(self) -> bool:
+        return self.scale_weight is not None
+
+    def dequantized(self) -> torch.Tensor:
+        w = self.weight.float()
+        return w * self.scale_weight if self.scale_weight is not None else w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        scalar = self.scale_weight is None or self.scale_weight.numel() == 1
+        if self.fp8_matmul and scalar and not self.loras:
+            return fp8_linear(x, self.weight, bias, self.scale_weight)
+        if self.scale_weight is None and not self.loras:
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        return F.linear(x, self.dense_weight(x.dtype), bias)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (weight * weight_scale).T + bias with both operands in float8_e4m3fn: the activations scaled per tensor to
+    fp8's range, the weight as stored with its per-tensor scale (1 for plain fp8 files, an fp8_scaled file's
+    scale_weight), accumulated in fp32, returned in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    w_scale = (weight_scale.float().reshape(()) if weight_scale is not None
+               else torch.ones((), dtype=torch.float32, device=x.device))
+    if rows.shape[1] % 16 or weight.shape[0] % 16:  # the fp8 kernels' alignment: fall back to a cast
+        dense = weight.to(x.dtype) if weight_scale is None else (weight.float() * w_scale).to(x.dtype)
+        return torch.nn.functional.linear(x, dense, bias)
+    scale = (rows.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+    quantized = (rows / scale).to(torch.float8_e4m3fn)
+    pad = -rows.shape[0] % 16
+    if pad:
+        quantized = torch.nn.functional.pad(quantized.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype)
+    return out[:rows.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ---- quantizers for test files (make-tiny) ------------------------------------------------------------
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
 

@@ -9,10 +9,11 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .quantized import CastLinear, fp8_supported
+
 ATTENTION = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 CUDA_ONLY = ("flash", "efficient", "cudnn")   # the kernels that exist only on CUDA devices
-FP8_MAX = 448.0  # largest float8_e4m3fn
 
 
 def attention_kernels(name: str, device: torch.device):
@@ -60,13 +61,8 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def fp8_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def set_fp8_matmul(model: torch.nn.Module, on: bool) -> int:
     """Turn fp8 products on or off for every fp8-stored Linear (CastLinear). Returns how many there are."""
-    from .load import CastLinear
     layers = [m for m in model.modules() if isinstance(m, CastLinear)]
     if on and not layers:
         raise ValueError("fp8_matmul needs fp8 weights: load the model with fp8_weights (weight dtype fp8_e4m3fn)")
@@ -76,23 +72,3 @@ def set_fp8_matmul(model: torch.nn.Module, on: bool) -> int:
     for layer in layers:
         layer.fp8_matmul = on
     return len(layers)
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (weight * weight_scale).T + bias with both operands in float8_e4m3fn: the activations scaled per tensor to
-    fp8's range, the weight as stored with its per-tensor scale (1 for plain fp8 files, an fp8_scaled file's
-    scale_weight), accumulated in fp32, returned in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    w_scale = (weight_scale.float().reshape(()) if weight_scale is not None
-               else torch.ones((), dtype=torch.float32, device=x.device))
-    if rows.shape[1] % 16 or weight.shape[0] % 16:  # the fp8 kernels' alignment: fall back to a cast
-        dense = weight.to(x.dtype) if weight_scale is None else (weight.float() * w_scale).to(x.dtype)
-        return torch.nn.functional.linear(x, dense, bias)
-    scale = (rows.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
-    quantized = (rows / scale).to(torch.float8_e4m3fn)
-    pad = -rows.shape[0] % 16
-    if pad:
-        quantized = torch.nn.functional.pad(quantized.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
-    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=w_scale, bias=bias, out_dtype=x.dtype)
-    return out[:rows.shape[0]].reshape(*x.shape[:-1], weight.shape[0])

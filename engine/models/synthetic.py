@@ -1,16 +1,19 @@
 """Random-weight transformers at real or tiny dims, built directly on the rank's device, for benchmarks at full
-FLUX/SD3 size without multi-GB files. A model source "synthetic:<variant>" is full size, "synthetic:<variant>:tiny"
-the tiny test size; the same seed gives the same weights on the same device."""
+size without multi-GB files. A model source "synthetic:<variant>" is full size, "synthetic:<variant>:tiny" the tiny
+test size (":small" a few hundred MB); the same seed gives the same weights on the same device."""
 from __future__ import annotations
 
+import json
 import zlib
+from dataclasses import asdict
 
 import torch
 
-from .tiny import REAL, SMALL, TINY, FluxDims, shapes_for
-from .detect import CheckpointInfo, _flux_config, _sd3_config, count_parameters
+from .. import families
+from .detect import CheckpointInfo, count_parameters
 
 PREFIX = "synthetic:"
+SIZES = ("full", "small", "tiny")
 
 
 def is_synthetic(source: str) -> bool:
@@ -20,31 +23,26 @@ def is_synthetic(source: str) -> bool:
 def _dims(source: str):
     parts = source[len(PREFIX):].split(":")
     variant, size = parts[0], parts[1] if len(parts) > 1 else "full"
-    table = {"full": REAL, "small": SMALL, "tiny": TINY}.get(size)
-    if table is None or variant not in table or len(parts) > 2:
-        raise ValueError(f"model {source!r} is invalid: use synthetic:<variant>[:tiny|:small] with a variant in {sorted(REAL)}")
-    return variant, table[variant]
-
-
-def diffusers_config(dims) -> dict:
-    """The same config detect infers from a checkpoint of these dims (one place knows diffusers' config keys)."""
-    if isinstance(dims, FluxDims):
-        config, _ = _flux_config(dims.hidden, dims.in_channels, dims.head_dim, dims.depth, dims.depth_single,
-                                 dims.context_in, dims.vec_in, dims.guidance_embed,
-                                 {"stated": {"axes_dims_rope": list(dims.axes_dim)}})
-        return config
-    config = _sd3_config(dims.hidden, dims.in_channels, dims.patch, dims.depth, dims.pos_embed_max_size ** 2,
-                         dims.context_in, dims.pooled_in, dims.patch * dims.patch * dims.in_channels, dims.head_dim,
-                         dims.dual_attention_layers)
-    config["qk_norm"] = "rms_norm" if dims.qk_norm else None
-    return config
+    try:
+        family = families.by_variant(variant)
+        dims = family.dims[size][variant]
+    except (ValueError, KeyError):
+        dims = None
+    if dims is None or len(parts) > 2:
+        raise ValueError(f"model {source!r} is invalid: use synthetic:<variant>[:tiny|:small] with a variant in "
+                         f"{sorted(families.VARIANTS)}")
+    return family, variant, dims
 
 
 def synthetic_info(source: str) -> CheckpointInfo:
-    variant, dims = _dims(source)
-    family = "flux" if isinstance(dims, FluxDims) else "sd3"
-    parameters, in_blocks = count_parameters(shapes_for(variant, dims))
-    return CheckpointInfo(family=family, variant=variant, layout="synthetic", prefix="", config=diffusers_config(dims),
+    """The header info of a synthetic model: its family infers the config from its native layout's shapes, as it
+    does for a file of those dims."""
+    family, variant, dims = _dims(source)
+    shapes = family.shapes(dims)
+    metadata = {"xdit.synthetic": json.dumps({"variant": variant, "dims": asdict(dims)})}
+    config, _ = family.infer(family.native_layout, shapes, metadata)
+    parameters, in_blocks = count_parameters(family, family.native_layout, config, shapes)
+    return CheckpointInfo(family=family.name, variant=variant, layout="synthetic", prefix="", config=config,
                           parameters=parameters, block_parameters=in_blocks)
 
 

@@ -1,2 +1,2 @@
-"""Parallel methods applied to an unmodified diffusers transformer: the rank mesh, sequence-parallel attention
-(Ulysses, Ring, joint text tokens), attention processors, CFG and data parallel."""
+"""Parallel methods applied to an unmodified diffusers transformer: the plan and its cost model, the rank mesh,
+sequence-parallel attention (Ulysses, Ring, joint text tokens), CFG and data parallel, PipeFusion, the step cache."""

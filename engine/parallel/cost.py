@@ -65,15 +65,15 @@ def items_per_rank(plan, work) -> int:
 
 
 def _text_split(plan, work) -> bool:
-    """FLUX's text splits with the image when the degree divides it; PipeFusion keeps it joint."""
-    return work.family == "flux" and plan.pipefusion == 1 and work.text_tokens % (plan.ulysses * plan.ring) == 0
+    """A family's text splits with the image when it may and the degree divides it; PipeFusion keeps it joint."""
+    return work.text_splits and plan.pipefusion == 1 and work.text_tokens % (plan.ulysses * plan.ring) == 0
 
 
 def comm_bytes(plan, work) -> dict[str, int]:
     """Bytes one rank sends per step, per collective kind."""
     items, elem = items_per_rank(plan, work), DTYPE_BYTES[work.dtype]
     kinds = attention_bytes(work.image_tokens, work.text_tokens, work.heads, work.head_dim, work.layers,
-                            work.family == "flux" and plan.pipefusion == 1, plan, items, elem)
+                            work.text_splits and plan.pipefusion == 1, plan, items, elem)
     if work.dual_layers:  # SD3.5-medium's image-only attention goes through the same entry point
         dual = attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, False, plan, items,
                                elem)

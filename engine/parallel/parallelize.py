@@ -1,60 +1,32 @@
-"""`parallelize`: the parallel plan applied to a FlowModel, one entry point per family (FLUX, SD3).
+"""`parallelize`: the parallel plan applied to a FlowModel, for any family.
 
-Each family declares in a small table where its tokens are split across the sequence-parallel group and where they
-are gathered again; one set of generic hooks applies any table (the idea of diffusers' `_cp_plan`), plus the
-family's attention processor, which routes attention through the one sequence-parallel entry point (Ulysses, Ring,
-joint text). CFG and data parallel split the model call itself: each rank evaluates its pass and its share of the
-batch, and the velocities are gathered, so the sampler always runs on the whole batch (whole-batch noise draws stay
-exact). The job handler and FlowModel hold no parallel branch: with a one-rank mesh every group has one member and
-every split and gather is a no-op.
+Each family declares in a small table (engine/families, `TokenTable`) where its tokens are split across the
+sequence-parallel group and where they are gathered again; one set of generic hooks here applies any table (the
+idea of diffusers' `_cp_plan`), plus the family's attention processor, which routes attention through the one
+sequence-parallel entry point (Ulysses, Ring, joint text). CFG and data parallel split the model call itself: each
+rank evaluates its pass and its share of the batch, and the velocities are gathered, so the sampler always runs on
+the whole batch (whole-batch noise draws stay exact). The job handler and FlowModel hold no parallel branch: with a
+one-rank mesh every group has one member and every split and gather is a no-op.
 
-FLUX.1 Kontext reference tokens follow the image tokens in the same inputs. Where image and reference tokens together
-divide the degree they are split as one sequence; otherwise every rank holds the reference tokens in full (joint,
-like text that does not divide), the processor is told so (`joint_reference_tokens`), and the gather takes only the
-image shards.
+Reference tokens (FLUX.1 Kontext) follow the image tokens in the same inputs. Where image and reference tokens
+together divide the degree they are split as one sequence; otherwise every rank holds the reference tokens in full
+(joint, like text that does not divide), the processor is told so (`joint_reference_tokens`), and the gather takes
+only the image shards.
 
-Seams: a new family is a table and a processor. PipeFusion (pipefusion.py) splits the table's `blocks` into stages
-and runs its own loop with the same processors. The step cache (engine/parallel/cache.py) wraps the same block
-lists, its skip decision agreed over every rank; the predictor tells it which stream (pass and batch share) each model call belongs to.
+Seams: a new family is a table and a processor in its module. PipeFusion (pipefusion.py) splits the table's `blocks`
+into stages and runs its own loop with the same processors. The step cache (engine/parallel/cache.py) wraps the same
+block lists, its skip decision agreed over every rank; the predictor tells it which stream (pass and batch share)
+each model call belongs to.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..families.base import TokenTable
 from ..models.flow import Conditioning, FlowModel
 from .attention import SequenceParallelAttention
 from .cache import StepCache
 from .mesh import Mesh
-from .processors import FluxSPProcessor, SD3SPProcessor
-
-
-@dataclass(frozen=True)
-class TokenTable:
-    """Where a family's tokens are split and gathered. Names are the model's forward arguments or module paths."""
-
-    processor: type
-    gather_after: str                               # module whose output (tokens on dim 1) is gathered
-    split_inputs: tuple[tuple[str, int], ...] = ()  # forward arguments holding image tokens: (name, token dim)
-    text_inputs: tuple[tuple[str, int], ...] = ()   # text arguments: split with the image tokens when their count
-    #                                                 divides the degree, else held by every rank (joint); the
-    #                                                 processor is told which through `joint_text_tokens`
-    split_after: str | None = None                  # module whose output (tokens on dim 1) is split: for families
-    #                                                 that add positions on the whole patch grid
-    blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
-    reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
-    #                                                 many per forward): split with them or joint
-
-
-FLUX_TOKENS = TokenTable(processor=FluxSPProcessor, gather_after="proj_out",
-                         split_inputs=(("hidden_states", 1), ("img_ids", 0)),
-                         text_inputs=(("encoder_hidden_states", 1), ("txt_ids", 0)),
-                         blocks=("transformer_blocks", "single_transformer_blocks"), reference_tokens=True)
-# SD3 adds its positional embedding to the whole patch grid: split right after it. Its 77+N text tokens rarely
-# divide a degree, so they are always joint (they reach the processor separately, as encoder_hidden_states).
-SD3_TOKENS = TokenTable(processor=SD3SPProcessor, gather_after="proj_out", split_after="pos_embed",
-                        blocks=("transformer_blocks",))
 
 
 def pass_groups(sides: list[Conditioning], cfg_group) -> tuple[list[Conditioning], list[list[Conditioning]]]:
@@ -87,11 +59,18 @@ class ParallelFlow:
         model.set_attn_processor(table.processor(SequenceParallelAttention(self.mesh)))
         if table.split_inputs or table.text_inputs:
             self._hooks.append(model.register_forward_pre_hook(self._split_forward_inputs, with_kwargs=True))
-        if table.split_after:
-            self._hooks.append(model.get_submodule(table.split_after).register_forward_hook(
-                lambda module, args, out: self._shard(out, 1, table.split_after)))
+        for name, item, dim in table.split_after:
+            self._hooks.append(model.get_submodule(name).register_forward_hook(self._split_output(name, item, dim)))
         self._hooks.append(model.get_submodule(table.gather_after).register_forward_hook(
             lambda module, args, out: self._gather(out)))
+
+    def _split_output(self, name: str, item: int | None, dim: int):
+        """A forward hook that keeps this rank's shard of a module's output (or of one item of a tuple output)."""
+        def hook(module, args, out):
+            if item is None:
+                return self._shard(out, dim, name)
+            return tuple(self._shard(o, dim, name) if i == item else o for i, o in enumerate(out))
+        return hook
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's output tokens -> the whole sequence; joint reference tokens (the same on every rank) are
@@ -199,22 +178,8 @@ class ParallelFlow:
         return predict
 
 
-def parallelize_flux(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
-    return ParallelFlow(flow, mesh, FLUX_TOKENS)
-
-
-def parallelize_sd3(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
-    return ParallelFlow(flow, mesh, SD3_TOKENS)
-
-
-PARALLELIZE = {"flux": parallelize_flux, "sd3": parallelize_sd3}
-# PipeFusion (pipefusion.py) per family: the block lists its stages split, the attention processor inside a stage
-PIPELINE_PARTS = {"flux": (FLUX_TOKENS.blocks, FluxSPProcessor), "sd3": (SD3_TOKENS.blocks, SD3SPProcessor)}
-
-
 def parallelize(flow: FlowModel, mesh: Mesh) -> ParallelFlow:
-    try:
-        apply = PARALLELIZE[flow.family]
-    except KeyError:
-        raise ValueError(f"family {flow.family!r} has no parallel plan: known {sorted(PARALLELIZE)}") from None
-    return apply(flow, mesh)
+    """The plan of `mesh` applied to `flow` through its family's token table."""
+    if flow.family.tokens is None:
+        raise ValueError(f"family {flow.family.name!r} declares no token table: it has no parallel plan")
+    return ParallelFlow(flow, mesh, flow.family.tokens)

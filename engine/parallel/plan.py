@@ -79,10 +79,7 @@ class Workload:
     dtype: str = "bf16"      # compute dtype (activations)
     fp8_weights: bool = False     # weight_bytes counts fp8 matrices (the file's, or the fp8 weight option)
     compiled: bool = False   # torch.compile: the planner uses the GPU's compiled calibration when it has one
-
-    @property
-    def family(self) -> str:
-        return "flux" if self.variant.startswith("flux") else "sd3"
+    text_splits: bool = True  # the family's text tokens may split with the image tokens (else every rank holds them)
 
     @property
     def step_tflop(self) -> float:
@@ -102,7 +99,7 @@ class Workload:
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=info.parameters * per_parameter,
                    block_weight_bytes=info.block_parameters * per_parameter,
-                   dtype=dtype, fp8_weights=fp8, compiled=compiled)
+                   dtype=dtype, fp8_weights=fp8, compiled=compiled, text_splits=info.spec.text_splits)
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
@@ -112,12 +109,9 @@ class Workload:
         ComfyUI's encoders give: 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3."""
         from ..models.synthetic import synthetic_info
         info = synthetic_info(f"synthetic:{variant}")
-        return cls.from_info(info, height // 8, width // 8, batch=batch, negative_pass=negative_pass,
-                             text_tokens=text_tokens or DEFAULT_TEXT_TOKENS[info.family], dtype=dtype,
-                             fp8_weights=fp8_weights)
-
-
-DEFAULT_TEXT_TOKENS = {"flux": 512, "sd3": 77 + 256}
+        down = info.spec.latent.downscale
+        return cls.from_info(info, height // down, width // down, batch=batch, negative_pass=negative_pass,
+                             text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights)
 
 
 @dataclass(frozen=True)
@@ -194,14 +188,13 @@ def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
             helps.append(f"fp8 weights would fit ({light.weight_bytes / cost.GiB:.1f} GiB of weights)")
     if ranks > 1:
         from ..models.synthetic import synthetic_info
-        from .parallelize import PIPELINE_PARTS
-        from .pipefusion import fit_stages
+        from .pipefusion.layout import fit_stages
         info = synthetic_info(f"synthetic:{work.variant}")
         for p in range(2, min(ranks, work.layers) + 1):
             plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
             if plan is None or plan_problems(plan, work):
                 continue
-            counts, stage_gib, _ = fit_stages(info, PIPELINE_PARTS[info.family][0], plan, work, gib)
+            counts, stage_gib, _ = fit_stages(info, plan, work, gib)
             if counts:
                 helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
                              f"{', '.join(f'{g:.1f}' for g in stage_gib)} GiB)")

@@ -1,12 +1,14 @@
 """Job kinds the ranks run, and the context a job sees (rank, group, progress, agreed cancel)."""
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..errors import JobCancelledSignal
 from . import faults
 
 HANDLERS: dict[str, Callable] = {}
@@ -41,12 +43,6 @@ def is_out_of_memory(e: BaseException) -> bool:
     """A CUDA out-of-memory error, or the CPU allocator failing (a job too large for the host)."""
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
-
-
-class JobCancelledSignal(Exception):
-    def __init__(self, step: int):
-        super().__init__(f"cancelled at step {step}")
-        self.step = step
 
 
 class JobContext:
@@ -181,16 +177,19 @@ def inspect_checkpoint(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tens
             for d in f.get_slice(k).get_shape():
                 n *= d
             numel += n
-    blocks = {kind: len({k.split(".")[k.split(".").index(kind) + 1] for k in keys if f".{kind}." in f".{k}"})
-              for kind in ("double_blocks", "single_blocks", "joint_blocks")}
+    blocks: dict[str, set] = {}
+    for k in keys:   # "<list>.<index>." in the file's own layout, e.g. double_blocks.3. or joint_blocks.0.
+        m = re.match(r"(?:.*\.)?([a-z_]+blocks)\.(\d+)\.", k)
+        if m:
+            blocks.setdefault(m.group(1), set()).add(m.group(2))
     ctx.info["checkpoint"] = {"tensors": len(keys), "parameters": numel,
-                              **{k: v for k, v in blocks.items() if v}}
+                              "blocks": {name: len(ids) for name, ids in sorted(blocks.items())}}
     return inputs if ctx.rank == ctx.world - 1 else None
 
 
 @job("generate")
 def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
-    """One KSampler run of a FLUX/SD3 transformer under the job's plan (engine/generate)."""
+    """One KSampler run of a transformer under the job's plan (engine/generate)."""
     from ..generate.request import GenerateRequest
     from ..generate.run import run_generate
 

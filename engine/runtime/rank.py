@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from . import bridge, faults
 from ..errors import EngineError
-from .jobs import HANDLERS, JobContext, JobCancelledSignal, is_out_of_memory, rank_memory
+from ..errors import JobCancelledSignal
+from .jobs import HANDLERS, JobContext, is_out_of_memory, rank_memory
 from .protocol import Channel, ChannelClosed, ProtocolError
 
 

@@ -1,36 +1,52 @@
-"""Latent formats of the flow families: the affine map between raw VAE latents and the model's latent space (ComfyUI's Flux / SD3)."""
+"""Latent formats: the map between a LATENT's raw VAE values and the model's latent space, as ComfyUI's latent format
+classes define it (each family names its own in engine/families)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 
 
 @dataclass(frozen=True)
 class LatentFormat:
-    """x_model = (latent_raw - shift_factor) * scale_factor, and back."""
+    """x_model = (latent_raw - shift_factor) * scale_factor, or with per-channel statistics (video VAEs such as
+    Wan 2.1's): x_model = (latent_raw - mean_c) * scale_factor / std_c; and back.
 
-    family: str
-    scale_factor: float
-    shift_factor: float
+    spatial_dims: 2 for image latents [B, C, H, W]; 3 for video latents [B, C, T, H, W] (ComfyUI gives a 3-D format's
+    model a one-frame 5-D LATENT for a still image)."""
+
+    name: str                              # ComfyUI's latent format class, e.g. "Flux", "SD3", "Wan21"
     channels: int = 16
+    scale_factor: float = 1.0
+    shift_factor: float = 0.0
+    mean: tuple[float, ...] | None = None  # per channel
+    std: tuple[float, ...] | None = None
+    spatial_dims: int = 2
+    downscale: int = 8                     # image pixels per latent pixel
+
+    def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, self.channels) + (1,) * (like.ndim - 2)
+        return (torch.tensor(self.mean, device=like.device).view(shape).to(like.dtype),
+                torch.tensor(self.std, device=like.device).view(shape).to(like.dtype))
 
     def process_in(self, latent_raw: torch.Tensor) -> torch.Tensor:
+        if self.mean is not None:
+            mean, std = self._stats(latent_raw)
+            return (latent_raw - mean) * self.scale_factor / std
         return (latent_raw - self.shift_factor) * self.scale_factor
 
     def process_out(self, x_model: torch.Tensor) -> torch.Tensor:
+        if self.mean is not None:
+            mean, std = self._stats(x_model)
+            return x_model * std / self.scale_factor + mean
         return (x_model / self.scale_factor) + self.shift_factor
 
+    @property
+    def ndim(self) -> int:
+        """Dimensions of the LATENT's samples: batch, channels and the spatial (and time) axes."""
+        return 2 + self.spatial_dims
 
-FORMATS = MappingProxyType({
-    "flux": LatentFormat("flux", scale_factor=0.3611, shift_factor=0.1159),
-    "sd3": LatentFormat("sd3", scale_factor=1.5305, shift_factor=0.0609),
-})
-
-
-def latent_format(family: str) -> LatentFormat:
-    try:
-        return FORMATS[family]
-    except (KeyError, TypeError):
-        raise ValueError(f"family={family!r} has no latent format; use one of {sorted(FORMATS)}") from None
+    def shape_rule(self) -> str:
+        """The LATENT shape in words, e.g. "[B, 16, H/8, W/8]"."""
+        d = self.downscale
+        return f"[B, {self.channels}, {'1, ' if self.spatial_dims == 3 else ''}H/{d}, W/{d}]"

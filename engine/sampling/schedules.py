@@ -1,4 +1,4 @@
-"""Sigma schedules for flow models (FLUX.1, SD3/SD3.5), equal to what ComfyUI 0.3.64's KSampler hands its sampler.
+"""Sigma schedules for flow models, equal to what ComfyUI 0.3.64's KSampler hands its sampler.
 
 Everything is computed in float32 with ComfyUI's operation order: its schedules are float32, and most schedulers
 pick entries of the float32 sigma table or re-evaluate sigma() at the table's float32 ends.
@@ -22,25 +22,30 @@ _FULL_DENOISE_ABOVE = 0.9999
 
 
 class FlowSampling:
-    """ComfyUI's model sampling for a flow model family: the sigma table and sigma<->timestep.
+    """ComfyUI's model sampling of a flow model: the sigma table and sigma<->timestep, of one of its two kinds.
 
-    flux mirrors ModelSamplingFlux: 10000 table entries (not 1000) and timestep == sigma, with sigma(t) applying the
-    exponential shift mu=shift. sd3 mirrors ModelSamplingDiscreteFlow: 1000 entries, timesteps in [0, 1000] and the
-    SNR shift. timestep() only rescales and does not undo the shift, so sigma(timestep(s)) != s; that is ComfyUI's
-    behaviour too, and its normal/sgm_uniform schedules depend on it (they shift the table's ends a second time).
+    "flux" mirrors ModelSamplingFlux: 10000 table entries and timestep == sigma, with sigma(t) applying the exponential
+    shift mu=shift (FLUX.1-dev, and Qwen-Image without a sampling patch). "discrete_flow" mirrors
+    ModelSamplingDiscreteFlow: 1000 entries, timestep = sigma * multiplier and the SNR shift (SD3/SD3.5: shift 3,
+    multiplier 1000; FLUX.1-schnell: shift 1, multiplier 1; ModelSamplingAuraFlow: multiplier 1). timestep() only
+    rescales and does not undo the shift, so sigma(timestep(s)) != s; that is ComfyUI's behaviour too, and its
+    normal/sgm_uniform schedules depend on it (they shift the table's ends a second time).
     """
 
-    def __init__(self, family: str, shift: float) -> None:
-        if family not in ("flux", "sd3"):
-            raise ValueError(f"family={family!r} is not supported; use 'flux' or 'sd3'")
-        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
-            raise ValueError(
-                f"shift={shift!r} is not supported; use a finite number > 0 (1.15 is FLUX.1's default, 3.0 SD3's)"
-            )
-        self.family = family
+    KINDS = ("flux", "discrete_flow")
+
+    def __init__(self, kind: str, shift: float, multiplier: float = 1000.0) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"model sampling kind={kind!r} is not supported; use one of {', '.join(self.KINDS)}")
+        for name, value in (("shift", shift), ("multiplier", multiplier)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} is not supported; use a finite number > 0 (shift: 1.15 is "
+                                 f"FLUX.1-dev's default, 3.0 SD3's; multiplier: 1000 for SD3, 1 for AuraFlow-style)")
+        self.kind = kind
         self.shift = float(shift)
-        table_size = 10_000 if family == "flux" else 1_000
-        self.timesteps_per_sigma = 1.0 if family == "flux" else 1000.0
+        self.multiplier = float(multiplier)
+        table_size = 10_000 if kind == "flux" else 1_000
+        self.timesteps_per_sigma = 1.0 if kind == "flux" else self.multiplier
         # Table entry k (1-based) sits at t = k / table_size; scaling to timesteps and back is kept (not simplified)
         # because ComfyUI does it in float32 and the round trip is not always exact.
         grid_t = torch.arange(1, table_size + 1) / table_size
@@ -51,8 +56,30 @@ class FlowSampling:
         return cls("flux", shift)
 
     @classmethod
+    def discrete_flow(cls, shift: float, multiplier: float = 1000.0) -> FlowSampling:
+        return cls("discrete_flow", shift, multiplier)
+
+    @classmethod
     def sd3(cls, shift: float = 3.0) -> FlowSampling:
-        return cls("sd3", shift)
+        return cls("discrete_flow", shift, 1000.0)
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> FlowSampling:
+        """From as_dict()'s {"kind", "shift", "multiplier"}; ValueError naming what is wrong."""
+        if not isinstance(spec, dict) or set(spec) - {"kind", "shift", "multiplier"} or "kind" not in spec \
+                or "shift" not in spec:
+            raise ValueError(f"model sampling {spec!r} is invalid: give {{'kind': 'flux' | 'discrete_flow', "
+                             f"'shift': S, 'multiplier': M}}")
+        return cls(spec["kind"], spec["shift"], spec.get("multiplier", 1000.0))
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "shift": self.shift, "multiplier": self.multiplier}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FlowSampling) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.as_dict().items()))
 
     @property
     def sigma_min(self) -> torch.Tensor:
@@ -63,9 +90,9 @@ class FlowSampling:
         return self.sigmas[-1]
 
     def sigma(self, timestep: torch.Tensor | float) -> torch.Tensor:
-        """Sigma (float32) at a model timestep: in [0, 1] for flux, [0, 1000] for sd3."""
+        """Sigma (float32) at a model timestep: in [0, 1] for flux, [0, multiplier] for discrete_flow."""
         timestep = torch.as_tensor(timestep, dtype=torch.float32)
-        if self.family == "flux":
+        if self.kind == "flux":
             growth = math.exp(self.shift)
             return growth / (growth + (1 / timestep - 1))
         t = timestep / self.timesteps_per_sigma
@@ -77,8 +104,27 @@ class FlowSampling:
         """Model timestep (float32) for a sigma; no inverse shift, exactly as ComfyUI."""
         return torch.as_tensor(sigma, dtype=torch.float32) * self.timesteps_per_sigma
 
+    def percent_to_sigma(self, percent: float) -> float:
+        """ComfyUI's percent_to_sigma of this model sampling, in Python floats as there (the result is rounded to
+        float32 only when a sampler stores it into its schedule)."""
+        if percent <= 0.0:
+            return 1.0
+        if percent >= 1.0:
+            return 0.0
+        t = 1.0 - percent
+        if self.kind == "flux":
+            growth = math.exp(self.shift)
+            return growth / (growth + (1 / t - 1))
+        return t if self.shift == 1.0 else self.shift * t / (1 + (self.shift - 1) * t)
+
+    def describe(self) -> str:
+        """e.g. "ModelSamplingFlux shift 1.15" or "ModelSamplingDiscreteFlow shift 3.0, multiplier 1000"."""
+        if self.kind == "flux":
+            return f"ModelSamplingFlux shift {self.shift:g}"
+        return f"ModelSamplingDiscreteFlow shift {self.shift:g}, multiplier {self.multiplier:g}"
+
     def __repr__(self) -> str:
-        return f"FlowSampling.{self.family}(shift={self.shift})"
+        return f"FlowSampling({self.kind!r}, shift={self.shift}, multiplier={self.multiplier})"
 
 
 def _with_zero(sigmas: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""The contract of a model family: everything family-specific about a diffusion transformer, declared by one module per
+family (engine/families/<name>.py). The engine's generic code (detection, loading, sampling, the parallel methods, the
+planner, the nodes) reads a Family and names none.
+
+Also the few helpers families share: key-map builders for single-file layouts, 2x2 latent packing, and a forward
+pre-hook that lives for one forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..sampling.latent_formats import LatentFormat
+from ..sampling.schedules import FlowSampling
+
+Op = tuple | str | None   # a key map entry's op: None, ("chunk", i, sizes) or "swap" (models/convert.py applies it)
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A key only this family's `layout` has (after the file's prefix), unless one of `absent` is there too."""
+    key: str
+    layout: str
+    absent: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """Where a family's tokens are split across the sequence-parallel ranks and gathered again (the idea of diffusers'
+    `_cp_plan`): names are the model's forward arguments or module paths; engine/parallel/parallelize.py applies it."""
+
+    processor: type                                 # attention processor: (attention entry point) -> processor
+    gather_after: str                               # module whose output (tokens on dim 1) is gathered
+    split_inputs: tuple[tuple[str, int], ...] = ()  # forward arguments holding image tokens: (name, token dim)
+    text_inputs: tuple[tuple[str, int], ...] = ()   # text arguments: split with the image tokens when their count
+    #                                                 divides the degree, else held by every rank (joint); the
+    #                                                 processor is told which through `joint_text_tokens`
+    split_after: tuple[tuple[str, int | None, int], ...] = ()  # (module, output item or None, token dim): outputs
+    #                                                 split right after the module (positions on the whole grid)
+    blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
+    reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
+    #                                                 many per forward): split with them or joint
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter-name prefixes a PipeFusion stage holds besides its blocks."""
+    every: tuple[str, ...]    # every stage (the timestep embedding every block modulates with)
+    first: tuple[str, ...]    # the first stage: the embedders
+    last: tuple[str, ...]     # the last stage: the final layer
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Callables take the diffusers config a checkpoint's shapes gave (`config`)."""
+
+    name: str                                   # "flux", "sd3", ...: what CheckpointInfo.family holds
+    title: str                                  # e.g. "FLUX.1"
+    variants: tuple[str, ...]                   # variant names, the first the default of make-tiny
+
+    # ---- checkpoints: recognising a file, its diffusers config, its keys in diffusers' names
+    markers: tuple[Marker, ...]
+    infer: Callable[[str, dict, dict], tuple[dict, str]]    # (layout, shapes, metadata) -> (config, variant)
+    key_map: Callable[[str, dict], list | None]             # (layout, config) -> [(diffusers, source, op)] | None
+    model_class: Callable[[], type]                         # the unmodified diffusers transformer class
+    gguf_arches: tuple[str, ...]                            # general.architecture of the family's GGUF files
+    layers: Callable[[dict], int]                           # transformer blocks (attention layers)
+
+    # ---- ComfyUI's conventions: latent format, model sampling, conditioning, the one forward
+    latent: LatentFormat
+    latent_patch: Callable[[dict], int]                     # latent pixels per token side
+    sampling: Callable[[str], FlowSampling]                 # variant -> ComfyUI's default model sampling
+    comfy_model: Callable[[dict], tuple[str, dict]]         # config -> (comfy.supported_models class, unet config)
+    cond_width: Callable[[dict], int]                       # CONDITIONING tensor [B, N, width]
+    pooled_width: Callable[[dict], int | None]              # pooled_output [B, width], None: the family has none
+    takes_guidance: Callable[[dict], bool]                  # an embedded guidance scale (FluxGuidance)
+    forward: Callable                                       # (flow, x_model, sigma32, prepared) -> velocity
+    text_tokens: int                                        # the encoders' usual token count (planner, stage split)
+    cfg: float                                              # the cfg its stock workflows use (1.0: no negative pass)
+    reference_methods: tuple[str, ...] = ()                 # how reference latents are placed (() = none taken)
+    max_latent_side: Callable[[dict], int | None] = lambda config: None   # latent pixels a side (position grid)
+
+    # ---- parallel methods and the planner
+    tokens: TokenTable | None = None
+    stage: type | None = None                               # PipeFusion's stage model (engine/parallel/stage.py)
+    stage_params: StageParams | None = None
+    text_splits: bool = False                               # text tokens may split with the image tokens
+    text_stream: tuple[str, ...] = ("context", "add_", "to_add_out")  # block parameter names of the text stream
+    modulation: tuple[str, ...] = ("norm",)                 # block matrices that act once per image, not per token
+
+    # ---- synthetic and tiny models (make-tiny writes the layout ComfyUI users' files have)
+    native_layout: str = ""
+    dims: dict[str, dict[str, Any]] = field(default_factory=dict)   # "full" | "small" | "tiny" -> variant -> dims
+    shapes: Callable[[Any], dict[str, tuple]] | None = None # dims -> {key in native layout: shape}
+    full_extras: tuple[str, ...] = ()                       # keys a full checkpoint has besides the transformer
+
+    # ---- words for `demo`, `make-tiny` and the nodes
+    describe_blocks: Callable[[dict], str] = lambda config: ""
+    describe_conditioning: Callable[[dict], str] = lambda config: ""
+
+    def variant_dims(self, variant: str, size: str = "tiny"):
+        return self.dims[size][variant]
+
+
+# ---- key maps from single-file layouts ---------------------------------------------------------------------------
+def linear(m: list, dst: str, src: str, op: Op = None, bias: bool = True) -> None:
+    """A Linear's weight (and bias) from `src` to `dst`."""
+    m.append((f"{dst}.weight", f"{src}.weight", op))
+    if bias:
+        m.append((f"{dst}.bias", f"{src}.bias", op))
+
+
+def fused(m: list, dsts: tuple[str, ...], src: str, sizes: tuple[int, ...], bias: bool = True) -> None:
+    """Linears whose rows are consecutive chunks of one fused Linear (e.g. q, k, v out of qkv)."""
+    for i, dst in enumerate(dsts):
+        linear(m, dst, src, ("chunk", i, sizes), bias)
+
+
+def count(keys, pattern: str) -> int:
+    """How many distinct indices the regex's group 1 takes over `keys` (blocks of a kind)."""
+    rx = re.compile(pattern)
+    return len({m.group(1) for k in keys if (m := rx.match(k))})
+
+
+def linear_shapes(out: dict, name: str, n_out: int, n_in: int, bias: bool = True) -> None:
+    """A Linear's tensors and shapes, for a family's `shapes` table."""
+    out[f"{name}.weight"] = (n_out, n_in)
+    if bias:
+        out[f"{name}.bias"] = (n_out,)
+
+
+# ---- latent packing: one definition ---------------------------------------------------------------------------------
+def pack_2x2(x: torch.Tensor) -> torch.Tensor:
+    """Latent [b, c, h, w] -> tokens [b, h/2 * w/2, c*4]: 2x2 patches, rows first, channels in (c, ph, pw) order (FLUX's
+    and Qwen-Image's packing, the same in ComfyUI and diffusers)."""
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """pack_2x2 undone: tokens [b, h/2 * w/2, c*4] -> latent [b, c, h, w]."""
+    b = tokens.shape[0]
+    return tokens.reshape(b, h // 2, w // 2, -1, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, -1, h, w)
+
+
+def grid_ids(rows: int, cols: int, index: float, row0: float, col0: float, device) -> torch.Tensor:
+    """Position ids (index, row0 + row, col0 + col) of a rows x cols token grid, rows first, float32 [rows*cols, 3]."""
+    r = torch.arange(rows, device=device).repeat_interleave(cols) + row0
+    c = torch.arange(cols, device=device).repeat(rows) + col0
+    return torch.stack([torch.full_like(r, index), r, c], dim=1).to(torch.float32)
+
+
+@contextlib.contextmanager
+def pre_hook(module: torch.nn.Module, hook):
+    """A forward pre-hook on `module` for the duration of a with-block (e.g. fp32 inputs for an embedding)."""
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -1,0 +1,143 @@
+"""A generate job's tensors and files checked against the model's family before any rank starts: the latent, each
+side's conditioning, reference latents, LoRAs, and no NaN or inf anywhere. Every refusal is one ValueError naming the
+input, the value and what the model takes."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..models.detect import CheckpointInfo
+from ..models.load import diffusers_keys
+from ..models.lora import check_lora
+
+FINITE_CHUNK = 1 << 22      # elements checked for NaN/inf at a time (the check's own memory stays small)
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor holding NaN or inf, naming it and the first such value; read a block of at most
+    FINITE_CHUNK elements at a time, so the check's own memory stays small whatever the tensor's size."""
+    t = t.reshape(1) if t.ndim == 0 else t
+    where = _first_nonfinite(t)
+    if where is not None:
+        raise ValueError(f"{name} holds {t[tuple(where)].item()} at index {where} (shape {list(t.shape)}): give "
+                         f"finite values (check the node or encoder that made it)")
+
+
+def _first_nonfinite(t: torch.Tensor) -> list[int] | None:
+    if t.numel() == 0:
+        return None
+    per_row = t.numel() // t.shape[0]
+    if per_row > FINITE_CHUNK:   # rows too large to check whole: one row at a time, recursively
+        for i in range(t.shape[0]):
+            inner = _first_nonfinite(t[i])
+            if inner is not None:
+                return [i] + inner
+        return None
+    step = max(1, FINITE_CHUNK // per_row)
+    for start in range(0, t.shape[0], step):
+        bad = ~torch.isfinite(t[start:start + step])
+        if bool(bad.any()):
+            where = [int(i) for i in bad.nonzero()[0]]
+            return [where[0] + start] + where[1:]
+    return None
+
+
+def _px(info: CheckpointInfo, latent_h: int, latent_w: int) -> str:
+    d = info.spec.latent.downscale
+    return f"{latent_w * d}x{latent_h * d} px"
+
+
+def check_latent(info: CheckpointInfo, lat) -> tuple[int, int]:
+    """The LATENT's samples as the family takes them ([B, C, H, W], or [B, C, 1, H, W] for a video format); returns
+    the latent's (height, width)."""
+    fmt = info.spec.latent
+    if not isinstance(lat, torch.Tensor) or lat.ndim != fmt.ndim or lat.shape[1] != fmt.channels \
+            or not lat.is_floating_point() or (fmt.spatial_dims == 3 and lat.shape[2] != 1):
+        shape = list(lat.shape) if isinstance(lat, torch.Tensor) else type(lat).__name__
+        raise ValueError(f"latent of shape {shape} is invalid: {info.variant} takes {fmt.shape_rule()} floats "
+                         f"({'one frame: ' if fmt.spatial_dims == 3 else ''}the empty-latent node of its workflows)")
+    if lat.shape[0] < 1:
+        raise ValueError("latent has an empty batch: give at least one image")
+    h, w = lat.shape[-2], lat.shape[-1]
+    p = info.latent_patch
+    step = p * fmt.downscale
+    if h % p or w % p or h < p or w < p:
+        raise ValueError(f"latent {_px(info, h, w)} is invalid: {info.variant} needs width and height that are "
+                         f"positive multiples of {step} px")
+    side = info.spec.max_latent_side(info.config)
+    if side and max(h, w) > side:
+        limit = side * fmt.downscale
+        raise ValueError(f"latent {_px(info, h, w)} is too large for {info.variant}: its position grid allows up to "
+                         f"{limit}x{limit} px")
+    return h, w
+
+
+def check_side(name: str, cond, pooled, info: CheckpointInfo, batch: int) -> None:
+    """One side's conditioning: cond [B|1, N, width] and, where the family has one, pooled [B|1, D]."""
+    family = info.spec
+    width, pooled_dim = family.cond_width(info.config), family.pooled_width(info.config)
+    pooled_name = name.replace("cond", "pooled")
+    rows = "1" if batch == 1 else f"1 or {batch}"
+    if pooled_dim is None and pooled is not None:
+        raise ValueError(f"{pooled_name} is given but {info.variant} takes no pooled conditioning: leave it out")
+    if pooled_dim is not None and pooled is None:
+        raise ValueError(f"{pooled_name} is missing: {info.variant} takes a pooled conditioning [batch, {pooled_dim}] "
+                         f"(pooled_output of its text encoder)")
+    for t, what in ((cond, name), (pooled, pooled_name)):
+        if (t is not None or what == name) and (not isinstance(t, torch.Tensor) or not t.is_floating_point()):
+            raise ValueError(f"{what} is {type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}: "
+                             f"give a floating-point tensor")
+    if cond.ndim != 3 or cond.shape[2] != width or cond.shape[1] < 1:
+        raise ValueError(f"{name} of shape {list(cond.shape)} is invalid: {info.variant} takes [batch, tokens, "
+                         f"{width}]")
+    if pooled is not None and (pooled.ndim != 2 or pooled.shape[1] != pooled_dim):
+        raise ValueError(f"{pooled_name} of shape {list(pooled.shape)} is invalid: {info.variant} takes "
+                         f"[batch, {pooled_dim}]")
+    for t, what in ((cond, name), (pooled, pooled_name)):
+        if t is not None and t.shape[0] not in (1, batch):
+            raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give {rows}")
+
+
+def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: int) -> None:
+    """Reference latents (ReferenceLatent) of one side, where the family takes them."""
+    if refs is None:
+        return
+    family, fmt = info.spec, info.spec.latent
+    rows = "1" if batch == 1 else f"1 or {batch}"
+    rule = fmt.shape_rule().replace("[B,", f"[{rows},").replace("H/", "h/").replace("W/", "w/")
+    if not isinstance(refs, (list, tuple)):
+        raise ValueError(f"{name} is a {type(refs).__name__}: give a list of latents {rule} (what ReferenceLatent puts "
+                         f"in the conditioning)")
+    if refs and not family.reference_methods:
+        raise ValueError(f"{name} holds {len(refs)} reference latent(s) but {info.variant} takes none: remove the "
+                         f"ReferenceLatent node or use a model that takes reference images")
+    if refs and method not in family.reference_methods:
+        raise ValueError(f"{name}_method={method!r} is invalid for {info.variant}: use one of "
+                         f"{', '.join(family.reference_methods)}")
+    p = info.latent_patch
+    for i, r in enumerate(refs):
+        what = f"{name}[{i}]"
+        if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+            kind = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
+            raise ValueError(f"{what} is {kind}: give a floating-point latent {rule} (VAEEncode)")
+        if r.ndim != fmt.ndim or r.shape[1] != fmt.channels or r.shape[0] not in (1, batch) \
+                or (fmt.spatial_dims == 3 and r.shape[2] != 1) or r.shape[-2] < p or r.shape[-1] < p:
+            raise ValueError(f"{what} of shape {list(r.shape)} is invalid: {info.variant} takes {rule} (VAEEncode's "
+                             f"latent: one image, or one per image of the batch)")
+        if r.shape[-2] % p or r.shape[-1] % p:
+            raise ValueError(f"{what} of shape {list(r.shape)} is invalid: its image is {_px(info, *r.shape[-2:])}; "
+                             f"{info.variant} takes references whose sides are multiples of "
+                             f"{p * fmt.downscale} px (FluxKontextImageScale gives such sizes)")
+
+
+def check_loras(model: str, loras, info: CheckpointInfo) -> None:
+    """Every LoRA file exists, lands on this model's layers (names and shapes, from its header) and has a finite
+    strength: refused before any rank starts."""
+    if model.startswith("synthetic:"):
+        raise ValueError(f"LoRAs need a model file; {model} has random weights")
+    keys = diffusers_keys(info)
+    for path, strength in loras:
+        if not os.path.isfile(path):
+            raise ValueError(f"LoRA file {path!r} does not exist")
+        check_lora(path, info, keys)
