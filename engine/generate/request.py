@@ -176,7 +176,9 @@ class GenerateRequest:
         lat = self.latent_raw
         return Workload.from_info(info, lat.shape[2], lat.shape[3], batch=lat.shape[0],
                                   negative_pass=self.negative_pass, text_tokens=self._text_tokens(), dtype=self.dtype,
-                                  fp8_weights=self.fp8_weights, compiled=self.compile)
+                                  fp8_weights=self.fp8_weights, compiled=self.compile, steps=self.steps,
+                                  warmup_steps=self.warmup_steps, patches=self.patches,
+                                  pipefusion_ok=self.cache_threshold is None and not self.reference_latents)
 
     def submit(self, engine, **kwargs):
         """Run this validated request as a generate job on `engine` (kwargs: Engine.submit's callbacks). A rank that

@@ -1,10 +1,15 @@
-"""The parallel plan, and the one place it is resolved and validated: `resolve_plan` turns `auto` or explicit
-degrees into a plan that runs this model and job on this many ranks, or refuses with the numbers and a plan
-that works. `auto` ranks the plans that can run by the cost model (cost.py) on the ranks' hardware (devices.py).
+"""The parallel plan, and the one place it is resolved and validated: `resolve_plan` turns `auto` (or `fastest`) or
+explicit degrees into a plan that runs this model and job on this many ranks, or refuses with the numbers and a plan
+that works. `auto` ranks the plans that can run by the cost model (cost.py) on the ranks' hardware (devices.py),
+on every number of ranks up to the engine's: when fewer GPUs are faster the job runs on the first of them and the
+others idle. It picks among exact plans (the result equals one GPU's); PipeFusion, whose patches see the previous
+step's activations, only when approximate plans are allowed (`fastest`) or no exact plan fits the GPUs' memory.
 The client calls it before any rank starts; the ranks only build the mesh it names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+import math
+import re
+from dataclasses import dataclass, asdict, replace
 
 from ..errors import PlanError
 from . import cost
@@ -12,7 +17,9 @@ from .devices import Hardware, assumed_hardware
 
 DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
 MAX_RANKS = 8
-AUTO = "auto"
+AUTO = "auto"          # the fastest exact plan on up to the engine's ranks
+FASTEST = "fastest"    # the fastest plan, approximate ones (PipeFusion) included
+PLAN_MODES = (AUTO, FASTEST)
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,31 @@ class ParallelPlan:
             raise PlanError(f"plan {factors} needs {self.world_size} ranks but the engine has {ranks}: "
                             f"make the product of the degrees equal the number of ranks")
 
+    def check_engine(self, ranks: int) -> None:
+        """A plan runs on the first world_size ranks of an engine with at least that many (the others idle)."""
+        if self.world_size > ranks:
+            factors = " x ".join(f"{n}={getattr(self, n)}" for n in DEGREES)
+            raise PlanError(f"plan {factors} needs {self.world_size} ranks but the engine has {ranks}: "
+                            f"make the product of the degrees at most the number of ranks")
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelPlan":
+        """Degrees as `describe` writes them or comma-separated: "ulysses4,ring2", "cfg2 x pipefusion2", "single
+        rank" / "1". Raises PlanError naming the text and what works."""
+        if text.strip().lower() in ("single rank", "single", "1"):
+            return cls()
+        words = [w for w in re.split(r"\s*,\s*|\s+x\s+|\s+", text.strip().lower()) if w]
+        degrees = {}
+        for word in words:
+            m = re.fullmatch(r"(dp|cfg|pipefusion|ulysses|ring)=?(\d+)", word.strip())
+            if m is None or m.group(1) in degrees:
+                raise PlanError(f"plan {text!r} is invalid at {word.strip()!r}: give degrees such as ulysses4,ring2 or "
+                                f"cfg2,pipefusion2 (each of {', '.join(DEGREES)} at most once)")
+            degrees[m.group(1)] = int(m.group(2))
+        if not degrees:
+            raise PlanError(f"plan {text!r} is invalid: give degrees such as ulysses4,ring2")
+        return cls(**degrees)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -79,6 +111,21 @@ class Workload:
     dtype: str = "bf16"      # compute dtype (activations)
     fp8_weights: bool = False     # weight_bytes counts fp8 matrices (the file's, or the fp8 weight option)
     compiled: bool = False   # torch.compile: the planner uses the GPU's compiled calibration when it has one
+    # model facts the cost model needs (from_info fills them from the model)
+    text_splits: bool = False     # the text tokens split with the image tokens under sequence parallel (else joint)
+    linear_width: int = cost.LINEAR_WIDTH   # weights each token meets per block, in hidden^2
+    out_features: int = 64   # velocity values per image token (16 latent channels x 2x2 patch for FLUX and SD3)
+    token_rows: int = 0      # image token rows (PipeFusion splits them into patches); 0: a square latent
+    # the job's steps and PipeFusion settings (its warmup steps run whole; its pipeline fills once per job)
+    steps: int = 28
+    warmup_steps: int = 1
+    patches: int | None = None    # PipeFusion patches per model call (None: one per stage)
+    pipefusion_ok: bool = True    # the job can run PipeFusion (no step cache, no reference latents)
+
+    @property
+    def rows(self) -> int:
+        """Image token rows (a square latent's when not given)."""
+        return self.token_rows or max(1, math.isqrt(self.image_tokens))
 
     @property
     def family(self) -> str:
@@ -91,7 +138,8 @@ class Workload:
 
     @classmethod
     def from_info(cls, info, latent_h: int, latent_w: int, *, batch: int, negative_pass: bool, text_tokens: int,
-                  dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False) -> "Workload":
+                  dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
+                  warmup_steps: int = 1, patches: int | None = None, pipefusion_ok: bool = True) -> "Workload":
         """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w."""
         patch = info.latent_patch
         fp8 = fp8_weights or info.stored_fp8   # an fp8 file's matrices stay fp8 (models/load.py)
@@ -102,22 +150,28 @@ class Workload:
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=info.parameters * per_parameter,
                    block_weight_bytes=info.block_parameters * per_parameter,
-                   dtype=dtype, fp8_weights=fp8, compiled=compiled)
+                   dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=latent_h // patch, steps=steps,
+                   warmup_steps=warmup_steps, patches=patches, pipefusion_ok=pipefusion_ok,
+                   **COST_FACTS[info.family])
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
                     negative_pass: bool = False, text_tokens: int | None = None, dtype: str = "bf16",
-                    fp8_weights: bool = False) -> "Workload":
+                    fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
+                    warmup_steps: int = 1) -> "Workload":
         """A known variant at full size (models.tiny.REAL) and width x height pixels; text tokens default to what
         ComfyUI's encoders give: 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3."""
         from ..models.synthetic import synthetic_info
         info = synthetic_info(f"synthetic:{variant}")
         return cls.from_info(info, height // 8, width // 8, batch=batch, negative_pass=negative_pass,
                              text_tokens=text_tokens or DEFAULT_TEXT_TOKENS[info.family], dtype=dtype,
-                             fp8_weights=fp8_weights)
+                             fp8_weights=fp8_weights, compiled=compiled, steps=steps, warmup_steps=warmup_steps)
 
 
 DEFAULT_TEXT_TOKENS = {"flux": 512, "sd3": 77 + 256}
+# What the cost model needs to know of a family's blocks: FLUX splits its text with the image under sequence parallel
+# (parallelize.py), SD3 holds it joint on every rank.
+COST_FACTS = {"flux": {"text_splits": True}, "sd3": {"text_splits": False}}
 
 
 @dataclass(frozen=True)
@@ -141,26 +195,38 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
         problems.append(f"the batch has {work.batch} images: dp {plan.dp} does not divide it")
     if plan.pipefusion > work.layers:
         problems.append(f"pipefusion {plan.pipefusion} exceeds the model's {work.layers} layers")
+    elif plan.pipefusion > 1 and not work.pipefusion_ok:
+        problems.append("this job uses the step cache or reference latents, which pipefusion does not combine with")
+    elif plan.pipefusion > 1:
+        from .pipefusion import pipefusion_problems
+        problems += pipefusion_problems(plan.pipefusion, work.patches or plan.pipefusion, work.warmup_steps,
+                                        work.steps, work.layers, work.rows, work.image_tokens // work.rows, sp, None)
     return problems
 
 
-def candidates(world: int) -> list[ParallelPlan]:
+def candidates(world: int, pipefusion: bool = False) -> list[ParallelPlan]:
     """Every plan for `world` ranks, simplest first (the order ties are broken in): CFG parallel (one velocity per
     step), data parallel (one velocity per step), then Ulysses (all-to-all of Q/K/V/O), then Ring (K/V passed
-    around)."""
+    around); with `pipefusion`, the PipeFusion plans and hybrids after them (approximate: stale activations)."""
     out = []
     for dp in range(1, world + 1):
         for cfg in (1, 2):
-            for ulysses in range(1, world + 1):
-                for ring in range(1, world + 1):
-                    if dp * cfg * ulysses * ring == world:
-                        out.append(ParallelPlan(dp=dp, cfg=cfg, ulysses=ulysses, ring=ring))
-    return sorted(out, key=lambda p: (-p.cfg, -p.dp, -p.ulysses, p.ring))
+            for stages in range(1, (world if pipefusion else 1) + 1):
+                for ulysses in range(1, world + 1):
+                    for ring in range(1, world + 1):
+                        if dp * cfg * stages * ulysses * ring == world:
+                            out.append(ParallelPlan(dp=dp, cfg=cfg, pipefusion=stages, ulysses=ulysses, ring=ring))
+    return sorted(out, key=lambda p: (p.pipefusion, -p.cfg, -p.dp, -p.ulysses, p.ring))
 
 
-def feasible(world: int, work: Workload) -> list[ParallelPlan]:
+def feasible(world: int, work: Workload, pipefusion: bool = False) -> list[ParallelPlan]:
     """The plans for `world` ranks that can run this workload, in `candidates` order."""
-    return [p for p in candidates(world) if not plan_problems(p, work)]
+    return [p for p in candidates(world, pipefusion) if not plan_problems(p, work)]
+
+
+def is_exact(plan: ParallelPlan, work: Workload) -> bool:
+    """The plan's result equals one GPU's (within rounding): every plan but PipeFusion after its warmup steps."""
+    return plan.pipefusion == 1 or work.warmup_steps >= work.steps
 
 
 def _why(plan: ParallelPlan, work: Workload) -> str:
@@ -179,7 +245,8 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
 
 
 def _fmt_estimate(e: cost.Estimate) -> str:
-    return f"est. {e.step_ms:.0f} ms/step (compute {e.compute_ms:.0f}, comm {e.comm_ms:.0f})"
+    return (f"est. {e.step_ms:.0f} ms/step, {e.s_per_image:.2f} s/image (compute {e.compute_ms:.0f}, comm "
+            f"{e.comm_ms:.0f}, host {e.host_ms:.0f})")
 
 
 def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
@@ -221,63 +288,145 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
                  "GPUs with more memory")
     return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
             f"needs {m['total']:.1f} GiB ({best.plan.describe()}: weights {m['weights']:.1f}, activations "
-            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; auto's methods keep a full copy of the weights on "
-            f"every GPU); " + "; ".join(helps))
+            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; sequence, CFG and data parallel keep a full copy of "
+            f"the weights on every GPU, and no PipeFusion split of the blocks fits either); " + "; ".join(helps))
 
 
-def rank_plans(ranks: int, work: Workload, hardware: Hardware) -> list[cost.Estimate]:
+def rank_plans(ranks: int, work: Workload, hardware: Hardware, pipefusion: bool = False) -> list[cost.Estimate]:
     """Every feasible plan for `ranks` GPUs with its estimate, the planner's choice first (cost.rank)."""
-    return cost.rank([cost.estimate(p, work, hardware) for p in feasible(ranks, work)])
+    return cost.rank([cost.estimate(p, work, hardware) for p in feasible(ranks, work, pipefusion)])
 
 
-def _auto(ranks: int, work: Workload, hw: Hardware) -> PlanChoice:
-    plans = feasible(ranks, work)
-    if not plans:
-        raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
-                        f"{work.image_tokens} image tokens, batch {work.batch}"
-                        f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
+@dataclass(frozen=True)
+class Survey:
+    """Every plan auto weighs for an engine of `ranks` GPUs, on every rank count up to it, and its choice."""
+    ranks: int
+    estimates: list          # cost.Estimate of every feasible plan on 1..ranks GPUs, fewer ranks first
+    chosen: cost.Estimate | None   # None: nothing fits the GPUs' memory
+    pool: str                # "exact" | "approximate allowed" | "no exact plan fits"
+
+    def best_on(self, k: int, exact_only: bool = False) -> cost.Estimate | None:
+        own = [e for e in self.estimates if e.ranks == k and e.fits and (e.exact or not exact_only)]
+        return min(own, key=lambda e: e.job_ms) if own else None
+
+
+FEWER_RANKS_TIE = 0.02   # rank counts whose best estimates are this close are equal: the fewer GPUs win
+
+
+def pick(estimates: list[cost.Estimate], approximate: bool = False) -> tuple[cost.Estimate | None, str]:
+    """auto's choice among estimates of plans on any rank counts, and which plans it chose among: the exact plans
+    that fit ("exact"), all that fit when `approximate` ("approximate allowed"), all that fit when no exact plan does
+    ("no exact plan fits"). The rank count: the fastest (fewer GPUs when within FEWER_RANKS_TIE), so never a plan
+    slower than fewer GPUs; on it, among the plans within TIE of its fastest and no slower than any fewer GPUs'
+    fastest: the exact one, then the one that sends least, then the earliest (simplest)."""
+    fitting = [e for e in estimates if e.fits]
+    pool, label = [e for e in fitting if e.exact], "exact"
+    if approximate:
+        pool, label = fitting, "approximate allowed"
+    elif not pool:
+        pool, label = fitting, "no exact plan fits"
+    if not pool:
+        return None, label
+    order = {id(e): i for i, e in enumerate(estimates)}
+    fastest = {}
+    for e in pool:
+        fastest[e.ranks] = min(fastest.get(e.ranks, math.inf), e.job_ms)
+    overall = min(fastest.values())
+    k = min(n for n, t in fastest.items() if t <= overall * (1 + FEWER_RANKS_TIE))
+    cap = min((t for n, t in fastest.items() if n < k), default=math.inf)
+    ties = [e for e in pool if e.ranks == k and e.job_ms <= min(fastest[k] * (1 + cost.TIE), cap)]
+    return min(ties, key=lambda e: (not e.exact, e.comm_bytes, order[id(e)])), label
+
+
+def survey(ranks: int, work: Workload, hw: Hardware, approximate: bool = False, *, code: cost.Code | None = None,
+           one_gpu_ms: float | None = None, pipefusion: bool | None = None) -> Survey:
+    """The cost model on every feasible plan of 1..ranks GPUs, and the one auto picks (`pick`). PipeFusion plans and
+    hybrids are estimated when they may be picked (approximate plans allowed, or no exact plan fits) or when
+    `pipefusion` asks for them (True) or not (False). code, one_gpu_ms: as cost.estimate takes them (the validation
+    against published runs passes xDiT's code and its one-GPU time)."""
+    def estimates_of(plans):
+        return [cost.estimate(p, work, hw, code=code, one_gpu_ms=one_gpu_ms) for p in plans]
+    estimates = estimates_of(p for k in range(1, ranks + 1) for p in feasible(k, work))
+    if pipefusion or (pipefusion is None and (approximate or not any(e.fits for e in estimates))):
+        estimates += estimates_of(p for k in range(2, ranks + 1) for p in feasible(k, work, pipefusion=True)
+                                  if p.pipefusion > 1)
+        estimates.sort(key=lambda e: e.ranks)   # stable: each rank count's plans stay in candidates order
+    chosen, label = pick(estimates, approximate)
+    return Survey(ranks, estimates, chosen, label)
+
+
+def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -> PlanChoice:
     if hw.device == "cpu":  # the ranks share the host's cores: no plan computes faster, so send the least
+        plans = feasible(ranks, work)
+        if not plans:
+            raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
+                            f"{work.image_tokens} image tokens, batch {work.batch}"
+                            f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
         plan = min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
         return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
-    ranked = rank_plans(ranks, work, hw)
-    best = ranked[0]
-    if not best.fits:
-        raise PlanError(_no_fit(ranks, work, hw, best))
-    reason = f"auto chose {best.plan.describe()} for {ranks} rank(s): {_fmt_estimate(best)} on {hw.describe()}"
-    if len(ranked) > 1:
-        nxt = ranked[1]
+    found = survey(ranks, work, hw, approximate)
+    best = found.chosen
+    if best is None:
+        raise PlanError(_no_fit(ranks, work, hw, min(found.estimates, key=lambda e: e.memory["total"])))
+    k = best.ranks
+    where = f"for {ranks} rank(s)" if k == ranks else f"on {k} of {ranks} ranks (the other {ranks - k} idle)"
+    reason = f"auto chose {best.plan.describe()} {where}: {_fmt_estimate(best)} on {hw.describe()}"
+    same = sorted((e for e in found.estimates if e.ranks == k and e.fits and e is not best
+                   and (e.exact or found.pool != "exact")), key=lambda e: e.job_ms)
+    if same:
+        nxt = same[0]
         reason += f"; {nxt.plan.describe()} est. {nxt.step_ms:.0f}"
-        if nxt.fits and nxt.step_ms < best.step_ms:
-            reason += (f" (within {cost.TIE:.0%}: a tie, and {best.plan.describe()} "
-                       + ("sends less)" if best.comm_bytes < nxt.comm_bytes else "is the simpler plan)"))
-    if ranks > 1:
-        one = cost.estimate(ParallelPlan(), work, hw)
-        if one.fits and one.step_ms < best.step_ms:
-            reason += f"; 1 GPU est. {one.step_ms:.0f}: fewer GPUs would be faster"
+        if nxt.job_ms < best.job_ms:
+            why = ("is exact" if best.exact and not nxt.exact else "sends less" if best.comm_bytes < nxt.comm_bytes
+                   else "is the simpler plan")
+            reason += f" (within {cost.TIE:.0%}: a tie, and {best.plan.describe()} {why})"
+    if k < ranks:
+        full = found.best_on(ranks, exact_only=found.pool == "exact")
+        faster = "as fast on fewer GPUs" if full and full.job_ms <= best.job_ms * (1 + FEWER_RANKS_TIE) else \
+            "fewer GPUs are faster"
+        reason += (f"; on all {ranks} the best is {full.plan.describe()} est. {full.step_ms:.0f} ms/step, "
+                   f"{full.s_per_image:.2f} s/image: {faster}" if full else
+                   f"; no plan of {ranks} ranks runs this job and fits")
+    elif ranks > 1:
+        fewer = [found.best_on(n, exact_only=found.pool == "exact") for n in range(1, ranks)]
+        fewer = [e for e in fewer if e is not None]
+        if fewer:
+            near = min(fewer, key=lambda e: e.job_ms)
+            reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
+    if not best.exact:
+        reason += (f"; PipeFusion is approximate (after {min(work.warmup_steps, work.steps)} warmup step(s) its patches "
+                   f"see the previous step's activations), chosen because "
+                   + ("approximate plans are allowed (plan fastest)" if found.pool == "approximate allowed" else
+                      f"no exact plan fits {hw.memory_gib:.0f} GiB per GPU"))
     return PlanChoice(best.plan, reason)
 
 
-def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload,
-                 hardware: Hardware | None = None) -> PlanChoice:
-    """The plan that runs `work` on `ranks` ranks: `auto` picks the fastest that fits by the cost model (cost.py)
-    on `hardware` (None: assumed, see devices.assumed_hardware); an explicit plan is only checked, never replaced.
-    Raises PlanError naming every problem and a plan that works for the same rank count."""
+def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload, hardware: Hardware | None = None, *,
+                 approximate: bool = False) -> PlanChoice:
+    """The plan that runs `work` on an engine of `ranks` ranks: `auto` picks the fastest exact plan that fits by the
+    cost model (cost.py) on `hardware` (None: assumed, see devices.assumed_hardware), on the first k <= ranks ranks
+    when fewer GPUs are faster; `fastest` (or approximate=True) lets it pick PipeFusion too. An explicit plan is only
+    checked, never replaced, and needs exactly `ranks` ranks. Raises PlanError naming every problem and a plan that
+    works for the same rank count."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
         raise PlanError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
     hw = hardware or assumed_hardware(ranks)
     if isinstance(requested, str):
-        if requested != AUTO:
-            raise PlanError(f"plan={requested!r} is invalid: use 'auto' or explicit degrees")
-        return _auto(ranks, work, hw)
+        if requested not in PLAN_MODES:
+            raise PlanError(f"plan={requested!r} is invalid: use 'auto', 'fastest' or explicit degrees")
+        return _auto(ranks, work, hw, approximate or requested == FASTEST)
     if not isinstance(requested, ParallelPlan):
-        raise PlanError(f"plan={requested!r} is invalid: use 'auto' or a ParallelPlan")
+        raise PlanError(f"plan={requested!r} is invalid: use 'auto', 'fastest' or a ParallelPlan")
     requested.check_world(ranks)
     problems = plan_problems(requested, work)
     if problems:
-        try:
-            hint = f"; try {_auto(ranks, work, hw).plan.describe()}"
-        except PlanError:
+        plans = feasible(ranks, work)
+        if not plans:
             hint = f"; no plan for this job fits {ranks} ranks: change the rank count"
+        elif hw.device == "cpu":
+            hint = f"; try {_auto(ranks, work, hw).plan.describe()}"
+        else:
+            hint = f"; try {rank_plans(ranks, work, hw)[0].plan.describe()}"
         raise PlanError(f"plan {requested.describe()} cannot run this job: " + "; ".join(problems) + hint)
     reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
     if hw.device != "cpu":
