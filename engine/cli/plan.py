@@ -177,10 +177,11 @@ def run(a) -> int:
     for k in range(a.gpus - 1, 0, -1):
         best = found.best_on(k, exact_only=a.plan == AUTO)
         if best is not None:
-            print(f"best on {k} GPU{'s' if k > 1 else ''}: {best.plan.describe()}, est. {best.s_per_image:.2f} s/image, "
-                  f"{best.step_ms:.1f} ms/step, {best.memory['total']:.1f} GiB")
+            gpus = f"{k} GPU{'s' if k > 1 else ''}"
+            print(f"best on {gpus}: {best.plan.describe()}, est. {best.s_per_image:.2f} s/image, {best.step_ms:.1f} "
+                  f"ms/step, {best.memory['total']:.1f} GiB")
     if not one.fits:
-        print("1 GPU does not fit: " f"{one.memory['total']:.1f} GiB")
+        print(f"1 GPU does not fit: it needs {one.memory['total']:.1f} GiB")
     print()
     if isinstance(choice, PlanError):
         raise UsageError(str(choice)) from None

@@ -12,7 +12,7 @@ A job = warmup steps + steady steps + PipeFusion's pipeline fill; / batch = seco
 The one-GPU rate is this engine's measured step (calibration.json) when the GPU has one, else rated x the efficiency
 table (devices.EFFICIENCY, with its sources); the validation against published runs gives the published one-GPU
 step instead (`estimate(one_gpu_ms=...)`). Constants fitted to published runs are named with the run that set them;
-`fit_constants` re-derives them and `validation_rows` (published.py) prints every published row against the model
+published.fit_constants re-derives them and published.validation_table prints every published row against the model
 with its residual, the rows not used for fitting marked held out. The model is coarse (FLOPs and bytes, not
 kernels), good to perhaps 10-20%: `TIE` is how close two estimates must be for the planner to call them equal.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import calibration
 from .devices import Hardware, Interconnect, efficiency
@@ -68,7 +68,7 @@ def engine_code() -> Code:
 # xDiT's PipeFusion pre-posts its receives; its Ulysses exchanges q, k, v and the output: 4 all-to-alls a layer.
 XDIT = Code("xDiT (yunchang ring with the next hop posted ahead, PipeFusion with receives posted ahead)", 1.0, 1.0, 4)
 
-# ---- fitted constants (each names the published run that set it; fit_constants() re-derives them) ---------------
+# ---- fitted constants (each names the published run that set it; published.fit_constants() re-derives them) ----
 # A rank's matrix products run at rate / gemm_slowdown(work), work = GEMM rows x hidden width per model call (rows:
 # the tokens of the call x the items of its batch): small products fill the GPU poorly. 1 + GEMM_HALF_WORK / work is
 # 1.13 for a one-GPU FLUX.1-dev 1024^2 step and 1.53 at a quarter of its tokens. Set by xDiT's FLUX.1-dev compiled
@@ -173,7 +173,8 @@ def rank_flops(plan, work) -> tuple[float, float]:
     queries = n_img / r + (n_txt / r if split else n_txt)   # after Ulysses' exchange: S/R tokens, H/U heads
     attention = 4 * queries * (n_img + n_txt) * hidden / u * work.layers
     attention += 4 * (n_img / r) * n_img * hidden / u * work.dual_layers
-    linear = 2 * hidden * hidden * (work.linear_width * tokens * work.layers + DUAL_WIDTH * n_img / p * work.dual_layers)
+    linear = 2 * hidden * hidden * (work.linear_width * tokens * work.layers
+                                    + DUAL_WIDTH * n_img / p * work.dual_layers)
     items = items_per_rank(plan, work)
     stages = plan.pipefusion   # each stage runs its share of the blocks; pipelined, the stages work at once
     return items * (linear + attention) / stages, items * attention / stages
@@ -249,7 +250,7 @@ def compute_ms(plan, work, rate: float) -> tuple[float, float]:
 
 def host_ms(plan, work) -> float:
     """The host's launch time of one rank's step: blocks run x per-block launches (more with sequence parallel,
-    more with a ring), a quarter of it compiled. PipeFusion runs its stage's blocks once per patch."""
+    more with a ring), COMPILED_HOST_SHARE of it compiled. PipeFusion runs its stage's blocks once per patch."""
     per_block = HOST_MS_BLOCK + (HOST_MS_SP if plan.ulysses * plan.ring > 1 else 0) + (
         HOST_MS_RING if plan.ring > 1 else 0)
     runs = work.layers / plan.pipefusion * patches(plan, work)
@@ -333,7 +334,6 @@ class Estimate:
     job_ms: float = 0.0      # the whole job: warmup steps, steady steps, pipeline fill
     steps: int = 1
     batch: int = 1
-    notes: tuple = field(default=(), compare=False)
 
     @property
     def step_ms(self) -> float:

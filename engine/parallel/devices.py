@@ -107,8 +107,8 @@ class Interconnect:
     `tree`: the GPUs hang off PCIe (switches, root ports, and between two sockets the CPUs' own link). A ring sends
     to one neighbour at a time and runs near link speed (NCCL's ring algorithms rely on it); an all-to-all's flows
     between every pair contend in the switches and on the socket link, and each of n GPUs gets
-    `bandwidth x (2/n)^a2a_exponent` (a pair is one exchange, at link speed). The exponent is fitted to xDiT's FLUX.1-dev
-    runs on 8 PCIe L40s, where Ulysses-8 alone was slower than one GPU (cost.py's validation table); on 4 L40s
+    `bandwidth x (2/n)^a2a_exponent` (a pair is one exchange, at link speed). The exponent is fitted to xDiT's
+    FLUX.1-dev runs on 8 PCIe L40s, where Ulysses-8 alone was slower than one GPU (published.py's validation table); on 4 L40s
     Ulysses-2 x Ring-2 beat Ulysses-4 although it sends more bytes."""
 
     kind: str                # nvlink | pcie | pcie-no-peer | network | cpu
@@ -125,7 +125,7 @@ class Interconnect:
         return LINK_NAMES[self.kind]
 
 
-# Fitted (see `tree` above): all-to-all rate on PCIe falls as (2/n)^2.25. cost.fit_constants() re-derives it.
+# Fitted (see `tree` above): all-to-all rate on PCIe falls as (2/n)^2.25. published.fit_constants() re-derives it.
 PCIE_A2A_EXPONENT = 2.25
 # Effective rates, not link maxima, for the reference GPUs (H100 SXM, PCIe 4.0 cards): NVLink 4 moves ~300 GB/s per
 # direction in NCCL all-to-all on H100 (900 GB/s is both directions, all links); PCIe 4.0 x16 ~20 GB/s with peer

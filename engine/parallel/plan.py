@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, asdict, replace
+from dataclasses import dataclass, asdict
 
 from ..errors import PlanError
 from . import cost
@@ -394,8 +394,9 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
             near = min(fewer, key=lambda e: e.job_ms)
             reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
     if not best.exact:
-        reason += (f"; PipeFusion is approximate (after {min(work.warmup_steps, work.steps)} warmup step(s) its patches "
-                   f"see the previous step's activations), chosen because "
+        warm = min(work.warmup_steps, work.steps)
+        reason += (f"; PipeFusion is approximate (after {warm} warmup step(s) its patches see the previous step's "
+                   f"activations), chosen because "
                    + ("approximate plans are allowed (plan fastest)" if found.pool == "approximate allowed" else
                       f"no exact plan fits {hw.memory_gib:.0f} GiB per GPU"))
     return PlanChoice(best.plan, reason)
