@@ -157,13 +157,14 @@ def test_a_model_load_past_its_deadline_names_the_load_and_its_scaled_limit(tmp_
     """The load's deadline is load_s + load_s_per_gib per GiB of the file; a rank stuck in it (stopped here, with a
     heartbeat deadline longer than the load's) fails the job naming the load."""
     from engine.generate.request import GenerateRequest
+    from engine.parallel.devices import cpu_hardware
     from engine.runtime.faults import Fault
 
     assert Deadlines(load_s=300, load_s_per_gib=60).for_phase("load", 23 * 2**30) == 300 + 60 * 23
     fault = Fault(rank=1, point="load", action="stop", marker=str(tmp_path / "fired"))
     deadlines = Deadlines(load_s=1.0, load_s_per_gib=60, heartbeat_s=60, error_grace_s=1)
     request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2)
-    request = request.validate(2)
+    request = request.validate(2, cpu_hardware(2))   # CPU ranks: auto uses both, so rank 1 loads the model
     with Engine(2, device="cpu", deadlines=deadlines, env=fault.env()) as e:
         with pytest.raises(EngineError, match=r"rank 1 exceeded the load deadline .*\(1 s, 1 s \+ 60 s/GiB") as info:
             request.submit(e)

@@ -1,6 +1,7 @@
 """Fuzzed parallel plans: any degrees (0, negative, huge, not integers), rank counts and workloads. ParallelPlan
-refuses bad degrees, and resolve_plan either returns a plan whose world size is the rank count and that has no
-problems, or raises PlanError in one line naming the numbers; the CLI's degree flags do the same with exit 2."""
+refuses bad degrees, and resolve_plan either returns a plan that has no problems (an explicit one on exactly the rank
+count; auto's on at most it: fewer GPUs when they are faster, exact unless `fastest`), or raises PlanError in one
+line naming the numbers; the CLI's degree flags do the same with exit 2."""
 import re
 
 import pytest
@@ -11,7 +12,8 @@ from engine.cli.args import UsageError
 from engine.cli.generate import prepare
 from engine.errors import PlanError
 from engine.parallel.devices import cpu_hardware, stated_hardware
-from engine.parallel.plan import DEGREES, ParallelPlan, Workload, plan_problems, resolve_plan
+from engine.parallel.plan import DEGREES, ParallelPlan, Workload, is_exact, plan_problems
+from engine.parallel.planner import resolve_plan
 
 from fuzz import Tally, cases, one_line
 
@@ -35,7 +37,8 @@ def test_any_degrees_ranks_and_workload_resolve_or_are_refused_with_the_numbers(
     tally = Tally("plans")
 
     @cases(600)
-    @given(degrees=st.one_of(st.just("auto"), st.dictionaries(st.sampled_from(DEGREES), DEGREE, max_size=5),
+    @given(degrees=st.one_of(st.sampled_from(["auto", "fastest"]),
+                             st.dictionaries(st.sampled_from(DEGREES), DEGREE, max_size=5),
                              st.sampled_from(["Auto", "", 3, None])),
            ranks=RANKS, work=workloads(), hw=st.sampled_from(["assumed", "cpu", "rtx4090", "h100-pcie"]))
     def prop(degrees, ranks, work, hw):
@@ -57,8 +60,12 @@ def test_any_degrees_ranks_and_workload_resolve_or_are_refused_with_the_numbers(
             assert named and ("plan" in message or "ranks" in message), message
             tally("refused")
             return
-        assert choice.plan.world_size == ranks and not plan_problems(choice.plan, work)
-        assert one_line(choice.reason)
+        assert not plan_problems(choice.plan, work) and one_line(choice.reason)
+        if isinstance(requested, ParallelPlan) or hw == "cpu":
+            assert choice.plan.world_size == ranks
+        else:
+            assert choice.plan.world_size <= ranks
+            assert is_exact(choice.plan, work) or requested == "fastest" or "no exact plan fits" in choice.reason
         tally("resolved")
 
     prop()

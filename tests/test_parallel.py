@@ -100,11 +100,12 @@ def test_invalid_plans_are_refused_before_launch_with_the_numbers_and_a_plan_tha
         request(tiny_models, job.pop("family"), plan=ParallelPlan(**plan), **job)
 
 
-def test_a_plan_for_a_different_rank_count_than_the_engine_is_refused(tiny_models, engines):
-    r = request(tiny_models, "flux", plan=ParallelPlan(ulysses=2))
+def test_a_plan_for_more_ranks_than_the_engine_has_is_refused(tiny_models, engines):
+    """(A plan for fewer runs on the first of the engine's ranks: tests/test_subset_ranks.py.)"""
+    r = request(tiny_models, "flux", plan=ParallelPlan(ulysses=4))
     from engine.errors import EngineError
-    with pytest.raises(EngineError, match="needs 2 ranks but the engine has 4"):
-        engines(4).submit("generate", *r.to_job())
+    with pytest.raises(EngineError, match="needs 4 ranks but the engine has 2"):
+        engines(2).submit("generate", *r.to_job())
 
 
 @pytest.mark.parametrize("plan,text_tokens,text_split,batch", [

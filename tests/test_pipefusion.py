@@ -291,7 +291,7 @@ def test_stages_balance_compute_unless_a_stage_would_not_fit_then_the_most_balan
     put the 19 double blocks, twice a single block's weights, on the first GPU: 18 GiB. On 24 GiB cards that stays;
     on 16 GiB cards the split moves to [21, 36]; on 12 GiB no two-stage split fits and the job is refused."""
     from engine.parallel.devices import stated_hardware
-    from engine.parallel.pipefusion.layout import fit_stages
+    from engine.parallel.memory import fit_stages
     from engine.parallel.plan import Workload
     info = inspect_model("synthetic:flux-dev")
     work = Workload.for_variant("flux-dev")

@@ -31,25 +31,31 @@ def test_describe_lists_only_the_active_degrees():
 
 
 # ---- resolve_plan: the one place a plan is resolved and validated ---------------------------------------------
-from engine.parallel.plan import AUTO, Workload, resolve_plan  # noqa: E402
+from engine.parallel.devices import assumed_hardware, cpu_hardware  # noqa: E402
+from engine.parallel.plan import AUTO, Workload  # noqa: E402
+from engine.parallel.planner import rank_plans, resolve_plan  # noqa: E402
 
 FLUX_DEV_1024 = dict(variant="flux-dev", heads=24, layers=57, image_tokens=4096)
 SD3_MEDIUM_1024 = dict(variant="sd3-medium", heads=24, layers=24, image_tokens=4096)
 
 
-@pytest.mark.parametrize("model,ranks,batch,negative,expected", [
-    (SD3_MEDIUM_1024, 2, 1, True, "cfg2"),                     # real CFG: the two passes on separate ranks
-    (FLUX_DEV_1024, 2, 1, False, "ulysses2"),                  # cfg 1.0: nothing to split but the tokens
-    (FLUX_DEV_1024, 4, 2, False, "dp2 x ulysses2"),            # a batch splits before the tokens do
-    (SD3_MEDIUM_1024, 8, 1, True, "cfg2 x ulysses4"),
-    (FLUX_DEV_1024, 1, 1, False, "single rank"),
-    (dict(FLUX_DEV_1024, heads=5), 2, 1, False, "ring2"),      # heads that ulysses 2 cannot divide
+@pytest.mark.parametrize("model,ranks,batch,negative,expected,used", [
+    (SD3_MEDIUM_1024, 2, 1, True, "cfg2", 2),                  # real CFG: the two passes on separate ranks
+    (FLUX_DEV_1024, 2, 1, False, "ulysses2", 2),               # cfg 1.0: nothing to split but the tokens
+    (FLUX_DEV_1024, 4, 2, False, "dp2 x ulysses2", 4),         # a batch splits before the tokens do
+    # eager, 4 GPUs already wait on the host's launches (cfg2 x ulysses4 is no faster): as fast on fewer GPUs
+    (SD3_MEDIUM_1024, 8, 1, True, "cfg2 x ulysses2", 4),
+    (FLUX_DEV_1024, 1, 1, False, "single rank", 1),
+    # 5 heads (ulysses 2 cannot divide them) of a narrow model: ring2's launches cost more than the work it splits
+    (dict(FLUX_DEV_1024, heads=5), 2, 1, False, "single rank", 1),
 ])
-def test_auto_picks_the_cheapest_plan_that_fits_and_says_why_in_one_line(model, ranks, batch, negative, expected):
+def test_auto_picks_the_cheapest_plan_that_fits_and_says_why_in_one_line(model, ranks, batch, negative, expected,
+                                                                         used):
     choice = resolve_plan(AUTO, ranks, Workload(batch=batch, negative_pass=negative, **model))
     print(choice.reason)
-    assert choice.plan.describe() == expected and choice.plan.world_size == ranks
-    assert choice.reason.startswith(f"auto chose {expected} for {ranks} rank(s): ") and "\n" not in choice.reason
+    assert choice.plan.describe() == expected and choice.plan.world_size == used
+    where = f"for {ranks} rank(s)" if used == ranks else f"on {used} of {ranks} ranks (the other {ranks - used} idle)"
+    assert choice.reason.startswith(f"auto chose {expected} {where}: ") and "\n" not in choice.reason
 
 
 def test_an_explicit_plan_is_kept_when_it_fits_and_refused_with_a_working_plan_when_not():
@@ -60,7 +66,8 @@ def test_an_explicit_plan_is_kept_when_it_fits_and_refused_with_a_working_plan_w
     six_heads = Workload(batch=1, negative_pass=True, **dict(SD3_MEDIUM_1024, heads=6))
     with pytest.raises(PlanError, match="6 heads: ulysses 4 does not divide them; try cfg2 x ") as refused:
         resolve_plan(ParallelPlan(ulysses=4), 4, six_heads)
-    assert str(refused.value).endswith(f"try {resolve_plan(AUTO, 4, six_heads).plan.describe()}")  # auto's choice
+    best_of_4 = rank_plans(4, six_heads, assumed_hardware(4))[0].plan   # an explicit plan's rank count is kept
+    assert best_of_4.world_size == 4 and str(refused.value).endswith(f"try {best_of_4.describe()}")
     with pytest.raises(PlanError, match=r"ulysses x ring = 8 does not divide .*try cfg2 x ulysses4"):
         resolve_plan(ParallelPlan(ulysses=4, ring=2), 8, Workload(batch=1, negative_pass=True,
                                                                    **dict(SD3_MEDIUM_1024, image_tokens=4092)))
@@ -72,7 +79,39 @@ def test_rank_counts_outside_1_to_8_are_refused(ranks):
         resolve_plan(AUTO, ranks, Workload(batch=1, negative_pass=False, **FLUX_DEV_1024))
 
 
-def test_auto_says_when_no_plan_fits_the_rank_count():
+def test_auto_runs_a_job_no_plan_of_the_rank_count_can_run_on_fewer_ranks_and_says_so():
+    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=49))
+    choice = resolve_plan(AUTO, 2, work)
+    print(choice.reason)
+    assert choice.plan == ParallelPlan()
+    assert choice.reason.startswith("auto chose single rank on 1 of 2 ranks (the other 1 idle)")
+    assert choice.reason.endswith("no plan of 2 ranks runs this job and fits")
+
+
+def test_cpu_ranks_still_refuse_a_job_no_plan_of_their_count_can_run():
+    """CPU ranks exist to run the parallel paths: auto uses them all, or names the numbers."""
     work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=49))
     with pytest.raises(PlanError, match="no parallel plan runs this job on 2 ranks .*7 heads, 49 image tokens"):
-        resolve_plan(AUTO, 2, work)
+        resolve_plan(AUTO, 2, work, cpu_hardware(2))
+
+
+def test_a_plan_runs_on_an_engine_with_at_least_its_ranks():
+    ParallelPlan(ulysses=2).check_engine(4)   # the first 2 ranks run it, the others idle
+    with pytest.raises(PlanError, match=r"needs 4 ranks but the engine has 2: make the product of the degrees at "
+                                        r"most the number of ranks"):
+        ParallelPlan(ulysses=4).check_engine(2)
+
+
+@pytest.mark.parametrize("text,plan", [("ulysses4,ring2", ParallelPlan(ulysses=4, ring=2)),
+                                       ("ulysses4 x ring2", ParallelPlan(ulysses=4, ring=2)),
+                                       ("cfg2, pipefusion2", ParallelPlan(cfg=2, pipefusion=2)),
+                                       ("ring=2,dp=2", ParallelPlan(dp=2, ring=2)), ("single rank", ParallelPlan())])
+def test_degrees_parse_from_the_text_describe_prints(text, plan):
+    assert ParallelPlan.parse(text) == plan and ParallelPlan.parse(plan.describe()) == plan
+
+
+@pytest.mark.parametrize("text,message", [("ulyses2", "invalid at 'ulyses2'"), ("ring2,ring2", "invalid at 'ring2'"),
+                                          ("cfg3", "cfg=3 is invalid"), ("", "invalid")])
+def test_bad_degree_text_is_refused_with_the_text(text, message):
+    with pytest.raises(PlanError, match=message):
+        ParallelPlan.parse(text)

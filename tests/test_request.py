@@ -9,6 +9,7 @@ import torch
 from engine.generate.request import GenerateRequest
 from engine.models import load
 from engine.models.tiny import write_tiny
+from engine.parallel.devices import cpu_hardware
 from engine.parallel.plan import ParallelPlan
 
 
@@ -28,7 +29,7 @@ def request(model, **kw):
 
 
 def test_a_request_crosses_the_process_boundary_unchanged(sd3):
-    sent = request(sd3).validate(ranks=4)
+    sent = request(sd3).validate(ranks=4, hardware=cpu_hardware(4))   # CPU ranks: auto uses all four
     spec, inputs = sent.to_job()
     got = GenerateRequest.from_job(spec, inputs)
     print(sent.choice.reason)

@@ -212,3 +212,17 @@ def gpu_list(text: str) -> list[int]:
         raise ArgumentTypeError(f"{text} names GPU {max(gpus)} but only {count} are visible: use indices "
                                 f"0..{count - 1}")
     return gpus
+
+
+# ---- plans -----------------------------------------------------------------------------------------------------
+def plan_choice(text: str):
+    """`auto`, `fastest`, or explicit degrees such as ulysses4,ring2 (ParallelPlan.parse)."""
+    from ..errors import PlanError
+    from ..parallel.plan import PLAN_MODES, ParallelPlan
+
+    if text.strip().lower() in PLAN_MODES:
+        return text.strip().lower()
+    try:
+        return ParallelPlan.parse(text)
+    except PlanError as e:
+        raise ArgumentTypeError(f"{e}; or auto, fastest") from None

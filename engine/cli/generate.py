@@ -13,7 +13,7 @@ from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
 from ..parallel.devices import hardware_for
-from ..parallel.plan import AUTO, ParallelPlan
+from ..parallel.plan import AUTO, FASTEST, ParallelPlan
 from ..runtime.client import Engine
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SCHEDULERS
@@ -54,9 +54,10 @@ def register(sub) -> None:
     where.add_argument("--gpus", type=types.gpu_list, help="comma-separated CUDA GPU indices, one rank each, e.g. 0,1")
     p.add_argument("--ranks", type=types.ranks, help="rank count, 1 to 8 (default: the explicit plan's product of "
                                                       "degrees, else the number of --gpus, else 1)")
-    p.add_argument("--plan", choices=["auto", "explicit"],
-                   help="auto: choose the plan for --ranks (the default when no degree flag is given); explicit: "
-                        "the degrees given (1 when absent; implied by any degree flag)")
+    p.add_argument("--plan", choices=["auto", "fastest", "explicit"],
+                   help="auto: choose the fastest exact plan for up to --ranks (the default when no degree flag is "
+                        "given); fastest: approximate plans (PipeFusion) too; explicit: the degrees given (1 when "
+                        "absent; implied by any degree flag)")
     p.add_argument("--ulysses", type=types.positive_int, help="Ulysses sequence-parallel degree (explicit plan)")
     p.add_argument("--ring", type=types.positive_int, help="Ring sequence-parallel degree (explicit plan)")
     p.add_argument("--cfg-parallel", action="store_true", help="positive and negative passes on different ranks "
@@ -100,11 +101,11 @@ def _read(path: str, flag: str) -> dict[str, torch.Tensor]:
 
 def _plan(a) -> ParallelPlan | str:
     given = [f"--{n}" for n in DEGREES if getattr(a, n) is not None] + (["--cfg-parallel"] if a.cfg_parallel else [])
-    if a.plan == AUTO and given:
-        raise UsageError(f"argument --plan: auto cannot be combined with {', '.join(given)}: drop --plan auto for "
-                         f"the explicit plan those flags give, or drop them to let auto choose")
+    if a.plan in (AUTO, FASTEST) and given:
+        raise UsageError(f"argument --plan: {a.plan} cannot be combined with {', '.join(given)}: drop --plan {a.plan} "
+                         f"for the explicit plan those flags give, or drop them to let {a.plan} choose")
     if not given and a.plan != "explicit":
-        return AUTO
+        return a.plan or AUTO
     return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
 
 

@@ -1,7 +1,9 @@
-"""`python -m engine plan`: every parallel plan that can run a job on N GPUs, ranked by the planner's cost model,
-and the plan `auto` would choose, with why; no rank starts."""
+"""`python -m engine plan`: every parallel plan that can run a job on up to N GPUs, ranked by the planner's cost
+model, the plan `auto` (or `fastest`) would choose and why, or the price of one plan (`--plan ulysses4,ring2`); `--json`
+for the same as data; `--validate` for the model against published multi-GPU runs. No rank starts."""
 from __future__ import annotations
 
+import json
 from argparse import ArgumentTypeError
 
 from ..errors import PlanError
@@ -9,10 +11,10 @@ from ..families import VARIANTS
 from ..generate.inputs import check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
-from ..parallel import cost
+from ..parallel import cost, published
 from ..parallel.devices import GPUS, LINKS, find_gpu, stated_hardware
-from ..parallel.plan import AUTO, ParallelPlan, Workload, candidates, feasible, plan_problems, \
-    rank_plans, resolve_plan
+from ..parallel.plan import AUTO, FASTEST, GiB, ParallelPlan, Workload, candidates, feasible, plan_problems
+from ..parallel.planner import resolve_plan, survey
 from . import args as types
 from . import describe
 from .args import UsageError
@@ -22,7 +24,7 @@ STATED_LINKS = [k for k in LINKS if k != "cpu"]                    # CPU ranks s
 
 
 def model_or_variant(text: str) -> str:
-    """A known variant (its full-size dims) or a FLUX/SD3 checkpoint, as a model source inspect_model reads."""
+    """A known variant (its full-size dims) or a checkpoint, as a model source inspect_model reads."""
     if text in VARIANTS:
         return f"synthetic:{text}"
     try:
@@ -42,13 +44,17 @@ def gpu_name(text: str) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="rank the parallel plans for a model on N GPUs (no rank starts)",
-                       description="Estimate every parallel plan that can run the job on --gpus GPUs (step time: "
-                                   "compute and exposed communication; memory per GPU) and print them ranked, with "
-                                   "the plan auto chooses and why. Nothing runs: the figures are the cost model's.")
-    p.add_argument("--model", required=True, type=model_or_variant,
-                   help=f"a known model ({', '.join(VARIANTS)}) or a checkpoint file or diffusers folder")
-    p.add_argument("--gpus", required=True, type=types.ranks, help="number of GPUs, 1 to 8 (one rank each)")
-    p.add_argument("--interconnect", required=True, choices=STATED_LINKS, help="the link between the GPUs")
+                       description="Estimate every parallel plan that can run the job on up to --gpus GPUs (seconds "
+                                   "per image and per step: compute, exposed communication, host launches; memory per "
+                                   "GPU) and print them ranked, with the plan auto chooses and why. Nothing runs: the "
+                                   "figures are the cost model's.")
+    p.add_argument("--model", type=model_or_variant,
+                   help=f"a known model ({', '.join(VARIANTS)}) or a checkpoint file or diffusers folder "
+                        f"(required unless --validate)")
+    p.add_argument("--gpus", type=types.ranks, help="number of GPUs, 1 to 8, one rank each (required unless "
+                                                    "--validate)")
+    p.add_argument("--interconnect", choices=STATED_LINKS, help="the link between the GPUs (required unless "
+                                                                "--validate)")
     p.add_argument("--width", type=types.pixels, default=1024, help="image width in pixels")
     p.add_argument("--height", type=types.pixels, default=1024, help="image height in pixels")
     p.add_argument("--cfg", type=types.request_field("cfg", types.finite_float), default=1.0,
@@ -59,6 +65,18 @@ def register(sub) -> None:
     p.add_argument("--gpu-name", type=gpu_name, help=f"one of {', '.join(GPUS)} (default: an H100 of the kind the "
                                                      f"interconnect has: H100 PCIe over PCIe, else H100 SXM)")
     p.add_argument("--gpu-memory-gb", type=types.positive_float, help="GiB per GPU (default: the GPU's)")
+    p.add_argument("--steps", type=types.positive_int, default=28, help="denoising steps per image (PipeFusion's "
+                                                                         "warmup and pipeline fill are per job)")
+    p.add_argument("--warmup-steps", type=types.positive_int, default=1,
+                   help="PipeFusion: steps run whole before patches use stale activations (= --steps: exact)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    p.add_argument("--plan", type=types.plan_choice, default=AUTO, metavar="auto|fastest|DEGREES",
+                   help="auto: the fastest exact plan (the result equals one GPU's); fastest: approximate plans "
+                        "(PipeFusion) too; DEGREES: price that one plan, e.g. ulysses4,ring2 or cfg2,pipefusion2")
+    p.add_argument("--json", action="store_true", help='print {"chosen": ..., "one_gpu": ..., "candidates": [...]} '
+                                                       "instead of the tables")
+    p.add_argument("--validate", action="store_true", help="print the cost model against published multi-GPU runs "
+                                                           "(residuals; which rows set its constants) and exit")
     p.set_defaults(run=run, parser=p)
 
 
@@ -68,54 +86,127 @@ def _header(info, work: Workload, hw, a) -> list[str]:
     cfg = f"cfg {a.cfg:g}" + ("" if work.negative_pass else " (no negative pass)")
     link = hw.link
     lines = [f"model     {describe.summary(info)}",
-             f"job       {a.width}x{a.height}, batch {a.batch}, {cfg}, {work.image_tokens} image + {work.text_tokens} "
-             f"text tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / cost.GiB:.1f} GiB): "
-             f"{work.step_tflop:.1f} TFLOP per step",
-             f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:g} GiB each, {tflops:.0f} TFLOP/s effective "
-             f"({source})"]
+             f"job       {a.width}x{a.height}, batch {a.batch}, {cfg}, {work.steps} steps"
+             f"{', compiled' if work.compiled else ', eager'}, {work.image_tokens} image + {work.text_tokens} text "
+             f"tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / GiB:.1f} GiB): "
+             f"{cost.step_tflop(work):.1f} TFLOP per step",
+             f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:g} GiB each, {tflops:.0f} TFLOP/s effective on one "
+             f"GPU ({source})"]
     if hw.gpus > 1:
         lines.append(f"link      {link.describe()}: {link.bandwidth_gbs:g} GB/s per GPU, {link.latency_us:g} us per "
-                     f"call" + ("; an all-to-all of n GPUs gets 2/n of that (shared PCIe tree)" if link.tree else ""))
+                     f"call" + (f"; an all-to-all of n GPUs gets (2/n)^{link.a2a_exponent:g} of that (PCIe)"
+                                if link.tree else ""))
+    lines.append(f"code      {cost.engine_code().name}: ring overlap {cost.RING_OVERLAP:g}, PipeFusion overlap "
+                 f"{cost.PIPEFUSION_OVERLAP:g}, {cost.ULYSSES_CALLS_PER_LAYER} all-to-alls per attention layer")
     return lines
 
 
+def entry(e: cost.Estimate) -> dict:
+    """One plan's estimate as `--json` gives it."""
+    return {"plan": e.plan.describe(), "gpus": e.ranks, "s_per_image": round(e.s_per_image, 4),
+            "ms_per_step": round(e.step_ms, 3), "compute_ms": round(e.compute_ms, 3), "comm_ms": round(e.comm_ms, 3),
+            "host_ms": round(e.host_ms, 3), "comm_gb_per_step": round(e.comm_bytes / 1e9, 4),
+            "memory_gib": round(e.memory["total"], 3), "fits": e.fits, "exact": e.exact}
+
+
 def _table(ranked: list[cost.Estimate]) -> list[str]:
-    rows = [("#", "plan", "est. step ms", "compute ms", "comm ms", "comm GB/step per GPU", "memory GiB per GPU",
-             "fits")]
+    rows = [("#", "plan", "GPUs", "s/image", "ms/step", "compute ms", "comm ms", "host ms", "comm GB/step per GPU",
+             "memory GiB per GPU", "fits", "exact")]
     for i, e in enumerate(ranked, 1):
-        rows.append((str(i), e.plan.describe(), f"{e.step_ms:.1f}", f"{e.compute_ms:.1f}", f"{e.comm_ms:.1f}",
-                     f"{e.comm_bytes / 1e9:.3f}", f"{e.memory['total']:.1f}", "yes" if e.fits else "no"))
+        rows.append((str(i), e.plan.describe(), str(e.ranks), f"{e.s_per_image:.2f}", f"{e.step_ms:.1f}",
+                     f"{e.compute_ms:.1f}", f"{e.comm_ms:.1f}", f"{e.host_ms:.1f}", f"{e.comm_bytes / 1e9:.3f}",
+                     f"{e.memory['total']:.1f}", "yes" if e.fits else "no", "yes" if e.exact else "no"))
     return ["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(rows[0])] + \
         ["| " + " | ".join(r) + " |" for r in rows[1:]]
 
 
+def _required(a) -> None:
+    missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
+    if missing:
+        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate alone)")
+
+
+def _validate() -> int:
+    print("\n".join(published.validation_table()))
+    return 0
+
+
 def run(a) -> int:
+    if a.validate:
+        return _validate()
+    _required(a)
+    if a.warmup_steps > a.steps:
+        raise UsageError(f"argument --warmup-steps: {a.warmup_steps} is more than --steps {a.steps}: use 1 to "
+                         f"{a.steps} ({a.steps}: PipeFusion exact)")
     info = inspect_model(a.model)
     try:
         latent_h, latent_w = check_latent(info, empty_latent(info, a.width, a.height))
     except ValueError as e:
         raise UsageError(f"argument --width/--height: {e}") from None
     work = Workload.from_info(info, latent_h, latent_w, batch=a.batch, negative_pass=a.cfg != 1.0,
-                              text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8)
+                              text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8,
+                              compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps)
     hw = stated_hardware(a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect,
                          a.gpu_memory_gb)
+    one = cost.estimate(ParallelPlan(), work, hw)
+    if isinstance(a.plan, ParallelPlan):
+        return _price(a, info, work, hw, one)
+    found = survey(a.gpus, work, hw, approximate=a.plan == FASTEST, pipefusion=True)
+    try:
+        choice = resolve_plan(a.plan, a.gpus, work, hw)
+    except PlanError as e:  # nothing fits: the numbers are in the table, the verdict is the one error line
+        choice = e
+    if a.json:
+        if isinstance(choice, PlanError):
+            raise UsageError(str(choice)) from None
+        print(json.dumps({"chosen": entry(found.chosen), "one_gpu": entry(one), "reason": choice.reason,
+                          "candidates": [entry(e) for e in sorted(found.estimates, key=lambda e: e.job_ms)]},
+                         indent=1))
+        return 0
     print("\n".join(_header(info, work, hw, a)) + "\n")
-    ranked = rank_plans(a.gpus, work, hw)
-    if ranked:
-        print("\n".join(_table(ranked)))
-    relevant = [p for p in candidates(a.gpus) if (p.cfg == 1 or work.negative_pass) and work.batch % p.dp == 0]
+    mine = sorted((e for e in found.estimates if e.ranks == a.gpus), key=lambda e: (not e.fits, e.job_ms))
+    if mine:
+        print("\n".join(_table(mine)))
+    relevant = [p for p in candidates(a.gpus, pipefusion=True) if (p.cfg == 1 or work.negative_pass)
+                and work.batch % p.dp == 0]
+    runs = feasible(a.gpus, work, pipefusion=True)
     left_out = [f"{p.describe()} ({'; '.join(plan_problems(p, work))})" for p in relevant
-                if p not in feasible(a.gpus, work)]   # the heads or tokens forbid it (cfg and batch go unsaid)
+                if p not in runs]   # the heads, tokens or layout forbid it (cfg and batch go unsaid)
     if left_out:
         print("cannot run: " + ", ".join(left_out))
-    if a.gpus > 1:
-        one = cost.estimate(ParallelPlan(), work, hw)
-        print(f"1 GPU for comparison: est. {one.step_ms:.1f} ms/step, {one.memory['total']:.1f} GiB"
-              + ("" if one.fits else " (does not fit)"))
+    for k in range(a.gpus - 1, 0, -1):
+        best = found.best_on(k, exact_only=a.plan == AUTO)
+        if best is not None:
+            gpus = f"{k} GPU{'s' if k > 1 else ''}"
+            print(f"best on {gpus}: {best.plan.describe()}, est. {best.s_per_image:.2f} s/image, {best.step_ms:.1f} "
+                  f"ms/step, {best.memory['total']:.1f} GiB")
+    if not one.fits:
+        print(f"1 GPU does not fit: it needs {one.memory['total']:.1f} GiB")
     print()
-    try:
-        choice = resolve_plan(AUTO, a.gpus, work, hw)
-    except PlanError as e:  # nothing runs or nothing fits: the numbers are above, the verdict is the one error line
-        raise UsageError(str(e)) from None
+    if isinstance(choice, PlanError):
+        raise UsageError(str(choice)) from None
     print(choice.reason)
+    return 0
+
+
+def _price(a, info, work: Workload, hw, one: cost.Estimate) -> int:
+    """`--plan DEGREES`: that plan's estimate on its own ranks (at most --gpus), against one GPU."""
+    plan = a.plan
+    if plan.world_size > a.gpus:
+        raise UsageError(f"argument --plan: {plan.describe()} needs {plan.world_size} GPUs but --gpus is {a.gpus}: "
+                         f"give degrees whose product is at most {a.gpus}, or more --gpus")
+    problems = plan_problems(plan, work)
+    if problems:
+        raise UsageError(f"argument --plan: {plan.describe()} cannot run this job: " + "; ".join(problems))
+    e = cost.estimate(plan, work, hw)
+    if a.json:
+        print(json.dumps({"chosen": entry(e), "one_gpu": entry(one), "candidates": [entry(e)]}, indent=1))
+        return 0
+    print("\n".join(_header(info, work, hw, a)) + "\n")
+    print("\n".join(_table([e] + ([one] if plan.world_size > 1 else []))))
+    print()
+    print(f"{plan.describe()} on {plan.world_size} of {a.gpus} GPU(s): est. {e.s_per_image:.2f} s/image "
+          f"({one.s_per_image / e.s_per_image:.2f}x one GPU's {one.s_per_image:.2f})"
+          + ("" if e.fits else f"; does not fit {hw.memory_gib:g} GiB per GPU")
+          + ("" if e.exact else "; approximate (PipeFusion: stale activations after the warmup steps)"))
     return 0

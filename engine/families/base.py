@@ -89,6 +89,7 @@ class Family:
     stage: type | None = None                               # PipeFusion's stage model (engine/parallel/stage.py)
     stage_params: StageParams | None = None
     text_splits: bool = False                               # text tokens may split with the image tokens
+    linear_width: int = 12                                  # block weights each token meets, in hidden^2 (planner)
     text_stream: tuple[str, ...] = ("context", "add_", "to_add_out")  # block parameter names of the text stream
     modulation: tuple[str, ...] = ("norm",)                 # block matrices that act once per image, not per token
 

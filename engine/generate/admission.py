@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 from ..errors import PlanError
-from ..parallel import cost
 from ..parallel.devices import Hardware, assumed_hardware
-from ..parallel.pipefusion.layout import fit_stages
-from ..parallel.plan import MAX_RANKS, ParallelPlan, PlanChoice, Workload, feasible, memory_helps
+from ..parallel.memory import fit_stages, memory_gib
+from ..parallel.plan import MAX_RANKS, GiB, ParallelPlan, PlanChoice, Workload, feasible
+from ..parallel.planner import memory_helps
 
 
 def host_memory_gib() -> float | None:
@@ -18,17 +18,17 @@ def host_memory_gib() -> float | None:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024 / cost.GiB
+                    return int(line.split()[1]) * 1024 / GiB
     except (OSError, ValueError, IndexError):
         pass
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cost.GiB
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     except (ValueError, OSError, AttributeError):
         return None
 
 
 def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardware | None, size_px: str) -> None:
-    """Refuse a job too large for the machine from the cost model's estimate (cost.memory_gib), before anything is
+    """Refuse a job too large for the machine from the cost model's estimate (memory.memory_gib), before anything is
     allocated. CPU ranks share the host's RAM: weights and activations of every rank must fit it. A GPU must hold at
     least the activations of the best plan (weights that do not fit are the planner's to explain, with fp8 and
     PipeFusion advice). `plan`: the request's (explicit, or "auto"); `inputs_gib`: what every rank receives."""
@@ -42,7 +42,7 @@ def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardw
         have = host_memory_gib()
         if have is None:
             return
-        parts = min((cost.memory_gib(p, work) for p in plans), key=lambda m: m["weights"] + m["activations"])
+        parts = min((memory_gib(p, work) for p in plans), key=lambda m: m["weights"] + m["activations"])
         need = (parts["weights"] + parts["activations"] + inputs_gib) * ranks
         where = f"this machine has {have:.0f} GiB of RAM for {ranks} CPU rank(s)"
     else:
@@ -50,7 +50,7 @@ def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardw
         have = hw.memory_gib
         if have is None:
             return
-        parts = min((cost.memory_gib(p, work) for p in plans), key=lambda m: m["activations"])
+        parts = min((memory_gib(p, work) for p in plans), key=lambda m: m["activations"])
         need = parts["activations"] + inputs_gib
         where = f"the GPUs have {have:.0f} GiB each"
     if need <= have:
@@ -87,11 +87,11 @@ def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict |
     """After an out-of-memory failure under `plan`: the planner's estimate, the plans of `ranks` GPUs it expects to
     need less, and what else would (fp8 weights, PipeFusion, more GPUs), measured against the device's size when the
     rank reported it, else against the estimate that proved too small."""
-    estimate = cost.memory_gib(plan, work)
+    estimate = memory_gib(plan, work)
     failed = estimate["total"]
     total = (memory or {}).get("device_total_gib")
     budget = total or failed
-    lighter = sorted((cost.memory_gib(p, work)["total"], p.describe()) for p in feasible(ranks, work) if p != plan)
+    lighter = sorted((memory_gib(p, work)["total"], p.describe()) for p in feasible(ranks, work) if p != plan)
     lighter = [(g, name) for g, name in lighter if g < min(failed, budget)]
     advice = [f"the planner estimated {failed:.1f} GiB per rank for {plan.describe()} (weights "
               f"{estimate['weights']:.1f}, activations {estimate['activations']:.1f}, runtime "

@@ -92,6 +92,10 @@ def run_guide(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
     """Rank side: load the model under the plan, then answer calls until the client ends the session."""
     check_guide(request)
     mesh = ctx.mesh(request.plan)
+    if not mesh.active:   # the plan runs on fewer ranks: this one only takes part in the calls' broadcast
+        for _ in ctx.calls():
+            pass
+        return None
     ctx.reset_peak_memory()
     parallel = _parallel_model(ctx, request, mesh)
     positive, negative = _sides(request)

@@ -15,10 +15,10 @@ from .. import families
 from ..errors import EngineError, PlanError
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.speed import ATTENTION
-from ..parallel import cost
 from ..parallel.devices import Hardware
 from ..parallel.pipefusion.layout import layout_problems
-from ..parallel.plan import AUTO, ParallelPlan, PlanChoice, Workload, resolve_plan
+from ..parallel.plan import AUTO, GiB, ParallelPlan, PlanChoice, Workload
+from ..parallel.planner import resolve_plan
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SCHEDULERS, FlowSampling
 from . import admission
@@ -118,7 +118,7 @@ class GenerateRequest:
         if ranks is None:
             ranks = self.plan.world_size if isinstance(self.plan, ParallelPlan) else 1
         work = self.workload(info)
-        inputs_gib = sum(t.numel() * t.element_size() for _, t in self.tensors_to_check()) / cost.GiB
+        inputs_gib = sum(t.numel() * t.element_size() for _, t in self.tensors_to_check()) / GiB
         admission.check_memory(self.plan, inputs_gib, work, ranks, hardware,
                                f"{latent_w * info.spec.latent.downscale}x{latent_h * info.spec.latent.downscale} px")
         choice = resolve_plan(self.plan, ranks, work, hardware)
@@ -135,7 +135,17 @@ class GenerateRequest:
         lat = self.latent_raw
         return Workload.from_info(info, lat.shape[-2], lat.shape[-1], batch=lat.shape[0],
                                   negative_pass=self.negative_pass, text_tokens=self._text_tokens(), dtype=self.dtype,
-                                  fp8_weights=self.fp8_weights, compiled=self.compile)
+                                  fp8_weights=self.fp8_weights, compiled=self.compile, steps=self.steps,
+                                  warmup_steps=self.warmup_steps, patches=self.patches,
+                                  pipefusion_conflict=self._pipefusion_conflict())
+
+    def _pipefusion_conflict(self) -> str:
+        """Why PipeFusion cannot run this job ("": it can), as the planner says it."""
+        if self.cache_threshold:
+            return "the step cache does not combine with pipefusion yet: set cache_threshold 0 or"
+        if self.reference_latents or (self.negative_pass and self.neg_reference_latents):
+            return "reference latents do not combine with pipefusion yet:"
+        return ""
 
     def sampling(self, info) -> FlowSampling:
         """The model sampling this job runs: the request's, else the family's default for the variant."""
@@ -187,10 +197,6 @@ class GenerateRequest:
             return
         problems = layout_problems(info, plan, latent_h, latent_w, self.patches, self.warmup_steps, self.steps,
                                    self.stage_blocks)
-        if self.cache_threshold:
-            problems.append("the step cache does not combine with pipefusion yet: set cache_threshold 0")
-        if self.reference_latents or (self.negative_pass and self.neg_reference_latents):
-            problems.append("reference latents do not combine with pipefusion yet: use ulysses, ring, cfg or dp")
         if problems:
             raise PlanError(f"plan {plan.describe()} cannot run this job: " + "; ".join(problems))
 

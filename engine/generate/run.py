@@ -109,6 +109,8 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
 def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
     """One KSampler run under the request's plan; rank 0 returns the LATENT samples."""
     mesh = ctx.mesh(request.plan)
+    if not mesh.active:   # the plan runs on fewer ranks than the engine has: this one idles for the job
+        return None
     ctx.reset_peak_memory()
     if request.plan.pipefusion > 1:
         return run_pipefusion(ctx, request, mesh)

@@ -60,7 +60,7 @@ def record_calibration(gpu_name: str, workload: dict, ms_per_step: float, tflop_
     gpu_name: as torch.cuda.get_device_name() gives it, or the table's name. workload: at least model, width,
     height, dtype and mode ("eager" | "compiled"); batch and any other keys are kept. ms_per_step: measured time of
     one denoising step (one model call of the whole batch), transformer only. tflop_per_step: that step's work,
-    e.g. `Workload.for_variant("flux-dev", 1024, 1024).step_tflop` (plan.py) (74.4 for FLUX.1-dev at 1024^2).
+    e.g. `cost.step_tflop(Workload.for_variant("flux-dev", 1024, 1024))` (74.4 for FLUX.1-dev at 1024^2).
     path: the file to update (default: the repository's calibration.json). Raises ValueError for a value that
     cannot be right."""
     path = path or CALIBRATION_PATH

@@ -1,38 +1,90 @@
-"""The planner's cost model: for one plan, workload and hardware, the time of one denoising step (compute from
-the model's FLOPs and the GPU's throughput, plus the communication left exposed) and the memory each GPU needs.
+"""The planner's cost model: for one plan, workload and hardware, the time of a whole denoising job per image and the
+memory each GPU needs, from FLOPs, bytes, launches and a few fitted constants.
 
-All figures are per rank and per step (one model call of the whole batch, both passes when cfg != 1). The model
-is coarse (FLOPs and bytes, not kernels), good to perhaps 10-20%: `TIE` is how close two estimates must be for
-the planner to call them equal.
+Per rank and per step (one model call of the whole batch, both passes when cfg != 1):
+  compute = the rank's FLOPs at the GPU's one-GPU rate, slowed as the rank's matrix products shrink (`gemm_slowdown`);
+  comm    = each collective's real call count x latency + bytes / bandwidth, less what the code overlaps (`Code`);
+  host    = eager PyTorch launches every op from Python, so a step takes at least the launches (`host_ms`); with
+            several ranks the GPU work shrinks and the launches do not;
+  step    = max(host, compute + comm).
+A job = warmup steps + steady steps + PipeFusion's pipeline fill; / batch = seconds per image (transformer only).
+
+The one-GPU rate is this engine's measured step (calibration.json) when the GPU has one, else rated x the efficiency
+table (devices.EFFICIENCY, with its sources); the validation against published runs gives the published one-GPU
+step instead (`estimate(one_gpu_ms=...)`). Constants fitted to published runs are named with the run that set them;
+published.fit_constants re-derives them and published.validation_table prints every published row against the model
+with its residual, the rows not used for fitting marked held out. The model is coarse (FLOPs and bytes, not
+kernels), good to perhaps 10-20%: `TIE` is how close two estimates must be for the planner to call them equal.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 from . import calibration
-from .devices import Hardware, Interconnect
+from .devices import Hardware, Interconnect, efficiency
+from .memory import memory_gib, stage_memory_gib
+from .pipefusion.layout import analytic_p2p_bytes
+from .plan import DTYPE_BYTES, ParallelPlan, Workload, items_per_rank, text_split
 
-# Rated throughput reached by an eager bf16 step, from the field notes' one-GPU FLUX.1-dev runs at 1024^2 (74 TFLOP
-# per step, 28 steps): H100 6.71 s -> 33% of 989, A100 12.77 s -> 52% of 312, L40 18.36 s -> 62% of 181. A measured
-# calibration for the GPU (calibration.json) replaces rated x EFFICIENCY.
-EFFICIENCY = 0.4
 FP32_SLOWDOWN = 8        # fp32 matmuls leave the bf16 tensor path: 1/15 of bf16 on H100, 1/2 on GeForce cards
-# Ring attention can hide each K/V transfer behind the attention of the block in hand. attention.py's `_ring`
-# waits for each transfer before computing on it (and on CUDA the send queues behind the attention launched just
-# before it), so today nothing is hidden: 0. Posting the next transfer before computing on the current block would
-# let up to min(transfer, attention of r-1 blocks) hide; raise this then. Ulysses' all-to-alls are always exposed:
-# the attention needs their output.
-RING_OVERLAP = 0.0
 TIE = 0.10               # estimates within 10% of the fastest are a tie: the plan that sends less wins, then the
-                         # simpler one
-LINEAR_WIDTH = 12        # weights each token meets per block, in hidden^2: qkv 3 + out 1 + mlp 8 (FLUX single: 7 + 5)
+                         # simpler one; and across rank counts, the fewer GPUs
 DUAL_WIDTH = 4           # SD3.5-medium's second, image-only attention: qkv 3 + out 1
-ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidden widths (input, fused projections,
-                         # mlp, attention buffers)
-RUNTIME_GIB = 1.5        # CUDA context, cuBLAS/NCCL workspaces, allocator slack
-OUT_FEATURES = 64        # velocity values per image token: 16 latent channels x 2x2 patch (FLUX and SD3 alike)
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-GiB = 2 ** 30
+
+# ---- what the code overlaps and how many calls it makes (raise these when the code changes) ---------------------
+# Ring attention can hide each K/V transfer behind the attention of the block in hand. attention.py's `_ring` waits
+# for each transfer before computing on it (and on CUDA the send queues behind the attention launched just before
+# it), so today nothing is hidden: 0. Posting the next transfer before computing on the current block would let up
+# to min(transfer, attention of r-1 blocks) hide; raise this then. Ulysses' all-to-alls are always exposed: the
+# attention needs their output.
+RING_OVERLAP = 0.0
+# PipeFusion's stage-to-stage transfer of patch m could hide behind the compute of patch m+1. pipefusion.py's `_recv`
+# posts no receive ahead (it polls), so a transfer starts when the receiver asks for it: 0 today.
+PIPEFUSION_OVERLAP = 0.0
+ULYSSES_CALLS_PER_LAYER = 4   # all-to-alls per attention layer: q, k, v out and the output back (attention.py)
+
+
+@dataclass(frozen=True)
+class Code:
+    """The parallel code whose time is estimated: what it overlaps and how many calls it makes. `engine_code()` is
+    this engine's (read at call time, so raising RING_OVERLAP takes effect); XDIT is the code that produced the
+    published runs the model is checked against."""
+    name: str
+    ring_overlap: float          # share of a ring hop's transfer hidden behind the attention of the block in hand
+    pipefusion_overlap: float    # share of a patch's stage-to-stage transfer hidden behind the next patch's compute
+    ulysses_calls_per_layer: int
+
+
+def engine_code() -> Code:
+    return Code("this engine", RING_OVERLAP, PIPEFUSION_OVERLAP, ULYSSES_CALLS_PER_LAYER)
+
+
+# yunchang's ring (xDiT's) posts the next hop's send/recv before computing the current block and waits after it;
+# xDiT's PipeFusion pre-posts its receives; its Ulysses exchanges q, k, v and the output: 4 all-to-alls a layer.
+XDIT = Code("xDiT (yunchang ring with the next hop posted ahead, PipeFusion with receives posted ahead)", 1.0, 1.0, 4)
+
+# ---- fitted constants (each names the published run that set it; published.fit_constants() re-derives them) ----
+# A rank's matrix products run at rate / gemm_slowdown(work), work = GEMM rows x hidden width per model call (rows:
+# the tokens of the call x the items of its batch): small products fill the GPU poorly. 1 + GEMM_HALF_WORK / work is
+# 1.13 for a one-GPU FLUX.1-dev 1024^2 step and 1.53 at a quarter of its tokens. Set by xDiT's FLUX.1-dev compiled
+# Ulysses-4 on 4xH100 (1.63 s against 4.30 s on one).
+GEMM_HALF_WORK = 1.88e6
+# Eager host time per transformer block and model call (ms): every op is launched from Python. Set by xDiT's
+# SD3-medium cfg2 x pipefusion4 on 8xA100 (0.90 s: 4 patches x 6 blocks a step, launch-bound).
+HOST_MS_BLOCK = 1.72
+# Extra host time per block when the block is sequence parallel (the exchanges' reshapes and calls). Set by xDiT's
+# FLUX.1-dev eager Ulysses-4 on 4xH100 (4.24 s: GPU work ~85 ms a step, the step ~150).
+HOST_MS_SP = 0.94
+# Extra host time per block with a ring (per-block log-sum-exp merges in eager fp32). Set by xDiT's FLUX.1-dev eager
+# Ring-2 on 2xH100 (5.31 s).
+HOST_MS_RING = 0.67
+# torch.compile fuses elementwise chains: the host launches a share of the eager kernels. Set by xDiT's FLUX.1-dev
+# compiled Ring-4 on 4xH100 (1.98 s: slower than Ulysses-4's 1.63 with less GPU work, so launch-bound).
+COMPILED_HOST_SHARE = 0.37
+# The rows the efficiency table's shares were measured at: a one-GPU FLUX.1-dev 1024^2 step (4096 + 512 tokens).
+REFERENCE_GEMM_WORK = (4096 + 512) * 3072
 
 
 # ---- what each method sends (the closed forms `bench comm` checks against the engine's own counts) -----------
@@ -59,14 +111,19 @@ def sp_gather_bytes(image_tokens: int, out_features: int, plan, batch: int, elem
     return (p - 1) * batch * (image_tokens // p) * out_features * elem_bytes
 
 
-def items_per_rank(plan, work) -> int:
-    """Images x passes one rank's model call carries: its dp share, both passes unless cfg parallel splits them."""
-    return work.batch // plan.dp * (2 if work.negative_pass and plan.cfg == 1 else 1)
+def patches(plan, work) -> int:
+    """PipeFusion's patches per model call (1 without PipeFusion): the job's, else one per stage."""
+    return (work.patches or plan.pipefusion) if plan.pipefusion > 1 else 1
 
 
-def _text_split(plan, work) -> bool:
-    """A family's text splits with the image when it may and the degree divides it; PipeFusion keeps it joint."""
-    return work.text_splits and plan.pipefusion == 1 and work.text_tokens % (plan.ulysses * plan.ring) == 0
+def pipefusion_step_bytes(plan, work) -> int:
+    """What a PipeFusion stage before the last sends per steady step: each patch's header and its share of the
+    activations (pipefusion.layout.analytic_p2p_bytes, per model call after the warmup)."""
+    shape = dict(stages=plan.pipefusion, image_tokens=work.image_tokens, text_tokens=work.text_tokens,
+                 hidden=work.heads * work.head_dim, batch=items_per_rank(plan, work), latent=(16, 1, 1),
+                 patches=patches(plan, work), act_bytes=DTYPE_BYTES[work.dtype], warm_calls=1,
+                 sp=plan.ulysses * plan.ring)
+    return analytic_p2p_bytes(0, calls=2, **shape) - analytic_p2p_bytes(0, calls=1, **shape)
 
 
 def comm_bytes(plan, work) -> dict[str, int]:
@@ -80,14 +137,12 @@ def comm_bytes(plan, work) -> dict[str, int]:
         kinds = {k: v + dual[k] for k, v in kinds.items()}
     if plan.pipefusion > 1:   # a stage's sequence-parallel group runs only its share of the layers
         kinds = {k: v // plan.pipefusion for k, v in kinds.items()}
-    kinds["sp_gather"] = sp_gather_bytes(work.image_tokens, OUT_FEATURES, plan, items, elem)
-    velocity = items * work.image_tokens * OUT_FEATURES * 4   # fp32, gathered so every rank holds the whole batch
+    kinds["sp_gather"] = sp_gather_bytes(work.image_tokens, work.out_features, plan, items, elem)
+    velocity = items * work.image_tokens * work.out_features * 4   # fp32, gathered so every rank holds the batch
     kinds["cfg_gather"] = velocity if plan.cfg == 2 else 0
     kinds["dp_gather"] = (plan.dp - 1) * velocity
-    if plan.pipefusion > 1:   # a stage's activations to the next, per step (text joint, the image share of its SP rank)
-        hidden = work.heads * work.head_dim
-        kinds["pipefusion_p2p"] = int(items * (work.image_tokens / (plan.ulysses * plan.ring) + work.text_tokens)
-                                      * hidden * elem)
+    if plan.pipefusion > 1:
+        kinds["pipefusion_p2p"] = pipefusion_step_bytes(plan, work)
     return kinds
 
 
@@ -97,38 +152,106 @@ def rank_flops(plan, work) -> tuple[float, float]:
     queries x keys x width. Text tokens held by every rank (joint) are computed by every rank."""
     u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
     hidden = work.heads * work.head_dim
-    split = _text_split(plan, work)
+    split = text_split(plan, work)
     n_img, n_txt = work.image_tokens, work.text_tokens
     tokens = n_img / p + (n_txt / p if split else n_txt)
     queries = n_img / r + (n_txt / r if split else n_txt)   # after Ulysses' exchange: S/R tokens, H/U heads
     attention = 4 * queries * (n_img + n_txt) * hidden / u * work.layers
     attention += 4 * (n_img / r) * n_img * hidden / u * work.dual_layers
-    linear = 2 * hidden * hidden * (LINEAR_WIDTH * tokens * work.layers + DUAL_WIDTH * n_img / p * work.dual_layers)
+    linear = 2 * hidden * hidden * (work.linear_width * tokens * work.layers
+                                    + DUAL_WIDTH * n_img / p * work.dual_layers)
     items = items_per_rank(plan, work)
     stages = plan.pipefusion   # each stage runs its share of the blocks; pipelined, the stages work at once
     return items * (linear + attention) / stages, items * attention / stages
 
 
-def throughput_tflops(hw: Hardware, work) -> tuple[float, str]:
-    """Effective TFLOP/s of one GPU and where the figure comes from: a measured calibration, else rated x EFFICIENCY."""
+def gemm_work(plan, work) -> float:
+    """Rows x hidden width of one rank's matrix products per model call (per patch under PipeFusion)."""
+    p = plan.ulysses * plan.ring
+    split = text_split(plan, work)
+    tokens = work.image_tokens / p + (work.text_tokens / p if split else work.text_tokens)
+    return items_per_rank(plan, work) * tokens / patches(plan, work) * work.heads * work.head_dim
+
+
+def gemm_slowdown(work_size: float) -> float:
+    return 1 + GEMM_HALF_WORK / work_size
+
+
+def step_tflop(work: Workload) -> float:
+    """TFLOP of one denoising step on one GPU (FLUX.1-dev at 1024^2: 74.4; SD3-medium with cfg: 17.8)."""
+    return rank_flops(ParallelPlan(), work)[0] / 1e12
+
+
+def rate_tflops(hw: Hardware, work, one_gpu_ms: float | None = None) -> tuple[float, str]:
+    """The GPU's rate on large matrix products (TFLOP/s, before gemm_slowdown) and where it comes from: a one-GPU step
+    given (`one_gpu_ms`), this engine's measured calibration, else rated x the efficiency table."""
+    one = ParallelPlan()
+    if one_gpu_ms is not None:
+        flops = rank_flops(one, work)[0]
+        return flops / one_gpu_ms / 1e9 * gemm_slowdown(gemm_work(one, work)), \
+            f"one GPU {one_gpu_ms:.1f} ms/step given"
     entry = calibration.measured(hw.gpu_name, "compiled" if work.compiled else "eager", model=work.variant)
     if entry:
         w = entry["workload"]
-        tflops, source = entry["tflop_per_step"] / entry["ms_per_step"] * 1e3, (
-            f"measured on {w['model']} {w['width']}x{w['height']} {w['dtype']} {w['mode']}")
+        rate = entry["tflop_per_step"] / entry["ms_per_step"] * 1e3 * gemm_slowdown(_calibrated_work(w))
+        source = f"measured on {w['model']} {w['width']}x{w['height']} {w['dtype']} {w['mode']}"
     else:
-        tflops, source = hw.rated_tflops * EFFICIENCY, f"rated {hw.rated_tflops:g} x {EFFICIENCY} efficiency"
+        share, where = efficiency(hw.gpu, work.compiled)
+        rate = hw.rated_tflops * share * gemm_slowdown(REFERENCE_GEMM_WORK)
+        source = f"rated {hw.rated_tflops:g} x {share:.3f} ({where})"
     if work.dtype == "fp32":
-        return tflops / FP32_SLOWDOWN, source + f", fp32 at 1/{FP32_SLOWDOWN}"
-    return tflops, source
+        return rate / FP32_SLOWDOWN, source + f", fp32 at 1/{FP32_SLOWDOWN}"
+    return rate, source
+
+
+@functools.lru_cache(maxsize=32)
+def _calibrated_work_cached(model: str, width: int, height: int, batch: int, cfg: float) -> float:
+    return gemm_work(ParallelPlan(), Workload.for_variant(model, width, height, batch=batch, negative_pass=cfg != 1))
+
+
+def _calibrated_work(w: dict) -> float:
+    """The GEMM work of a calibration entry's one-GPU step (its model at its size; FLUX.1-dev 1024^2's when the
+    entry names a model the planner does not know)."""
+    try:
+        return _calibrated_work_cached(w["model"], int(w["width"]), int(w["height"]), int(w.get("batch", 1)),
+                                       float(w.get("cfg", 1.0)))
+    except (ValueError, KeyError):
+        return REFERENCE_GEMM_WORK
+
+
+def throughput_tflops(hw: Hardware, work) -> tuple[float, str]:
+    """Effective TFLOP/s of one GPU running this whole workload (its one-GPU matrix sizes), and where it comes from."""
+    rate, source = rate_tflops(hw, work)
+    return rate / gemm_slowdown(gemm_work(ParallelPlan(), work)), source
+
+
+def compute_ms(plan, work, rate: float) -> tuple[float, float]:
+    """(all, attention) GPU milliseconds of one rank's step at `rate` (rate_tflops)."""
+    flops, attention = rank_flops(plan, work)
+    per_flop = gemm_slowdown(gemm_work(plan, work)) / rate / 1e9
+    return flops * per_flop, attention * per_flop
+
+
+def host_ms(plan, work) -> float:
+    """The host's launch time of one rank's step: blocks run x per-block launches (more with sequence parallel,
+    more with a ring), COMPILED_HOST_SHARE of it compiled. PipeFusion runs its stage's blocks once per patch."""
+    per_block = HOST_MS_BLOCK + (HOST_MS_SP if plan.ulysses * plan.ring > 1 else 0) + (
+        HOST_MS_RING if plan.ring > 1 else 0)
+    runs = work.layers / plan.pipefusion * patches(plan, work)
+    return runs * per_block * (COMPILED_HOST_SHARE if work.compiled else 1.0)
 
 
 # ---- communication time ---------------------------------------------------------------------------------------
-def comm_ms(plan, work, link: Interconnect, attention_ms: float) -> float:
-    """Communication left on the critical path: bytes over the link plus a fixed cost per collective call."""
+def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | None = None,
+            compute: float = 0.0) -> float:
+    """Communication left on the critical path: each collective's calls x latency + bytes / bandwidth, less what the
+    code overlaps. attention_ms and compute: the rank's attention and whole step on the GPU (what can hide it)."""
+    code = code or engine_code()
     kinds = comm_bytes(plan, work)
     u, r = plan.ulysses, plan.ring
-    attention_layers = work.layers + work.dual_layers
+    m = patches(plan, work)
+    attention_layers = (work.layers + work.dual_layers) / plan.pipefusion * m   # layer runs a step, on this rank
+    latency = link.latency_us / 1e3
 
     def over(nbytes: float, gbs: float) -> float:
         return nbytes / (gbs * 1e9) * 1e3
@@ -137,64 +260,93 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float) -> float:
     if u > 1:
         ms += over(kinds["ulysses_all_to_all"], link.all_to_all_gbs(u)) + over(kinds["ulysses_text_gather"],
                                                                               link.bandwidth_gbs)
-        calls = 4 * attention_layers + (0 if _text_split(plan, work) else work.layers)
-        ms += calls * link.latency_us / 1e3
+        calls = code.ulysses_calls_per_layer * attention_layers
+        calls += 0 if text_split(plan, work) else work.layers / plan.pipefusion * m
+        ms += calls * latency
     if r > 1:
         ring = over(kinds["ring_p2p"], link.bandwidth_gbs)
-        ms += ring - RING_OVERLAP * min(ring, attention_ms * (r - 1) / r)
-        ms += (r - 1) * attention_layers * link.latency_us / 1e3
+        ms += ring - code.ring_overlap * min(ring, attention_ms * (r - 1) / r)
+        ms += (r - 1) * attention_layers * latency
     for kind in ("sp_gather", "cfg_gather", "dp_gather"):
         if kinds[kind]:
-            ms += over(kinds[kind], link.bandwidth_gbs) + link.latency_us / 1e3
+            ms += over(kinds[kind], link.bandwidth_gbs) + latency
+    if plan.pipefusion > 1:
+        p2p = over(kinds["pipefusion_p2p"], link.bandwidth_gbs)
+        ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * latency
     return ms
-
-
-# ---- memory ---------------------------------------------------------------------------------------------------
-def memory_gib(plan, work) -> dict[str, float]:
-    """GiB one GPU holds: weights (every built method keeps a full copy; PipeFusion stages would each hold their
-    share of the blocks), the peak activations of its model call (sequence parallel splits them), the runtime."""
-    weights = work.weight_bytes - work.block_weight_bytes + work.block_weight_bytes / plan.pipefusion
-    p = plan.ulysses * plan.ring
-    tokens = work.image_tokens / p + (work.text_tokens / p if _text_split(plan, work) else work.text_tokens)
-    hidden = work.heads * work.head_dim
-    activations = items_per_rank(plan, work) * tokens * hidden * ACT_WIDTHS * DTYPE_BYTES[work.dtype]
-    parts = {"weights": weights / GiB, "activations": activations / GiB, "runtime": RUNTIME_GIB}
-    return dict(parts, total=sum(parts.values()))
 
 
 # ---- one plan -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Estimate:
     plan: object             # ParallelPlan
-    compute_ms: float
-    comm_ms: float           # exposed communication
+    compute_ms: float        # GPU work of a steady step
+    comm_ms: float           # exposed communication of a steady step
     comm_bytes: int          # what one GPU sends per step
-    memory: dict             # GiB: weights, activations, runtime, total
+    memory: dict             # GiB: weights, activations, runtime, total (the fullest stage under PipeFusion)
     fits: bool
+    host_ms: float = 0.0     # the host's launch time of a step
+    exact: bool = True       # the result equals one GPU's (PipeFusion: only with warmup = steps)
+    job_ms: float = 0.0      # the whole job: warmup steps, steady steps, pipeline fill
+    steps: int = 1
+    batch: int = 1
 
     @property
     def step_ms(self) -> float:
-        return self.compute_ms + self.comm_ms
+        """A steady step: the GPU's work and exposed communication, or the host's launches when they take longer."""
+        return max(self.host_ms, self.compute_ms + self.comm_ms)
+
+    @property
+    def s_per_image(self) -> float:
+        return self.job_ms / 1e3 / self.batch
+
+    @property
+    def ranks(self) -> int:
+        return self.plan.world_size
 
 
-def estimate(plan, work, hw: Hardware) -> Estimate:
-    tflops, _ = throughput_tflops(hw, work)
-    flops, attention = rank_flops(plan, work)
+def _steady(plan, work, hw: Hardware, rate: float, code: Code) -> tuple[float, float, float]:
+    """(compute, exposed comm, host) ms of one steady step."""
+    compute, attention = compute_ms(plan, work, rate)
+    return compute, comm_ms(plan, work, hw.link, attention, code, compute), host_ms(plan, work)
+
+
+def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: float | None = None) -> Estimate:
+    """The cost model's estimate of `plan` running `work` on `hw` (its own world size of hw's GPUs). code: the
+    parallel code (default this engine's); one_gpu_ms: a one-GPU step of this workload to take the rate from."""
+    code = code or engine_code()
+    rate, _ = rate_tflops(hw, work, one_gpu_ms)
+    compute, comm, host = _steady(plan, work, hw, rate, code)
+    step = max(host, compute + comm)
+    steps = max(1, work.steps)
     memory = memory_gib(plan, work)
-    return Estimate(plan=plan, compute_ms=flops / tflops / 1e9,
-                    comm_ms=comm_ms(plan, work, hw.link, attention / tflops / 1e9),
-                    comm_bytes=sum(comm_bytes(plan, work).values()), memory=memory,
-                    fits=hw.memory_gib is None or memory["total"] <= hw.memory_gib)
+    fits = hw.memory_gib is None or memory["total"] <= hw.memory_gib
+    exact, job = True, steps * step
+    if plan.pipefusion > 1:
+        stage_gib, fits = stage_memory_gib(plan, work, hw.memory_gib)
+        memory = dict(memory, total=max(stage_gib), stages=stage_gib)
+        warm = min(work.warmup_steps, steps)
+        exact = warm >= steps
+        # a warmup step runs the whole latent through the stages in turn: the plan without PipeFusion, plus the
+        # activations handed from stage to stage
+        whole = type(plan)(dp=plan.dp, cfg=plan.cfg, ulysses=plan.ulysses, ring=plan.ring)
+        w_compute, w_comm, w_host = _steady(whole, work, hw, rate, code)
+        hop = pipefusion_step_bytes(plan, work) / (hw.link.bandwidth_gbs * 1e9) * 1e3 + hw.link.latency_us / 1e3
+        warm_ms = max(w_host, w_compute + w_comm) + (plan.pipefusion - 1) * hop
+        fill = (plan.pipefusion - 1) / patches(plan, work) * step if steps > warm else 0.0
+        job = warm * warm_ms + (steps - warm) * step + fill
+    return Estimate(plan=plan, compute_ms=compute, comm_ms=comm, comm_bytes=sum(comm_bytes(plan, work).values()),
+                    memory=memory, fits=fits, host_ms=host, exact=exact, job_ms=job, steps=steps, batch=work.batch)
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """Best first: among the plans that fit, those within TIE of the fastest are equal and the one that sends
-    least wins (then the earliest in the given order); the rest follow by estimated step time, misfits last."""
+    """Best first: among the plans that fit, those within TIE of the fastest job are equal and the one that sends
+    least wins (then the earliest in the given order); the rest follow by estimated job time, misfits last."""
     order = {id(e): i for i, e in enumerate(estimates)}
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         return sorted(estimates, key=lambda e: e.memory["total"])
-    fastest = min(e.step_ms for e in fitting)
-    best = min((e for e in fitting if e.step_ms <= fastest * (1 + TIE)), key=lambda e: (e.comm_bytes, order[id(e)]))
-    rest = sorted((e for e in estimates if e is not best), key=lambda e: (not e.fits, e.step_ms, order[id(e)]))
+    fastest = min(e.job_ms for e in fitting)
+    best = min((e for e in fitting if e.job_ms <= fastest * (1 + TIE)), key=lambda e: (e.comm_bytes, order[id(e)]))
+    rest = sorted((e for e in estimates if e is not best), key=lambda e: (not e.fits, e.job_ms, order[id(e)]))
     return [best] + rest

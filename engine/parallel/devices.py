@@ -20,34 +20,74 @@ class GPU:
     tflops: float            # rated dense bf16 tensor TFLOP/s with fp32 accumulate (no sparsity)
     memory_gib: float
     aliases: tuple = ()      # token sets of torch.cuda.get_device_name() that mean this GPU, most specific first
+    arch: str = "ampere"     # ampere | ada | hopper | blackwell: what the efficiency table knows of it
+    nvlink_gbs: float = 0    # datasheet NVLink bandwidth, GB/s both directions together (0: none)
+    pcie_gen: int = 4        # the card's PCIe generation (x16)
+    efficiency: float | None = None   # this GPU's own eager efficiency when it differs from its architecture's
+    efficiency_source: str = ""
 
 
-# Dense bf16 (fp32 accumulate) figures from NVIDIA's datasheets and architecture whitepapers: H100/H200 datasheets
-# (SXM 989, PCIe 756, NVL 835), A100 datasheet (312), L40S / L40 / L4 / A10 / A40 datasheets, the Ampere GA102
-# whitepaper (RTX 3090: 71 with fp32 accumulate, 142 with fp16 accumulate; RTX A6000 154.8) and the Ada whitepaper
-# (RTX 4090: 165.2 with fp32 accumulate, 330.3 with fp16 accumulate; RTX 6000 Ada 364.2). GeForce cards run bf16
-# with fp32 accumulate at half their fp16-accumulate rate; the halved rate is the one listed, since torch's bf16
-# matmuls accumulate in fp32.
+# Dense bf16 (fp32 accumulate) figures from NVIDIA's datasheets and architecture whitepapers (sparsity figures halved):
+# H100 SXM 989 / PCIe 756 / NVL 835 (H100 datasheet), H200 989 / H200 NVL 835 (H200 datasheet), H20 148 (H20
+# datasheet), A100 and A800 312 (A100 / A800 datasheets), L40S 362, L40 181, L20 119.5, L4 121, A40 149.7, A10 125
+# (their datasheets), RTX 6000 Ada 364.2 (Ada whitepaper), RTX A6000 154.8 and RTX 3090 71 (Ampere GA102
+# whitepaper), RTX 4090 165.2 (Ada whitepaper), RTX 5090 209.5 (Blackwell GB202 whitepaper: 838.4 sparse fp16
+# accumulate, halved twice), RTX PRO 6000 Blackwell 503.8 (RTX Blackwell whitepaper). GeForce cards run bf16 with fp32
+# accumulate at half their fp16-accumulate rate; the halved rate is the one listed, since torch's bf16 matmuls
+# accumulate in fp32. NVLink: H100 SXM / H200 / H20 900 GB/s, H100 NVL and H100 PCIe bridges 600, H200 NVL bridge
+# 900, A100 600, A800 400, A40 / RTX A6000 / RTX 3090 bridges 112.5; the others have none.
 GPUS = {g.name: g for g in (
-    GPU("H100 PCIe", 756, 80, (("h100", "pcie"),)),
-    GPU("H100 NVL", 835, 94, (("h100", "nvl"),)),
-    GPU("H100 SXM", 989, 80, (("h100",),)),          # torch names it "NVIDIA H100 80GB HBM3"
-    GPU("H200", 989, 141, (("h200",),)),
-    GPU("H20", 148, 96, (("h20",),)),
-    GPU("A100 40GB", 312, 40, (("a100", "40gb"),)),
-    GPU("A100 80GB", 312, 80, (("a100",),)),
-    GPU("L40S", 362, 48, (("l40s",),)),
-    GPU("L40", 181, 48, (("l40",),)),
-    GPU("L4", 121, 24, (("l4",),)),
-    GPU("A40", 150, 48, (("a40",),)),
-    GPU("A10", 125, 24, (("a10",),)),
-    GPU("RTX 6000 Ada", 364, 48, (("6000", "ada"),)),
-    GPU("RTX A6000", 155, 48, (("a6000",),)),
-    GPU("RTX 4090", 165.2, 24, (("4090",),)),
-    GPU("RTX 3090", 71, 24, (("3090",),)),
+    GPU("H100 PCIe", 756, 80, (("h100", "pcie"),), "hopper", 600, 5),
+    GPU("H100 NVL", 835, 94, (("h100", "nvl"),), "hopper", 600, 5),
+    GPU("H100 SXM", 989, 80, (("h100",),), "hopper", 900, 5),          # torch names it "NVIDIA H100 80GB HBM3"
+    GPU("H200 NVL", 835, 141, (("h200", "nvl"),), "hopper", 900, 5),
+    GPU("H200", 989, 141, (("h200",),), "hopper", 900, 5),
+    GPU("H20", 148, 96, (("h20",),), "hopper", 900, 5, efficiency=0.62,
+        efficiency_source="assumed: the H20 has an H100's memory system and 1/7 of its tensor throughput, so eager "
+                          "elementwise work weighs as little as on an L40 (62.7%), not as on an H100"),
+    GPU("A100 40GB", 312, 40, (("a100", "40gb"),), "ampere", 600, 4),
+    GPU("A100 80GB", 312, 80, (("a100",),), "ampere", 600, 4),
+    GPU("A800 40GB", 312, 40, (("a800", "40gb"),), "ampere", 400, 4),
+    GPU("A800 80GB", 312, 80, (("a800",),), "ampere", 400, 4),
+    GPU("L40S", 362, 48, (("l40s",),), "ada"),
+    GPU("L40", 181, 48, (("l40",),), "ada"),
+    GPU("L20", 119.5, 48, (("l20",),), "ada"),
+    GPU("L4", 121, 24, (("l4",),), "ada"),
+    GPU("A40", 149.7, 48, (("a40",),), "ampere", 112.5),
+    GPU("A10", 125, 24, (("a10",),), "ampere"),
+    GPU("RTX PRO 6000", 503.8, 96, (("pro", "6000"),), "blackwell", 0, 5),
+    GPU("RTX 6000 Ada", 364.2, 48, (("6000", "ada"),), "ada"),
+    GPU("RTX A6000", 154.8, 48, (("a6000",),), "ampere", 112.5),
+    GPU("RTX 5090", 209.5, 32, (("5090",),), "blackwell", 0, 5),
+    GPU("RTX 4090", 165.2, 24, (("4090",),), "ada"),
+    GPU("RTX 3090", 71, 24, (("3090",),), "ampere", 112.5),
 )}
 # When a GPU is not in the table: an A100-class rate, said so in the notes.
 UNKNOWN_GPU_TFLOPS = 312
+
+# The share of the rated rate a one-GPU FLUX.1-dev 1024^2 step reaches in eager PyTorch (74.4 TFLOP a step, 28 steps,
+# whole-pipeline seconds as published), per architecture, and how much torch.compile speeds that step up. Eager
+# elementwise work (norms, modulation, RoPE, activations) runs at memory speed: the faster the tensor cores against
+# the memory, the lower the share.
+EFFICIENCY = {   # arch: (eager share, compile speed-up, source)
+    "hopper": (0.314, 1.56, "xDiT docs/performance/flux.md: 1xH100 6.71 s eager, 4.30 s compiled"),
+    "ampere": (0.522, 1.22, "xDiT paper: 1xA100 12.77 s (FLUX.1-dev); compile from xDiT docs/performance/sd3.md: "
+                            "1xA100 SD3-medium 3.09 s eager, 2.54 s compiled"),
+    "ada": (0.627, 1.10, "xDiT paper: 1xL40 18.36 s (ParaAttention's 1xL20 26.36 s gives 66%); compile from xDiT "
+                         "docs/performance/flux.md: 1xL40 FLUX.1-schnell 3.18 s eager, 2.89 s compiled"),
+    "blackwell": (0.627, 1.10, "assumed: Ada's (no published one-GPU step; GDDR7 cards keep Ada's balance of "
+                               "tensor rate to memory)"),
+}
+
+
+def efficiency(gpu: GPU | None, compiled: bool) -> tuple[float, str]:
+    """The share of the rated dense bf16 rate a one-GPU step reaches, and where the figure comes from."""
+    share, speedup, source = EFFICIENCY[gpu.arch if gpu else "ampere"]
+    if gpu is not None and gpu.efficiency is not None:
+        share, source = gpu.efficiency, gpu.efficiency_source
+    if gpu is None:
+        source = "unknown GPU: A100's " + source
+    return (share * speedup, source) if compiled else (share, source)
 
 
 def find_gpu(name: str) -> GPU | None:
@@ -64,38 +104,59 @@ def find_gpu(name: str) -> GPU | None:
 class Interconnect:
     """The link between the ranks' devices, as the cost model sees it.
 
-    `tree`: the GPUs hang off a PCIe tree with no switch fabric between them. An all-to-all's flows between every
-    pair then share the tree's bridges: n GPUs exchanging all at once get about 2/n of a link each (a pair is one
-    exchange, at link speed). A ring sends to one neighbour, and consecutive GPUs sit under the same switch or root
-    port in common 4- and 8-GPU boxes, so a ring's flows run at link speed; NCCL's ring algorithms rely on the same.
-    Measured in the field (FIELD_NOTES.md section 4): Ulysses-8 alone on 8 PCIe L40s was slower than one GPU, and
-    on 4 L40s Ulysses-2 x Ring-2 beat Ulysses-4 although it sends more bytes."""
+    `tree`: the GPUs hang off PCIe (switches, root ports, and between two sockets the CPUs' own link). A ring sends
+    to one neighbour at a time and runs near link speed (NCCL's ring algorithms rely on it); an all-to-all's flows
+    between every pair contend in the switches and on the socket link, and each of n GPUs gets
+    `bandwidth x (2/n)^a2a_exponent` (a pair is one exchange, at link speed). The exponent is fitted to xDiT's
+    FLUX.1-dev runs on 8 PCIe L40s, where Ulysses-8 alone was slower than one GPU (published.py's validation table); on 4 L40s
+    Ulysses-2 x Ring-2 beat Ulysses-4 although it sends more bytes."""
 
     kind: str                # nvlink | pcie | pcie-no-peer | network | cpu
     bandwidth_gbs: float     # GB/s (1e9 bytes) one GPU sends to one peer
     latency_us: float        # fixed cost of one collective call
     tree: bool = False
+    a2a_exponent: float = 1.0
 
     def all_to_all_gbs(self, n: int) -> float:
         """GB/s each of n GPUs gets in an all-to-all among them."""
-        return self.bandwidth_gbs * (min(1.0, 2 / n) if self.tree else 1.0)
+        return self.bandwidth_gbs * (min(1.0, 2 / n) ** self.a2a_exponent if self.tree else 1.0)
 
     def describe(self) -> str:
         return LINK_NAMES[self.kind]
 
 
-# Effective rates, not link maxima: NVLink 4 moves ~300 GB/s per direction in NCCL all-to-all on H100 (900 GB/s
-# is both directions, all links); PCIe 4.0 x16 ~20 GB/s with peer access, about half when every transfer bounces
-# through host memory; a 100 Gb/s network ~10 GB/s; gloo over loopback (CPU ranks) a few GB/s.
+# Fitted (see `tree` above): all-to-all rate on PCIe falls as (2/n)^2.25. published.fit_constants() re-derives it.
+PCIE_A2A_EXPONENT = 2.25
+# Effective rates, not link maxima, for the reference GPUs (H100 SXM, PCIe 4.0 cards): NVLink 4 moves ~300 GB/s per
+# direction in NCCL all-to-all on H100 (900 GB/s is both directions, all links); PCIe 4.0 x16 ~20 GB/s with peer
+# access, about half when every transfer bounces through host memory; a 100 Gb/s network ~10 GB/s; gloo over
+# loopback (CPU ranks) a few GB/s. `link_for` scales them to a GPU's own NVLink and PCIe generation.
 LINKS = {
     "nvlink": Interconnect("nvlink", 300, 10),
-    "pcie": Interconnect("pcie", 20, 20, tree=True),
-    "pcie-no-peer": Interconnect("pcie-no-peer", 10, 30, tree=True),
+    "pcie": Interconnect("pcie", 20, 20, tree=True, a2a_exponent=PCIE_A2A_EXPONENT),
+    "pcie-no-peer": Interconnect("pcie-no-peer", 10, 30, tree=True, a2a_exponent=PCIE_A2A_EXPONENT),
     "network": Interconnect("network", 10, 30),
     "cpu": Interconnect("cpu", 2, 50),
 }
 LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe (peer access)", "pcie-no-peer": "PCIe (no peer access)",
               "network": "network", "cpu": "gloo (CPU ranks)"}
+NVLINK_SHARE = 300 / 450   # of the datasheet per-direction rate, as the H100's 300 of 450 GB/s
+PCIE_GBS = {4: 20.0, 5: 40.0}  # per GPU with peer access, x16: about 62% of 32 / 64 GB/s per direction
+
+
+def link_for(kind: str, gpu: GPU | None) -> Interconnect:
+    """The link `kind` between GPUs of this kind: NVLink at the GPU's own rate (a GPU without NVLink, stated over
+    NVLink anyway, gets the reference rate), PCIe at its generation's."""
+    base = LINKS[kind]
+    if gpu is None:
+        return base
+    if kind == "nvlink" and gpu.nvlink_gbs:
+        return Interconnect(kind, round(gpu.nvlink_gbs / 2 * NVLINK_SHARE), base.latency_us)
+    if kind in ("pcie", "pcie-no-peer"):
+        scale = PCIE_GBS[gpu.pcie_gen] / PCIE_GBS[4]
+        return Interconnect(kind, base.bandwidth_gbs * scale, base.latency_us, tree=True,
+                            a2a_exponent=base.a2a_exponent)
+    return base
 
 
 @dataclass(frozen=True)
@@ -134,7 +195,7 @@ def stated_hardware(gpus: int, gpu_name: str, link: str, memory_gib: float | Non
         raise ValueError(f"GPU {gpu_name!r} is not in the planner's table: use one of {', '.join(GPUS)}")
     if link not in LINKS:
         raise ValueError(f"interconnect {link!r} is invalid: use one of {', '.join(LINKS)}")
-    return Hardware(device="cuda", gpus=gpus, gpu=gpu, gpu_name=gpu.name, link=LINKS[link],
+    return Hardware(device="cuda", gpus=gpus, gpu=gpu, gpu_name=gpu.name, link=link_for(link, gpu),
                     memory_gib=gpu.memory_gib if memory_gib is None else memory_gib, notes=notes)
 
 
@@ -229,4 +290,4 @@ def detect_hardware(gpus: tuple[int, ...]) -> Hardware:
         how = "nvidia-smi topo -m" if nvlink else "torch's peer-access query" + ("" if topo else ", no nvidia-smi")
         notes.append(f"link {LINK_NAMES[link]} from {how}")
     return Hardware(device="cuda", gpus=len(gpus), gpu=gpu, gpu_name=gpu.name if gpu else name,
-                    memory_gib=memory_gib, link=LINKS[link], notes=tuple(notes))
+                    memory_gib=memory_gib, link=link_for(link, gpu), notes=tuple(notes))

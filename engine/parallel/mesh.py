@@ -2,6 +2,9 @@
 
 Rank order is (dp, cfg, pipefusion, ring, ulysses) with ulysses fastest, so a Ulysses group is consecutive
 ranks (on one machine, the fastest links). Nothing else in the engine computes ranks.
+
+A plan may use fewer ranks than the engine has (the planner found fewer GPUs faster): it runs on the first
+plan.world_size ranks, and the others are idle for the job (`active` False, no group of the plan, `job_pg` None).
 """
 from __future__ import annotations
 
@@ -43,10 +46,11 @@ class Group:
 
 class Mesh:
     def __init__(self, plan: ParallelPlan, rank: int, world: int):
-        plan.check_world(world)
+        plan.check_engine(world)
         self.plan, self.rank, self.world = plan, rank, world
+        self.active = rank < plan.world_size   # this rank runs the job (the ranks past the plan's idle)
         self.shape = tuple(getattr(plan, n) for n in ORDER)
-        self.coords = dict(zip(ORDER, self._unravel(rank)))
+        self.coords = dict(zip(ORDER, self._unravel(rank))) if self.active else {}
         self.stats = CommStats()
         self.groups: dict[str, Group] = {}
         # dist.new_group is collective over the world: every rank creates every group, in the same order
@@ -60,6 +64,13 @@ class Mesh:
                 pg = dist.new_group(members) if len(members) > 1 and world > 1 else None
                 if rank in members:
                     self.groups[name] = Group(name, members, members.index(rank), pg)
+        # the ranks that run the job agree on its per-step decisions (cancel) among themselves: the whole world's
+        # group when the plan uses every rank, else a group of the first world_size ranks (None: one rank)
+        job = plan.world_size
+        self.job_pg = dist.group.WORLD if 1 < job == world else (
+            dist.new_group(list(range(job))) if 1 < job < world else None)
+        if not self.active:
+            self.job_pg = None
 
     def _unravel(self, rank: int) -> tuple[int, ...]:
         coords = []

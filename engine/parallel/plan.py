@@ -1,18 +1,23 @@
-"""The parallel plan, and the one place it is resolved and validated: `resolve_plan` turns `auto` or explicit
-degrees into a plan that runs this model and job on this many ranks, or refuses with the numbers and a plan
-that works. `auto` ranks the plans that can run by the cost model (cost.py) on the ranks' hardware (devices.py).
-The client calls it before any rank starts; the ranks only build the mesh it names."""
+"""The parallel plan and what it is weighed against: the degrees (`ParallelPlan`), the job as the planner sees it
+(`Workload`: the model's dimensions from its family, the job's shape), and the rules a plan must meet to run it
+(`plan_problems`, `candidates`, `feasible`). Choosing a plan is planner.py's; its cost, cost.py's and memory.py's."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, asdict
 
 from ..errors import PlanError
-from . import cost
-from .devices import Hardware, assumed_hardware
+from ..models.synthetic import synthetic_info
+from .pipefusion.layout import pipefusion_problems
 
 DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
 MAX_RANKS = 8
-AUTO = "auto"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2 ** 30
+AUTO = "auto"          # the fastest exact plan on up to the engine's ranks
+FASTEST = "fastest"    # the fastest plan, approximate ones (PipeFusion) included
+PLAN_MODES = (AUTO, FASTEST)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,31 @@ class ParallelPlan:
             raise PlanError(f"plan {factors} needs {self.world_size} ranks but the engine has {ranks}: "
                             f"make the product of the degrees equal the number of ranks")
 
+    def check_engine(self, ranks: int) -> None:
+        """A plan runs on the first world_size ranks of an engine with at least that many (the others idle)."""
+        if self.world_size > ranks:
+            factors = " x ".join(f"{n}={getattr(self, n)}" for n in DEGREES)
+            raise PlanError(f"plan {factors} needs {self.world_size} ranks but the engine has {ranks}: "
+                            f"make the product of the degrees at most the number of ranks")
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelPlan":
+        """Degrees as `describe` writes them or comma-separated: "ulysses4,ring2", "cfg2 x pipefusion2", "single
+        rank" / "1". Raises PlanError naming the text and what works."""
+        if text.strip().lower() in ("single rank", "single", "1"):
+            return cls()
+        words = [w for w in re.split(r"\s*,\s*|\s+x\s+|\s+", text.strip().lower()) if w]
+        degrees = {}
+        for word in words:
+            m = re.fullmatch(r"(dp|cfg|pipefusion|ulysses|ring)=?(\d+)", word.strip())
+            if m is None or m.group(1) in degrees:
+                raise PlanError(f"plan {text!r} is invalid at {word.strip()!r}: give degrees such as ulysses4,ring2 or "
+                                f"cfg2,pipefusion2 (each of {', '.join(DEGREES)} at most once)")
+            degrees[m.group(1)] = int(m.group(2))
+        if not degrees:
+            raise PlanError(f"plan {text!r} is invalid: give degrees such as ulysses4,ring2")
+        return cls(**degrees)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -79,39 +109,55 @@ class Workload:
     dtype: str = "bf16"      # compute dtype (activations)
     fp8_weights: bool = False     # weight_bytes counts fp8 matrices (the file's, or the fp8 weight option)
     compiled: bool = False   # torch.compile: the planner uses the GPU's compiled calibration when it has one
-    text_splits: bool = True  # the family's text tokens may split with the image tokens (else every rank holds them)
+    # model facts the cost model needs (from_info fills them from the model's family)
+    text_splits: bool = False     # the text tokens split with the image tokens under sequence parallel (else joint)
+    linear_width: int = 12   # weights each token meets per block, in hidden^2 (qkv 3 + out 1 + mlp 8)
+    out_features: int = 64   # velocity values per image token (latent channels x patch^2)
+    token_rows: int = 0      # image token rows (PipeFusion splits them into patches); 0: a square latent
+    # the job's steps and PipeFusion settings (its warmup steps run whole; its pipeline fills once per job)
+    steps: int = 28
+    warmup_steps: int = 1
+    patches: int | None = None    # PipeFusion patches per model call (None: one per stage)
+    pipefusion_conflict: str = ""  # why PipeFusion cannot run the job, e.g. its step cache ("": it can)
 
     @property
-    def step_tflop(self) -> float:
-        """TFLOP of one denoising step (FLUX.1-dev at 1024^2: 74.4; SD3-medium with cfg: 17.8)."""
-        return cost.rank_flops(ParallelPlan(), self)[0] / 1e12
+    def rows(self) -> int:
+        """Image token rows (a square latent's when not given)."""
+        return self.token_rows or max(1, math.isqrt(self.image_tokens))
 
     @classmethod
     def from_info(cls, info, latent_h: int, latent_w: int, *, batch: int, negative_pass: bool, text_tokens: int,
-                  dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False) -> "Workload":
+                  dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
+                  warmup_steps: int = 1, patches: int | None = None, pipefusion_conflict: str = "") -> "Workload":
         """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w."""
-        patch = info.latent_patch
+        patch, family = info.latent_patch, info.spec
         fp8 = fp8_weights or info.stored_fp8   # an fp8 file's matrices stay fp8 (models/load.py)
-        per_parameter = 1 if fp8 else cost.DTYPE_BYTES[dtype]
+        per_parameter = 1 if fp8 else DTYPE_BYTES[dtype]
         return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
                    image_tokens=(latent_h // patch) * (latent_w // patch), negative_pass=negative_pass,
                    head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=info.parameters * per_parameter,
                    block_weight_bytes=info.block_parameters * per_parameter,
-                   dtype=dtype, fp8_weights=fp8, compiled=compiled, text_splits=info.spec.text_splits)
+                   dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=latent_h // patch, steps=steps,
+                   warmup_steps=warmup_steps, patches=patches, pipefusion_conflict=pipefusion_conflict,
+                   text_splits=family.text_splits, linear_width=family.linear_width,
+                   out_features=family.latent.channels * patch * patch)
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
                     negative_pass: bool = False, text_tokens: int | None = None, dtype: str = "bf16",
-                    fp8_weights: bool = False) -> "Workload":
-        """A known variant at full size (models.tiny.REAL) and width x height pixels; text tokens default to what
-        ComfyUI's encoders give: 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3."""
-        from ..models.synthetic import synthetic_info
+                    fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
+                    warmup_steps: int = 1) -> "Workload":
+        """A known variant at full size (its family's dims) and width x height pixels; text tokens default to what
+        ComfyUI's encoders give (the family's usual count, e.g. 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3)."""
         info = synthetic_info(f"synthetic:{variant}")
         down = info.spec.latent.downscale
         return cls.from_info(info, height // down, width // down, batch=batch, negative_pass=negative_pass,
-                             text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights)
+                             text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights,
+                             compiled=compiled, steps=steps, warmup_steps=warmup_steps)
+
+
 
 
 @dataclass(frozen=True)
@@ -135,144 +181,45 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
         problems.append(f"the batch has {work.batch} images: dp {plan.dp} does not divide it")
     if plan.pipefusion > work.layers:
         problems.append(f"pipefusion {plan.pipefusion} exceeds the model's {work.layers} layers")
+    elif plan.pipefusion > 1 and work.pipefusion_conflict:
+        problems.append(f"{work.pipefusion_conflict} use ulysses, ring, cfg or dp")
+    elif plan.pipefusion > 1:
+        problems += pipefusion_problems(plan.pipefusion, work.patches or plan.pipefusion, work.warmup_steps,
+                                        work.steps, work.layers, work.rows, work.image_tokens // work.rows, sp, None)
     return problems
 
 
-def candidates(world: int) -> list[ParallelPlan]:
+def candidates(world: int, pipefusion: bool = False) -> list[ParallelPlan]:
     """Every plan for `world` ranks, simplest first (the order ties are broken in): CFG parallel (one velocity per
     step), data parallel (one velocity per step), then Ulysses (all-to-all of Q/K/V/O), then Ring (K/V passed
-    around)."""
+    around); with `pipefusion`, the PipeFusion plans and hybrids after them (approximate: stale activations)."""
     out = []
     for dp in range(1, world + 1):
         for cfg in (1, 2):
-            for ulysses in range(1, world + 1):
-                for ring in range(1, world + 1):
-                    if dp * cfg * ulysses * ring == world:
-                        out.append(ParallelPlan(dp=dp, cfg=cfg, ulysses=ulysses, ring=ring))
-    return sorted(out, key=lambda p: (-p.cfg, -p.dp, -p.ulysses, p.ring))
+            for stages in range(1, (world if pipefusion else 1) + 1):
+                for ulysses in range(1, world + 1):
+                    for ring in range(1, world + 1):
+                        if dp * cfg * stages * ulysses * ring == world:
+                            out.append(ParallelPlan(dp=dp, cfg=cfg, pipefusion=stages, ulysses=ulysses, ring=ring))
+    return sorted(out, key=lambda p: (p.pipefusion, -p.cfg, -p.dp, -p.ulysses, p.ring))
 
 
-def feasible(world: int, work: Workload) -> list[ParallelPlan]:
+def feasible(world: int, work: Workload, pipefusion: bool = False) -> list[ParallelPlan]:
     """The plans for `world` ranks that can run this workload, in `candidates` order."""
-    return [p for p in candidates(world) if not plan_problems(p, work)]
+    return [p for p in candidates(world, pipefusion) if not plan_problems(p, work)]
 
 
-def _why(plan: ParallelPlan, work: Workload) -> str:
-    parts = []
-    if plan.cfg == 2:
-        parts.append("positive and negative passes on separate ranks")
-    if plan.dp > 1:
-        parts.append(f"batch of {work.batch} split {plan.dp} ways")
-    if plan.ulysses > 1:
-        parts.append(f"{work.image_tokens} image tokens split {plan.ulysses} ways, {work.heads} heads exchanged")
-    if plan.ring > 1:
-        parts.append(f"K/V passed around a ring of {plan.ring}")
-    if plan.pipefusion > 1:
-        parts.append(f"{work.layers} blocks in {plan.pipefusion} pipelined stages, each GPU holding its own")
-    return "; ".join(parts) if parts else "one rank runs the whole job"
+def is_exact(plan: ParallelPlan, work: Workload) -> bool:
+    """The plan's result equals one GPU's (within rounding): every plan but PipeFusion after its warmup steps."""
+    return plan.pipefusion == 1 or work.warmup_steps >= work.steps
 
 
-def _fmt_estimate(e: cost.Estimate) -> str:
-    return f"est. {e.step_ms:.0f} ms/step (compute {e.compute_ms:.0f}, comm {e.comm_ms:.0f})"
+def items_per_rank(plan: ParallelPlan, work: Workload) -> int:
+    """Images x passes one rank's model call carries: its dp share, both passes unless cfg parallel splits them."""
+    return work.batch // plan.dp * (2 if work.negative_pass and plan.cfg == 1 else 1)
 
 
-def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
-    """What would bring `work` on `ranks` GPUs under `gib` per GPU: fp8 weights, an explicit PipeFusion plan (it
-    divides the blocks' weights between the GPUs), more GPUs. Empty when none of these would."""
-    helps = []
-    if work.weight_bytes and not work.fp8_weights:
-        per = cost.DTYPE_BYTES[work.dtype]
-        light = Workload(**{**asdict(work), "weight_bytes": work.weight_bytes // per,
-                            "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
-        if min(cost.memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= gib:
-            helps.append(f"fp8 weights would fit ({light.weight_bytes / cost.GiB:.1f} GiB of weights)")
-    if ranks > 1:
-        from ..models.synthetic import synthetic_info
-        from .pipefusion.layout import fit_stages
-        info = synthetic_info(f"synthetic:{work.variant}")
-        for p in range(2, min(ranks, work.layers) + 1):
-            plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
-            if plan is None or plan_problems(plan, work):
-                continue
-            counts, stage_gib, _ = fit_stages(info, plan, work, gib)
-            if counts:
-                helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
-                             f"{', '.join(f'{g:.1f}' for g in stage_gib)} GiB)")
-                break
-    more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
-                 if any(cost.memory_gib(p, work)["total"] <= gib for p in feasible(n, work))), None)
-    if more:
-        helps.append(f"{more} GPUs would fit (sequence parallel splits the activations)")
-    return helps
-
-
-def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> str:
-    """Why no plan fits the GPUs' memory, with the numbers and what would help."""
-    m = best.memory
-    helps = memory_helps(ranks, work, hw.memory_gib)
-    helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
-                 "GPUs with more memory")
-    return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
-            f"needs {m['total']:.1f} GiB ({best.plan.describe()}: weights {m['weights']:.1f}, activations "
-            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; auto's methods keep a full copy of the weights on "
-            f"every GPU); " + "; ".join(helps))
-
-
-def rank_plans(ranks: int, work: Workload, hardware: Hardware) -> list[cost.Estimate]:
-    """Every feasible plan for `ranks` GPUs with its estimate, the planner's choice first (cost.rank)."""
-    return cost.rank([cost.estimate(p, work, hardware) for p in feasible(ranks, work)])
-
-
-def _auto(ranks: int, work: Workload, hw: Hardware) -> PlanChoice:
-    plans = feasible(ranks, work)
-    if not plans:
-        raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
-                        f"{work.image_tokens} image tokens, batch {work.batch}"
-                        f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
-    if hw.device == "cpu":  # the ranks share the host's cores: no plan computes faster, so send the least
-        plan = min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
-        return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
-    ranked = rank_plans(ranks, work, hw)
-    best = ranked[0]
-    if not best.fits:
-        raise PlanError(_no_fit(ranks, work, hw, best))
-    reason = f"auto chose {best.plan.describe()} for {ranks} rank(s): {_fmt_estimate(best)} on {hw.describe()}"
-    if len(ranked) > 1:
-        nxt = ranked[1]
-        reason += f"; {nxt.plan.describe()} est. {nxt.step_ms:.0f}"
-        if nxt.fits and nxt.step_ms < best.step_ms:
-            reason += (f" (within {cost.TIE:.0%}: a tie, and {best.plan.describe()} "
-                       + ("sends less)" if best.comm_bytes < nxt.comm_bytes else "is the simpler plan)"))
-    if ranks > 1:
-        one = cost.estimate(ParallelPlan(), work, hw)
-        if one.fits and one.step_ms < best.step_ms:
-            reason += f"; 1 GPU est. {one.step_ms:.0f}: fewer GPUs would be faster"
-    return PlanChoice(best.plan, reason)
-
-
-def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload,
-                 hardware: Hardware | None = None) -> PlanChoice:
-    """The plan that runs `work` on `ranks` ranks: `auto` picks the fastest that fits by the cost model (cost.py)
-    on `hardware` (None: assumed, see devices.assumed_hardware); an explicit plan is only checked, never replaced.
-    Raises PlanError naming every problem and a plan that works for the same rank count."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
-        raise PlanError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
-    hw = hardware or assumed_hardware(ranks)
-    if isinstance(requested, str):
-        if requested != AUTO:
-            raise PlanError(f"plan={requested!r} is invalid: use 'auto' or explicit degrees")
-        return _auto(ranks, work, hw)
-    if not isinstance(requested, ParallelPlan):
-        raise PlanError(f"plan={requested!r} is invalid: use 'auto' or a ParallelPlan")
-    requested.check_world(ranks)
-    problems = plan_problems(requested, work)
-    if problems:
-        try:
-            hint = f"; try {_auto(ranks, work, hw).plan.describe()}"
-        except PlanError:
-            hint = f"; no plan for this job fits {ranks} ranks: change the rank count"
-        raise PlanError(f"plan {requested.describe()} cannot run this job: " + "; ".join(problems) + hint)
-    reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
-    if hw.device != "cpu":
-        reason += f"; {_fmt_estimate(cost.estimate(requested, work, hw))} on {hw.describe()}"
-    return PlanChoice(requested, reason)
+def text_split(plan: ParallelPlan, work: Workload) -> bool:
+    """The text splits with the image when the model does so (Workload.text_splits) and the degree divides it;
+    PipeFusion keeps it joint (it travels with patch 0)."""
+    return work.text_splits and plan.pipefusion == 1 and work.text_tokens % (plan.ulysses * plan.ring) == 0

@@ -57,6 +57,9 @@ class JobContext:
         self.device: torch.device = runtime.device
         self.cache: dict = runtime.cache  # lives as long as the rank: loaded models stay between jobs
         self.info: dict = {}
+        # who agrees on cancelling: every rank, until the job's mesh says the plan runs on fewer (`mesh`)
+        self.job_world: int = self.world
+        self.job_group = self.group
 
     def mesh(self, plan):
         """The rank mesh for `plan`, built once per plan (a collective: every rank builds the same groups), its byte
@@ -66,8 +69,13 @@ class JobContext:
         meshes = self.cache.setdefault("meshes", {})
         if plan not in meshes:
             meshes[plan] = Mesh(plan, self.rank, self.world)
-        meshes[plan].stats.reset()
-        return meshes[plan]
+        mesh = meshes[plan]
+        mesh.stats.reset()
+        if mesh.active:   # only the ranks that run the job enter its per-step collectives
+            self.job_world, self.job_group = plan.world_size, mesh.job_pg
+        else:
+            self.info["idle"] = True
+        return mesh
 
     def reset_peak_memory(self) -> None:
         """The next memory() reports this job's peak, not the process's."""
@@ -115,13 +123,13 @@ class JobContext:
         self._rt.answer_call(self.job_id, call, outputs, info)
 
     def check_cancel(self, step: int) -> None:
-        """Raise on every rank at once if the client asked any rank to cancel (agreed by all_reduce MAX,
-        so no rank leaves a collective the others still wait in)."""
+        """Raise on every rank of the job at once if the client asked any of them to cancel (agreed by all_reduce
+        MAX among the ranks that run the job, so no rank leaves a collective the others still wait in)."""
         self._rt.step = step
         flag = int(self._rt.cancel_job_id == self.job_id)
-        if self.world > 1:
+        if self.job_world > 1:
             t = torch.tensor([flag], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.job_group)
             flag = int(t.item())
         if flag:
             raise JobCancelledSignal(step)
@@ -211,5 +219,7 @@ def comm_probe(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     from ..parallel.comm import probe_step
     from ..parallel.plan import ParallelPlan
 
-    ctx.info["sent"] = probe_step(ctx.mesh(ParallelPlan.from_dict(spec["plan"])), spec)
+    mesh = ctx.mesh(ParallelPlan.from_dict(spec["plan"]))
+    if mesh.active:   # a plan on fewer ranks than the engine: the others idle
+        ctx.info["sent"] = probe_step(mesh, spec)
     return None

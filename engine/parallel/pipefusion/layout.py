@@ -1,7 +1,7 @@
 """PipeFusion's planning half: the layout every rank of a job derives (patches, stages, which tokens a rank holds),
-the split of the blocks into stages (balanced by compute, or fitted to the GPUs' memory), what a stage holds, and the
-bytes stages send one another. The client checks a job with it before launch; the planner prices plans with it.
-Nothing here runs a model: the rank half is pipefusion/pipeline.py."""
+the split of the blocks into stages balanced by compute, which weights a stage holds, and the bytes stages send one
+another. The client checks a job with it before launch; the planner prices plans with it (what a stage needs in memory
+is memory.py's). Nothing here runs a model: the rank half is pipefusion/pipeline.py."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from ...models.load import build_empty
-from .. import cost
 
 HEADER = 6  # floats of a message header: kind, band (-1: the whole latent), sigma, warm, steps done, cancelled
 
@@ -205,55 +204,6 @@ def layout_problems(info, plan, latent_h: int, latent_w: int, patches: int | Non
     return pipefusion_problems(plan.pipefusion, patches or plan.pipefusion, warmup, steps, info.layers, latent_h // p,
                                latent_w // p, plan.ulysses * plan.ring,
                                tuple(stage_blocks) if stage_blocks else None)
-
-
-def stage_memory(info, plan, work) -> tuple:
-    """What a stage holds, in bytes: (per block: weights + its layers' K/V buffers, per stage: the embedders or final
-    layer it holds plus the activations and runtime every stage has)."""
-    model = meta_model(info)
-    held = info.spec.stage_params
-    per_parameter = work.weight_bytes / max(1, info.parameters)
-    sp = plan.ulysses * plan.ring
-    forward = cost.items_per_rank(plan, work)
-    kv = 2 * forward * (work.image_tokens + work.text_tokens) / sp * work.heads * work.head_dim \
-        * cost.DTYPE_BYTES[work.dtype]
-    blocks = []
-    for name in block_lists(info):
-        for block in model.get_submodule(name):
-            attentions = 2 if getattr(block, "attn2", None) is not None else 1
-            blocks.append(sum(p.numel() for p in block.parameters()) * per_parameter + attentions * kv)
-
-    def params(prefixes):
-        return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes)) * per_parameter
-    m = cost.memory_gib(plan, work)
-    base = (m["activations"] + m["runtime"]) * cost.GiB + params(held.every)
-    extras = [base] * plan.pipefusion
-    extras[0] += params(held.first)
-    extras[-1] += params(held.last)
-    return blocks, extras
-
-
-def fit_stages(info, plan, work, memory_gib: float):
-    """The compute-balanced split if every stage fits `memory_gib`, else the most compute-balanced split that fits:
-    (blocks per stage or None, GiB per stage of that split or of the compute-balanced one, whether the split is the
-    compute-balanced one)."""
-    costs = reference_costs(info)
-    blocks, extras = stage_memory(info, plan, work)
-    prefix = [0.0]
-    for b in blocks:
-        prefix.append(prefix[-1] + b)
-
-    def need(stage, start, end):
-        return (extras[stage] + prefix[end] - prefix[start]) / cost.GiB
-
-    def gib(counts):
-        edges = [sum(counts[:k]) for k in range(len(counts) + 1)]
-        return [need(k, edges[k], edges[k + 1]) for k in range(len(counts))]
-    balanced = balanced_split(costs, plan.pipefusion)
-    if max(gib(balanced)) <= memory_gib:
-        return balanced, gib(balanced), True
-    fitted = balanced_split(costs, plan.pipefusion, lambda st, a, b: need(st, a, b) <= memory_gib)
-    return fitted, gib(fitted if fitted else balanced), False
 
 
 def stage_blocks_named(info, layout: Layout, stage: int) -> tuple:

@@ -1,0 +1,222 @@
+"""The one place a plan is resolved and validated: `resolve_plan` turns `auto` (or `fastest`) or explicit degrees into
+a plan that runs this model and job on this many ranks, or refuses with the numbers and a plan that works. `auto`
+ranks the plans that can run by the cost model (cost.py, memory.py) on the ranks' hardware (devices.py), on every
+number of ranks up to the engine's: when fewer GPUs are faster the job runs on the first of them and the others idle.
+It picks among exact plans (the result equals one GPU's); PipeFusion, whose patches see the previous step's
+activations, only when approximate plans are allowed (`fastest`) or no exact plan fits the GPUs' memory. The client
+calls it before any rank starts; the ranks only build the mesh it names."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..errors import PlanError
+from ..models.synthetic import synthetic_info
+from . import cost
+from .devices import Hardware, assumed_hardware
+from .memory import fit_stages, memory_gib
+from .plan import (DTYPE_BYTES, FASTEST, MAX_RANKS, PLAN_MODES, GiB, ParallelPlan, PlanChoice, Workload, feasible,
+                   plan_problems)
+
+
+def _why(plan: ParallelPlan, work: Workload) -> str:
+    parts = []
+    if plan.cfg == 2:
+        parts.append("positive and negative passes on separate ranks")
+    if plan.dp > 1:
+        parts.append(f"batch of {work.batch} split {plan.dp} ways")
+    if plan.ulysses > 1:
+        parts.append(f"{work.image_tokens} image tokens split {plan.ulysses} ways, {work.heads} heads exchanged")
+    if plan.ring > 1:
+        parts.append(f"K/V passed around a ring of {plan.ring}")
+    if plan.pipefusion > 1:
+        parts.append(f"{work.layers} blocks in {plan.pipefusion} pipelined stages, each GPU holding its own")
+    return "; ".join(parts) if parts else "one rank runs the whole job"
+
+
+def _fmt_estimate(e: cost.Estimate) -> str:
+    return (f"est. {e.step_ms:.0f} ms/step, {e.s_per_image:.2f} s/image (compute {e.compute_ms:.0f}, comm "
+            f"{e.comm_ms:.0f}, host {e.host_ms:.0f})")
+
+
+def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
+    """What would bring `work` on `ranks` GPUs under `gib` per GPU: fp8 weights, an explicit PipeFusion plan (it
+    divides the blocks' weights between the GPUs), more GPUs. Empty when none of these would."""
+    helps = []
+    if work.weight_bytes and not work.fp8_weights:
+        per = DTYPE_BYTES[work.dtype]
+        light = Workload(**{**asdict(work), "weight_bytes": work.weight_bytes // per,
+                            "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
+        if min(memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= gib:
+            helps.append(f"fp8 weights would fit ({light.weight_bytes / GiB:.1f} GiB of weights)")
+    if ranks > 1:
+        info = synthetic_info(f"synthetic:{work.variant}")
+        for p in range(2, min(ranks, work.layers) + 1):
+            plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
+            if plan is None or plan_problems(plan, work):
+                continue
+            counts, stage_gib, _ = fit_stages(info, plan, work, gib)
+            if counts:
+                helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
+                             f"{', '.join(f'{g:.1f}' for g in stage_gib)} GiB)")
+                break
+    more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
+                 if any(memory_gib(p, work)["total"] <= gib for p in feasible(n, work))), None)
+    if more:
+        helps.append(f"{more} GPUs would fit (sequence parallel splits the activations)")
+    return helps
+
+
+def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> str:
+    """Why no plan fits the GPUs' memory, with the numbers and what would help."""
+    m = best.memory
+    helps = memory_helps(ranks, work, hw.memory_gib)
+    helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
+                 "GPUs with more memory")
+    return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
+            f"needs {m['total']:.1f} GiB ({best.plan.describe()}: weights {m['weights']:.1f}, activations "
+            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; sequence, CFG and data parallel keep a full copy of "
+            f"the weights on every GPU, and no PipeFusion split of the blocks fits either); " + "; ".join(helps))
+
+
+def rank_plans(ranks: int, work: Workload, hardware: Hardware, pipefusion: bool = False) -> list[cost.Estimate]:
+    """Every feasible plan for `ranks` GPUs with its estimate, the planner's choice first (cost.rank)."""
+    return cost.rank([cost.estimate(p, work, hardware) for p in feasible(ranks, work, pipefusion)])
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Every plan auto weighs for an engine of `ranks` GPUs, on every rank count up to it, and its choice."""
+    ranks: int
+    estimates: list          # cost.Estimate of every feasible plan on 1..ranks GPUs, fewer ranks first
+    chosen: cost.Estimate | None   # None: nothing fits the GPUs' memory
+    pool: str                # "exact" | "approximate allowed" | "no exact plan fits"
+
+    def best_on(self, k: int, exact_only: bool = False) -> cost.Estimate | None:
+        own = [e for e in self.estimates if e.ranks == k and e.fits and (e.exact or not exact_only)]
+        return min(own, key=lambda e: e.job_ms) if own else None
+
+
+FEWER_RANKS_TIE = 0.02   # rank counts whose best estimates are this close are equal: the fewer GPUs win
+
+
+def pick(estimates: list[cost.Estimate], approximate: bool = False) -> tuple[cost.Estimate | None, str]:
+    """auto's choice among estimates of plans on any rank counts, and which plans it chose among: the exact plans
+    that fit ("exact"), all that fit when `approximate` ("approximate allowed"), all that fit when no exact plan does
+    ("no exact plan fits"). The rank count: the fastest (fewer GPUs when within FEWER_RANKS_TIE), so never a plan
+    slower than fewer GPUs; on it, among the plans within TIE of its fastest and no slower than any fewer GPUs'
+    fastest: the exact one, then the one that sends least, then the earliest (simplest)."""
+    fitting = [e for e in estimates if e.fits]
+    pool, label = [e for e in fitting if e.exact], "exact"
+    if approximate:
+        pool, label = fitting, "approximate allowed"
+    elif not pool:
+        pool, label = fitting, "no exact plan fits"
+    if not pool:
+        return None, label
+    order = {id(e): i for i, e in enumerate(estimates)}
+    fastest = {}
+    for e in pool:
+        fastest[e.ranks] = min(fastest.get(e.ranks, math.inf), e.job_ms)
+    overall = min(fastest.values())
+    k = min(n for n, t in fastest.items() if t <= overall * (1 + FEWER_RANKS_TIE))
+    cap = min((t for n, t in fastest.items() if n < k), default=math.inf)
+    ties = [e for e in pool if e.ranks == k and e.job_ms <= min(fastest[k] * (1 + cost.TIE), cap)]
+    return min(ties, key=lambda e: (not e.exact, e.comm_bytes, order[id(e)])), label
+
+
+def survey(ranks: int, work: Workload, hw: Hardware, approximate: bool = False, *, code: cost.Code | None = None,
+           one_gpu_ms: float | None = None, pipefusion: bool | None = None) -> Survey:
+    """The cost model on every feasible plan of 1..ranks GPUs, and the one auto picks (`pick`). PipeFusion plans and
+    hybrids are estimated when they may be picked (approximate plans allowed, or no exact plan fits) or when
+    `pipefusion` asks for them (True) or not (False). code, one_gpu_ms: as cost.estimate takes them (the validation
+    against published runs passes xDiT's code and its one-GPU time)."""
+    def estimates_of(plans):
+        return [cost.estimate(p, work, hw, code=code, one_gpu_ms=one_gpu_ms) for p in plans]
+    estimates = estimates_of(p for k in range(1, ranks + 1) for p in feasible(k, work))
+    if pipefusion or (pipefusion is None and (approximate or not any(e.fits for e in estimates))):
+        estimates += estimates_of(p for k in range(2, ranks + 1) for p in feasible(k, work, pipefusion=True)
+                                  if p.pipefusion > 1)
+        estimates.sort(key=lambda e: e.ranks)   # stable: each rank count's plans stay in candidates order
+    chosen, label = pick(estimates, approximate)
+    return Survey(ranks, estimates, chosen, label)
+
+
+def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -> PlanChoice:
+    if hw.device == "cpu":  # the ranks share the host's cores: no plan computes faster, so send the least
+        plans = feasible(ranks, work)
+        if not plans:
+            raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
+                            f"{work.image_tokens} image tokens, batch {work.batch}"
+                            f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
+        plan = min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
+        return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
+    found = survey(ranks, work, hw, approximate)
+    best = found.chosen
+    if best is None:
+        raise PlanError(_no_fit(ranks, work, hw, min(found.estimates, key=lambda e: e.memory["total"])))
+    k = best.ranks
+    where = f"for {ranks} rank(s)" if k == ranks else f"on {k} of {ranks} ranks (the other {ranks - k} idle)"
+    reason = f"auto chose {best.plan.describe()} {where}: {_fmt_estimate(best)} on {hw.describe()}"
+    same = sorted((e for e in found.estimates if e.ranks == k and e.fits and e is not best
+                   and (e.exact or found.pool != "exact")), key=lambda e: e.job_ms)
+    if same:
+        nxt = same[0]
+        reason += f"; {nxt.plan.describe()} est. {nxt.step_ms:.0f}"
+        if nxt.job_ms < best.job_ms:
+            why = ("is exact" if best.exact and not nxt.exact else "sends less" if best.comm_bytes < nxt.comm_bytes
+                   else "is the simpler plan")
+            reason += f" (within {cost.TIE:.0%}: a tie, and {best.plan.describe()} {why})"
+    if k < ranks:
+        full = found.best_on(ranks, exact_only=found.pool == "exact")
+        faster = "as fast on fewer GPUs" if full and full.job_ms <= best.job_ms * (1 + FEWER_RANKS_TIE) else \
+            "fewer GPUs are faster"
+        reason += (f"; on all {ranks} the best is {full.plan.describe()} est. {full.step_ms:.0f} ms/step, "
+                   f"{full.s_per_image:.2f} s/image: {faster}" if full else
+                   f"; no plan of {ranks} ranks runs this job and fits")
+    elif ranks > 1:
+        fewer = [found.best_on(n, exact_only=found.pool == "exact") for n in range(1, ranks)]
+        fewer = [e for e in fewer if e is not None]
+        if fewer:
+            near = min(fewer, key=lambda e: e.job_ms)
+            reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
+    if not best.exact:
+        warm = min(work.warmup_steps, work.steps)
+        reason += (f"; PipeFusion is approximate (after {warm} warmup step(s) its patches see the previous step's "
+                   f"activations), chosen because "
+                   + ("approximate plans are allowed (plan fastest)" if found.pool == "approximate allowed" else
+                      f"no exact plan fits {hw.memory_gib:.0f} GiB per GPU"))
+    return PlanChoice(best.plan, reason)
+
+
+def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload, hardware: Hardware | None = None, *,
+                 approximate: bool = False) -> PlanChoice:
+    """The plan that runs `work` on an engine of `ranks` ranks: `auto` picks the fastest exact plan that fits by the
+    cost model (cost.py) on `hardware` (None: assumed, see devices.assumed_hardware), on the first k <= ranks ranks
+    when fewer GPUs are faster; `fastest` (or approximate=True) lets it pick PipeFusion too. An explicit plan is only
+    checked, never replaced, and needs exactly `ranks` ranks. Raises PlanError naming every problem and a plan that
+    works for the same rank count."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise PlanError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
+    hw = hardware or assumed_hardware(ranks)
+    if isinstance(requested, str):
+        if requested not in PLAN_MODES:
+            raise PlanError(f"plan={requested!r} is invalid: use 'auto', 'fastest' or explicit degrees")
+        return _auto(ranks, work, hw, approximate or requested == FASTEST)
+    if not isinstance(requested, ParallelPlan):
+        raise PlanError(f"plan={requested!r} is invalid: use 'auto', 'fastest' or a ParallelPlan")
+    requested.check_world(ranks)
+    problems = plan_problems(requested, work)
+    if problems:
+        plans = feasible(ranks, work)
+        if not plans:
+            hint = f"; no plan for this job fits {ranks} ranks: change the rank count"
+        elif hw.device == "cpu":
+            hint = f"; try {_auto(ranks, work, hw).plan.describe()}"
+        else:
+            hint = f"; try {rank_plans(ranks, work, hw)[0].plan.describe()}"
+        raise PlanError(f"plan {requested.describe()} cannot run this job: " + "; ".join(problems) + hint)
+    reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
+    if hw.device != "cpu":
+        reason += f"; {_fmt_estimate(cost.estimate(requested, work, hw))} on {hw.describe()}"
+    return PlanChoice(requested, reason)
