@@ -298,13 +298,13 @@ class GenerateRequest:
     def _check_pipefusion(self, info, plan: ParallelPlan, latent_h: int, latent_w: int) -> None:
         """The PipeFusion settings against the plan and the job's shapes (parallel/pipefusion.py), before launch."""
         from ..errors import PlanError
-        from ..parallel.pipefusion import layout_problems
         if plan.pipefusion == 1:
             given = [f"{n}={getattr(self, n)!r}" for n in ("patches", "stage_blocks") if getattr(self, n) is not None]
             if given:
                 raise PlanError(f"{', '.join(given)} only apply with pipefusion >= 2; the plan is {plan.describe()}: "
                                 f"set pipefusion or leave them unset")
             return
+        from ..parallel.pipefusion import layout_problems   # with the rank-side stack: only for PipeFusion plans
         problems = layout_problems(info, plan, latent_h, latent_w, self.patches, self.warmup_steps, self.steps,
                                    self.stage_blocks)
         if self.cache_threshold is not None:
