@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..engine.generate.request import GenerateRequest
+from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import ATTENTION, CUDA_ONLY
 from ..engine.parallel.devices import hardware_for
@@ -244,7 +244,7 @@ class EngineSettings:
     def compute_dtype(self) -> str:
         if self.weight_dtype in ("bf16", "fp16"):
             return self.weight_dtype
-        return "fp32" if self.device == "cpu" else "bf16"
+        return default_dtype(self.device)
 
 
 @dataclass

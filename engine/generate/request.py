@@ -22,6 +22,12 @@ SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
 FINITE_CHUNK = 1 << 22      # elements checked for NaN/inf at a time (the check's own memory stays small)
 
 
+def default_dtype(device: str) -> str:
+    """The compute dtype when none is given, the same for generate, bench, the nodes and plan: bf16 on GPUs (what
+    FLUX and SD3 are released in; fp32 doubles the weights), fp32 on CPU ranks (CPUs add bf16 slowly)."""
+    return "bf16" if device == "cuda" else "fp32"
+
+
 def host_memory_gib() -> float | None:
     """The host's RAM in GiB (MemTotal of /proc/meminfo, else sysconf), None when neither says."""
     try:
@@ -385,19 +391,19 @@ class GenerateRequest:
             raise ValueError(f"batch_index={self.batch_index!r} is invalid: use a list of non-negative integers")
 
     def _check_loras(self, info) -> None:
-        from ..models.load import diffusers_keys
+        from ..models.load import build_empty
         from ..models.lora import check_lora
 
         if self.model.startswith("synthetic:"):
             raise ValueError(f"LoRAs need a model file; {self.model} has random weights")
-        keys = diffusers_keys(info)
+        shapes = {k: tuple(v.shape) for k, v in build_empty(info).state_dict().items()}   # meta: no memory
         for entry in self.loras:
             path, strength = entry
             if not os.path.isfile(path):
                 raise ValueError(f"LoRA file {path!r} does not exist")
             if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
                 raise ValueError(f"LoRA strength {strength!r} for {path} is not a finite number")
-            check_lora(path, info, keys)
+            check_lora(path, info, set(shapes), shapes)
 
     @staticmethod
     def _check_side(name, cond, pooled, info, batch) -> None:
@@ -416,7 +422,8 @@ class GenerateRequest:
                              f"{info.variant} takes [batch, {pooled_dim}]")
         for t, what in ((cond, name), (pooled, pooled_name)):
             if t.shape[0] not in (1, batch):
-                raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give 1 or {batch}")
+                raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give {what} a batch of "
+                                 f"{'1' if batch == 1 else f'1 or {batch}'}")
 
     @staticmethod
     def _check_references(name, refs, info, batch) -> None:
