@@ -7,17 +7,15 @@ behaviour. Prompts made of only a release's inputs go through a mirror of ComfyU
 starts here (the run with a first-release prompt is in tests/test_nodes.py and, in a real ComfyUI, in
 tests/test_comfyui_live.py)."""
 import importlib
-import json
-import os
 
 import pytest
 
 import comfyui_stock_nodes as stock
-from conftest import PACK_NAME, ROOT, load_pack
+from conftest import PACK_NAME, load_pack
 
-RELEASED = json.load(open(os.path.join(ROOT, "tests", "released_inputs.json")))["releases"]
+from released_prompts import RELEASED, WIDGETS, release_prompt
+
 FIRST = RELEASED[0]
-WIDGETS = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
 MODEL, LORA = "flux1-dev.safetensors", "style.safetensors"
 
 
@@ -147,55 +145,9 @@ def validate(prompt: dict, defs: dict) -> dict:
     return errors
 
 
-def released_value(node_id: str, name: str, entry: dict):
-    """What a prompt saved with that release holds for a widget: the release's default (files: one that exists)."""
-    if name == "model_name":
-        return MODEL
-    if name == "lora_name":
-        return LORA
-    if node_id == "XDiTEngine" and name == "gpus":
-        return "0"
-    return entry["default"]
-
-
-def release_prompt(release: dict) -> dict:
-    """A FLUX.1-dev API prompt (as File > Export (API) saves it) whose xDiT nodes carry exactly that release's inputs:
-    text encoders, FluxGuidance and the empty latent feed the sampler, the LoRA (when released) sits between the
-    engine and the sampler, the Info node reports after it, and the guider (when released) is an output's input."""
-    nodes = release["nodes"]
-    prompt = {
-        "1": {"class_type": "DualCLIPLoader", "inputs": {"clip_name1": "t5xxl_fp16.safetensors",
-                                                         "clip_name2": "clip_l.safetensors", "type": "flux"}},
-        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse", "clip": ["1", 0]}},
-        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 0]}},
-        "4": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["2", 0], "guidance": 3.5}},
-        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
-        "6": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}},
-    }
-    links = {"XDiTEngine": {}, "XDiTLoRA": {"engine": ["10", 0]},
-             "XDiTSampler": {"engine": ["11", 0] if "XDiTLoRA" in nodes else ["10", 0], "positive": ["4", 0],
-                             "negative": ["3", 0], "latent_image": ["5", 0]},
-             "XDiTEngineInfo": {"engine": ["10", 0], "after": ["12", 0]},
-             "XDiTGuider": {"engine": ["10", 0], "positive": ["4", 0], "negative": ["3", 0]}}
-    ids = {"XDiTEngine": "10", "XDiTLoRA": "11", "XDiTSampler": "12", "XDiTEngineInfo": "13", "XDiTGuider": "14"}
-    for node_id, node in nodes.items():
-        inputs = {}
-        for name, entry in node["inputs"].items():
-            if name in links[node_id]:
-                inputs[name] = links[node_id][name]
-            elif entry["type"] in WIDGETS:
-                inputs[name] = released_value(node_id, name, entry)
-            elif node_id == "XDiTGuider" and name == "model":
-                continue   # an optional MODEL: left unconnected
-        prompt[ids[node_id]] = {"class_type": node_id, "inputs": inputs}
-    prompt["15"] = {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["6", 0]}}
-    prompt["16"] = {"class_type": "SaveImage", "inputs": {"images": ["15", 0], "filename_prefix": "ComfyUI"}}
-    return prompt
-
-
 @pytest.mark.parametrize("release", RELEASED, ids=release_id)
 def test_a_prompt_with_only_a_released_input_set_passes_validation(core, release):
-    prompt = release_prompt(release)
+    prompt = release_prompt(release, MODEL, LORA)
     assert set(prompt["10"]["inputs"]) == set(release["nodes"]["XDiTEngine"]["inputs"])  # no later input in it
     errors = validate(prompt, definitions(core))
     print(f"{release_id(release)}: {len(prompt)} nodes, errors {errors}")
@@ -205,7 +157,7 @@ def test_a_prompt_with_only_a_released_input_set_passes_validation(core, release
 def test_the_first_release_prompt_fails_the_same_validation_when_later_inputs_are_required(core):
     """The check above would catch the regression: with every input required (as before this rule), ComfyUI answers
     "Required input is missing" for each input added since the first release."""
-    errors = validate(release_prompt(FIRST), definitions(core, engine_all_required=True))
+    errors = validate(release_prompt(FIRST, MODEL, LORA), definitions(core, engine_all_required=True))
     print(errors)
     added = [f.name for f in core.engine_spec([MODEL]).inputs if f.name not in FIRST["nodes"]["XDiTEngine"]["inputs"]]
     assert errors == {"10": [f"Required input is missing: {name}" for name in added]}
@@ -214,7 +166,7 @@ def test_the_first_release_prompt_fails_the_same_validation_when_later_inputs_ar
 
 def test_the_validation_mirror_refuses_what_comfyui_refuses(core):
     defs = definitions(core)
-    prompt = release_prompt(RELEASED[-1])
+    prompt = release_prompt(RELEASED[-1], MODEL, LORA)
     prompt["12"]["inputs"]["positive"] = ["5", 0]        # a LATENT into a CONDITIONING input
     prompt["12"]["inputs"]["steps"] = 0                  # below min
     prompt["12"]["inputs"]["sampler_name"] = "no_such"   # not an option
