@@ -47,6 +47,7 @@ def setup(tmp_path_factory):
     return {"dir": d, "models": models, "packs": packs, "env": env}
 
 
+@pytest.mark.timeout(700)
 def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_folders(setup):
     out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_check.py"), COMFYUI, str(setup["packs"]),
                           str(setup["models"])], capture_output=True, text=True, timeout=600, env=setup["env"])
@@ -148,6 +149,7 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
             server.kill()
 
 
+@pytest.mark.timeout(1300)   # every sampler name, twice, through ComfyUI's sampler on CPU ranks: minutes
 def test_sampler_custom_advanced_with_the_xdit_guider_equals_comfyui_own_guiders(setup):
     """SamplerCustomAdvanced + RandomNoise + KSamplerSelect + BasicScheduler + SplitSigmas, with BasicGuider (FLUX) or
     CFGGuider (SD3) on ComfyUI's own model vs the xDiT Guider on 1 and 2 ranks; then every KSamplerSelect name."""
