@@ -75,10 +75,10 @@ CASES = {
     "gen-seed-not-int": (GEN + ["--seed", "abc"], r"argument --seed: 'abc' is not an integer"),
     "gen-steps-0": (GEN + ["--steps", "0"], r"argument --steps: 0 is invalid: use an integer from 1 to 10000"),
     "gen-steps-negative": (GEN + ["--steps", "-3"], r"argument --steps: -3 is invalid"),
-    "gen-width-not-16": (GEN + ["--width", "120"], r"argument --width: 120 is invalid: use a multiple of 16 pixels "
-                                                   r"from 16 to 16384, e.g. 128$"),
-    "gen-width-too-large": (GEN + ["--width", "99999"], r"argument --width: 99999 is invalid: use a multiple of 16 "
-                                                        r"pixels from 16 to 16384, e.g. 16384$"),
+    "gen-width-not-16": (GEN + ["--width", "120"], r"argument --width: 120 is invalid: use a positive multiple of 16 "
+                                                   r"pixels up to 16384, e.g. 128$"),
+    "gen-width-too-large": (GEN + ["--width", "99999"], r"argument --width: 99999 is invalid: use a positive multiple "
+                                                        r"of 16 pixels up to 16384, e.g. 16384$"),
     "gen-width-0": (GEN + ["--width", "0"], r"argument --width: 0 is invalid"),
     "gen-height-negative": (GEN + ["--height", "-64"], r"argument --height: -64 is invalid"),
     "gen-batch-0": (GEN + ["--batch", "0"], r"argument --batch: 0 is invalid: use an integer >= 1"),

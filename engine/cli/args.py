@@ -90,7 +90,7 @@ def pixels(text: str) -> int:
     """An image side in pixels: FLUX packs 2x2 latent patches of 8 px, so a multiple of 16, up to MAX_PIXELS."""
     value = integer(text)
     if value < 16 or value % 16 or value > MAX_PIXELS:
-        raise ArgumentTypeError(f"{text} is invalid: use a multiple of 16 pixels from 16 to {MAX_PIXELS}, e.g. "
+        raise ArgumentTypeError(f"{text} is invalid: use a positive multiple of 16 pixels up to {MAX_PIXELS}, e.g. "
                                 f"{min(MAX_PIXELS, max(16, round(value / 16) * 16))}")
     return value
 
