@@ -8,6 +8,7 @@ import sys
 
 comfyui, pack_parent, models = sys.argv[1:4]
 sys.argv = ["main.py", "--cpu"]
+from released_prompts import RELEASED, TEXT_ENCODERS, VAE, release_prompt  # noqa: E402 (tests/, this file's folder)
 sys.path.insert(0, comfyui)
 os.chdir(comfyui)
 import torch  # noqa: E402
@@ -15,26 +16,42 @@ import comfy.options  # noqa: E402
 comfy.options.enable_args_parsing()
 import comfy.model_management as mm  # noqa: E402
 import comfy.utils  # noqa: E402
+import execution  # noqa: E402
 import folder_paths  # noqa: E402
 import nodes  # noqa: E402
 
-folder_paths.add_model_folder_path("diffusion_models", os.path.join(models, "diffusion_models"))
-folder_paths.add_model_folder_path("loras", os.path.join(models, "loras"))
+for folder in ("diffusion_models", "loras", "text_encoders", "vae"):
+    folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
 folder_paths.add_model_folder_path("custom_nodes", pack_parent)
 asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
 report = {"registered": {n: nodes.NODE_DISPLAY_NAME_MAPPINGS.get(n) for n in nodes.NODE_CLASS_MAPPINGS
                          if n.startswith("XDiT")}}
 E, L, S, I = (nodes.NODE_CLASS_MAPPINGS[n] for n in ("XDiTEngine", "XDiTLoRA", "XDiTSampler", "XDiTEngineInfo"))
 report["sampler_inputs"] = list(S.INPUT_TYPES()["required"])
+report["engine_inputs"] = {kind: list(E.INPUT_TYPES().get(kind, {})) for kind in ("required", "optional")}
+
+# A prompt saved with each released version: ComfyUI's own validation (what POST /prompt runs) of a whole FLUX graph
+# (the text encoder and VAE names exist as files; nothing here loads them)
+assert set(TEXT_ENCODERS) <= set(folder_paths.get_filename_list("text_encoders")) and \
+    VAE in folder_paths.get_filename_list("vae")
+report["released_prompts"] = {}
+for release in RELEASED:
+    prompt = release_prompt(release, "tiny-flux-dev.safetensors", "tiny-lora.safetensors", custom_sampler=True)
+    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt("check", prompt, None))
+    report["released_prompts"][release["commit"][:7]] = {"valid": valid, "error": error, "node_errors": node_errors,
+                                                         "nodes": sorted({n["class_type"] for n in prompt.values()})}
 
 
 def run(cls, **kw):
     return cls.EXECUTE_NORMALIZED(**kw).args
 
 
+# The first release's engine inputs, and only those (ComfyUI passes no value for an input a saved prompt lacks)
+first = {name: entry.get("default") for name, entry in RELEASED[0]["nodes"]["XDiTEngine"]["inputs"].items()}
+first.update(model_name="tiny-flux-dev.safetensors", gpus="0,1", timeout_s=600)
+report["first_release_engine_inputs"] = sorted(first)
 g = torch.Generator().manual_seed(0)
-engine = run(E, model_name="tiny-flux-dev.safetensors", family="auto", weight_dtype="default", gpus="0,1", plan="auto",
-             ulysses=1, ring=1, cfg_parallel=False, dp=1, timeout_s=600)[0]
+engine = run(E, **first)[0]
 engine = run(L, engine=engine, lora_name="tiny-lora.safetensors", strength_model=0.5)[0]
 cond = [[torch.randn(1, 24, 4096, generator=g), {"pooled_output": torch.randn(1, 768, generator=g), "guidance": 3.5}]]
 job = dict(engine=engine, seed=1, cfg=1.0, sampler_name="euler", scheduler="simple", positive=cond, negative=cond,

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from engine.models.tiny import write_tiny
 
 from conftest import ROOT
+from released_prompts import RELEASED, TEXT_ENCODERS, VAE
 
 COMFYUI = os.environ.get("COMFYUI_PATH")
 PYTHON = os.environ.get("COMFYUI_PYTHON", sys.executable)
@@ -27,8 +28,10 @@ pytestmark = pytest.mark.skipif(not COMFYUI, reason="COMFYUI_PATH is not set: no
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("comfy")
     models = d / "models"
-    (models / "diffusion_models").mkdir(parents=True)
-    (models / "loras").mkdir()
+    for folder in ("diffusion_models", "loras", "text_encoders", "vae"):
+        (models / folder).mkdir(parents=True)
+    for name in TEXT_ENCODERS + (VAE,):   # names a saved prompt refers to; only validated, never loaded
+        (models / ("vae" if name == VAE else "text_encoders") / name).write_bytes(b"")
     shutil.copy(write_tiny("flux", str(d)), models / "diffusion_models" / "tiny-flux-dev.safetensors")
     g = torch.Generator().manual_seed(0)
     save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(2, 128, generator=g) * 0.1,
@@ -44,6 +47,7 @@ def setup(tmp_path_factory):
     return {"dir": d, "models": models, "packs": packs, "env": env}
 
 
+@pytest.mark.timeout(700)
 def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_folders(setup):
     out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_check.py"), COMFYUI, str(setup["packs"]),
                           str(setup["models"])], capture_output=True, text=True, timeout=600, env=setup["env"])
@@ -51,10 +55,19 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     assert line, out.stdout[-2000:] + out.stderr[-4000:]
     report = json.loads(line[len("REPORT "):])
     print(json.dumps(report, indent=1))
-    assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA",
+    assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA", "XDiTGuider": "xDiT Guider",
                                     "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info"}
     assert report["sampler_inputs"] == ["engine", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
                                         "negative", "latent_image", "denoise"]
+    # the first release's engine inputs are the required ones; every input added since is optional
+    first = list(RELEASED[0]["nodes"]["XDiTEngine"]["inputs"])
+    assert report["engine_inputs"] == {"required": first, "optional": ["cache_threshold", "compile", "attention",
+                                                                       "pipefusion", "patches", "warmup_steps"]}
+    assert report["first_release_engine_inputs"] == sorted(first)
+    # a prompt saved with each release passes ComfyUI's own validation, the guider's graph included
+    for commit, result in report["released_prompts"].items():
+        assert result["valid"] and not result["node_errors"], (commit, result)
+    assert "SamplerCustomAdvanced" in report["released_prompts"][RELEASED[-1]["commit"][:7]]["nodes"]
     assert report["latent_shape"] == [1, 16, 16, 16] and report["finite"]
     assert report["progress"] == [[1, 4], [2, 4], [3, 4], [4, 4]]
     assert isinstance(report["interrupt"], dict) and max(report["interrupt"]["steps_seen"]) <= 3
@@ -78,7 +91,7 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
     port = _free_port()
     config = setup["dir"] / "extra_model_paths.yaml"
     config.write_text(f"xdit:\n  base_path: {setup['dir']}\n  custom_nodes: custom_nodes\n"
-                      f"  diffusion_models: models/diffusion_models\n")
+                      f"  diffusion_models: models/diffusion_models\n  loras: models/loras\n")
     server = subprocess.Popen([PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                                "--disable-auto-launch", "--extra-model-paths-config", str(config)], cwd=COMFYUI,
                               env=setup["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -94,12 +107,19 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
                 assert time.monotonic() < deadline, "ComfyUI did not come up within 180 s"
                 time.sleep(1)
         assert list(info["XDiTSampler"]["input"]["required"])[:2] == ["engine", "seed"]
-        engine = _get(f"{base}/object_info/XDiTEngine")["XDiTEngine"]["input"]["required"]
-        assert "tiny-flux-dev.safetensors" in json.dumps(engine["model_name"])
-        prompt = {"1": {"class_type": "XDiTEngine", "inputs": {
-                      "model_name": "tiny-flux-dev.safetensors", "family": "auto", "weight_dtype": "default",
-                      "gpus": "0", "plan": "auto", "ulysses": 1, "ring": 1, "cfg_parallel": False, "dp": 1,
-                      "timeout_s": 600}},
+        listed = _get(f"{base}/object_info")
+        assert {n for n in listed if n.startswith("XDiT")} == {"XDiTEngine", "XDiTLoRA", "XDiTSampler", "XDiTGuider",
+                                                                "XDiTEngineInfo"}
+        engine = listed["XDiTEngine"]["input"]
+        assert "tiny-flux-dev.safetensors" in json.dumps(engine["required"]["model_name"])
+        assert set(engine["optional"]) == {"cache_threshold", "compile", "attention", "pipefusion", "patches",
+                                           "warmup_steps"}
+        # a prompt saved with the first release: its engine and Info inputs only, queued and run through the API
+        first = RELEASED[0]["nodes"]
+        inputs = {name: entry.get("default") for name, entry in first["XDiTEngine"]["inputs"].items()}
+        inputs.update(model_name="tiny-flux-dev.safetensors", gpus="0", timeout_s=600)
+        assert list(first["XDiTEngineInfo"]["inputs"]) == ["engine", "unload"]
+        prompt = {"1": {"class_type": "XDiTEngine", "inputs": inputs},
                   "2": {"class_type": "XDiTEngineInfo", "inputs": {"engine": ["1", 0], "unload": False}}}
         # a model name not in the folders (a workflow from another machine) is refused at validation, not at run
         unknown = {**prompt, "1": {**prompt["1"], "inputs": {**prompt["1"]["inputs"],
@@ -129,6 +149,7 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
             server.kill()
 
 
+@pytest.mark.timeout(1300)   # every sampler name, twice, through ComfyUI's sampler on CPU ranks: minutes
 def test_sampler_custom_advanced_with_the_xdit_guider_equals_comfyui_own_guiders(setup):
     """SamplerCustomAdvanced + RandomNoise + KSamplerSelect + BasicScheduler + SplitSigmas, with BasicGuider (FLUX) or
     CFGGuider (SD3) on ComfyUI's own model vs the xDiT Guider on 1 and 2 ranks; then every KSamplerSelect name."""

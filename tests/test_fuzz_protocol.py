@@ -126,7 +126,10 @@ def test_garbage_from_the_client_takes_the_rank_group_down_in_one_line_and_the_n
         assert "rank 1: control channel from the client is broken (ProtocolError: control frame is not JSON" in err
         assert "Traceback" not in err
         assert torch.equal(engine.submit("echo", {}, {"x": x}).outputs["x"], x)
-        assert not set(old) & set(engine.pids) and "exited while idle" in engine.restarts[-1]
+        # a killed rank shows as a zombie before its last thread is gone (and it can be reaped): the client may find
+        # the group going by its removed directory first
+        assert not set(old) & set(engine.pids) and ("exited while idle" in engine.restarts[-1] or
+                                                    "engine directory was removed while idle" in engine.restarts[-1])
 
 
 @pytest.mark.timeout(240)

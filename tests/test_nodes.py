@@ -84,6 +84,69 @@ def test_the_entry_point_is_comfyuis_v3_coroutine_and_needs_comfyui_only_when_ca
     assert "comfy_api" not in sys.modules
 
 
+RANK_SIDE = ("yunchang", "diffusers", "engine.parallel.attention", "engine.parallel.parallelize",
+             "engine.parallel.pipefusion.pipeline", "engine.parallel.cache", "engine.generate.run")
+
+
+def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_prints_nothing(tmp_path):
+    """What ComfyUI does at start-up (with stand-ins for its modules): import the pack by path, await its entry point,
+    list its nodes and build their schemas. The parallel stack (yunchang and its torch.jit.script warning,
+    diffusers, attention, PipeFusion) is the ranks' and is not imported; with every warning shown, nothing is
+    printed."""
+    script = textwrap.dedent(f"""
+        import asyncio, importlib.util, sys, types
+
+        class Anything:
+            def __getattr__(self, name):
+                return Anything()
+
+            def __call__(self, *args, **kwargs):
+                return Anything()
+
+        def anything(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return Anything()
+
+        def module(name, **attrs):
+            m = types.ModuleType(name)
+            m.__dict__.update(attrs)
+            m.__getattr__ = anything
+            sys.modules[name] = m
+            return m
+
+        module("folder_paths", get_filename_list=lambda folder: [], get_folder_paths=lambda folder: [])
+        comfy = module("comfy")
+        comfy.model_management, comfy.utils, comfy.samplers = (module("comfy.model_management"),
+                                                               module("comfy.utils"), module("comfy.samplers"))
+        comfy.samplers.KSampler = types.SimpleNamespace(SAMPLERS=["euler"], SCHEDULERS=["simple"])
+        module("comfy_api")
+        class IO(Anything):
+            ComfyNode = type("ComfyNode", (), {{}})
+
+        module("comfy_api.v0_0_2", ComfyExtension=type("ComfyExtension", (), {{}}), io=IO(), ui=Anything())
+        spec = importlib.util.spec_from_file_location("ComfyUI-xDiT", {os.path.join(ROOT, '__init__.py')!r},
+                                                      submodule_search_locations=[{ROOT!r}])
+        pack = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = pack
+        spec.loader.exec_module(pack)
+
+        async def load():
+            extension = await pack.comfy_entrypoint()
+            return [node.define_schema() and node.__name__ for node in await extension.get_node_list()]
+
+        nodes = asyncio.run(load())
+        loaded = sorted(k.removeprefix("ComfyUI-xDiT.") for k in sys.modules)
+        rank_side = [m for m in {RANK_SIDE!r} if any(k == m or k.startswith(m + ".") for k in loaded)]
+        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 5 else "")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
+    out = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=str(tmp_path), capture_output=True,
+                         text=True, timeout=120, env=env)
+    print(f"stdout {out.stdout!r}\nstderr {out.stderr[-3000:]!r}")
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == ""
+
+
 def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(core):
     ksampler = [("seed", 0), ("steps", 20), ("cfg", 8.0), ("sampler_name", None), ("scheduler", None),
                 ("positive", None), ("negative", None), ("latent_image", None), ("denoise", 1.0)]
@@ -294,10 +357,15 @@ def nodes_module(monkeypatch, tmp_path):
         def __call__(self, *args, **kwargs):
             return Anything()
 
+    def anything(attr):
+        if attr.startswith("__"):   # __file__, __path__ ...: absent, as inspect and importlib expect
+            raise AttributeError(attr)
+        return Anything()
+
     def module(name, **attrs):
         m = types.ModuleType(name)
         m.__dict__.update(attrs)
-        m.__getattr__ = lambda attr: Anything()
+        m.__getattr__ = anything
         monkeypatch.setitem(sys.modules, name, m)
         return m
 
@@ -309,7 +377,8 @@ def nodes_module(monkeypatch, tmp_path):
     comfy = module("comfy")
     comfy.model_management, comfy.utils = module("comfy.model_management"), module("comfy.utils")
     io = types.SimpleNamespace(ComfyNode=type("ComfyNode", (), {}), Custom=Anything(), Conditioning=Anything(),
-                               Latent=Anything(), String=Anything(), Model=Anything(), Guider=Anything())
+                               Latent=Anything(), String=Anything(), Model=Anything(), Guider=Anything(),
+                               NodeOutput=lambda *values, **kwargs: values)
     module("comfy_api")
     module("comfy_api.v0_0_2", ComfyExtension=type("ComfyExtension", (), {}), io=io, ui=Anything())
     load_pack()
@@ -337,3 +406,34 @@ def test_the_engine_and_lora_nodes_validate_their_file_names_at_validation_as_co
                        "found: flux-a.safetensors, flux-q8.gguf, sd35.safetensors")
     assert n.XDiTLoRA.validate_inputs(lora_name="style.safetensors") is True
     assert lora == "lora_name 'other.safetensors' is not in models/loras; found: style.safetensors"
+
+
+# ---- a prompt saved with the first release ---------------------------------------------------------------------
+def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(nodes_module, core, models, tmp_path):
+    """The xDiT Engine given only its first release's inputs (as ComfyUI passes a saved prompt: absent optional inputs
+    are not passed) makes the same settings as with every later input at its default, and those defaults are the
+    earlier behaviour: no step cache, no compile, torch's attention choice, no PipeFusion. Its job runs."""
+    import json
+    n = nodes_module
+    (tmp_path / "diffusion_models" / "flux-a.safetensors").write_bytes(open(models["flux"], "rb").read())
+    first = json.load(open(os.path.join(ROOT, "tests", "released_inputs.json")))["releases"][0]["nodes"]
+    released = {name: e.get("default") for name, e in first["XDiTEngine"]["inputs"].items()}
+    released.update(model_name="flux-a.safetensors", gpus="0")
+    spec = core.engine_spec(["flux-a.safetensors"])
+    later = {f.name: f.default for f in spec.inputs if f.name not in released}
+    assert set(later) == {"cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps"}
+    signature = inspect.signature(n.XDiTEngine.execute).parameters
+    for f in spec.inputs:   # what ComfyUI leaves out, the node's own default fills in: the spec's
+        assert (signature[f.name].default if f.optional else inspect.Parameter.empty) == \
+            (f.default if f.optional else signature[f.name].default), f.name
+    (old,) = n.XDiTEngine.execute(**released)
+    (now,) = n.XDiTEngine.execute(**released, **later)
+    assert old == now
+    request = core.job_request(old, flux_conditioning(), None, empty_latent()["samples"], cfg=1.0, steps=2)
+    assert (request.cache_threshold, request.compile, request.attention, request.plan, request.patches) == \
+        (0.0, False, "auto", "auto", None)
+    out = core.sample(old, flux_conditioning(), flux_conditioning(1), empty_latent(), seed=1, steps=2, cfg=1.0,
+                      sampler_name="euler", scheduler="simple", denoise=1.0)
+    assert out["samples"].shape == (1, 16, 16, 16) and torch.isfinite(out["samples"]).all()
+    shown = core.describe(old)
+    assert "last job: plan single rank;" in shown and "step cache" not in shown and "PipeFusion" not in shown

@@ -1,7 +1,9 @@
 """Packaging: registry-ready metadata that the registry's own validator accepts without warnings, and
 dependencies that never touch the user's torch."""
-import shutil
+import importlib.util
+import os
 import subprocess
+import sys
 import tomllib
 
 from conftest import ROOT
@@ -12,11 +14,27 @@ def read_pyproject():
         return tomllib.load(f)
 
 
+def comfy_cli() -> list[str]:
+    """comfy-cli of the Python running the tests (its environment's bin folder, else `python -m comfy_cli`), not
+    whichever `comfy` PATH finds first: a virtualenv's Python runs the tests without the virtualenv activated."""
+    script = os.path.join(os.path.dirname(sys.executable), "comfy")
+    if os.access(script, os.X_OK):
+        return [script]
+    assert importlib.util.find_spec("comfy_cli"), "comfy-cli is a test requirement (requirements-test.txt)"
+    return [sys.executable, "-m", "comfy_cli"]
+
+
+def test_comfy_cli_is_found_from_the_running_interpreter_without_path():
+    command = comfy_cli()
+    out = subprocess.run(command + ["--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PATH"} | {"PATH": "/nonexistent"})
+    print(command, out.returncode)
+    assert out.returncode == 0 and "node" in out.stdout
+
+
 def test_comfy_node_validate_passes_with_no_warnings():
-    comfy = shutil.which("comfy")
-    assert comfy, "comfy-cli is a test requirement (requirements-test.txt)"
-    out = subprocess.run([comfy, "--skip-prompt", "node", "validate"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(comfy_cli() + ["--skip-prompt", "node", "validate"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     text = out.stdout + out.stderr
     print(text)
     assert out.returncode == 0

@@ -237,6 +237,7 @@ def test_the_pack_replaces_the_sampler_and_the_model_loader_only(name):
     engine_id, engine = only(api, "XDiTEngine")
     _, info = only(api, "XDiTEngineInfo")
     assert sampler["inputs"]["engine"] == [engine_id, 0] and info["inputs"]["engine"] == [engine_id, 0]
+    assert info["inputs"]["after"] == [sampler_id, 0]   # Info runs after the sampler (workflows/README.md)
     assert engine["inputs"]["model_name"] == MODEL_FILES[name]
     assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
     assert info["inputs"]["unload"] is False

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..engine import families
-from ..engine.generate.request import GenerateRequest
+from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import ATTENTION, CUDA_ONLY
 from ..engine.parallel.devices import hardware_for
@@ -79,20 +79,22 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
          Field("dp", "INT", 1, min=1, max=8, advanced=True),
          Field("timeout_s", "INT", 3600, min=10, max=86400, advanced=True,
                tooltip="longest a job may compute before its ranks are replaced"),
-         Field("cache_threshold", "FLOAT", 0.0, min=0.0, max=1.0, step=0.01, round=0.001,
+         # Inputs added after the first release are optional, with the default that keeps the earlier behaviour, so
+         # a prompt or workflow saved before they existed validates and runs unchanged (tests/released_inputs.json).
+         Field("cache_threshold", "FLOAT", 0.0, min=0.0, max=1.0, step=0.01, round=0.001, optional=True,
                tooltip="step cache: skip the remaining blocks when the first block's output changed less than this "
                        "since the last full step (0.05 to 0.2 are useful; 0 is off). Info shows the skipped steps"),
-         Field("compile", "BOOLEAN", False, advanced=True,
+         Field("compile", "BOOLEAN", False, advanced=True, optional=True,
                tooltip="torch.compile the transformer blocks: the first job of a size compiles (minutes), later "
                        "jobs reuse the graphs"),
-         Field("attention", "COMBO", "auto", ATTENTION_KERNELS, advanced=True,
+         Field("attention", "COMBO", "auto", ATTENTION_KERNELS, advanced=True, optional=True,
                tooltip="attention kernel on the GPUs; auto lets torch choose"),
-         Field("pipefusion", "INT", 1, min=1, max=8, advanced=True,
+         Field("pipefusion", "INT", 1, min=1, max=8, advanced=True, optional=True,
                tooltip="explicit plan: PipeFusion stages; each GPU holds only its stage's blocks (for cards the "
                        "whole model does not fit)"),
-         Field("patches", "INT", 0, min=0, max=64, advanced=True,
+         Field("patches", "INT", 0, min=0, max=64, advanced=True, optional=True,
                tooltip="PipeFusion: latent row bands, at least the stages (0: one per stage)"),
-         Field("warmup_steps", "INT", 1, min=1, max=10000, advanced=True,
+         Field("warmup_steps", "INT", 1, min=1, max=10000, advanced=True, optional=True,
                tooltip="PipeFusion: steps on the whole latent before patches use the previous step's K/V; the "
                        "job's steps (or more) gives exactly the one-GPU result")),
         ((ENGINE_TYPE, "engine"),))
@@ -243,7 +245,7 @@ class EngineSettings:
     def compute_dtype(self) -> str:
         if self.weight_dtype in ("bf16", "fp16"):
             return self.weight_dtype
-        return "fp32" if self.device == "cpu" else "bf16"
+        return default_dtype(self.device)
 
 
 @dataclass

@@ -13,8 +13,6 @@ import time
 
 import torch
 
-from ..engine.generate.guide import GuideSession
-
 _POSITIVE = [{"xdit": "positive"}]   # stand-ins for ComfyUI's cond lists: sampling_function only passes them on
 _NEGATIVE = [{"xdit": "negative"}]
 
@@ -58,6 +56,8 @@ class EngineGuider:
                                                     sample_sigmas=sigmas)
         model_options["sampler_calc_cond_batch_function"] = self._calc_cond_batch
         extra_args = {"model_options": model_options, "seed": seed}
+        from ..engine.generate.guide import GuideSession  # rank-side code (the parallel stack): not at load
+
         t0 = time.perf_counter()
         with GuideSession(record.engine, request) as session:
             self.session = session

@@ -1,8 +1,9 @@
 """The command line, `python -m engine demo | generate | plan | make-tiny | bench | worker ...`.
 
-Exit codes: 0 done; 1 the engine failed at run time (EngineError: a rank died, a deadline passed) or a demo check
-failed; 2 a user error, found before any rank starts wherever no rank is needed to know; 130 interrupted (Ctrl-C),
-the ranks killed and their shared memory removed. Every error is one line on stderr, never a traceback.
+Exit codes: 0 done; 1 the engine failed at run time (EngineError: a rank died, a deadline passed), a finished result
+could not be written where asked (it is kept elsewhere, and the message says where) or a demo check failed; 2 a user
+error, found before any rank starts wherever no rank is needed to know; 130 interrupted (Ctrl-C), the ranks killed and
+their shared memory removed. Every error is one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 from ..errors import EngineError
 from .args import UsageError
+from .output import ResultNotWritten
 
 PROG = "python -m engine"
 
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except EngineError as e:  # the message's first line says what failed; the rest is a rank's log tail
         _error(prog, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return 1
+    except ResultNotWritten as e:  # the job finished, its output path failed: the message says where the result is
+        _error(prog, str(e))
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted: stopped; no rank or shared memory is left behind", file=sys.stderr, flush=True)

@@ -83,12 +83,15 @@ def ranks(text: str) -> int:
     return value
 
 
+MAX_PIXELS = 16384   # a side, as ComfyUI's latent nodes allow (nodes.MAX_RESOLUTION)
+
+
 def pixels(text: str) -> int:
-    """An image side in pixels: FLUX packs 2x2 latent patches of 8 px, so a positive multiple of 16."""
+    """An image side in pixels: FLUX packs 2x2 latent patches of 8 px, so a multiple of 16, up to MAX_PIXELS."""
     value = integer(text)
-    if value < 16 or value % 16:
-        raise ArgumentTypeError(f"{text} is invalid: use a positive multiple of 16 pixels, e.g. "
-                                f"{max(16, round(value / 16) * 16)}")
+    if value < 16 or value % 16 or value > MAX_PIXELS:
+        raise ArgumentTypeError(f"{text} is invalid: use a positive multiple of 16 pixels up to {MAX_PIXELS}, e.g. "
+                                f"{min(MAX_PIXELS, max(16, round(value / 16) * 16))}")
     return value
 
 
@@ -158,7 +161,9 @@ def model_source(text: str) -> str:
     try:
         inspect_model(text)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        raise ArgumentTypeError(str(e)) from None
+        works = "; give a FLUX.1/SD3 checkpoint: .safetensors, .gguf or a diffusers folder" \
+            if "not a safetensors file" in str(e) and "checkpoints are read" not in str(e) else ""
+        raise ArgumentTypeError(f"{e}{works}") from None
     return text
 
 
@@ -171,16 +176,14 @@ def _writable_dir(path: str) -> bool:
     return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
-def output_file(text: str) -> str:
-    """A file to write: its folder must exist and be writable (checked before any work, so no result is lost)."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
-        raise ArgumentTypeError(f"{text} is a folder: give a file name, e.g. {os.path.join(text, 'out.safetensors')}")
-    if not os.path.isdir(folder):
-        raise ArgumentTypeError(f"{text} is invalid: its folder {folder} does not exist; create it or write elsewhere")
-    if not _writable_dir(folder):
-        raise ArgumentTypeError(f"{text} is invalid: its folder {folder} is not writable; write elsewhere")
-    return text
+def output_file(suffix: str, what: str):
+    """A file to write `what` to, ending in `suffix`: a regular file or a new name in a folder where a file can be
+    created, checked before any work (output.check), so no result is lost and no special file replaced."""
+    def parse(text: str) -> str:
+        from .output import check
+        return check(text, suffix, what)
+    parse.__name__ = "output file"
+    return parse
 
 
 def output_dir(text: str) -> str:

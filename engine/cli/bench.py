@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from ..families import VARIANTS
+from ..generate.request import default_dtype
 from ..parallel.comm import MODELS, PLANS, analytic_bytes
 from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_soak
+from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_soak, output
 from .args import UsageError
 
 
@@ -35,7 +36,8 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print tables",
                        description="Benchmarks that print markdown tables. Without a name every benchmark runs.")
     p.add_argument("--quick", action="store_true", help="the whole suite at sizes for a CPU run of a few minutes")
-    p.add_argument("--json", type=types.output_file, help="also write every row as JSON to this file")
+    p.add_argument("--json", type=types.output_file(".json", "the rows"),
+                   help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
     bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu,guider,faults,soak}")
 
@@ -59,7 +61,8 @@ def register(sub) -> None:
     g.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")
     g.add_argument("--height", type=types.pixels, default=256, help="image height in pixels")
     g.add_argument("--steps", type=types.request_field("steps", types.integer), default=28, help="euler steps")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype (default: bf16 with --gpus, fp32 on the CPU)")
     g.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each path (median)")
     g.set_defaults(run=_run_overhead, parser=g)
 
@@ -81,8 +84,7 @@ def register(sub) -> None:
 def _emit(a, name: str, rows: list[dict]) -> int:
     """A benchmark's rows: printed already; written as JSON when asked."""
     if getattr(a, "json", None):
-        with open(a.json, "w") as f:
-            json.dump({name: rows}, f, indent=1)
+        output.write(a.json, json.dumps({name: rows}, indent=1).encode())
     return 0
 
 
@@ -114,8 +116,7 @@ def _run_suite(a) -> int:
     print("\n## soak", flush=True)
     results["soak"] = bench_soak.bench_soak(bench_soak.QUICK_JOBS if q else bench_soak.DEFAULT_JOBS)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+        output.write(a.json, json.dumps(results, indent=1).encode())
     if results["soak"]["problems"]:
         print(f"{a.parser.prog}: soak failed: {'; '.join(results['soak']['problems'])}", file=sys.stderr, flush=True)
         return 1
@@ -126,7 +127,8 @@ def _run_overhead(a) -> int:
     if a.gpus and len(a.gpus) > 1:
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs: bench {a.what} "
                          f"runs one rank, give one index")
-    return _emit(a, "overhead", bench_overhead(a.model, a.size, a.gpus, a.width, a.height, a.steps, a.dtype, a.repeats))
+    dtype = a.dtype or default_dtype("cuda" if a.gpus else "cpu")
+    return _emit(a, "overhead", bench_overhead(a.model, a.size, a.gpus, a.width, a.height, a.steps, dtype, a.repeats))
 
 
 def _bridge_times(engine: Engine, tensor: torch.Tensor, repeats: int, return_rank: int) -> float:

@@ -1,14 +1,15 @@
 """`python -m engine generate`: one KSampler run through the engine, from files to a LATENT file."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from ..generate.request import GenerateRequest, empty_latent
+from ..generate.request import GenerateRequest, default_dtype, empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
@@ -18,6 +19,7 @@ from ..runtime.client import Engine
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SCHEDULERS
 from . import args as types
+from . import output
 from .args import UsageError
 
 DEGREES = ("dp", "pipefusion", "ulysses", "ring")  # integer degree flags; --cfg-parallel sets cfg=2
@@ -31,7 +33,8 @@ def register(sub) -> None:
                    help="FLUX.1/SD3 checkpoint file, diffusers folder, or synthetic:<variant>[:tiny]")
     p.add_argument("--cond", required=True, type=types.existing_file,
                    help="safetensors with cond and pooled (and neg_cond, neg_pooled for cfg != 1)")
-    p.add_argument("--out", required=True, type=types.output_file, help="output LATENT safetensors ('samples')")
+    p.add_argument("--out", required=True, type=types.output_file(".safetensors", "a LATENT"),
+                   help="output LATENT safetensors ('samples'): a new name or a regular file, which is replaced")
     p.add_argument("--seed", type=types.seed, default=0, help="noise seed, 0 .. 2**64-1")
     p.add_argument("--steps", type=types.request_field("steps", types.integer), default=20, help="sampling steps")
     p.add_argument("--cfg", type=types.request_field("cfg", types.finite_float), default=1.0,
@@ -48,7 +51,8 @@ def register(sub) -> None:
     p.add_argument("--latent", type=types.existing_file, help="input LATENT safetensors ('samples') to denoise from")
     p.add_argument("--guidance", type=types.request_field("guidance", types.finite_float), default=3.5,
                    help="FLUX guidance (FluxGuidance); SD3 ignores it")
-    p.add_argument("--dtype", default="fp32", choices=list(COMPUTE_DTYPES), help="compute dtype")
+    p.add_argument("--dtype", choices=list(COMPUTE_DTYPES),
+                   help="compute dtype (default: bf16 with --gpus, fp32 on CPU ranks)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--device", choices=["cpu"], help="run the ranks on the CPU (the default without --gpus)")
     where.add_argument("--gpus", type=types.gpu_list, help="comma-separated CUDA GPU indices, one rank each, e.g. 0,1")
@@ -90,13 +94,21 @@ def register(sub) -> None:
     p.set_defaults(run=run, parser=p)
 
 
-def _read(path: str, flag: str) -> dict[str, torch.Tensor]:
+def _read(path: str, flag: str, names: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors of `names` the file holds (only those are read: a model file given by mistake is not loaded),
+    and every tensor name in it."""
     try:
-        read_header(path)  # names the file and what is wrong with it (not safetensors, truncated, ...)
+        tensors, _ = read_header(path)  # names the file and what is wrong with it (not safetensors, truncated, ...)
     except ValueError as e:
         raise UsageError(f"argument {flag}: {e}") from None
     with safe_open(path, "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+        return {k: f.get_tensor(k) for k in names if k in tensors}, sorted(tensors)
+
+
+def _some(names: list[str], shown: int = 2) -> str:
+    """A few of a file's tensor names, for a message that stays one short line."""
+    listed = ", ".join(repr(n) for n in names[:shown])
+    return f"{len(names)} tensor(s): {listed}" + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
 
 
 def _plan(a) -> ParallelPlan | str:
@@ -114,9 +126,11 @@ def _latent(a, info) -> torch.Tensor:
         if a.denoise < 1:
             raise UsageError(f"argument --denoise: {a.denoise} needs an input --latent to denoise from (img2img)")
         return empty_latent(info, a.width or 1024, a.height or 1024, a.batch or 1)
-    samples = _read(a.latent, "--latent").get("samples")
+    found, names = _read(a.latent, "--latent", ("samples",))
+    samples = found.get("samples")
     if samples is None:
-        raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor: give a ComfyUI LATENT file")
+        raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor (it has {_some(names)}): give a "
+                         f"ComfyUI LATENT file")
     if samples.ndim == 4:  # other shapes: request.validate names what the model takes
         size = (samples.shape[3] * 8, samples.shape[2] * 8)
         if (a.width or size[0], a.height or size[1]) != size:
@@ -134,17 +148,18 @@ def build_request(a) -> GenerateRequest:
         info = inspect_model(a.model)
     except ValueError as e:   # CheckpointError: the model file is not one the engine reads
         raise UsageError(f"argument --model: {e}") from None
-    cond = _read(a.cond, "--cond")
+    cond, names = _read(a.cond, "--cond", ("cond", "pooled", "neg_cond", "neg_pooled"))
     pooled = info.spec.pooled_width(info.config) is not None
     missing = [k for k in ("cond",) + (("pooled",) if pooled else ()) if k not in cond]
     if missing:
         raise UsageError(f"argument --cond: {a.cond} has no {' or '.join(map(repr, missing))} tensor (it has "
-                         f"{sorted(cond)}): it needs cond{' and pooled' if pooled else ''}, and neg_cond"
+                         f"{_some(names)}): it needs cond{' and pooled' if pooled else ''}, and neg_cond"
                          f"{' and neg_pooled' if pooled else ''} for cfg != 1")
     return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond.get("pooled"), latent_raw=_latent(a, info),
                            seed=a.seed, steps=a.steps, cfg=a.cfg, sampler=a.sampler, scheduler=a.scheduler,
                            denoise=a.denoise, neg_cond=cond.get("neg_cond"), neg_pooled=cond.get("neg_pooled"),
-                           guidance=a.guidance, dtype=a.dtype, plan=_plan(a), loras=a.lora,
+                           guidance=a.guidance, dtype=a.dtype or default_dtype("cuda" if a.gpus else "cpu"),
+                           plan=_plan(a), loras=a.lora,
                            cache_threshold=a.cache_threshold or 0.0, compile=a.compile, attention=a.attention,
                            fp8_weights=a.fp8_weights, fp8_matmul=a.fp8_matmul, patches=a.patches,
                            warmup_steps=a.warmup_steps, stage_blocks=a.stage_blocks)
@@ -189,8 +204,20 @@ class Progress:
             self.pending = False
 
 
+def oversubscribed(ranks: int, gpus) -> str | None:
+    """A note when CPU ranks outnumber the cores this process may use: the job runs, but slower than on fewer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if gpus or ranks <= cores:
+        return None
+    return (f"note: {ranks} CPU ranks share {cores} core(s), so each gets a fraction of one and the job runs slower "
+            f"than on {cores} rank(s); CPU ranks are for checks, GPUs for speed")
+
+
 def run(a) -> int:
     request, ranks, choice = prepare(a)
+    note = oversubscribed(ranks, a.gpus)
+    if note:
+        print(f"{a.parser.prog}: {note}", file=sys.stderr, flush=True)
     print(choice.reason, flush=True)
     progress = Progress()
     t0 = time.perf_counter()
@@ -201,10 +228,10 @@ def run(a) -> int:
         finally:
             progress.close()
     samples = result.outputs["samples"]
-    save_file({"samples": samples.contiguous()}, a.out)
+    written = output.write(a.out, save({"samples": samples.contiguous()}))   # keeps the result if it cannot
     model = result.ranks[0].get("model", {})
-    print(f"wrote {a.out}: samples {list(samples.shape)} {samples.dtype} ({model.get('variant')}, "
-          f"{model.get('layout')} layout, {a.dtype})")
+    print(f"wrote {written}: samples {list(samples.shape)} {samples.dtype} ({model.get('variant')}, "
+          f"{model.get('layout')} layout, {request.dtype})")
     print(f"plan {request.plan.describe()} on {ranks} rank(s); engine start {t_start:.2f} s; "
           + ", ".join(f"{k} {v:.3f} s" for k, v in result.timings.items()))
     stages = sorted((r["pipefusion"] for r in result.ranks if r.get("pipefusion")), key=lambda p: p["stage"])

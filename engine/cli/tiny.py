@@ -28,16 +28,19 @@ def register(sub) -> None:
     p.add_argument("--format", default="safetensors", choices=list(FORMATS),
                    help="safetensors (in --dtype); fp8_scaled: fp8 matrices with a scale_weight each, as ComfyUI's "
                         "fp8_scaled releases; gguf: as ComfyUI-GGUF's files, matrices in --quant")
-    p.add_argument("--quant", default="Q8_0", choices=list(SUPPORTED),
-                   help="GGUF type of the matrices (vectors stay F32; a matrix whose rows are not whole blocks of "
-                        "the type falls back to Q8_0)")
+    p.add_argument("--quant", choices=list(SUPPORTED),
+                   help="with --format gguf: GGUF type of the matrices (default Q8_0; vectors stay F32; a matrix whose "
+                        "rows are not whole blocks of the type falls back to Q8_0)")
     p.set_defaults(run=run, parser=p)
 
 
 def run(a) -> int:
+    if a.quant and a.format != "gguf":   # it would be ignored: a safetensors file has no GGUF types
+        raise UsageError(f"argument --quant: {a.quant} applies to GGUF files only and the format is {a.format}: add "
+                         f"--format gguf, or leave out --quant")
     try:
         path = write_tiny(a.kind, a.out, variant=a.variant, dtype=a.dtype, seed=a.seed, prefix=a.prefix, full=a.full,
-                          format=a.format, quant=a.quant)
+                          format=a.format, quant=a.quant or "Q8_0")
     except ValueError as e:  # a variant of another kind, or options the format does not take
         raise UsageError(f"argument --{'variant' if 'variant' in str(e) else 'format'}: {e}") from None
     info = inspect_model(path)

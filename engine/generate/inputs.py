@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..models.detect import CheckpointInfo
-from ..models.load import diffusers_keys
+from ..models.load import build_empty
 from ..models.lora import check_lora
 
 FINITE_CHUNK = 1 << 22      # elements checked for NaN/inf at a time (the check's own memory stays small)
@@ -96,7 +96,7 @@ def check_side(name: str, cond, pooled, info: CheckpointInfo, batch: int) -> Non
                          f"[batch, {pooled_dim}]")
     for t, what in ((cond, name), (pooled, pooled_name)):
         if t is not None and t.shape[0] not in (1, batch):
-            raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give {rows}")
+            raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give {what} a batch of {rows}")
 
 
 def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: int) -> None:
@@ -132,12 +132,12 @@ def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: 
 
 
 def check_loras(model: str, loras, info: CheckpointInfo) -> None:
-    """Every LoRA file exists, lands on this model's layers (names and shapes, from its header) and has a finite
-    strength: refused before any rank starts."""
+    """Every LoRA file exists and lands on this model's layers, its factors fitting them (names and shapes, from its
+    header): refused before any rank starts."""
     if model.startswith("synthetic:"):
         raise ValueError(f"LoRAs need a model file; {model} has random weights")
-    keys = diffusers_keys(info)
+    shapes = {k: tuple(v.shape) for k, v in build_empty(info).state_dict().items()}   # meta: no memory
     for path, strength in loras:
         if not os.path.isfile(path):
             raise ValueError(f"LoRA file {path!r} does not exist")
-        check_lora(path, info, keys)
+        check_lora(path, info, set(shapes), shapes)

@@ -31,6 +31,12 @@ SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
 REFERENCE_METHODS = tuple(dict.fromkeys(m for f in families.FAMILIES for m in f.reference_methods))
 
 
+def default_dtype(device: str) -> str:
+    """The compute dtype when none is given, the same for generate, bench, the nodes and plan: bf16 on GPUs (what the
+    models are released in; fp32 doubles the weights), fp32 on CPU ranks (CPUs add bf16 slowly)."""
+    return "bf16" if device == "cuda" else "fp32"
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     model: str                                                 # checkpoint path, or synthetic:<variant>[:tiny]

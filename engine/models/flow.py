@@ -48,7 +48,7 @@ def rows(t: torch.Tensor, batch: int, items: slice, name: str = "conditioning") 
         return t.expand(batch, *t.shape[1:])[items]
     if t.shape[0] == batch:
         return t[items]
-    raise ValueError(f"{name} batch {t.shape[0]} does not match the latent batch {batch}: give "
+    raise ValueError(f"{name} batch {t.shape[0]} does not match the latent batch {batch}: give {name} a batch of "
                      f"{'1' if batch == 1 else f'1 or {batch}'}")
 
 

@@ -73,8 +73,9 @@ def lora_layers(path: str) -> dict[str, tuple[str, str, str | None]]:
     return layers
 
 
-def check_lora(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> int:
-    """Header-only check that every layer of the LoRA lands on this model; returns the layer count."""
+def check_lora(path: str, info: CheckpointInfo, diffusers_keys: set[str], shapes: dict | None = None) -> int:
+    """Header-only check that every layer of the LoRA lands on this model (and, given the model's parameter `shapes`,
+    that its factors fit that layer: [rank, in] and [out, rank]); returns the layer count."""
     targets = LoraTargets(info, diffusers_keys)
     layers = lora_layers(path)
     unknown = [layer for layer in layers if targets.resolve(layer) is None]
@@ -82,6 +83,18 @@ def check_lora(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> int
         raise CheckpointError(f"LoRA {os.path.basename(path)}: {len(unknown)} of its {len(layers)} layers match no "
                               f"layer of this {info.variant} model (e.g. {', '.join(sorted(unknown)[:3])}); is it a "
                               f"LoRA for another model family?")
+    tensors = read_header(path)[0] if shapes else {}
+    for layer, (down_key, up_key, _) in layers.items() if shapes else ():
+        dst, op = targets.routes[targets.resolve(layer)][0]
+        weight = shapes.get(dst, ())
+        if len(weight) != 2:
+            continue   # not a linear layer's weight: lora_factors names it when the ranks read the factors
+        rows = sum(op[2]) if isinstance(op, tuple) else weight[0]   # a fused layer's rows (qkv) before the split
+        down, up = tensors[down_key].shape, tensors[up_key].shape
+        if len(down) != 2 or len(up) != 2 or up[1] != down[0] or (up[0], down[1]) != (rows, weight[1]):
+            raise CheckpointError(f"LoRA {os.path.basename(path)}: layer {layer} has down {list(down)} and up "
+                                  f"{list(up)}, but this {info.variant} model's layer takes [rank, {weight[1]}] and "
+                                  f"[{rows}, rank]; is it a LoRA for another size of model?")
     return len(layers)
 
 

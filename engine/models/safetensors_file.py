@@ -28,6 +28,12 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# What a file that is not safetensors often is, by its first bytes (said instead of a nonsense header size)
+OTHER_FORMATS = ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"RIFF", "a RIFF (WebP/WAV) file"),
+                 (b"PK\x03\x04", "a zip archive (a .pt/.ckpt PyTorch file is one; use the .safetensors release)"),
+                 (b"\x80", "a Python pickle (a .pt/.ckpt file; use the .safetensors release)"))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
@@ -48,10 +54,12 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raise CheckpointError(f"{name} is not a safetensors file: it has only {size} bytes")
         (n_header,) = struct.unpack("<Q", head)
         if n_header > MAX_HEADER_BYTES or n_header > size - 8:
+            kind = next((k for magic, k in OTHER_FORMATS if head.startswith(magic)), None)
             raise CheckpointError(
+                f"{name} is {kind}, not a safetensors file" if kind else
                 f"{name} is not a safetensors file (or is truncated): its first 8 bytes declare a "
-                f"{n_header}-byte header but the file has {size} bytes; .ckpt/.pt/.gguf files are not supported, "
-                f"use the .safetensors release")
+                f"{n_header}-byte header but the file has {size} bytes; checkpoints are read from .safetensors and "
+                f".gguf files (.ckpt/.pt are not)")
         raw = f.read(n_header)
     try:
         header = json.loads(raw)

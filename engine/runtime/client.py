@@ -316,10 +316,35 @@ class Engine:
             self._check_backoff()
             self.restart(self._broken)
             return
+        problem = self._idle_problem()
+        if problem:
+            self._replace_idle_group(problem)
+
+    def _idle_problem(self) -> str | None:
+        """Why the idle rank group cannot take a job, or None. A rank that loses its client (a closed or garbled
+        channel) removes the engine directory first and then kills its group, so a group can look alive while it is
+        being torn down: an exited rank or a missing engine directory each mean it is going. (A rank's garbage that
+        waits unread on its channel fails the next job, naming the rank and the protocol.)"""
         dead = [r for r, p in enumerate(self._procs) if p.poll() is not None]
         if dead:
-            self._check_backoff()
-            self.restart(f"rank {dead[0]} had exited while idle ({signal_name(self._procs[dead[0]].poll())})")
+            return f"rank {dead[0]} had exited while idle ({signal_name(self._procs[dead[0]].poll())})"
+        if not self.engine_dir or not os.path.isdir(self.engine_dir):
+            return "the engine directory was removed while idle (a rank was taking the group down)"
+        return None
+
+    def _replace_idle_group(self, reason: str) -> None:
+        """A group found going down between jobs is replaced; no job is handed to it. When a rank is tearing it down
+        (the engine directory is gone: the rank kills its group next), the client waits for that to finish, up to
+        shutdown_s, before killing what is left and starting the new group."""
+        self._check_backoff()
+        if not self.engine_dir or not os.path.isdir(self.engine_dir):
+            end = time.monotonic() + self.deadlines.shutdown_s
+            for p in self._procs[:self.local_ranks]:
+                try:
+                    p.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        self._restart_locked(reason)
 
     def _note_failure(self, reason: str) -> None:
         """A failure that took the rank group down (or kept it from starting). From the second in a row on, the next
@@ -358,33 +383,41 @@ class Engine:
                              (t_submit, t_ready, t_written))
 
     def _send_job(self, kind, spec, inputs, deadlines) -> tuple[int, int, float, float]:
-        """Write the job's inputs to shared memory and tell every rank; returns (job id, crc32, times)."""
+        """Write the job's inputs to shared memory and tell every rank; returns (job id, crc32, times). A group found
+        going down while the job is being handed over (a rank gone, or its directory) is replaced and the job sent
+        to the new one: the old group is killed whole, so no rank of it runs the job."""
         deadlines.validate()
         inputs = dict(inputs or {})
         spec = dict(spec or {})
-        self._ensure_healthy()
-        t_ready = time.perf_counter()
-        job_id = next(self._job_ids)
-        segment_path = os.path.join(self.engine_dir, f"j{job_id}-in")
-        try:
-            manifest = bridge.write_segment(segment_path, inputs) if inputs else None
-            entries = manifest["entries"] if manifest else []
-            doc = json.dumps({"job_id": job_id, "kind": kind, "spec": spec, "entries": entries},
-                             sort_keys=True, separators=(",", ":"))
-            crc = bridge.checksum(doc.encode(), manifest["crc32"] if manifest else 0)
-            t_written = time.perf_counter()
-            segment = {"path": segment_path, "nbytes": manifest["nbytes"]} if manifest else None
-            for rank, chan in enumerate(self._chans):
-                message = {"op": "job", "job_id": job_id, "crc32": crc}
-                if rank == 0:
-                    message.update(doc=doc, segment=segment)
-                chan.send(message)
-        except (ChannelClosed, OSError) as e:
-            bridge.unlink_quietly(segment_path)
-            self._fail(f"control channel failed: {e}")
-            raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
-                              f"replaced", phase="sent") from e
-        return job_id, crc, t_ready, t_written
+        for attempt in range(2):
+            self._ensure_healthy()
+            t_ready = time.perf_counter()
+            job_id = next(self._job_ids)
+            segment_path = os.path.join(self.engine_dir, f"j{job_id}-in")
+            try:
+                manifest = bridge.write_segment(segment_path, inputs) if inputs else None
+                entries = manifest["entries"] if manifest else []
+                doc = json.dumps({"job_id": job_id, "kind": kind, "spec": spec, "entries": entries},
+                                 sort_keys=True, separators=(",", ":"))
+                crc = bridge.checksum(doc.encode(), manifest["crc32"] if manifest else 0)
+                t_written = time.perf_counter()
+                segment = {"path": segment_path, "nbytes": manifest["nbytes"]} if manifest else None
+                for rank, chan in enumerate(self._chans):
+                    message = {"op": "job", "job_id": job_id, "crc32": crc}
+                    if rank == 0:
+                        message.update(doc=doc, segment=segment)
+                    chan.send(message)
+            except (ChannelClosed, OSError) as e:
+                bridge.unlink_quietly(segment_path)
+                going = self._idle_problem() if attempt == 0 else None
+                if going:
+                    self._replace_idle_group(going)
+                    continue
+                self._fail(f"control channel failed: {e}")
+                raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
+                                  f"replaced", phase="sent") from e
+            return job_id, crc, t_ready, t_written
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _collect(self, job_id, crc, watch, deadlines, on_progress, should_cancel, times) -> JobResult:
         """Wait for every rank's final report of `job_id`, read its outputs and remove its shared memory."""
