@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..engine import families
+from ..engine.generate.inputs import fix_empty_latent
 from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import ATTENTION, CUDA_ONLY
@@ -329,7 +330,7 @@ def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor]
     if refs is not None and not isinstance(refs, (list, tuple)):
         raise ValueError(f"{name} has reference_latents of type {type(refs).__name__}: connect ReferenceLatent, "
                          f"which gives a list of latents")
-    return (list(refs) if refs is not None else None), extras.get("reference_latents_method") or "offset"
+    return (list(refs) if refs is not None else None), extras.get("reference_latents_method") or ""
 
 
 def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
@@ -340,7 +341,7 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
     cond, pooled, guidance = conditioning_tensors(positive, "positive")
     refs, method = conditioning_references(positive, "positive")
     neg_cond = neg_pooled = neg_refs = None
-    neg_method = "offset"
+    neg_method = ""
     if cfg != 1.0 or (negative_always and negative is not None):
         neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
         neg_refs, neg_method = conditioning_references(negative, "negative")
@@ -369,7 +370,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                          "VAEEncode to it")
     if latent.get("noise_mask") is not None:
         raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
-    request = job_request(settings, positive, negative, latent["samples"], cfg=cfg, seed=seed, steps=steps,
+    samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"])   # as KSampler does
+    request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"))
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)

@@ -67,8 +67,8 @@ class GenerateRequest:
     # ReferenceLatent: raw VAE latents per side, placed by the side's method (FluxKontextMultiReferenceLatentMethod)
     reference_latents: list[torch.Tensor] | None = field(default=None, metadata=TENSOR_LIST)
     neg_reference_latents: list[torch.Tensor] | None = field(default=None, metadata=TENSOR_LIST)
-    reference_latents_method: str = "offset"
-    neg_reference_latents_method: str = "offset"
+    reference_latents_method: str = ""    # "": the family's default (ComfyUI's when the conditioning names none)
+    neg_reference_latents_method: str = ""
     # ComfyUI's model sampling (FlowSampling.as_dict(): kind, shift, multiplier); None: the family's default for the
     # variant. A sampling node (ModelSamplingAuraFlow, ModelSamplingFlux, ModelSamplingSD3) sets it.
     model_sampling: dict | None = None
@@ -203,6 +203,11 @@ class GenerateRequest:
             return
         problems = layout_problems(info, plan, latent_h, latent_w, self.patches, self.warmup_steps, self.steps,
                                    self.stage_blocks)
+        p = info.latent_patch
+        if latent_h % p or latent_w % p:   # a family that pads to whole patches: its bands must be whole patches
+            problems.append(f"pipefusion's row bands need a latent of whole {p}x{p} patches; this one is "
+                            f"{latent_w}x{latent_h}: use an image whose sides are multiples of "
+                            f"{p * info.spec.latent.downscale} px")
         if problems:
             raise PlanError(f"plan {plan.describe()} cannot run this job: " + "; ".join(problems))
 
@@ -254,7 +259,7 @@ class GenerateRequest:
                 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.stage_blocks)):
             raise ValueError(f"stage_blocks={self.stage_blocks!r} is invalid: use one block count >= 1 per stage")
         for name in ("reference_latents_method", "neg_reference_latents_method"):
-            if getattr(self, name) not in REFERENCE_METHODS:
+            if getattr(self, name) not in REFERENCE_METHODS + ("",):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use one of "
                                  f"{', '.join(REFERENCE_METHODS)}")
         if self.attention not in ATTENTION:
