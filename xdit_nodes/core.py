@@ -21,18 +21,14 @@ from ..engine.parallel.devices import hardware_for
 from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.samplers import SAMPLERS
-from ..engine.sampling.schedules import SCHEDULERS, FlowSampling
+from ..engine.sampling.schedules import SAMPLING_NODES, SCHEDULERS, FlowSampling
 from .guider import EngineGuider
 
 ENGINE_TYPE = "XDIT_ENGINE"
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
 FAMILIES = ("auto",) + families.names()
+FAMILY_TITLES = ", ".join(f.title for f in families.FAMILIES)
 PLANS = ("auto", "explicit", "fastest")   # fastest: auto that may pick PipeFusion (approximate after its warmup)
-SAMPLING_METHODS = {   # the xDiT Model Sampling node's methods: ComfyUI's sampling nodes' (kind, multiplier)
-    "aura_flow": ("discrete_flow", 1.0),    # ModelSamplingAuraFlow (Qwen-Image's templates)
-    "sd3": ("discrete_flow", 1000.0),       # ModelSamplingSD3
-    "flux": ("flux", 1.0),                  # ModelSamplingFlux (its shift: what that node computes from the size)
-}
 ATTENTION_KERNELS = tuple(ATTENTION)
 
 
@@ -70,10 +66,10 @@ CATEGORY = "sampling/xDiT"
 def engine_spec(model_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTEngine", "xDiT Engine", CATEGORY,
-        "A persistent multi-GPU engine for FLUX.1 and SD3/SD3.5. The same settings reuse the running ranks and the "
+        f"A persistent multi-GPU engine for {FAMILY_TITLES}. The same settings reuse the running ranks and the "
         "loaded weights.",
         (Field("model_name", "COMBO", options=tuple(model_names), default=model_names[0] if model_names else None,
-               tooltip="diffusion_models or checkpoints file (FLUX.1 BFL layout, SD3/SD3.5 SAI layout)"),
+               tooltip="diffusion_models or checkpoints file, as ComfyUI's loaders take it (plain, fp8 or GGUF)"),
          Field("family", "COMBO", "auto", FAMILIES, tooltip="auto detects it from the file"),
          Field("weight_dtype", "COMBO", "default", WEIGHT_DTYPES,
                tooltip="default: bf16 on GPUs, fp32 on CPU; fp8_e4m3fn stores weights in fp8, computes in bf16"),
@@ -145,7 +141,7 @@ GUIDER_SPEC = NodeSpec(
     (Field("engine", ENGINE_TYPE),
      Field("positive", "CONDITIONING"),
      Field("cfg", "FLOAT", 1.0, min=0.0, max=100.0, step=0.1, round=0.01,
-           tooltip="1.0 (FLUX.1-dev, schnell) runs the positive only; above 1 needs the negative (SD3/SD3.5)"),
+           tooltip="1.0 runs the positive only (FLUX.1); above 1 needs the negative (SD3/SD3.5, Qwen-Image)"),
      Field("negative", "CONDITIONING", optional=True),
      Field("model", "MODEL", optional=True,
            tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) and post-CFG patches "
@@ -156,7 +152,7 @@ GUIDER_SPEC = NodeSpec(
 def lora_spec(lora_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTLoRA", "xDiT LoRA", CATEGORY,
-        "Applies a FLUX/SD3 LoRA (kohya, BFL/ComfyUI or diffusers format) inside the engine's ranks. Chain several; "
+        "Applies a LoRA (kohya, ComfyUI or diffusers format) inside the engine's ranks. Chain several; "
         "removing one restores the base weights.",
         (Field("engine", ENGINE_TYPE),
          Field("lora_name", "COMBO", options=tuple(lora_names), default=lora_names[0] if lora_names else None),
@@ -184,7 +180,7 @@ SAMPLING_SPEC = NodeSpec(
     "the engine's sampler (and the xDiT Guider's ComfyUI sampler) use, e.g. aura_flow 3.1 for Qwen-Image's "
     "text-to-image template, 3.0 for its edit template.",
     (Field("engine", ENGINE_TYPE),
-     Field("method", "COMBO", "aura_flow", tuple(SAMPLING_METHODS),
+     Field("method", "COMBO", "aura_flow", tuple(SAMPLING_NODES),
            tooltip="aura_flow: ModelSamplingAuraFlow; sd3: ModelSamplingSD3; flux: ModelSamplingFlux"),
      Field("shift", "FLOAT", 3.1, min=0.0, max=100.0, step=0.01, round=0.001,
            tooltip="the sampling node's shift (for flux: the shift ModelSamplingFlux computes, e.g. 1.15)")),
@@ -262,11 +258,8 @@ class EngineSettings:
 
     def with_sampling(self, method: str, shift: float) -> "EngineSettings":
         """These settings with a sampling node's model sampling (xDiT Model Sampling)."""
-        if method not in SAMPLING_METHODS:
-            raise ValueError(f"method={method!r} is invalid: use one of {', '.join(SAMPLING_METHODS)}")
-        kind, multiplier = SAMPLING_METHODS[method]
-        FlowSampling(kind, float(shift), multiplier)   # ValueError naming a shift that cannot be
-        return replace(self, sampling=(kind, float(shift), multiplier))
+        chosen = FlowSampling.node(method, float(shift))   # ValueError naming a method or shift that cannot be
+        return replace(self, sampling=(chosen.kind, chosen.shift, chosen.multiplier))
 
     def with_cfg_norm(self, strength: float) -> "EngineSettings":
         """These settings with ComfyUI's CFGNorm at `strength` (xDiT CFGNorm)."""
@@ -369,8 +362,9 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
 
 
 def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
-    """FLUX.1 Kontext: the raw VAE latents ReferenceLatent appended to a CONDITIONING checked by conditioning_tensors,
-    and the method FluxKontextMultiReferenceLatentMethod set (ComfyUI's model defaults to offset)."""
+    """The raw VAE latents ReferenceLatent (FLUX.1 Kontext) or TextEncodeQwenImageEdit appended to a CONDITIONING
+    checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the family's
+    default, as ComfyUI's model has it)."""
     extras = conditioning[0][1]
     refs = extras.get("reference_latents")
     if refs is not None and not isinstance(refs, (list, tuple)):
