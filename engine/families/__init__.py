@@ -1,17 +1,18 @@
 """The model families the engine runs, one module each: adding a family is adding its module here.
 
 `get(name)` gives a family by the name a CheckpointInfo holds; `by_variant(variant)` by a variant name; `FAMILIES`
-lists them in detection order.
+lists them in detection order; `TITLES` names them for help texts.
 """
 from __future__ import annotations
 
-from . import flux, sd3
+from . import flux, qwen_image, sd3
 from .base import Family
 
-FAMILIES: tuple[Family, ...] = (flux.FAMILY, sd3.FAMILY)
+FAMILIES: tuple[Family, ...] = (flux.FAMILY, sd3.FAMILY, qwen_image.FAMILY)
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_VARIANT = {v: f for f in FAMILIES for v in f.variants}
 VARIANTS = tuple(_BY_VARIANT)
+TITLES = ", ".join(f.title for f in FAMILIES)   # "FLUX.1, SD3/SD3.5, ..." for help texts
 
 
 def get(name: str) -> Family:

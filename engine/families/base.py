@@ -39,11 +39,15 @@ class TokenTable:
     text_inputs: tuple[tuple[str, int], ...] = ()   # text arguments: split with the image tokens when their count
     #                                                 divides the degree, else held by every rank (joint); the
     #                                                 processor is told which through `joint_text_tokens`
-    split_after: tuple[tuple[str, int | None, int], ...] = ()  # (module, output item or None, token dim): outputs
-    #                                                 split right after the module (positions on the whole grid)
+    split_after: tuple[tuple[str, int | None, int], ...] = ()  # (module, output item or None, token dim): image-token
+    #                                                 outputs split right after the module (positions of the whole
+    #                                                 grid), joint reference tokens kept whole
+    text_after: tuple[tuple[str, int | None, int], ...] = ()   # the same for text-token outputs (e.g. text RoPE),
+    #                                                 split exactly when the forward's text is split
     blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
     reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
     #                                                 many per forward): split with them or joint
+    kwargs_name: str = "joint_attention_kwargs"     # the model's forward argument that reaches the processors
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,10 @@ class Family:
     forward: Callable                                       # (flow, x_model, sigma32, prepared) -> velocity
     text_tokens: int                                        # the encoders' usual token count (planner, stage split)
     cfg: float                                              # the cfg its stock workflows use (1.0: no negative pass)
-    reference_methods: tuple[str, ...] = ()                 # how reference latents are placed (() = none taken)
+    reference_methods: tuple[str, ...] = ()                 # how reference latents are placed, ComfyUI's default
+    #                                                         first (() = the family takes none)
     max_latent_side: Callable[[dict], int | None] = lambda config: None   # latent pixels a side (position grid)
+    pads_to_patches: bool = False                           # ComfyUI pads a latent to whole patches (else refused)
 
     # ---- parallel methods and the planner
     tokens: TokenTable | None = None
@@ -98,6 +104,10 @@ class Family:
     dims: dict[str, dict[str, Any]] = field(default_factory=dict)   # "full" | "small" | "tiny" -> variant -> dims
     shapes: Callable[[Any], dict[str, tuple]] | None = None # dims -> {key in native layout: shape}
     full_extras: tuple[str, ...] = ()                       # keys a full checkpoint has besides the transformer
+
+    # modules that hold tensors outside the state dict (e.g. a RoPE table), which building on the meta device left
+    # empty: built again, on the CPU, once the weights are loaded
+    rebuild_off_meta: Callable[[torch.nn.Module], None] = lambda model: None
 
     # ---- words for `demo`, `make-tiny` and the nodes
     describe_blocks: Callable[[dict], str] = lambda config: ""
@@ -153,6 +163,29 @@ def grid_ids(rows: int, cols: int, index: float, row0: float, col0: float, devic
     r = torch.arange(rows, device=device).repeat_interleave(cols) + row0
     c = torch.arange(cols, device=device).repeat(rows) + col0
     return torch.stack([torch.full_like(r, index), r, c], dim=1).to(torch.float32)
+
+
+def tile_offsets(shapes) -> list[tuple[int, int]]:
+    """(row, column) offsets in latent pixels of references tiled side by side as ComfyUI's "offset" method places
+    them (FLUX.1 Kontext, Qwen-Image): each next to the ones before it, along the side that keeps the covered area
+    squarer."""
+    places, h, w = [], 0, 0
+    for ref_h, ref_w in shapes:
+        row, col = (0, w) if ref_h + h > ref_w + w else (h, 0)
+        h, w = max(h, ref_h + row), max(w, ref_w + col)
+        places.append((row, col))
+    return places
+
+
+@contextlib.contextmanager
+def forward_hook(module: torch.nn.Module, hook, prepend: bool = False):
+    """A forward hook on `module` for the duration of a with-block (prepend: before the hooks already there, e.g. so a
+    family's own positions are in place before a parallel plan's hooks split them)."""
+    handle = module.register_forward_hook(hook, prepend=prepend)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.safetensors_file import CheckpointError
+from ..errors import CheckpointError
 from ..parallel.pipefusion.stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import (Family, Marker, StageParams, TokenTable, count, fused, grid_ids, linear, linear_shapes, pack_2x2,
-                   pre_hook, unpack_2x2)
+                   pre_hook, tile_offsets, unpack_2x2)
 
 REFERENCE_METHODS = ("offset", "index", "uxo")   # FluxKontextMultiReferenceLatentMethod ("uxo/uno": uxo)
 HEAD_DIM_AXES = {128: (16, 56, 56)}               # FLUX.1's RoPE split of its 128-wide heads
@@ -184,24 +184,17 @@ def reference_positions(method: str, latent_hw: tuple[int, int], shapes) -> list
     them (offsets are counted in latent pixels, then halved rounding up). "offset": every reference on index 1,
     each next to the ones before it, along the side that keeps the covered area squarer; "index": each its own
     index from 1, at the origin; "uxo": index 0, diagonally past the image and the references before it."""
-    places, h, w, index = [], 0, 0, 0
-    for ref_h, ref_w in shapes:
-        if method == "index":
-            index, row, col = index + 1, 0, 0
-        elif method == "uxo":
-            index, row, col = 0, latent_hw[0] + h, latent_hw[1] + w
-            h, w = h + ref_h, w + ref_w
-        elif method == "offset":
-            index, row, col = 1, 0, 0
-            if ref_h + h > ref_w + w:
-                col = w
-            else:
-                row = h
-            h, w = max(h, ref_h + row), max(w, ref_w + col)
-        else:
-            raise ValueError(f"reference_latents_method={method!r} is invalid: use one of {list(REFERENCE_METHODS)}")
-        places.append((index, (row + 1) // 2, (col + 1) // 2))
-    return places
+    if method not in REFERENCE_METHODS:
+        raise ValueError(f"reference_latents_method={method!r} is invalid: use one of {list(REFERENCE_METHODS)}")
+    shapes = [tuple(s) for s in shapes]
+    if method == "index":
+        places = [(i + 1, 0, 0) for i in range(len(shapes))]
+    elif method == "uxo":
+        corners = [(sum(h for h, _ in shapes[:i]), sum(w for _, w in shapes[:i])) for i in range(len(shapes))]
+        places = [(0, latent_hw[0] + h, latent_hw[1] + w) for h, w in corners]
+    else:
+        places = [(1, row, col) for row, col in tile_offsets(shapes)]
+    return [(index, (row + 1) // 2, (col + 1) // 2) for index, row, col in places]
 
 
 def _fp32_embedding(model, timestep: torch.Tensor, guidance: torch.Tensor | None):

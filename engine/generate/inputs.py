@@ -48,6 +48,21 @@ def _px(info: CheckpointInfo, latent_h: int, latent_w: int) -> str:
     return f"{latent_w * d}x{latent_h * d} px"
 
 
+def fix_empty_latent(info: CheckpointInfo, samples):
+    """A LATENT's samples as ComfyUI's KSampler hands them to this family's model (comfy.sample.fix_empty_latent_channels):
+    an all-zero latent of another channel count (EmptyLatentImage's 4) widened to the family's channels, and an image
+    latent [B, C, H, W] made one frame [B, C, 1, H, W] for a video latent format. Anything else is left for
+    check_latent to judge."""
+    if not isinstance(samples, torch.Tensor) or samples.ndim not in (4, 5):
+        return samples
+    fmt = info.spec.latent
+    if samples.shape[1] != fmt.channels and not torch.count_nonzero(samples):   # zeros tiled to the channels: zeros
+        samples = samples.new_zeros(samples.shape[0], fmt.channels, *samples.shape[2:])
+    if fmt.spatial_dims == 3 and samples.ndim == 4:
+        samples = samples.unsqueeze(2)
+    return samples
+
+
 def check_latent(info: CheckpointInfo, lat) -> tuple[int, int]:
     """The LATENT's samples as the family takes them ([B, C, H, W], or [B, C, 1, H, W] for a video format); returns
     the latent's (height, width)."""
@@ -62,7 +77,7 @@ def check_latent(info: CheckpointInfo, lat) -> tuple[int, int]:
     h, w = lat.shape[-2], lat.shape[-1]
     p = info.latent_patch
     step = p * fmt.downscale
-    if h % p or w % p or h < p or w < p:
+    if h < 1 or w < 1 or (not info.spec.pads_to_patches and (h % p or w % p or h < p or w < p)):
         raise ValueError(f"latent {_px(info, h, w)} is invalid: {info.variant} needs width and height that are "
                          f"positive multiples of {step} px")
     side = info.spec.max_latent_side(info.config)
@@ -112,7 +127,7 @@ def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: 
     if refs and not family.reference_methods:
         raise ValueError(f"{name} holds {len(refs)} reference latent(s) but {info.variant} takes none: remove the "
                          f"ReferenceLatent node or use a model that takes reference images")
-    if refs and method not in family.reference_methods:
+    if refs and method and method not in family.reference_methods:
         raise ValueError(f"{name}_method={method!r} is invalid for {info.variant}: use one of "
                          f"{', '.join(family.reference_methods)}")
     p = info.latent_patch
@@ -121,11 +136,12 @@ def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: 
         if not isinstance(r, torch.Tensor) or not r.is_floating_point():
             kind = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
             raise ValueError(f"{what} is {kind}: give a floating-point latent {rule} (VAEEncode)")
+        small = 1 if family.pads_to_patches else p
         if r.ndim != fmt.ndim or r.shape[1] != fmt.channels or r.shape[0] not in (1, batch) \
-                or (fmt.spatial_dims == 3 and r.shape[2] != 1) or r.shape[-2] < p or r.shape[-1] < p:
+                or (fmt.spatial_dims == 3 and r.shape[2] != 1) or r.shape[-2] < small or r.shape[-1] < small:
             raise ValueError(f"{what} of shape {list(r.shape)} is invalid: {info.variant} takes {rule} (VAEEncode's "
                              f"latent: one image, or one per image of the batch)")
-        if r.shape[-2] % p or r.shape[-1] % p:
+        if not family.pads_to_patches and (r.shape[-2] % p or r.shape[-1] % p):
             raise ValueError(f"{what} of shape {list(r.shape)} is invalid: its image is {_px(info, *r.shape[-2:])}; "
                              f"{info.variant} takes references whose sides are multiples of "
                              f"{p * fmt.downscale} px (FluxKontextImageScale gives such sizes)")

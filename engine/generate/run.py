@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ..models.flow import Conditioning, FlowModel
+from ..models.flow import Conditioning, FlowModel, frame
 from ..models.load import inspect_model, load_model
 from ..models.lora import apply_loras
 from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
@@ -83,23 +83,27 @@ def _finish(ctx, request: GenerateRequest, mesh, info, samples: torch.Tensor) ->
 def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tensor] | None:
     """A KSampler run through the PipeFusion stages: this rank loads only its stage's weights."""
     info = inspect_model(request.model)
-    latent_raw = request.latent_raw.float()
+    video = request.latent_raw.ndim == 5   # a video latent format's one frame: the stages work on the image latent
+    latent_raw = frame(request.latent_raw.float())
     layout = make_layout(info, request.plan, latent_raw.shape[-2], latent_raw.shape[-1], request.patches,
                          request.warmup_steps, request.stage_blocks)
     stage = mesh["pipefusion"].rank
     keep = stage_keep(info, layout, stage)
     pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep))
     pipeline.setup(layout)
-    noise = prepare_noise(latent_raw, request.seed, request.batch_index)
-    start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.spec.latent,
+    noise = frame(prepare_noise(request.latent_raw.float(), request.seed, request.batch_index))   # its shape's draw
+    start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.spec.latent.image(),
                            seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
                            scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device))
     positive, negative = _sides(request)
     ctx.check_cancel(0)
     with attention_kernels(request.attention, ctx.device):
         samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape), cfg=request.cfg,
+                               cfg_norm=request.cfg_norm,
                                sampler=request.sampler, seed=request.seed, steps=len(start.sigmas) - 1,
                                deadline_s=ctx.deadline_s)
+    if video and samples is not None:
+        samples = samples.unsqueeze(2)
     ctx.info["pipefusion"] = {"stage": stage, "blocks": list(layout.blocks_of(stage)), "patches": layout.patches,
                               "warmup_steps": layout.warmup, "stage_blocks": list(layout.stage_blocks),
                               "held_bytes": pipeline.flow.loaded.stats.get("held_bytes")}
@@ -129,7 +133,8 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
         samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device),
                           sampling=request.sampling(info), latent=info.spec.latent, seed=request.seed,
                           steps=request.steps, cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
-                          denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step)
+                          denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step,
+                          cfg_norm=request.cfg_norm)
     if parallel.cache is not None:
         ctx.info["step_cache"] = parallel.cache.stats.as_dict()
     return _finish(ctx, request, mesh, parallel.flow.loaded.info, samples)

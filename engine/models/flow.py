@@ -23,7 +23,7 @@ class Conditioning:
     pooled: torch.Tensor | None = None
     guidance: float | None = None
     references: tuple[torch.Tensor, ...] = ()
-    reference_method: str = "offset"
+    reference_method: str = ""          # "": the family's default (ComfyUI's, when the conditioning names none)
 
     @property
     def forward_shape(self) -> tuple:
@@ -38,8 +38,8 @@ class Prepared:
     cond: torch.Tensor
     pooled: torch.Tensor | None
     guidance: torch.Tensor        # fp32, one value per batch row
-    references: tuple[torch.Tensor, ...] = ()   # model space, one row per batch row, like cond
-    reference_method: str = "offset"
+    references: tuple[torch.Tensor, ...] = ()   # model space [rows, C, h, w], one row per batch row, like cond
+    reference_method: str = ""
 
 
 def rows(t: torch.Tensor, batch: int, items: slice, name: str = "conditioning") -> torch.Tensor:
@@ -76,15 +76,28 @@ class FlowModel:
         # as ComfyUI's extra_conds: each reference to model space in its own dtype, then to the compute dtype
         fmt = self.family.latent
         references = tuple(
-            torch.cat([rows(fmt.process_in(s.references[i]), batch, items, "reference latent") for s in sides])
+            torch.cat([rows(frame(fmt.process_in(s.references[i])), batch, items, "reference latent") for s in sides])
             .to(self.device, self.dtype)
             for i in range(len(sides[0].references)))
-        return Prepared(cond, pooled, guidance, references, sides[0].reference_method)
+        method = sides[0].reference_method or (self.family.reference_methods or ("",))[0]
+        return Prepared(cond, pooled, guidance, references, method)
 
     @torch.no_grad()
     def velocity(self, x_model: torch.Tensor, sigma: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        """v for latents x_model [n, C, ...] (model space) at `sigma`, float32, shaped like x_model."""
+        """v for latents x_model [n, C, h, w] or one-frame video latents [n, C, 1, h, w] (model space) at `sigma`,
+        float32, shaped like x_model."""
         n = x_model.shape[0]
         sigma32 = sigma.detach().to(torch.float32).reshape(-1).expand(n).to(self.device)
-        x = x_model.to(self.device, self.dtype)
-        return self.family.forward(self, x, sigma32, prepared).to(torch.float32)
+        x = frame(x_model).to(self.device, self.dtype)
+        v = self.family.forward(self, x, sigma32, prepared).to(torch.float32)
+        return v.unsqueeze(2) if x_model.ndim == 5 else v
+
+
+def frame(x: torch.Tensor) -> torch.Tensor:
+    """A one-frame video latent [n, C, 1, h, w] as the image latent [n, C, h, w] a family's forward takes (an image
+    latent as it is). Video formats (ComfyUI's Wan21, Qwen-Image's) hold a still image as one frame."""
+    if x.ndim == 5:
+        if x.shape[2] != 1:
+            raise ValueError(f"latent of shape {list(x.shape)} has {x.shape[2]} frames: give one (a still image)")
+        return x[:, :, 0]
+    return x

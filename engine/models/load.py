@@ -153,6 +153,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
                  if b.is_meta and (keep is None or keep(n))]
     if leftovers:
         raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
+    info.spec.rebuild_off_meta(model)
     model.eval().requires_grad_(False)
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
              "scaled_linears": len(scales), "gguf_linears": quantized_layers, "format": info.format,
@@ -370,6 +371,7 @@ def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device =
             if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
                 module.weight = torch.nn.Parameter(module.weight.to(torch.float8_e4m3fn), requires_grad=False)
     cast_layers = _wrap_fp8_linears(model)
+    info.spec.rebuild_off_meta(model)
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     return LoadedTransformer(info=info, model=model, dtype=COMPUTE_DTYPES[dtype], path=source, fp8_weights=fp8_weights,

@@ -49,6 +49,7 @@ class ParallelFlow:
         self._original_processors: dict | None = None
         self.cache: StepCache | None = None
         self._joint_references = 0   # reference tokens every rank holds in full in the current forward
+        self._joint_text = False     # the current forward's text is held in full by every rank
         if mesh["sp"].size > 1:
             self._split_tokens()
 
@@ -61,15 +62,25 @@ class ParallelFlow:
             self._hooks.append(model.register_forward_pre_hook(self._split_forward_inputs, with_kwargs=True))
         for name, item, dim in table.split_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(self._split_output(name, item, dim)))
+        for name, item, dim in table.text_after:
+            self._hooks.append(model.get_submodule(name).register_forward_hook(
+                self._split_output(name, item, dim, text=True)))
         self._hooks.append(model.get_submodule(table.gather_after).register_forward_hook(
             lambda module, args, out: self._gather(out)))
 
-    def _split_output(self, name: str, item: int | None, dim: int):
-        """A forward hook that keeps this rank's shard of a module's output (or of one item of a tuple output)."""
+    def _split_output(self, name: str, item: int | None, dim: int, text: bool = False):
+        """A forward hook that keeps this rank's shard of a module's output (or of one item of a tuple output): image
+        tokens (joint reference tokens at their end kept whole), or with `text` text tokens, split only when the
+        forward split the text."""
+        def shard(t):
+            if text:
+                return t if self._joint_text else self._shard(t, dim, name)
+            return self._shard_image(t, dim, name)
+
         def hook(module, args, out):
             if item is None:
-                return self._shard(out, dim, name)
-            return tuple(self._shard(o, dim, name) if i == item else o for i, o in enumerate(out))
+                return shard(out)
+            return tuple(shard(o) if i == item else o for i, o in enumerate(out))
         return hook
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -88,34 +99,38 @@ class ParallelFlow:
         n = tokens.shape[dim] // sp.size
         return tokens.narrow(dim, sp.rank * n, n)
 
+    def _shard_image(self, t: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        """This rank's shard of image tokens; joint reference tokens at the end stay whole on every rank."""
+        m = self._joint_references
+        if not m:
+            return self._shard(t, dim, what)
+        image = t.narrow(dim, 0, t.shape[dim] - m)
+        return torch.cat([self._shard(image, dim, what), t.narrow(dim, image.shape[dim], m)], dim=dim)
+
     def _split_forward_inputs(self, module, args, kwargs):
         kwargs = dict(kwargs)
-        refs = self.flow.reference_tokens if self.table.reference_tokens else 0
+        table, extra = self.table, {}
+        refs = self.flow.reference_tokens if table.reference_tokens else 0
         joint_refs = 0
         if refs:
-            first, dim = self.table.split_inputs[0]
+            first, dim = table.split_inputs[0]
             joint_refs = refs if kwargs[first].shape[dim] % self.mesh["sp"].size else 0
         self._joint_references = joint_refs
-        for name, dim in self.table.split_inputs:
-            t = kwargs[name]
-            if joint_refs:
-                image = t.narrow(dim, 0, t.shape[dim] - joint_refs)
-                kwargs[name] = torch.cat([self._shard(image, dim, name), t.narrow(dim, image.shape[dim], joint_refs)],
-                                         dim=dim)
-            else:
-                kwargs[name] = self._shard(t, dim, name)
-        if self.table.reference_tokens:
-            kwargs["joint_attention_kwargs"] = {**(kwargs.get("joint_attention_kwargs") or {}),
-                                                "joint_reference_tokens": joint_refs}
-        if self.table.text_inputs:
-            first, dim = self.table.text_inputs[0]
+        for name, dim in table.split_inputs:
+            kwargs[name] = self._shard_image(kwargs[name], dim, name)
+        if table.reference_tokens:
+            extra["joint_reference_tokens"] = joint_refs
+        self._joint_text = False
+        if table.text_inputs:
+            first, dim = table.text_inputs[0]
             count = kwargs[first].shape[dim]
-            joint = count % self.mesh["sp"].size != 0
-            if not joint:
-                for name, d in self.table.text_inputs:
+            self._joint_text = count % self.mesh["sp"].size != 0
+            if not self._joint_text:
+                for name, d in table.text_inputs:
                     kwargs[name] = self._shard(kwargs[name], d, name)
-            kwargs["joint_attention_kwargs"] = {**(kwargs.get("joint_attention_kwargs") or {}),
-                                                "joint_text_tokens": count if joint else 0}
+            extra["joint_text_tokens"] = count if self._joint_text else 0
+        if extra:   # to the processor, through the model's own attention kwargs
+            kwargs[table.kwargs_name] = {**(kwargs.get(table.kwargs_name) or {}), **extra}
         return args, kwargs
 
     # ---- the step cache ----------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 classes define it (each family names its own in engine/families)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,11 @@ class LatentFormat:
             mean, std = self._stats(x_model)
             return x_model * std / self.scale_factor + mean
         return (x_model / self.scale_factor) + self.shift_factor
+
+    def image(self) -> "LatentFormat":
+        """This format for the image latent [B, C, H, W] of a one-frame video latent [B, C, 1, H, W] (the same
+        map; what PipeFusion's row bands work on)."""
+        return replace(self, spatial_dims=2)
 
     @property
     def ndim(self) -> int:
