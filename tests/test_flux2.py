@@ -1,0 +1,285 @@
+"""FLUX.2 [dev] and [klein]: the engine's velocity and sampled latent equal an independent reference built here from
+ComfyUI's FLUX.2 formulas (ComfyUI 0.3.72 / 0.12.1: comfy/model_base.py Flux2, comfy/ldm/flux/model.py, comfy/
+latent_formats.py Flux2, comfy/supported_models.py Flux2), with and without reference latents, on 1 to 4 real rank
+processes (gloo, CPU) under every plan; stage-only PipeFusion, the step cache, compile and fp8 weights; LoRAs in the
+formats people share; ComfyUI's mixed-precision fp8 files and GGUF files equal their plain copies.
+
+The reference restates ComfyUI's math without the engine's code and drives the unmodified diffusers
+Flux2Transformer2DModel: the text zero-padded in front to 512 tokens; the latent one token per latent pixel (patch
+size 1) with ids (index, row, col, 0); text ids (0, 0, 0, l); reference k at index 10 k ("index"), or placed by the
+"offset" / "uxo" loop of Flux._forward; the output's image tokens kept; sigma as the timestep (the model multiplies
+by 1000); guidance only where the model has a guidance embedding; latent format identity; ModelSamplingFlux with
+shift 2.02 and KSampler's "simple" schedule over its 10000-entry table; euler.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.generate.request import GenerateRequest
+from engine.models.flow import Conditioning, FlowModel
+from engine.models.load import load_model, load_transformer
+from engine.models.tiny import write_tiny
+from engine.parallel.plan import ParallelPlan
+from engine.runtime.client import Engine
+
+from conftest import FAST
+from tolerance import fp32_bound, report, sampling_amplification
+
+SHIFT = 2.02            # supported_models.Flux2.sampling_settings
+TEXT = 512              # model_base.Flux2.extra_conds: target_text_len
+DEPTH = 8               # the tiny FLUX.2: 4 double + 4 single blocks
+STEPS = 3
+WIDTH = {"flux2-dev": 96, "flux2-klein-4b": 48, "flux2-klein-9b": 72}   # the tiny models' text widths
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """conftest's engines, with a heartbeat deadline that a CPU shared with other test runs does not trip."""
+    started = {}
+
+    def get(world):
+        if world not in started:
+            started[world] = Engine(world, device="cpu", deadlines=dataclasses.replace(FAST, heartbeat_s=60))
+        return started[world]
+    yield get
+    for e in started.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("flux2")
+    return {v: write_tiny("flux2", str(d), variant=v) for v in ("flux2-dev", "flux2-klein-4b")}
+
+
+@pytest.fixture(scope="module")
+def diffusers_models(models):
+    return {v: load_transformer(p).model for v, p in models.items()}
+
+
+def randn(seed, *shapes):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+# ---- the independent reference ---------------------------------------------------------------------------------
+def comfy_places(method, image_hw, ref_shapes):
+    """(index, h_offset, w_offset) per reference as Flux._forward's loop chooses them (patch size 1: offsets are
+    latent pixels): "index" adds ref_index_scale 10 per reference; "offset" tiles on index 1; "uxo" goes diagonally
+    past the image on index 0."""
+    places, h, w, index = [], 0, 0, 0
+    for rh, rw in ref_shapes:
+        if method == "index":
+            index += 10
+            h_off = w_off = 0
+        elif method == "uxo":
+            index, h_off, w_off = 0, image_hw[0] + h, image_hw[1] + w
+            h, w = h + rh, w + rw
+        else:
+            index, h_off, w_off = 1, 0, 0
+            if rh + h > rw + w:
+                w_off = w
+            else:
+                h_off = h
+            h, w = max(h, rh + h_off), max(w, rw + w_off)
+        places.append((index, h_off, w_off))
+    return places
+
+
+def process_img(x, index=0, h_off=0, w_off=0):
+    """ComfyUI's process_img at patch size 1: tokens "b c h w -> b (h w) c" and ids from linspace, 4 axes."""
+    b, c, h, w = x.shape
+    tokens = torch.stack([x[:, :, i, j] for i in range(h) for j in range(w)], dim=1)
+    ids = torch.zeros(h, w, 4)
+    ids[:, :, 0] = index
+    ids[:, :, 1] = torch.linspace(h_off, h - 1 + h_off, steps=h).unsqueeze(1)
+    ids[:, :, 2] = torch.linspace(w_off, w - 1 + w_off, steps=w).unsqueeze(0)
+    return tokens, ids.reshape(h * w, 4)
+
+
+def reference_velocity(model, x, sigma, cond, refs=(), method="index", guidance=3.5):
+    b, c, h, w = x.shape
+    if cond.shape[1] < TEXT:
+        cond = F.pad(cond, (0, 0, TEXT - cond.shape[1], 0))
+    txt_ids = torch.zeros(cond.shape[1], 4)
+    txt_ids[:, 3] = torch.linspace(0, cond.shape[1] - 1, steps=cond.shape[1])
+    tokens, ids = process_img(x)
+    parts, all_ids = [tokens], [ids]
+    for r, place in zip(refs, comfy_places(method, (h, w), [r.shape[-2:] for r in refs])):
+        t, i = process_img(r.expand(b, -1, -1, -1), *place)
+        parts.append(t)
+        all_ids.append(i)
+    g = torch.full((b,), float(guidance)) if model.config.guidance_embeds else None
+    out = model(hidden_states=torch.cat(parts, 1), encoder_hidden_states=cond.expand(b, -1, -1),
+                timestep=torch.full((b,), float(sigma)), img_ids=torch.cat(all_ids), txt_ids=txt_ids, guidance=g,
+                return_dict=False)[0][:, :h * w]
+    v = torch.empty_like(x)
+    for n in range(h * w):
+        v[:, :, n // w, n % w] = out[:, n]
+    return v
+
+
+def simple_sigmas(steps, shift=SHIFT):
+    """ModelSamplingFlux's table (sigma(t) = e^mu / (e^mu + (1/t - 1)), t = k/10000, float32) and KSampler's
+    "simple" scheduler: every (len/steps)-th entry from the top, then 0."""
+    t = torch.arange(1, 10001) / 10000
+    table = math.exp(shift) / (math.exp(shift) + (1 / t - 1))
+    stride = len(table) / steps
+    return torch.tensor([float(table[-(1 + int(k * stride))]) for k in range(steps)] + [0.0])
+
+
+@torch.no_grad()
+def reference_sample(model, j):
+    """KSampler, euler/simple on an empty latent: noise from the seed; CFG on denoised; process_out the identity."""
+    x = torch.randn(j["latent_raw"].shape, generator=torch.Generator().manual_seed(j["seed"]))
+    sigmas = simple_sigmas(STEPS)
+    x = sigmas[0] * x
+    for sigma, nxt in zip(sigmas[:-1], sigmas[1:]):
+        denoised = x - sigma * reference_velocity(model, x, sigma, j["cond"], j.get("reference_latents") or (),
+                                                  j.get("reference_latents_method") or "index", j["guidance"])
+        if j["cfg"] != 1.0:
+            neg = x - sigma * reference_velocity(model, x, sigma, j["neg_cond"], j.get("neg_reference_latents") or (),
+                                                 j.get("neg_reference_latents_method") or "index", j["guidance"])
+            denoised = neg + j["cfg"] * (denoised - neg)
+        x = x + (x - denoised) / sigma * (nxt - sigma)
+    return x
+
+
+def bound(reference, cfg, tokens, steps=STEPS):
+    """Another process and another code path (packing, hooks, rank splits): fp32 summation order only. The longest
+    dot product is the attention's over every token (text, image, references): at least 512."""
+    return fp32_bound(reference.abs().max(), reduction=tokens, depth=DEPTH,
+                      amplification=sampling_amplification(steps, cfg))
+
+
+# ---- the model velocity, one process -----------------------------------------------------------------------------
+VELOCITY = [("flux2-dev", 20, (), "index"), ("flux2-dev", 600, (), "index"), ("flux2-klein-4b", 20, (), "index"),
+            ("flux2-dev", 20, [(4, 6)], "index"), ("flux2-dev", 20, [(4, 6), (7, 3)], "index"),
+            ("flux2-klein-4b", 33, [(4, 6), (7, 3), (5, 5)], "index"), ("flux2-dev", 20, [(4, 6), (7, 3)], "offset"),
+            ("flux2-dev", 20, [(4, 6), (7, 3)], "uxo")]
+
+
+@pytest.mark.parametrize("variant,text,refs,method", VELOCITY, ids=lambda v: str(v))
+def test_velocity_equals_comfyuis_formulas(models, diffusers_models, variant, text, refs, method):
+    flow = FlowModel(load_model(models[variant]))
+    x, cond = randn(3, (2, 128, 6, 5), (1, text, WIDTH[variant]))
+    raw = randn(4, *[(1, 128, *s) for s in refs])
+    sigma = torch.tensor(0.7)
+    got = flow.velocity(x, sigma, flow.prepare([Conditioning(cond, None, 4.0, tuple(raw), method)], 2))
+    with torch.no_grad():
+        want = reference_velocity(diffusers_models[variant], x, sigma, cond, raw, method, 4.0)
+    tokens = max(text, TEXT) + 30 + sum(h * w for h, w in refs)
+    assert report(f"{variant} text {text}, references {refs} ({method}): velocity vs ComfyUI's formulas",
+                  (got - want).abs().max(), fp32_bound(want.abs().max(), reduction=tokens, depth=DEPTH))
+    if refs:   # the references steer the velocity, far beyond rounding
+        without = flow.velocity(x, sigma, flow.prepare([Conditioning(cond, None, 4.0)], 2))
+        changed = (got - without).abs().max()
+        print(f"with vs without references, max abs diff {changed:.3g}")
+        assert changed > 100 * fp32_bound(want.abs().max(), reduction=tokens, depth=DEPTH)
+
+
+def test_dev_embeds_guidance_and_klein_ignores_it(models):
+    """FluxGuidance moves [dev]'s velocity (guidance_in); [klein] has no guidance embedding: the value changes nothing
+    (ComfyUI gives it to the model, which ignores it)."""
+    diffs = {}
+    for variant in ("flux2-dev", "flux2-klein-4b"):
+        flow = FlowModel(load_model(models[variant]))
+        x, cond = randn(5, (1, 128, 4, 4), (1, 12, WIDTH[variant]))
+        a, b = (flow.velocity(x, torch.tensor(0.5), flow.prepare([Conditioning(cond, None, g)], 1)) for g in (2.0, 5.0))
+        diffs[variant] = (a - b).abs().max().item()
+    print(f"guidance 2 vs 5, max abs diff: {diffs}")
+    assert diffs["flux2-dev"] > 1e-3 and diffs["flux2-klein-4b"] == 0.0
+
+
+def test_the_text_is_zero_padded_in_front_to_512_tokens_and_never_truncated(models, diffusers_models):
+    """A 20-token prompt gives what the same prompt with 492 zero tokens in front gives; 600 tokens stay 600."""
+    flow = FlowModel(load_model(models["flux2-dev"]))
+    x, cond = randn(6, (1, 128, 4, 4), (1, 20, 96))
+    padded = torch.cat([torch.zeros(1, 492, 96), cond], dim=1)
+    prepared = flow.prepare([Conditioning(cond, None, 3.5)], 1)
+    assert prepared.cond.shape[1] == 512 and torch.equal(prepared.cond[:, 492:], cond)
+    a = flow.velocity(x, torch.tensor(0.4), prepared)
+    b = flow.velocity(x, torch.tensor(0.4), flow.prepare([Conditioning(padded, None, 3.5)], 1))
+    assert torch.equal(a, b)
+    long = randn(7, (1, 600, 96))[0]
+    assert flow.prepare([Conditioning(long, None, 3.5)], 1).cond.shape[1] == 600
+
+
+# ---- sampled latents on real ranks ------------------------------------------------------------------------------
+def job(variant="flux2-dev", *, text=20, cfg=1.0, batch=1, refs=(), neg_refs=(), method="", hw=(8, 8), seed=5,
+        neg_text=None):
+    width = WIDTH[variant]
+    cond, neg_cond = randn(11, (1, text, width), (1, neg_text or text, width))
+    return dict(latent_raw=torch.zeros(batch, 128, *hw), cond=cond, neg_cond=neg_cond, cfg=cfg, seed=seed,
+                guidance=4.0, reference_latents=randn(21, *[(1, 128, *s) for s in refs]) or None,
+                neg_reference_latents=randn(31, *[(1, 128, *s) for s in neg_refs]) or None,
+                reference_latents_method=method, neg_reference_latents_method=method)
+
+
+def request(models, variant, j, plan=ParallelPlan(), **extra):
+    return GenerateRequest(model=models[variant], steps=STEPS, sampler="euler", scheduler="simple", plan=plan,
+                           **j, **extra).validate()
+
+
+def run(engines, r):
+    result = engines(r.plan.world_size).submit("generate", *r.to_job())
+    return result.outputs["samples"], result
+
+
+def tokens_of(j):
+    refs = sum(r.shape[-2] * r.shape[-1] for r in (j["reference_latents"] or ()))
+    return max(j["cond"].shape[1], TEXT) + j["latent_raw"].shape[-2] * j["latent_raw"].shape[-1] + refs
+
+
+# The tiny image is 8x8 latent pixels: 64 image tokens. References of 4x4 add 16 (80: split over 2 and 4 ranks), 5x3
+# add 15 (79: joint). The text, padded to 512, splits over 2 and 4 ranks; 515 tokens stay joint. `gathered`: the
+# output tokens a sequence-parallel rank sends per model call (its image shard plus its share of split references).
+PLANS = [
+    # variant, plan, job, gathered, what it covers
+    ("flux2-dev", {}, dict(), None, "dev, one rank"),
+    ("flux2-dev", {}, dict(refs=((4, 4), (5, 3))), None, "dev, one rank, two references"),
+    ("flux2-klein-4b", {}, dict(cfg=4.0, text=30, neg_text=7), None, "klein base, one rank, real CFG"),
+    ("flux2-dev", dict(ulysses=2), dict(), 32, "ulysses2, text split"),
+    ("flux2-dev", dict(ulysses=2), dict(refs=((4, 4),)), 40, "ulysses2, references split"),
+    ("flux2-dev", dict(ulysses=2), dict(refs=((5, 3),), text=515), 32, "ulysses2, references and text joint"),
+    ("flux2-dev", dict(ring=2), dict(refs=((5, 3), (4, 4)), method="offset"), 32, "ring2, references joint"),
+    ("flux2-dev", dict(ulysses=4), dict(refs=((4, 4),)), 20, "ulysses4, references split"),
+    ("flux2-dev", dict(ulysses=2, ring=2), dict(text=515), 16, "ulysses2 x ring2, text joint"),
+    ("flux2-klein-4b", dict(cfg=2), dict(cfg=4.0, neg_text=7, refs=((4, 4),)), None, "klein base cfg2"),
+    ("flux2-klein-4b", dict(cfg=2, ulysses=2), dict(cfg=4.0, refs=((5, 3),), neg_refs=((4, 4),)), None,
+     "klein base cfg2 x ulysses2, references joint on one side, split on the other"),
+    ("flux2-dev", dict(dp=2), dict(batch=2, refs=((4, 4),)), None, "dp2, one reference for the batch"),
+]
+
+
+@pytest.fixture(scope="module")
+def one_rank(models, engines):
+    """Each plan's job on one rank, run once."""
+    seen = {}
+
+    def get(variant, spec):
+        key = (variant, repr(sorted(spec.items())))
+        if key not in seen:
+            seen[key] = run(engines, request(models, variant, job(variant, **spec)))[0]
+        return seen[key]
+    return get
+
+
+@pytest.mark.parametrize("variant,plan,spec,gathered,what", PLANS, ids=[p[4] for p in PLANS])
+def test_every_plan_equals_the_independent_reference_and_one_rank(models, diffusers_models, engines, one_rank,
+                                                                  variant, plan, spec, gathered, what):
+    j = job(variant, **spec)
+    got, result = run(engines, request(models, variant, j, ParallelPlan(**plan)))
+    want = reference_sample(diffusers_models[variant], j)
+    limit = bound(want, j["cfg"], tokens_of(j))
+    assert got.shape == want.shape == j["latent_raw"].shape
+    assert report(f"{what}: latent vs ComfyUI-formula reference", (got - want).abs().max(), limit)
+    if plan:
+        assert report(f"{what}: latent vs one rank", (got - one_rank(variant, spec)).abs().max(), limit)
+    if gathered is not None:   # one model call per step, [1, tokens, 128] fp32 to the other ranks
+        sent = result.ranks[0]["bytes_sent_per_step"]["sp_gather"]
+        print(f"sp_gather per step: {sent:.0f} bytes")
+        assert sent == gathered * 128 * 4 * (math.prod(plan.values()) - 1)
