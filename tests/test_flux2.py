@@ -283,3 +283,194 @@ def test_every_plan_equals_the_independent_reference_and_one_rank(models, diffus
         sent = result.ranks[0]["bytes_sent_per_step"]["sp_gather"]
         print(f"sp_gather per step: {sent:.0f} bytes")
         assert sent == gathered * 128 * 4 * (math.prod(plan.values()) - 1)
+
+
+# ---- the step cache -----------------------------------------------------------------------------------------------
+NEVER = 1e-9     # no change of the model comes near: the cache runs, records and skips nothing
+
+
+def test_a_step_cache_that_skips_nothing_is_exact(models, engines):
+    j = job(refs=((5, 3),))
+    plain, _ = run(engines, request(models, "flux2-dev", j, ParallelPlan(ulysses=2)))
+    cached, result = run(engines, request(models, "flux2-dev", j, ParallelPlan(ulysses=2), cache_threshold=NEVER))
+    print("step cache:", result.ranks[0]["step_cache"])
+    assert result.ranks[0]["step_cache"]["model_calls"] == STEPS
+    assert torch.equal(cached, plain)
+
+
+def test_a_skipped_call_adds_the_cached_remainder_to_the_first_blocks_image_tokens(models, diffusers_models):
+    """In process: call a runs every block; call b (another latent and sigma) runs the first block and skips. Its
+    image tokens after the last block (a single block: text and image joined, the image at the end) must be the
+    first block's image output plus what the other blocks added in call a. The reference records and replaces those
+    tokens with hooks on the diffusers model driven by this module's reference."""
+    from engine import families
+    from engine.parallel.cache import StepCache
+    flow = FlowModel(load_model(models["flux2-dev"]))
+    cache = StepCache(flow.model, families.get("flux2").tokens.blocks, threshold=1e9)   # skips whatever changed
+    xa, xb, cond = randn(8, (1, 128, 4, 6), (1, 128, 4, 6), (1, 20, 96))
+    prepared = flow.prepare([Conditioning(cond, None, 3.5)], 1)
+    cache.use_stream("pos")
+    flow.velocity(xa, torch.tensor(0.8), prepared)
+    got = flow.velocity(xb, torch.tensor(0.6), prepared)
+    assert cache.stats.skipped_at == [1]
+    cache.close()
+
+    model, n = diffusers_models["flux2-dev"], 24
+    seen = {}
+    first, last = model.transformer_blocks[0], model.single_transformer_blocks[-1]
+    handles = [first.register_forward_hook(lambda m, a, out: seen.__setitem__("first", out[1])),
+               last.register_forward_hook(lambda m, a, out: seen.__setitem__("last", out[:, -n:]))]
+    with torch.no_grad():
+        reference_velocity(model, xa, 0.8, cond)
+        remainder = seen["last"] - seen["first"]
+        handles.pop().remove()
+        handles.append(last.register_forward_hook(
+            lambda m, a, out: torch.cat([out[:, :-n], seen["first"] + remainder], dim=1)))
+        want = reference_velocity(model, xb, 0.6, cond)
+    for h in handles:
+        h.remove()
+    assert report("skipped call vs first block + cached remainder", (got - want).abs().max(),
+                  fp32_bound(want.abs().max(), reduction=TEXT + n, depth=DEPTH))
+
+
+def test_a_skipping_step_cache_takes_the_same_path_on_one_and_on_two_ranks(models, engines):
+    """12 steps; the threshold sits in the widest gap below 1 between the first block's changes (recorded by a cache
+    that skips nothing), so some calls skip and the nearest change is far from it; every rank of ring2 takes one rank's
+    decisions and lands on its latent."""
+    j, steps = job(), 12
+
+    def cached(plan, threshold):
+        r = GenerateRequest(model=models["flux2-dev"], steps=steps, plan=plan, cache_threshold=threshold, **j)
+        return run(engines, r.validate())
+    _, recorded = cached(ParallelPlan(), NEVER)
+    changes = sorted(c for c in recorded.ranks[0]["step_cache"]["changes"] if c is not None)
+    print(f"changes without skipping: {changes}")
+    low, high = max(zip(changes, changes[1:] + [1.0]), key=lambda pair: min(pair[1], 1.0) - pair[0])
+    threshold = (low + min(high, 1.0)) / 2   # a job's threshold is at most 1
+    one, result = cached(ParallelPlan(), threshold)
+    two, result2 = cached(ParallelPlan(ring=2), threshold)
+    skipped = [r["step_cache"]["skipped_at"] for r in result.ranks + result2.ranks]
+    margin = min(abs(c - threshold) for c in result.ranks[0]["step_cache"]["changes"] if c is not None)
+    print(f"threshold {threshold:.3f}: skipped calls per rank {skipped}, nearest change {margin:.3f} away")
+    assert skipped[0] and all(s == skipped[0] for s in skipped) and margin > 1e-3
+    assert report("skipping cache, ring2 vs one rank", (two - one).abs().max(), bound(one, 1.0, tokens_of(j), steps))
+
+
+# ---- PipeFusion: stage-only loading, patches, real ranks --------------------------------------------------------
+SHARED = ("time_guidance_embed.", "double_stream_modulation_img.", "double_stream_modulation_txt.",
+          "single_stream_modulation.")
+
+
+def test_a_stage_holds_its_blocks_and_the_shared_modulations_every_block_needs(models):
+    from engine.models.load import held_bytes
+    from engine.parallel.pipefusion.layout import make_layout, stage_keep
+    full = load_model(models["flux2-dev"])
+    info, state = full.info, full.model.state_dict()
+    layout = make_layout(info, ParallelPlan(pipefusion=2), 8, 8, None, 1, None)
+    total = 0
+    for stage in range(2):
+        keep = stage_keep(info, layout, stage)
+        part = load_model(models["flux2-dev"], keep=keep)
+        held = {n for n, t in part.model.state_dict().items() if not t.is_meta}
+        assert held == {n for n in state if keep(n)}
+        assert all(any(n.startswith(p) for n in held) for p in SHARED)
+        assert ("x_embedder.weight" in held, "proj_out.weight" in held) == (stage == 0, stage == 1)
+        assert all(torch.equal(part.model.state_dict()[n], state[n]) for n in held)
+        assert part.stats["bytes_read"] < full.stats["bytes_read"]
+        total += held_bytes(part.model)
+        print(f"stage {stage}: blocks {list(layout.blocks_of(stage))}, held {held_bytes(part.model)} of "
+              f"{held_bytes(full.model)} bytes")
+    shared = sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith(SHARED))
+    assert total == held_bytes(full.model) + shared   # only the shared modulations are held twice
+
+
+def test_patches_with_fresh_kv_equal_the_whole_call_and_the_whole_call_equals_the_model(models):
+    """The patch path is exact: PipeFusion's only approximation is the age of the other patches' K/V."""
+    from engine.parallel.mesh import Mesh
+    from engine.parallel.pipefusion.layout import Layout, split_rows
+    from engine.parallel.pipefusion.pipeline import Pipeline
+    flow = FlowModel(load_model(models["flux2-dev"]))
+    layout = Layout(1, 4, 1, 8, 6, tuple(split_rows(8, 4)), (8,), 1)
+    x, cond = randn(9, (1, 128, 8, 6), (1, 20, 96))
+    pos = Conditioning(cond, None, 3.5)
+    reference = flow.velocity(x, torch.tensor(0.6), flow.prepare([pos], 1))
+    pipeline = Pipeline(flow, Mesh(ParallelPlan(), 0, 1))
+    try:
+        pipeline.setup(layout)
+        pipeline.bind(pos, None, x.shape, 1.0)
+        whole = pipeline.model.unpatch(pipeline.compute(None, 0.6, x, None)[0], None)
+        limit = fp32_bound(reference.abs().max(), reduction=TEXT + 48, depth=DEPTH)
+        assert report("stage forward vs diffusers forward", (whole - reference).abs().max(), limit)
+        for m in range(layout.patches):
+            rows = pipeline.model.latent_rows(m)
+            patch = pipeline.model.unpatch(pipeline.compute(m, 0.6, x[:, :, rows], None)[0], m)
+            assert report(f"patch {m} with fresh K/V vs the whole call", (patch - whole[:, :, rows]).abs().max(),
+                          limit)
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.parametrize("variant,plan,spec", [
+    ("flux2-dev", dict(pipefusion=2), dict()),
+    ("flux2-dev", dict(pipefusion=4), dict(text=515)),
+    ("flux2-dev", dict(pipefusion=2, ulysses=2), dict()),
+    ("flux2-klein-4b", dict(pipefusion=2, cfg=2), dict(cfg=4.0, neg_text=7)),
+], ids=lambda v: str(v))
+def test_pipefusion_with_warmup_over_every_step_equals_one_rank(models, diffusers_models, engines, one_rank, variant,
+                                                                plan, spec):
+    j = job(variant, **spec)
+    got, result = run(engines, request(models, variant, j, ParallelPlan(**plan), warmup_steps=STEPS))
+    want = reference_sample(diffusers_models[variant], j)
+    limit = bound(want, j["cfg"], tokens_of(j))
+    assert report(f"{ParallelPlan(**plan).describe()} W=steps vs reference", (got - want).abs().max(), limit)
+    assert report(f"{ParallelPlan(**plan).describe()} W=steps vs one rank", (got - one_rank(variant, spec)).abs().max(),
+                  limit)
+    stage = result.ranks[0]["pipefusion"]
+    print(f"stage 0 holds {stage['held_bytes']} bytes, blocks {stage['blocks']}")
+    assert stage["held_bytes"] < result.ranks[0]["loaded"]["bytes_read"] * 2
+
+
+def test_pipefusion_with_one_warmup_step_stays_close_and_closes_in_as_steps_shrink(models, engines):
+    """Stale K/V is first order in the step: the relative L2 to the exact latent falls by half or more at 4x the
+    steps (as for FLUX.1, tests/test_pipefusion.py)."""
+    rel = {}
+    for steps in (3, 12):
+        j = job()
+        exact, _ = run(engines, GenerateRequest(model=models["flux2-dev"], steps=steps, **j).validate())
+        approx, _ = run(engines, GenerateRequest(model=models["flux2-dev"], steps=steps, plan=ParallelPlan(pipefusion=2),
+                                                 warmup_steps=1, patches=4, **j).validate())
+        rel[steps] = float((approx - exact).norm() / exact.norm())
+        print(f"pipefusion2 W=1, {steps} steps: relative L2 {rel[steps]:.4f}")
+    assert rel[3] <= 0.15 and rel[12] <= rel[3] / 2
+
+
+# ---- compile and fp8 weights ---------------------------------------------------------------------------------------
+def test_compiled_blocks_match_eager_and_keep_working_under_the_step_cache(models, engines):
+    j = job()
+    eager, _ = run(engines, request(models, "flux2-dev", j))
+    compiled, result = run(engines, request(models, "flux2-dev", j, compile=True))
+    cached, _ = run(engines, request(models, "flux2-dev", j, compile=True, cache_threshold=NEVER))
+    back, _ = run(engines, request(models, "flux2-dev", j))
+    print(f"compiled graphs: {result.ranks[0]['compiled_graphs']}")
+    assert result.ranks[0]["compiled_graphs"] > 0
+    assert report("compiled vs eager", (compiled - eager).abs().max(), bound(eager, 1.0, tokens_of(j)))
+    assert torch.equal(cached, compiled) and torch.equal(back, eager)
+
+
+def test_fp8_weights_equal_the_reference_with_its_matrices_rounded_to_fp8(models, diffusers_models, engines):
+    """fp8_weights stores every Linear weight in float8_e4m3fn (ComfyUI's fp8 weight dtype) and casts it per call:
+    the reference model with each Linear weight rounded through fp8 computes the same."""
+    import copy
+    j = job(refs=((4, 4),))
+    got, result = run(engines, request(models, "flux2-dev", j, ParallelPlan(ulysses=2), fp8_weights=True))
+    rounded = copy.deepcopy(diffusers_models["flux2-dev"])
+    with torch.no_grad():
+        for m in rounded.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(m.weight.to(torch.float8_e4m3fn).float())
+    want = reference_sample(rounded, j)
+    plain = reference_sample(diffusers_models["flux2-dev"], j)
+    print(f"fp8 rounding moves the latent by {(want - plain).abs().max():.3g}; fp8 linears "
+          f"{result.ranks[0]['loaded']['fp8_linears']}")
+    assert report("fp8 weights ulysses2 vs fp8-rounded reference", (got - want).abs().max(),
+                  bound(want, 1.0, tokens_of(j)))
