@@ -474,3 +474,372 @@ def test_fp8_weights_equal_the_reference_with_its_matrices_rounded_to_fp8(models
           f"{result.ranks[0]['loaded']['fp8_linears']}")
     assert report("fp8 weights ulysses2 vs fp8-rounded reference", (got - want).abs().max(),
                   bound(want, 1.0, tokens_of(j)))
+
+
+# ---- the planner: FLUX.2's real dimensions ----------------------------------------------------------------------
+def meta_model(**config):
+    from diffusers import Flux2Transformer2DModel
+    with torch.device("meta"):
+        return Flux2Transformer2DModel(**config)
+
+
+FULL = {"flux2-dev": {}, "flux2-klein-4b": dict(num_layers=5, num_single_layers=20, num_attention_heads=24,
+                                                joint_attention_dim=7680, guidance_embeds=False),
+        "flux2-klein-9b": dict(num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288,
+                               guidance_embeds=False)}   # diffusers' defaults; scripts/convert_flux2_to_diffusers.py
+
+
+@pytest.mark.parametrize("variant", sorted(FULL))
+def test_each_token_meets_13_hidden_squared_weights_per_block_and_the_planner_counts_the_real_model(variant):
+    from engine.models.load import inspect_model
+    model = meta_model(**FULL[variant])
+    h = model.inner_dim
+    single = sum(p.numel() for p in model.single_transformer_blocks[0].parameters() if p.ndim == 2)
+    double = sum(p.numel() for p in model.transformer_blocks[0].parameters() if p.ndim == 2)
+    info = inspect_model(f"synthetic:{variant}")
+    params = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for n, p in model.named_parameters() if "transformer_blocks." in n)
+    print(f"{variant}: single block {single / 1e6:.2f} M = {single / h ** 2:g} h^2, double {double / 1e6:.2f} M; "
+          f"{params:,} parameters ({info.parameters:,} counted from the BFL layout), {blocks:,} in blocks")
+    assert single == 13 * h * h and double == 2 * 13 * h * h and info.spec.linear_width == 13
+    assert (info.parameters, info.block_parameters) == (params, blocks)
+
+
+def test_the_cost_models_flops_equal_a_count_over_the_models_matrices():
+    """FLUX.2 [dev] at 1024^2: 4096 image + 512 text tokens. Counted here: 2 x weights x the tokens each matrix
+    sees (a double block's text-stream matrices the text, the others the image; single blocks all), plus 4 x S^2 x
+    width of attention per block. The cost model counts the blocks only (embedders and final layer: 0.1%)."""
+    from engine.parallel import cost
+    from engine.parallel.plan import Workload
+    model, image, text = meta_model(), 4096, 512
+    flops = 0.0
+    for block in list(model.transformer_blocks) + list(model.single_transformer_blocks):
+        double = hasattr(block, "ff_context")
+        for name, p in block.named_parameters():
+            if p.ndim == 2:
+                text_side = double and ("context" in name or "add_" in name)
+                flops += 2 * p.numel() * (text if text_side else image if double else image + text)
+        flops += 4 * (image + text) ** 2 * model.inner_dim
+    planned = cost.step_tflop(Workload.for_variant("flux2-dev")) * 1e12
+    print(f"flux2-dev 1024^2: counted {flops / 1e12:.1f} TFLOP per step, cost model {planned / 1e12:.1f} "
+          f"(residual {planned / flops - 1:+.2%})")
+    assert abs(planned / flops - 1) < 1e-3
+
+
+# A 48 GB workstation card, a 24 GB consumer card, and a 24 GB card's speed with 16 GB (4060 Ti / 4080 class)
+FIT_HARDWARE = [(2, "RTX 6000 Ada", 48), (4, "RTX 4090", 24), (4, "RTX 4090", 16)]
+FIT_WEIGHTS = {"bf16": {}, "fp8": dict(fp8_weights=True), "GGUF Q4_K": dict(bytes_per_weight=144 / 256)}
+
+
+def test_the_planner_says_which_plans_fit_flux2_dev_on_the_gpus_people_own():
+    """FLUX.2 [dev] at 1024^2, 28 steps, over PCIe: the plan auto picks on 2x48, 4x24 and 4x16 GB in bf16, fp8 and
+    GGUF Q4_K, or that none fits. Checked against bounds from the diffusers model's parameter counts alone: a plan
+    that keeps the whole model (no PipeFusion) needs every weight on each GPU, a PipeFusion stage at least its
+    share of the blocks plus the shared layers; nothing fits only where even the smallest share does not."""
+    from engine.errors import PlanError
+    from engine.parallel import cost
+    from engine.parallel.devices import stated_hardware
+    from engine.parallel.plan import AUTO, GiB, Workload
+    from engine.parallel.planner import resolve_plan
+    model = meta_model()
+    params = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for n, p in model.named_parameters() if "transformer_blocks." in n)
+    rows = ["| GPUs | weights | plan auto picks | est. s/image | GiB per GPU (est.) | weights per GPU (bound) |",
+            "|---|---|---|---|---|---|"]
+    for gpus, name, memory in FIT_HARDWARE:
+        hw = stated_hardware(gpus, name, "pcie", memory_gib=memory)
+        for label, option in FIT_WEIGHTS.items():
+            per = option.get("bytes_per_weight", 1 if option else 2)
+            work = Workload.for_variant("flux2-dev", steps=28, **option)
+            smallest = ((params - blocks) + blocks / gpus) * per / GiB   # the most stages there can be
+            try:
+                plan = resolve_plan(AUTO, gpus, work, hw).plan
+            except PlanError as e:
+                print(f"{gpus}x{memory} GB {label}: {e}")
+                rows.append(f"| {gpus}x {memory} GB | {label} | none fits | - | - | >= {smallest:.1f} |")
+                assert smallest + 1.0 > memory   # not even the weights' share and a runtime fit
+                continue
+            e = cost.estimate(plan, work, hw)
+            share = (params - blocks + blocks / plan.pipefusion) * per / GiB
+            rows.append(f"| {gpus}x {memory} GB | {label} | {plan.describe()} | {e.s_per_image:.1f} | "
+                        f"{e.memory['total']:.1f} | {share:.1f} |")
+            assert e.fits and share < e.memory["total"] <= memory
+    print("\n".join(rows))
+
+
+# ---- files: the BFL layout, detection, diffusers folders ----------------------------------------------------------
+def bfl_state(path):
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def diffusers_converted(state, variant):
+    """diffusers' own single-file converter (loaders/single_file_utils.py) on a BFL state dict, into a diffusers
+    model of the tiny dims: the reference for the engine's key map."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+    from engine.families.flux2 import DIMS
+    d = DIMS["tiny"][variant]
+    model = meta_model(num_layers=d.depth, num_single_layers=d.depth_single, attention_head_dim=d.head_dim,
+                       num_attention_heads=d.heads, joint_attention_dim=d.context_in, guidance_embeds=d.guidance_embed,
+                       axes_dims_rope=d.axes_dim).to_empty(device="cpu")
+    converted = convert_flux2_transformer_checkpoint_to_diffusers(dict(state))
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    assert (missing, unexpected) == ([], [])
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant,tensors", [("flux2-dev", 299), ("flux2-klein-4b", 149), ("flux2-klein-9b", 201)])
+def test_the_full_size_bfl_layout_converts_exactly_into_the_diffusers_transformer(variant, tensors):
+    """The BFL key/shape table at full size (on the meta device) through diffusers' converter: exactly the diffusers
+    model's state dict, nothing left over; 299 / 149 / 201 tensors as BFL's and ComfyUI's files hold."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+    from engine.models.tiny import shapes_for
+    from engine.families.flux2 import DIMS
+    shapes = shapes_for(variant, DIMS["full"][variant])
+    checkpoint = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
+    converted = convert_flux2_transformer_checkpoint_to_diffusers(checkpoint)
+    expected = {k: tuple(v.shape) for k, v in meta_model(**FULL[variant]).state_dict().items()}
+    assert len(shapes) == tensors and checkpoint == {}
+    assert {k: tuple(v.shape) for k, v in converted.items()} == expected
+
+
+@pytest.mark.parametrize("variant", ["flux2-dev", "flux2-klein-9b"])
+def test_make_tiny_writes_the_bfl_layout_and_the_engine_loads_what_diffusers_converter_makes_of_it(tmp_path, variant):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from engine.models.tiny import shapes_for
+    out = subprocess.run([sys.executable, "-m", "engine", "make-tiny", "--kind", "flux2", "--variant", variant,
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    print(out.stdout)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.splitlines()[0].split()[1]
+    state = bfl_state(path)
+    assert {k: tuple(v.shape) for k, v in state.items()} == shapes_for(variant)
+    assert "double_blocks.0.img_attn.qkv.weight" in state and "final_layer.adaLN_modulation.1.weight" in state
+    loaded = load_model(path)
+    assert (loaded.info.family, loaded.info.variant, loaded.info.layout) == ("flux2", variant, "bfl")
+    want = diffusers_converted(state, variant).state_dict()
+    got = loaded.model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_flux1_and_flux2_files_are_told_apart_in_every_layout_and_prefix(tmp_path):
+    from engine.models.load import inspect_model
+    cases = {write_tiny("flux", str(tmp_path / "a")): ("flux", "flux-dev"),
+             write_tiny("flux2", str(tmp_path / "b")): ("flux2", "flux2-dev"),
+             write_tiny("flux2", str(tmp_path / "c"), variant="flux2-klein-4b", prefix=True): ("flux2", "flux2-klein-4b"),
+             write_tiny("flux2", str(tmp_path / "d"), full=True): ("flux2", "flux2-dev"),
+             write_tiny("flux2", str(tmp_path / "e"), format="gguf"): ("flux2", "flux2-dev")}
+    for path, want in cases.items():
+        info = inspect_model(path)
+        print(f"{path.rsplit('/', 1)[1]}: {info.family} {info.variant} {info.layout} {info.prefix!r} {info.format}")
+        assert (info.family, info.variant) == want
+
+
+def test_a_diffusers_folder_loads_the_same_weights(models, tmp_path):
+    """What diffusers' save_pretrained writes (config.json and diffusion_pytorch_model.safetensors) for the model
+    its converter made of the BFL file."""
+    model = diffusers_converted(bfl_state(models["flux2-klein-4b"]), "flux2-klein-4b")
+    model.save_pretrained(str(tmp_path / "transformer"))
+    loaded = load_model(str(tmp_path))
+    assert (loaded.info.family, loaded.info.variant, loaded.info.layout) == ("flux2", "flux2-klein-4b", "diffusers")
+    want, got = model.state_dict(), loaded.model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ---- LoRAs in the formats people share --------------------------------------------------------------------------
+LORA_LAYERS = ["double_blocks.0.img_attn.qkv", "double_blocks.1.txt_attn.qkv", "double_blocks.1.txt_mlp.0",
+               "double_blocks.2.img_attn.proj", "single_blocks.2.linear1", "single_blocks.3.linear2",
+               "final_layer.adaLN_modulation.1", "txt_in", "double_stream_modulation_img.lin"]
+RANK, ALPHA = 4, 8.0
+
+
+def lora_factors(state):
+    g = torch.Generator().manual_seed(17)
+    out = {}
+    for layer in LORA_LAYERS:
+        n_out, n_in = state[layer + ".weight"].shape
+        out[layer] = (torch.randn(RANK, n_in, generator=g) * 0.1, torch.randn(n_out, RANK, generator=g) * 0.1)
+    return out
+
+
+def diffusers_names(layer, h):
+    """(diffusers layer, rows of the BFL layer it takes, swapped halves) for each target of a BFL layer."""
+    import re
+    m = re.fullmatch(r"double_blocks\.(\d+)\.(img|txt)_attn\.qkv", layer)
+    if m:
+        names = ("to_q", "to_k", "to_v") if m.group(2) == "img" else ("add_q_proj", "add_k_proj", "add_v_proj")
+        return [(f"transformer_blocks.{m.group(1)}.attn.{n}", slice(i * h, (i + 1) * h), False)
+                for i, n in enumerate(names)]
+    fixed = {"double_blocks.1.txt_mlp.0": "transformer_blocks.1.ff_context.linear_in",
+             "double_blocks.2.img_attn.proj": "transformer_blocks.2.attn.to_out.0",
+             "single_blocks.2.linear1": "single_transformer_blocks.2.attn.to_qkv_mlp_proj",
+             "single_blocks.3.linear2": "single_transformer_blocks.3.attn.to_out",
+             "final_layer.adaLN_modulation.1": "norm_out.linear", "txt_in": "context_embedder",
+             "double_stream_modulation_img.lin": "double_stream_modulation_img.linear"}
+    return [(fixed[layer], slice(None), layer.startswith("final_layer"))]
+
+
+def write_loras(directory, state, h):
+    """The same deltas as ai-toolkit / BFL names (lora_A/B, no alpha: scale 1, so B carries alpha / rank), kohya /
+    musubi (lora_down/up/alpha, underscored) and diffusers / PEFT (lora_A/B on diffusers' modules: a fused qkv as
+    q, k, v with A copied and B split, adaLN's halves swapped as diffusers orders them)."""
+    from safetensors.torch import save_file
+    factors, scale = lora_factors(state), ALPHA / RANK
+    ai, kohya, peft = {}, {}, {}
+    for layer, (a, b) in factors.items():
+        ai[f"diffusion_model.{layer}.lora_A.weight"] = a
+        ai[f"diffusion_model.{layer}.lora_B.weight"] = b * scale
+        k = "lora_unet_" + layer.replace(".", "_")
+        kohya.update({f"{k}.lora_down.weight": a, f"{k}.lora_up.weight": b, f"{k}.alpha": torch.tensor(ALPHA)})
+        for name, rows, swap in diffusers_names(layer, h):
+            up = b[rows] * scale
+            if swap:
+                up = torch.cat(up.chunk(2)[::-1])
+            peft[f"base_model.model.{name}.lora_A.weight"] = a.clone()
+            peft[f"base_model.model.{name}.lora_B.weight"] = up
+    paths = {}
+    for fmt, tensors in (("ai-toolkit", ai), ("kohya", kohya), ("peft", peft)):
+        paths[fmt] = str(directory / f"{fmt}.safetensors")
+        save_file(tensors, paths[fmt])
+    return paths, factors
+
+
+def test_loras_in_every_shared_format_equal_the_reference_with_the_delta_merged_into_the_bfl_weights(models, engines,
+                                                                                                      tmp_path):
+    """The reference merges W + B A alpha / rank into the BFL weights and converts them with diffusers' converter;
+    each format's file, through the engine, gives its latent (one on two ranks)."""
+    state = bfl_state(models["flux2-dev"])
+    paths, factors = write_loras(tmp_path, state, 128)
+    merged = dict(state)
+    for layer, (a, b) in factors.items():
+        merged[layer + ".weight"] = state[layer + ".weight"] + (b @ a) * (ALPHA / RANK)
+    reference_model = diffusers_converted(merged, "flux2-dev")
+    j = job()
+    want = reference_sample(reference_model, j)
+    base, _ = run(engines, request(models, "flux2-dev", j))
+    for fmt, plan in (("ai-toolkit", ParallelPlan(ulysses=2)), ("kohya", ParallelPlan()), ("peft", ParallelPlan())):
+        got, result = run(engines, request(models, "flux2-dev", j, plan, loras=[(paths[fmt], 1.0)]))
+        print(f"{fmt}: {result.ranks[0].get('lora_layers_touched')} layers touched; the LoRA moves the latent by "
+              f"{(got - base).abs().max():.3g}")
+        assert report(f"{fmt} LoRA on {plan.describe()} vs merged reference", (got - want).abs().max(),
+                      bound(want, 1.0, tokens_of(j)))
+        assert (got - base).abs().max() > 100 * bound(want, 1.0, tokens_of(j))
+
+
+# ---- quantized files: ComfyUI's mixed-precision fp8 and GGUF ------------------------------------------------------
+def plain_copy(path, out):
+    """The weights a quantized file stores, dequantized into a plain fp32 safetensors file, independently of the
+    engine: fp8 x weight_scale for ComfyUI's mixed layers (comfy/ops.py), gguf's own numpy dequantization."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import save_file
+    weights = {}
+    if path.endswith(".gguf"):
+        reader = gguf.GGUFReader(path)
+        for t in reader.tensors:
+            values = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
+            weights[t.name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(
+                tuple(int(d) for d in reversed(t.shape.tolist())))
+        field = reader.get_field("xdit.synthetic")
+        metadata = {"xdit.synthetic": str(bytes(field.parts[field.data[-1]]), "utf-8")}
+    else:
+        from safetensors import safe_open
+        with safe_open(path, "pt") as f:
+            raw, metadata = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+        metadata.pop("_quantization_metadata", None)
+        for name, t in raw.items():
+            if name.endswith((".weight_scale", ".input_scale", ".comfy_quant")):
+                continue
+            scale = raw.get(name[:-len("weight")] + "weight_scale") if name.endswith(".weight") else None
+            weights[name] = t.float() * scale.float() if scale is not None else t.float()
+    save_file(weights, out, metadata=metadata)
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized(models, tmp_path_factory):
+    """{name: (quantized file, its plain dequantized copy)}."""
+    import json
+    from safetensors.torch import save_file
+    from engine.models.tiny import make_state_dict, mixed_fp8
+    d = tmp_path_factory.mktemp("flux2-quantized")
+    files = {"fp8_mixed": write_tiny("flux2", str(d), format="fp8_mixed"),
+             "gguf Q8_0": write_tiny("flux2", str(d), format="gguf", quant="Q8_0"),
+             "gguf Q4_K": write_tiny("flux2", str(d), format="gguf", quant="Q4_K")}
+    # as files saved by newer ComfyUI: each quantized layer's format in a comfy_quant tensor, not the header
+    tensors, _ = mixed_fp8(make_state_dict("flux2-dev"), comfy_quant=True)
+    files["fp8_mixed comfy_quant"] = str(d / "tiny-flux2-dev-comfy_quant.safetensors")
+    synthetic = json.dumps({"variant": "flux2-dev", "seed": 0, "dims": dataclasses.asdict(
+        __import__("engine.families.flux2", fromlist=["DIMS"]).DIMS["tiny"]["flux2-dev"])})
+    save_file(tensors, files["fp8_mixed comfy_quant"], metadata={"format": "pt", "xdit.synthetic": synthetic})
+    return {k: (p, plain_copy(p, str(d / f"{k.replace(' ', '-')}.plain.safetensors"))) for k, p in files.items()}
+
+
+@pytest.mark.parametrize("name,plan", [("fp8_mixed", ParallelPlan()), ("fp8_mixed comfy_quant", ParallelPlan(ring=2)),
+                                       ("gguf Q8_0", ParallelPlan()), ("gguf Q4_K", ParallelPlan(ulysses=2))],
+                         ids=lambda v: str(v))
+def test_a_quantized_file_gives_the_latent_of_its_dequantized_plain_copy_and_holds_quantized_bytes(quantized, engines,
+                                                                                                   name, plan):
+    from engine.models.load import inspect_model
+    path, plain = quantized[name]
+    j = job(refs=((4, 4),))
+    want, plain_result = run(engines, GenerateRequest(model=plain, steps=STEPS, plan=plan, **j).validate())
+    got, result = run(engines, GenerateRequest(model=path, steps=STEPS, plan=plan, **j).validate())
+    info, loaded = inspect_model(path), result.ranks[0]["loaded"]
+    held, plain_held = loaded["held_bytes"], plain_result.ranks[0]["loaded"]["held_bytes"]
+    print(f"{name}: {info.format} {info.quantization}; {info.quantized_parameters} parameters in "
+          f"{info.quantized_bytes} bytes; held {held} vs plain {plain_held}; scaled linears "
+          f"{loaded['scaled_linears']}, gguf linears {loaded['gguf_linears']}")
+    assert info.family == "flux2" and info.stored_fp8 and held < plain_held / 2
+    assert loaded["scaled_linears" if "fp8" in name else "gguf_linears"] > 0
+    assert report(f"{name} on {plan.describe()} vs its plain copy", (got - want).abs().max(),
+                  bound(want, 1.0, tokens_of(j)))
+
+
+def test_a_mixed_precision_layer_in_a_format_other_than_fp8_is_refused_in_one_line(quantized, tmp_path):
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from engine.models.safetensors_file import CheckpointError
+    src, _ = quantized["fp8_mixed"]
+    with safe_open(src, "pt") as f:
+        raw, metadata = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+    layers = json.loads(metadata["_quantization_metadata"])
+    layers["layers"]["double_blocks.0.img_attn.qkv"] = {"format": "nvfp4"}
+    header = str(tmp_path / "nvfp4.safetensors")
+    save_file(raw, header, metadata=dict(metadata, _quantization_metadata=json.dumps(layers)))
+    second = str(tmp_path / "scale2.safetensors")
+    save_file(dict(raw, **{"single_blocks.0.linear1.weight_scale_2": torch.ones(())}), second, metadata=metadata)
+    per_layer = str(tmp_path / "comfy_quant.safetensors")   # the format in the layer's comfy_quant tensor
+    quant = torch.tensor(list(json.dumps({"format": "nvfp4"}).encode()), dtype=torch.uint8)
+    save_file(dict(raw, **{"double_blocks.1.txt_mlp.0.comfy_quant": quant}), per_layer, metadata=metadata)
+    for path, words in ((header, "layer double_blocks.0.img_attn.qkv is quantized as 'nvfp4'"),
+                        (second, "layer single_blocks.0.linear1 is quantized in a format other than fp8"),
+                        (per_layer, "layer double_blocks.1.txt_mlp.0 is quantized as 'nvfp4'")):
+        with pytest.raises(CheckpointError) as e:
+            load_model(path)
+        print(e.value)
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pipefusion_stage_of_a_gguf_file_holds_only_its_blocks_quantized(quantized, engines, one_rank):
+    from engine.models.quantized import GGUFLinear
+    from engine.parallel.pipefusion.layout import make_layout, stage_keep
+    path, _ = quantized["gguf Q4_K"]
+    full = load_model(path)
+    layout = make_layout(full.info, ParallelPlan(pipefusion=2), 8, 8, None, 1, None)
+    for stage in range(2):
+        part = load_model(path, keep=stage_keep(full.info, layout, stage))
+        layers = [m for m in part.model.modules() if isinstance(m, GGUFLinear) and not m.weight.is_meta]
+        print(f"stage {stage}: {len(layers)} GGUF layers, held {part.stats['held_bytes']} of "
+              f"{full.stats['held_bytes']} bytes")
+        assert layers and part.stats["held_bytes"] < full.stats["held_bytes"]
+    j = job()
+    reference, _ = run(engines, GenerateRequest(model=path, steps=STEPS, **j).validate())
+    got, _ = run(engines, GenerateRequest(model=path, steps=STEPS, plan=ParallelPlan(pipefusion=2),
+                                          warmup_steps=STEPS, **j).validate())
+    assert report("GGUF Q4_K pipefusion2 W=steps vs one rank", (got - reference).abs().max(),
+                  bound(reference, 1.0, tokens_of(j)))
