@@ -437,8 +437,8 @@ def test_pipefusion_with_one_warmup_step_stays_close_and_closes_in_as_steps_shri
     for steps in (3, 12):
         j = job()
         exact, _ = run(engines, GenerateRequest(model=models["flux2-dev"], steps=steps, **j).validate())
-        approx, _ = run(engines, GenerateRequest(model=models["flux2-dev"], steps=steps, plan=ParallelPlan(pipefusion=2),
-                                                 warmup_steps=1, patches=4, **j).validate())
+        approx, _ = run(engines, GenerateRequest(model=models["flux2-dev"], steps=steps, warmup_steps=1, patches=4,
+                                                 plan=ParallelPlan(pipefusion=2), **j).validate())
         rel[steps] = float((approx - exact).norm() / exact.norm())
         print(f"pipefusion2 W=1, {steps} steps: relative L2 {rel[steps]:.4f}")
     assert rel[3] <= 0.15 and rel[12] <= rel[3] / 2
@@ -629,7 +629,8 @@ def test_flux1_and_flux2_files_are_told_apart_in_every_layout_and_prefix(tmp_pat
     from engine.models.load import inspect_model
     cases = {write_tiny("flux", str(tmp_path / "a")): ("flux", "flux-dev"),
              write_tiny("flux2", str(tmp_path / "b")): ("flux2", "flux2-dev"),
-             write_tiny("flux2", str(tmp_path / "c"), variant="flux2-klein-4b", prefix=True): ("flux2", "flux2-klein-4b"),
+             write_tiny("flux2", str(tmp_path / "c"), variant="flux2-klein-4b", prefix=True):
+                 ("flux2", "flux2-klein-4b"),
              write_tiny("flux2", str(tmp_path / "d"), full=True): ("flux2", "flux2-dev"),
              write_tiny("flux2", str(tmp_path / "e"), format="gguf"): ("flux2", "flux2-dev")}
     for path, want in cases.items():
@@ -843,3 +844,35 @@ def test_a_pipefusion_stage_of_a_gguf_file_holds_only_its_blocks_quantized(quant
                                           warmup_steps=STEPS, **j).validate())
     assert report("GGUF Q4_K pipefusion2 W=steps vs one rank", (got - reference).abs().max(),
                   bound(reference, 1.0, tokens_of(j)))
+
+
+# ---- the node path --------------------------------------------------------------------------------------------------
+def test_a_comfyui_flux2_conditioning_and_an_sd3_empty_latent_reach_the_engine_through_the_sampler_node(
+        models, diffusers_models):
+    """What ComfyUI's FLUX.2 nodes put out: CLIPTextEncode (flux2 text encoder) -> [[cond, {"pooled_output": None,
+    "attention_mask": ...}]], ReferenceLatent x2 -> "reference_latents", FluxGuidance -> "guidance"; a LATENT from
+    EmptySD3LatentImage (16 channels at 1/8, "downscale_ratio_spacial": 8) is the empty FLUX.2 latent of that image
+    (comfy.sample.fix_empty_latent_channels). The sampler's latent equals the reference; Info describes the job."""
+    import importlib
+    from conftest import PACK_NAME, load_pack
+    load_pack()
+    core = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    j = job(refs=((4, 4), (5, 3)))
+    positive = [[j["cond"], {"pooled_output": None, "attention_mask": torch.ones(1, j["cond"].shape[1]),
+                             "reference_latents": list(j["reference_latents"]), "guidance": 4.0}]]
+    latent = {"samples": torch.zeros(1, 16, 16, 16), "downscale_ratio_spacial": 8}
+    settings = core.EngineSettings(model_path=models["flux2-dev"], gpus=(0, 1), device="cpu", plan="explicit",
+                                   ulysses=2)
+    registry = core.EngineRegistry()
+    try:
+        got = core.sample(settings, positive, positive, latent, seed=5, steps=STEPS, cfg=1.0, sampler_name="euler",
+                          scheduler="simple", denoise=1.0, registry=registry)["samples"]
+        info = core.describe(settings, registry)
+    finally:
+        registry.unload()
+    print(info)
+    want = reference_sample(diffusers_models["flux2-dev"], j)
+    assert got.shape == (1, 128, 8, 8)
+    assert report("node, ulysses2, two references vs reference", (got - want).abs().max(),
+                  bound(want, 1.0, tokens_of(j)))
+    assert "last job: plan ulysses2" in info

@@ -65,10 +65,11 @@ CATEGORY = "sampling/xDiT"
 def engine_spec(model_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTEngine", "xDiT Engine", CATEGORY,
-        "A persistent multi-GPU engine for FLUX.1 and SD3/SD3.5. The same settings reuse the running ranks and the "
-        "loaded weights.",
+        f"A persistent multi-GPU engine for {', '.join(f.title for f in families.FAMILIES)}. The same settings reuse "
+        f"the running ranks and the loaded weights.",
         (Field("model_name", "COMBO", options=tuple(model_names), default=model_names[0] if model_names else None,
-               tooltip="diffusion_models or checkpoints file (FLUX.1 BFL layout, SD3/SD3.5 SAI layout)"),
+               tooltip="diffusion_models or checkpoints file in the layout its release has (FLUX.1/FLUX.2 BFL, "
+                       "SD3/SD3.5 SAI, diffusers); plain, fp8, ComfyUI fp8 mixed or GGUF"),
          Field("family", "COMBO", "auto", FAMILIES, tooltip="auto detects it from the file"),
          Field("weight_dtype", "COMBO", "default", WEIGHT_DTYPES,
                tooltip="default: bf16 on GPUs, fp32 on CPU; fp8_e4m3fn stores weights in fp8, computes in bf16"),
@@ -137,7 +138,8 @@ GUIDER_SPEC = NodeSpec(
     (Field("engine", ENGINE_TYPE),
      Field("positive", "CONDITIONING"),
      Field("cfg", "FLOAT", 1.0, min=0.0, max=100.0, step=0.1, round=0.01,
-           tooltip="1.0 (FLUX.1-dev, schnell) runs the positive only; above 1 needs the negative (SD3/SD3.5)"),
+           tooltip="1.0 (FLUX.1, FLUX.2 dev and distilled klein) runs the positive only; above 1 needs the "
+                   "negative (SD3/SD3.5, FLUX.2 klein base)"),
      Field("negative", "CONDITIONING", optional=True),
      Field("model", "MODEL", optional=True,
            tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) the sampler should "
@@ -148,7 +150,7 @@ GUIDER_SPEC = NodeSpec(
 def lora_spec(lora_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTLoRA", "xDiT LoRA", CATEGORY,
-        "Applies a FLUX/SD3 LoRA (kohya, BFL/ComfyUI or diffusers format) inside the engine's ranks. Chain several; "
+        "Applies a LoRA (kohya, BFL/ComfyUI/ai-toolkit or diffusers format) inside the engine's ranks. Chain several; "
         "removing one restores the base weights.",
         (Field("engine", ENGINE_TYPE),
          Field("lora_name", "COMBO", options=tuple(lora_names), default=lora_names[0] if lora_names else None),
@@ -323,8 +325,9 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
 
 
 def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
-    """FLUX.1 Kontext: the raw VAE latents ReferenceLatent appended to a CONDITIONING checked by conditioning_tensors,
-    and the method FluxKontextMultiReferenceLatentMethod set (ComfyUI's model defaults to offset)."""
+    """Reference images (FLUX.1 Kontext, FLUX.2): the raw VAE latents ReferenceLatent appended to a CONDITIONING
+    checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the model's
+    default, offset for FLUX.1, index for FLUX.2)."""
     extras = conditioning[0][1]
     refs = extras.get("reference_latents")
     if refs is not None and not isinstance(refs, (list, tuple)):
@@ -370,7 +373,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                          "VAEEncode to it")
     if latent.get("noise_mask") is not None:
         raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
-    samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"])   # as KSampler does
+    samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"],   # as KSampler does
+                               latent.get("downscale_ratio_spacial"))
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"))

@@ -193,7 +193,9 @@ def _comfy_driven(settings, seed, steps, cfg, sampler_name, scheduler, positive,
                          sampling_function=comfy.samplers.sampling_function, before_job=lambda: _make_room(settings))
     sigmas = comfy.samplers.KSampler(patcher, steps=steps, device="cpu", sampler=sampler_name, scheduler=scheduler,
                                      denoise=denoise).sigmas   # ComfyUI's own schedule, denoise and discarded sigma
-    samples = comfy.sample.fix_empty_latent_channels(patcher, latent_image["samples"])   # as KSampler does
+    ratio = latent_image.get("downscale_ratio_spacial")   # set by ComfyUI versions whose function takes it
+    samples = comfy.sample.fix_empty_latent_channels(patcher, latent_image["samples"],   # as KSampler does
+                                                     *(() if ratio is None else (ratio,)))
     noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
     progress = comfy.utils.ProgressBar(len(sigmas) - 1)
     out = guider.sample(noise, samples, comfy.samplers.sampler_object(sampler_name), sigmas,

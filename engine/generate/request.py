@@ -140,7 +140,8 @@ class GenerateRequest:
         """What the planner and the cost model know of this job."""
         lat = self.latent_raw
         return Workload.from_info(info, lat.shape[-2], lat.shape[-1], batch=lat.shape[0],
-                                  negative_pass=self.negative_pass, text_tokens=self._text_tokens(info), dtype=self.dtype,
+                                  negative_pass=self.negative_pass, text_tokens=self._text_tokens(info),
+                                  dtype=self.dtype,
                                   fp8_weights=self.fp8_weights, compiled=self.compile, steps=self.steps,
                                   warmup_steps=self.warmup_steps, patches=self.patches,
                                   pipefusion_conflict=self._pipefusion_conflict())
