@@ -152,6 +152,9 @@ def sampling_model(settings: core.EngineSettings):
 
     info = core.inspect_model(settings.model_path)
     class_name, unet = info.spec.comfy_model(info.config)
+    if not hasattr(models, class_name):   # a family newer than this ComfyUI (e.g. FLUX.2 before 0.3.72)
+        raise ValueError(f"{settings.model_path} holds a {info.variant} transformer, and this ComfyUI has no "
+                         f"{class_name} model (comfy.supported_models): update ComfyUI to sample it")
     config = getattr(models, class_name)(dict(unet, disable_unet_model_creation=True))
     model = config.get_model({})
     model.diffusion_model = _NoWeights()
