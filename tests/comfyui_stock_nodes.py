@@ -7,10 +7,13 @@ Comfy-Org/ComfyUI (formerly comfyanonymous/ComfyUI), commit a125cd84b054a57729b5
   (INPUT_TYPES, RETURN_TYPES, OUTPUT_NODE, NODE_DISPLAY_NAME_MAPPINGS; MAX_RESOLUTION = 16384);
 - comfy_extras/nodes_flux.py: FluxGuidance, FluxKontextImageScale (V3 io.Schema);
 - comfy_extras/nodes_edit_model.py: ReferenceLatent (V3 io.Schema);
-- comfy_extras/nodes_sd3.py: TripleCLIPLoader, EmptySD3LatentImage (V3 io.Schema).
+- comfy_extras/nodes_sd3.py: TripleCLIPLoader, EmptySD3LatentImage (V3 io.Schema);
+- nodes.py CLIPLoader; comfy_extras/nodes_qwen.py TextEncodeQwenImageEdit; comfy_extras/nodes_post_processing.py
+  ImageScaleToTotalPixels (V3 io.Schema): what the Qwen-Image templates (comfyui-workflow-templates 0.1.95, the
+  version 0.3.64 pins: image_qwen_image.json, image_qwen_image_edit.json) use.
 The FLUX.2 workflows' nodes come from a later ComfyUI, the first with FLUX.2 being 0.3.72 (commit 6b573ae0, "Flux 2"):
-- nodes.py: CLIPLoader (its type list as of v0.12.1, fe2511468d6b3f7a1581a711ae480f3313f2b39d; 0.3.72's lacks "ovis";
-  "flux2" loads Mistral-3 24B for [dev] and, from 0.9.2 on, Qwen3 4B / 8B for [klein]);
+- nodes.py: CLIPLoader's type list as of v0.12.1 (fe2511468d6b3f7a1581a711ae480f3313f2b39d): 0.3.64's list plus
+  "flux2" (Mistral-3 24B for [dev] and, from 0.9.2 on, Qwen3 4B / 8B for [klein]) and "ovis" (0.3.72's lacks it);
 - comfy_extras/nodes_flux.py: EmptyFlux2LatentImage (V3 io.Schema, the same in 0.3.72 and 0.12.1).
 A V3 node without display_name is shown under its node_id; a V3 output without display_name is named after its
 type (comfy_api/latest/_io.py, get_v1_info: `o.display_name if o.display_name else o.io_type`). A V1 node without
@@ -75,8 +78,9 @@ STOCK_NODES = {
         "outputs": (("CLIP", "CLIP"),),
         "output_node": False,
     },
-    # nodes.py (v0.12.1), class CLIPLoader: required clip_name (text_encoders list), type (the list below); optional
-    # device (["default", "cpu"], {"advanced": True}); RETURN_TYPES = ("CLIP",); display name "Load CLIP"
+    # nodes.py (v0.12.1), class CLIPLoader: required clip_name (text_encoders list), type (the list below; 0.3.64's
+    # ends at "hunyuan_image", without "flux2" and "ovis"); optional device (["default", "cpu"], {"advanced": True});
+    # RETURN_TYPES = ("CLIP",); display name "Load CLIP"
     "CLIPLoader": {
         "display_name": "Load CLIP",
         "source": "nodes.py",
@@ -119,6 +123,37 @@ STOCK_NODES = {
             {"name": "clip_name3", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
         ),
         "outputs": (("CLIP", "CLIP"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_qwen.py, TextEncodeQwenImageEdit: io.Clip.Input("clip"), io.String.Input("prompt",
+    # multiline=True, dynamic_prompts=True), io.Vae.Input("vae", optional=True), io.Image.Input("image",
+    # optional=True); io.Conditioning.Output() (the image to the VL encoder and, VAE-encoded, to reference_latents)
+    "TextEncodeQwenImageEdit": {
+        "display_name": "TextEncodeQwenImageEdit",
+        "source": "comfy_extras/nodes_qwen.py",
+        "inputs": (
+            {"name": "clip", "type": "CLIP"},
+            {"name": "prompt", "type": "STRING", "widget": "multiline"},
+            {"name": "vae", "type": "VAE", "optional": True},
+            {"name": "image", "type": "IMAGE", "optional": True},
+        ),
+        "outputs": (("CONDITIONING", "CONDITIONING"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_post_processing.py, ImageScaleToTotalPixels: io.Image.Input("image"),
+    # io.Combo.Input("upscale_method", options=["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]),
+    # io.Float.Input("megapixels", default=1.0, min=0.01, max=16.0, step=0.01); io.Image.Output()
+    "ImageScaleToTotalPixels": {
+        "display_name": "ImageScaleToTotalPixels",
+        "source": "comfy_extras/nodes_post_processing.py",
+        "inputs": (
+            {"name": "image", "type": "IMAGE"},
+            {"name": "upscale_method", "type": "COMBO", "widget": "combo",
+             "options": ("nearest-exact", "bilinear", "area", "bicubic", "lanczos")},
+            {"name": "megapixels", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.01, "max": 16.0,
+             "step": 0.01},
+        ),
+        "outputs": (("IMAGE", "IMAGE"),),
         "output_node": False,
     },
     # comfy_extras/nodes_flux.py, FluxGuidance: io.Conditioning.Input("conditioning"),

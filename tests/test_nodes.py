@@ -138,7 +138,7 @@ def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_pri
         nodes = asyncio.run(load())
         loaded = sorted(k.removeprefix("ComfyUI-xDiT.") for k in sys.modules)
         rank_side = [m for m in {RANK_SIDE!r} if any(k == m or k.startswith(m + ".") for k in loaded)]
-        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 5 else "")
+        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 7 else "")
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
     out = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=str(tmp_path), capture_output=True,

@@ -14,15 +14,17 @@ import comfyui_stock_nodes as stock
 from conftest import PACK_NAME, ROOT, load_pack
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
-WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "flux2-dev",
-             "flux2-dev-multi-reference", "flux2-klein-4b")
+WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
+             "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
                "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
-               "flux1-kontext-dev": "flux1-kontext-dev.safetensors",
+               "flux1-kontext-dev": "flux1-kontext-dev.safetensors", "qwen-image": "qwen_image_fp8_e4m3fn.safetensors",
+               "qwen-image-edit": "qwen_image_edit_fp8_e4m3fn.safetensors",
                # Comfy-Org's repackaged FLUX.2 files (split_files/diffusion_models)
                "flux2-dev": "flux2_dev_fp8mixed.safetensors",
                "flux2-dev-multi-reference": "flux2_dev_fp8mixed.safetensors",
                "flux2-klein-4b": "flux-2-klein-4b.safetensors"}
+ENGINE_PATCHES = ("XDiTModelSampling", "XDiTCFGNorm", "XDiTLoRA")   # engine -> engine nodes
 WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
@@ -53,7 +55,8 @@ def _from_spec(spec):
 def definitions(core):
     """Node type -> definition. Our engine's model_name options are ComfyUI's model folders at run time: here they
     are the files the example workflows name."""
-    ours = [core.engine_spec(sorted(set(MODEL_FILES.values()))), core.SAMPLER_SPEC, core.INFO_SPEC]
+    ours = [core.engine_spec(sorted(set(MODEL_FILES.values()))), core.SAMPLER_SPEC, core.INFO_SPEC, core.SAMPLING_SPEC,
+            core.CFG_NORM_SPEC]
     defs = {spec.node_id: _from_spec(spec) for spec in ours}
     for node_type, d in stock.STOCK_NODES.items():
         defs[node_type] = dict(d, ours=False)
@@ -116,6 +119,14 @@ def source(api, node_id, input_name):
     """The API node feeding node_id's input_name: (id, node)."""
     src, _ = api[node_id]["inputs"][input_name]
     return src, api[src]
+
+
+def engine_of(api, node_id):
+    """The XDiTEngine node behind node_id's engine input, through engine -> engine nodes (sampling, CFGNorm, LoRA)."""
+    src_id, src = source(api, node_id, "engine")
+    while src["class_type"] in ENGINE_PATCHES:
+        src_id, src = source(api, src_id, "engine")
+    return src_id, src
 
 
 def only(api, class_type):
@@ -240,8 +251,8 @@ def test_the_pack_replaces_the_sampler_and_the_model_loader_only(name):
     _, api = load(name)
     sampler_id, sampler = only(api, "XDiTSampler")
     engine_id, engine = only(api, "XDiTEngine")
-    _, info = only(api, "XDiTEngineInfo")
-    assert sampler["inputs"]["engine"] == [engine_id, 0] and info["inputs"]["engine"] == [engine_id, 0]
+    info_id, info = only(api, "XDiTEngineInfo")
+    assert engine_of(api, sampler_id)[0] == engine_id and info["inputs"]["engine"] == sampler["inputs"]["engine"]
     assert info["inputs"]["after"] == [sampler_id, 0]   # Info runs after the sampler (workflows/README.md)
     assert engine["inputs"]["model_name"] == MODEL_FILES[name]
     assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
@@ -256,7 +267,7 @@ def test_the_pack_replaces_the_sampler_and_the_model_loader_only(name):
         src_id, src = source(api, sampler_id, side)
         while src["class_type"] in ("FluxGuidance", "ReferenceLatent"):
             src_id, src = source(api, src_id, "conditioning")
-        assert src["class_type"] == "CLIPTextEncode", side
+        assert src["class_type"] in ("CLIPTextEncode", "TextEncodeQwenImageEdit"), side
         assert source(api, src_id, "clip")[1]["class_type"] in ("DualCLIPLoader", "TripleCLIPLoader", "CLIPLoader")
 
 
@@ -342,6 +353,47 @@ def test_flux1_kontext_dev_edits_a_reference_image_as_comfyuis_kontext_example()
     assert api[encode_id]["inputs"]["vae"] == api[only(api, "VAEDecode")[0]]["inputs"]["vae"]
     assert source(api, sampler_id, "latent_image")[1]["inputs"] == {"width": 1024, "height": 1024, "batch_size": 1}
     assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""  # unused at cfg 1.0
+
+
+def test_qwen_image_is_comfyuis_template_with_the_engine_for_the_model():
+    """ComfyUI's Qwen-Image template (comfyui-workflow-templates 0.1.95, image_qwen_image.json): the Qwen2.5-VL text
+    encoder (CLIPLoader type qwen_image), an empty prompt as the negative, ModelSamplingAuraFlow 3.1 (here xDiT Model
+    Sampling on the engine), EmptySD3LatentImage 1328x1328, 20 euler/simple steps at cfg 2.5."""
+    _, api = load("qwen-image")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert (s["cfg"], s["steps"], s["denoise"], s["sampler_name"], s["scheduler"]) == (2.5, 20, 1.0, "euler", "simple")
+    sampling_id, sampling = source(api, sampler_id, "engine")
+    assert sampling["class_type"] == "XDiTModelSampling" and sampling["inputs"]["method"] == "aura_flow"
+    assert sampling["inputs"]["shift"] == 3.1
+    assert source(api, sampler_id, "latent_image")[1]["inputs"] == {"width": 1328, "height": 1328, "batch_size": 1}
+    assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""
+    clip_id = source(api, source(api, sampler_id, "positive")[0], "clip")[0]
+    assert api[clip_id]["inputs"]["type"] == "qwen_image"
+
+
+def test_qwen_image_edit_is_comfyuis_edit_template_with_the_engine_for_the_model():
+    """ComfyUI's Qwen-Image-Edit template (image_qwen_image_edit.json): the image scaled to 1 megapixel (lanczos), its
+    latent both the latent to sample and, through TextEncodeQwenImageEdit on both sides, the reference latents;
+    ModelSamplingAuraFlow 3.0 and CFGNorm 1 (here on the engine), 20 euler/simple steps at cfg 2.5."""
+    _, api = load("qwen-image-edit")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert (s["cfg"], s["steps"], s["sampler_name"], s["scheduler"]) == (2.5, 20, "euler", "simple")
+    norm_id, norm = source(api, sampler_id, "engine")
+    assert norm["class_type"] == "XDiTCFGNorm" and norm["inputs"]["strength"] == 1.0
+    sampling = source(api, norm_id, "engine")[1]
+    assert (sampling["class_type"], sampling["inputs"]["method"], sampling["inputs"]["shift"]) == \
+        ("XDiTModelSampling", "aura_flow", 3.0)
+    encode_id, encode = source(api, sampler_id, "latent_image")
+    scale_id, scale = source(api, encode_id, "pixels")
+    assert (scale["class_type"], scale["inputs"]["upscale_method"], scale["inputs"]["megapixels"]) == \
+        ("ImageScaleToTotalPixels", "lanczos", 1.0)
+    for side in ("positive", "negative"):
+        side_id, node = source(api, sampler_id, side)
+        assert node["class_type"] == "TextEncodeQwenImageEdit"
+        assert node["inputs"]["image"] == [scale_id, 0] and node["inputs"]["vae"] == encode["inputs"]["vae"]
+    assert source(api, sampler_id, "negative")[1]["inputs"]["prompt"] == ""
 
 
 def test_flux2_dev_uses_flux_guidance_on_an_empty_flux2_latent_at_cfg_1():

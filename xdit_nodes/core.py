@@ -18,16 +18,17 @@ from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import ATTENTION, CUDA_ONLY
 from ..engine.parallel.devices import hardware_for
-from ..engine.parallel.plan import AUTO, MAX_RANKS, ParallelPlan
+from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.samplers import SAMPLERS
-from ..engine.sampling.schedules import SCHEDULERS
+from ..engine.sampling.schedules import SAMPLING_NODES, SCHEDULERS, FlowSampling
 from .guider import EngineGuider
 
 ENGINE_TYPE = "XDIT_ENGINE"
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
 FAMILIES = ("auto",) + families.names()
-PLANS = ("auto", "explicit")
+FAMILY_TITLES = ", ".join(f.title for f in families.FAMILIES)
+PLANS = ("auto", "explicit", "fastest")   # fastest: auto that may pick PipeFusion (approximate after its warmup)
 ATTENTION_KERNELS = tuple(ATTENTION)
 
 
@@ -65,16 +66,18 @@ CATEGORY = "sampling/xDiT"
 def engine_spec(model_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTEngine", "xDiT Engine", CATEGORY,
-        f"A persistent multi-GPU engine for {', '.join(f.title for f in families.FAMILIES)}. The same settings reuse "
-        f"the running ranks and the loaded weights.",
+        f"A persistent multi-GPU engine for {FAMILY_TITLES}. The same settings reuse the running ranks and the "
+        "loaded weights.",
         (Field("model_name", "COMBO", options=tuple(model_names), default=model_names[0] if model_names else None,
-               tooltip="diffusion_models or checkpoints file in the layout its release has (FLUX.1/FLUX.2 BFL, "
-                       "SD3/SD3.5 SAI, diffusers); plain, fp8, ComfyUI fp8 mixed or GGUF"),
+               tooltip="diffusion_models or checkpoints file, as ComfyUI's loaders take it (plain, fp8 or GGUF)"),
          Field("family", "COMBO", "auto", FAMILIES, tooltip="auto detects it from the file"),
          Field("weight_dtype", "COMBO", "default", WEIGHT_DTYPES,
                tooltip="default: bf16 on GPUs, fp32 on CPU; fp8_e4m3fn stores weights in fp8, computes in bf16"),
          Field("gpus", "STRING", "0,1", tooltip="GPU indices, one rank each (CPU ranks when ComfyUI runs on CPU)"),
-         Field("plan", "COMBO", "auto", PLANS, tooltip="auto picks CFG/data/Ulysses/Ring degrees per job"),
+         Field("plan", "COMBO", "auto", PLANS,
+               tooltip="auto picks the fastest exact plan per job (on fewer of the GPUs when that is faster); "
+                       "fastest may also pick PipeFusion (approximate after its warmup steps); explicit takes the "
+                       "degrees below"),
          Field("ulysses", "INT", 1, min=1, max=8, advanced=True),
          Field("ring", "INT", 1, min=1, max=8, advanced=True),
          Field("cfg_parallel", "BOOLEAN", False, advanced=True),
@@ -138,19 +141,19 @@ GUIDER_SPEC = NodeSpec(
     (Field("engine", ENGINE_TYPE),
      Field("positive", "CONDITIONING"),
      Field("cfg", "FLOAT", 1.0, min=0.0, max=100.0, step=0.1, round=0.01,
-           tooltip="1.0 (FLUX.1, FLUX.2 dev and distilled klein) runs the positive only; above 1 needs the "
-                   "negative (SD3/SD3.5, FLUX.2 klein base)"),
+           tooltip="1.0 runs the positive only (FLUX.1, FLUX.2 [dev], distilled FLUX.2 [klein]); above 1 needs the "
+                   "negative (SD3/SD3.5, Qwen-Image, FLUX.2 [klein] base)"),
      Field("negative", "CONDITIONING", optional=True),
      Field("model", "MODEL", optional=True,
-           tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) the sampler should "
-                   "use; the engine's own model file is used for the weights")),
+           tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) and post-CFG patches "
+                   "(e.g. CFGNorm) the sampler should use; the engine's own model file is used for the weights")),
     (("GUIDER", "GUIDER"),))
 
 
 def lora_spec(lora_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTLoRA", "xDiT LoRA", CATEGORY,
-        "Applies a LoRA (kohya, BFL/ComfyUI/ai-toolkit or diffusers format) inside the engine's ranks. Chain several; "
+        "Applies a LoRA (kohya, ComfyUI/ai-toolkit or diffusers format) inside the engine's ranks. Chain several; "
         "removing one restores the base weights.",
         (Field("engine", ENGINE_TYPE),
          Field("lora_name", "COMBO", options=tuple(lora_names), default=lora_names[0] if lora_names else None),
@@ -171,6 +174,25 @@ def check_file_name(input_name: str, value, names, where: str, shown: int = 12) 
     found = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
     return f"{input_name} {value!r} is not in {where}; found: {found or 'nothing'}"
 
+
+SAMPLING_SPEC = NodeSpec(
+    "XDiTModelSampling", "xDiT Model Sampling", CATEGORY,
+    "ModelSamplingAuraFlow / ModelSamplingSD3 / ModelSamplingFlux for the xDiT engine: the sigma schedule and shift "
+    "the engine's sampler (and the xDiT Guider's ComfyUI sampler) use, e.g. aura_flow 3.1 for Qwen-Image's "
+    "text-to-image template, 3.0 for its edit template.",
+    (Field("engine", ENGINE_TYPE),
+     Field("method", "COMBO", "aura_flow", tuple(SAMPLING_NODES),
+           tooltip="aura_flow: ModelSamplingAuraFlow; sd3: ModelSamplingSD3; flux: ModelSamplingFlux"),
+     Field("shift", "FLOAT", 3.1, min=0.0, max=100.0, step=0.01, round=0.001,
+           tooltip="the sampling node's shift (for flux: the shift ModelSamplingFlux computes, e.g. 1.15)")),
+    ((ENGINE_TYPE, "engine"),))
+
+CFG_NORM_SPEC = NodeSpec(
+    "XDiTCFGNorm", "xDiT CFGNorm", CATEGORY,
+    "ComfyUI's CFGNorm for the xDiT engine (Qwen-Image-Edit's templates use strength 1): after CFG, each position's "
+    "prediction is scaled so its norm does not exceed the positive prediction's.",
+    (Field("engine", ENGINE_TYPE), Field("strength", "FLOAT", 1.0, min=0.0, max=100.0, step=0.01)),
+    ((ENGINE_TYPE, "engine"),))
 
 INFO_SPEC = NodeSpec(
     "XDiTEngineInfo", "xDiT Engine Info", CATEGORY,
@@ -202,6 +224,8 @@ class EngineSettings:
     pipefusion: int = 1
     patches: int = 0                  # 0: one per stage
     warmup_steps: int = 1
+    sampling: tuple = ()              # xDiT Model Sampling: (kind, shift, multiplier); () the family's default
+    cfg_norm: float = 0.0             # xDiT CFGNorm's strength; 0: none
 
     def validate(self) -> None:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
@@ -231,7 +255,21 @@ class EngineSettings:
         if self.plan == "explicit":
             return ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses, ring=self.ring,
                                 pipefusion=self.pipefusion)
-        return AUTO
+        return FASTEST if self.plan == "fastest" else AUTO
+
+    def with_sampling(self, method: str, shift: float) -> "EngineSettings":
+        """These settings with a sampling node's model sampling (xDiT Model Sampling)."""
+        chosen = FlowSampling.node(method, float(shift))   # ValueError naming a method or shift that cannot be
+        return replace(self, sampling=(chosen.kind, chosen.shift, chosen.multiplier))
+
+    def with_cfg_norm(self, strength: float) -> "EngineSettings":
+        """These settings with ComfyUI's CFGNorm at `strength` (xDiT CFGNorm)."""
+        return replace(self, cfg_norm=float(strength))
+
+    @property
+    def model_sampling(self) -> dict | None:
+        """The request's model sampling: the sampling node's, else None (the family's default)."""
+        return dict(zip(("kind", "shift", "multiplier"), self.sampling)) if self.sampling else None
 
     def with_lora(self, path: str, strength: float) -> "EngineSettings":
         """These settings with one more LoRA (a LoRA node returns a new engine value; upstream ones are unchanged)."""
@@ -325,9 +363,9 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
 
 
 def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
-    """Reference images (FLUX.1 Kontext, FLUX.2): the raw VAE latents ReferenceLatent appended to a CONDITIONING
-    checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the model's
-    default, offset for FLUX.1, index for FLUX.2)."""
+    """The raw VAE latents ReferenceLatent (FLUX.1 Kontext, FLUX.2) or TextEncodeQwenImageEdit appended to a
+    CONDITIONING checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the
+    family's default, as ComfyUI's model has it)."""
     extras = conditioning[0][1]
     refs = extras.get("reference_latents")
     if refs is not None and not isinstance(refs, (list, tuple)):
@@ -360,7 +398,8 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            patches=(settings.patches or None) if settings.pipefusion > 1 else None,
                            warmup_steps=min(settings.warmup_steps, int(steps)),
                            reference_latents=refs, reference_latents_method=method,
-                           neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method)
+                           neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method,
+                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm)
 
 
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
@@ -431,6 +470,10 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
              f"weights: {settings.weight_dtype} (compute {settings.compute_dtype}); plan setting: {settings.plan}"]
     for path, strength in settings.loras:
         lines.append(f"LoRA: {path} at {strength:g}")
+    if settings.sampling:
+        lines.append(f"model sampling: {FlowSampling(*settings.sampling).describe()}")
+    if settings.cfg_norm:
+        lines.append(f"CFGNorm: strength {settings.cfg_norm:g}")
     if record is None:
         lines.append("engine: not running (starts with the next xDiT Sampler job)")
         return "\n".join(lines)

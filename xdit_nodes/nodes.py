@@ -159,7 +159,38 @@ def sampling_model(settings: core.EngineSettings):
     model = config.get_model({})
     model.diffusion_model = _NoWeights()
     device = mm.intermediate_device()
-    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
+    if settings.sampling:   # xDiT Model Sampling: as ComfyUI's sampling nodes patch a MODEL (this one is ours alone)
+        model.model_sampling = _model_sampling(model, *settings.sampling)
+    if settings.cfg_norm:   # xDiT CFGNorm: as ComfyUI's CFGNorm node patches a MODEL
+        patcher.set_model_sampler_post_cfg_function(_cfg_norm(settings.cfg_norm))
+    return patcher
+
+
+def _model_sampling(model, kind: str, shift: float, multiplier: float):
+    """ComfyUI's own model sampling object, as ModelSamplingAuraFlow / ModelSamplingSD3 / ModelSamplingFlux build it."""
+    import comfy.model_sampling
+
+    base = comfy.model_sampling.ModelSamplingFlux if kind == "flux" else comfy.model_sampling.ModelSamplingDiscreteFlow
+
+    class ModelSamplingAdvanced(base, comfy.model_sampling.CONST):
+        pass
+    sampling = ModelSamplingAdvanced(model.model_config)
+    if kind == "flux":
+        sampling.set_parameters(shift=shift)
+    else:
+        sampling.set_parameters(shift=shift, multiplier=multiplier)
+    return sampling
+
+
+def _cfg_norm(strength: float):
+    """ComfyUI's CFGNorm post-CFG function (comfy_extras/nodes_cfg.py), at `strength`."""
+    def cfg_norm(args):
+        cond_p, pred = args["cond_denoised"], args["denoised"]
+        scale = (torch.norm(cond_p, dim=1, keepdim=True) / (torch.norm(pred, dim=1, keepdim=True) + 1e-8)).clamp(
+            min=0.0, max=1.0)
+        return pred * scale * strength
+    return cfg_norm
 
 
 class XDiTGuider(io.ComfyNode):
@@ -172,8 +203,10 @@ class XDiTGuider(io.ComfyNode):
         import comfy.samplers
 
         patcher = sampling_model(engine)
-        if model is not None:  # its sampling settings (ModelSamplingFlux/SD3), our weights
+        if model is not None:  # its sampling settings (ModelSamplingFlux/SD3/AuraFlow) and CFG hooks, our weights
             patcher.model.model_sampling = model.get_model_object("model_sampling")
+            for fn in model.model_options.get("sampler_post_cfg_function", []):   # e.g. CFGNorm
+                patcher.set_model_sampler_post_cfg_function(fn)
         guider = core.guider(engine, positive, negative, cfg, model_patcher=patcher,
                              sampling_function=comfy.samplers.sampling_function,
                              before_job=lambda: _make_room(engine))
@@ -225,6 +258,26 @@ class XDiTLoRA(io.ComfyNode):
         return io.NodeOutput(engine.with_lora(path, strength_model))
 
 
+class XDiTModelSampling(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.SAMPLING_SPEC)
+
+    @classmethod
+    def execute(cls, engine, method, shift):
+        return io.NodeOutput(engine.with_sampling(method, shift))
+
+
+class XDiTCFGNorm(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(core.CFG_NORM_SPEC)
+
+    @classmethod
+    def execute(cls, engine, strength):
+        return io.NodeOutput(engine.with_cfg_norm(strength))
+
+
 class XDiTEngineInfo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -245,4 +298,4 @@ class XDiTEngineInfo(io.ComfyNode):
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTGuider, XDiTEngineInfo]
+        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTGuider, XDiTEngineInfo, XDiTModelSampling, XDiTCFGNorm]

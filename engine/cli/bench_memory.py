@@ -3,6 +3,7 @@ enough for weights to dominate (a few hundred MB of fp32); and `bench comm`'s Pi
 counted at the send in a real pipelined job, against the closed form."""
 from __future__ import annotations
 
+from .. import families
 from ..generate.request import GenerateRequest
 from ..models.load import inspect_model
 from ..parallel.pipefusion.layout import analytic_p2p_bytes, balanced_split, block_lists, meta_model
@@ -12,6 +13,7 @@ from . import args as types
 from .tables import markdown
 
 MiB = 2 ** 20
+SMALL = [v for f in families.FAMILIES for v in f.dims.get("small", {})]   # the variants with a small size
 
 
 def register(bench, emit) -> None:
@@ -19,8 +21,8 @@ def register(bench, emit) -> None:
                          description="One job per PipeFusion degree on CPU ranks (and GPU memory with --gpus): each "
                                      "rank's weights held, its peak resident memory above what it had before loading, "
                                      "next to weights / P.")
-    m.add_argument("--models", type=types.name_list(["flux-dev", "sd3-medium"]), default="flux-dev,sd3-medium",
-                   help="synthetic variants at the small size (a few hundred MB)")
+    m.add_argument("--models", type=types.name_list(SMALL), default="flux-dev,sd3-medium",
+                   help=f"synthetic variants at the small size (a few hundred MB): {', '.join(SMALL)}")
     m.add_argument("--gpus", type=types.gpu_list, help="CUDA GPUs, one per rank (default: CPU ranks)")
     m.add_argument("--stages", type=types.int_list, default="1,2,4", help="PipeFusion degrees")
     m.add_argument("--splits", type=types.name_list(["compute", "weights"]), default="compute,weights",

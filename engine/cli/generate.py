@@ -17,7 +17,7 @@ from ..parallel.devices import hardware_for
 from ..parallel.plan import AUTO, FASTEST, ParallelPlan
 from ..runtime.client import Engine
 from ..sampling.samplers import SAMPLERS
-from ..sampling.schedules import SCHEDULERS
+from ..sampling.schedules import SAMPLING_NODES, SCHEDULERS, FlowSampling
 from . import args as types
 from . import output
 from .args import UsageError
@@ -26,9 +26,10 @@ DEGREES = ("dp", "pipefusion", "ulysses", "ring")  # integer degree flags; --cfg
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="sample a LATENT with a FLUX/SD3 checkpoint, as ComfyUI's KSampler does",
-                       description="Sample a ComfyUI LATENT ({'samples': [B,16,H/8,W/8]}) on a group of rank "
-                                   "processes. Every input is checked before any rank starts.")
+    p = sub.add_parser("generate", help="sample a LATENT with a model file, as ComfyUI's KSampler does",
+                       description="Sample a ComfyUI LATENT (the model family's: [B,16,H/8,W/8], or [B,16,1,H/8,W/8] "
+                                   "for Qwen-Image) on a group of rank processes. Every input is checked before any "
+                                   "rank starts.")
     p.add_argument("--model", required=True, type=types.model_source,
                    help="FLUX.1/SD3 checkpoint file, diffusers folder, or synthetic:<variant>[:tiny]")
     p.add_argument("--cond", required=True, type=types.existing_file,
@@ -89,6 +90,17 @@ def register(sub) -> None:
     speed.add_argument("--fp8-weights", action="store_true", help="store the Linear weights in float8_e4m3fn")
     speed.add_argument("--fp8-matmul", action="store_true",
                        help="fp8 matrix products for fp8 weights (GPUs of compute capability 8.9+; needs --fp8-weights)")
+    sampling = p.add_argument_group("model sampling and CFG (ComfyUI's ModelSampling* and CFGNorm nodes)")
+    sampling.add_argument("--sampling", choices=list(SAMPLING_NODES),
+                          help="the sampling node the workflow uses (aura_flow: ModelSamplingAuraFlow, as the "
+                               "Qwen-Image templates; default: none, the model's own)")
+    sampling.add_argument("--shift", type=types.finite_float, help="that node's shift (e.g. 3.1; needs --sampling)")
+    sampling.add_argument("--cfg-norm", type=types.request_field("cfg_norm", types.finite_float), default=0.0,
+                          metavar="STRENGTH", help="ComfyUI's CFGNorm at this strength (the Qwen-Image edit "
+                                                   "template's 1.0; default 0: not applied)")
+    sampling.add_argument("--reference-method", choices=["index", "offset", "uxo"],
+                          help="how the cond file's reference latents are placed (default: the family's; "
+                               "FluxKontextMultiReferenceLatentMethod's choices)")
     p.add_argument("--lora", type=types.lora, action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="apply a LoRA (kohya, BFL/ComfyUI or diffusers format); repeat to chain")
     p.set_defaults(run=run, parser=p)
@@ -149,6 +161,10 @@ def build_request(a) -> GenerateRequest:
     except ValueError as e:   # CheckpointError: the model file is not one the engine reads
         raise UsageError(f"argument --model: {e}") from None
     cond, names = _read(a.cond, "--cond", ("cond", "pooled", "neg_cond", "neg_pooled"))
+    refs = {side: [n for n in names if n.startswith(side) and n[len(side):].isdigit()] for side in ("ref_", "neg_ref_")}
+    for listed in refs.values():
+        listed.sort(key=lambda n: int(n.rsplit("_", 1)[1]))
+    found, _ = _read(a.cond, "--cond", tuple(refs["ref_"] + refs["neg_ref_"]))
     pooled = info.spec.pooled_width(info.config) is not None
     missing = [k for k in ("cond",) + (("pooled",) if pooled else ()) if k not in cond]
     if missing:
@@ -162,7 +178,28 @@ def build_request(a) -> GenerateRequest:
                            plan=_plan(a), loras=a.lora,
                            cache_threshold=a.cache_threshold or 0.0, compile=a.compile, attention=a.attention,
                            fp8_weights=a.fp8_weights, fp8_matmul=a.fp8_matmul, patches=a.patches,
-                           warmup_steps=a.warmup_steps, stage_blocks=a.stage_blocks)
+                           warmup_steps=a.warmup_steps, stage_blocks=a.stage_blocks,
+                           reference_latents=[found[n] for n in refs["ref_"]] or None,
+                           neg_reference_latents=[found[n] for n in refs["neg_ref_"]] or None,
+                           reference_latents_method=a.reference_method or "",
+                           neg_reference_latents_method=a.reference_method or "",
+                           model_sampling=_sampling(a), cfg_norm=a.cfg_norm)
+
+
+def _sampling(a) -> dict | None:
+    """--sampling/--shift as the request's model sampling (None: the family's default)."""
+    if a.sampling is None:
+        if a.shift is not None:
+            raise UsageError(f"argument --shift: {a.shift:g} needs --sampling (one of {', '.join(SAMPLING_NODES)}) "
+                             f"to say which sampling node it is the shift of")
+        return None
+    if a.shift is None:
+        raise UsageError(f"argument --sampling: {a.sampling} needs --shift (e.g. 3.1 for the Qwen-Image "
+                         f"template's aura_flow)")
+    try:
+        return FlowSampling.node(a.sampling, a.shift).as_dict()
+    except ValueError as e:
+        raise UsageError(f"argument --shift: {e}") from None
 
 
 def prepare(a):

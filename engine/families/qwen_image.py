@@ -223,7 +223,8 @@ class QwenSPProcessor:
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
             img[0], img[1] = (self.rotary(t, img_freqs, use_real=False) for t in img[:2])
-            txt[0], txt[1] = (self.rotary(t, txt_freqs, use_real=False) for t in txt[:2])
+            if txt[0].shape[1]:   # a PipeFusion patch step after the first carries no text
+                txt[0], txt[1] = (self.rotary(t, txt_freqs, use_real=False) for t in txt[:2])
         n_txt, m = txt[0].shape[1], joint_reference_tokens
         # the sharded sequence: [text shard] + image shard; the joint part: [whole text] + [references]
         seq = [t[:, :t.shape[1] - m] for t in img]

@@ -72,6 +72,7 @@ class GenerateRequest:
     # ComfyUI's model sampling (FlowSampling.as_dict(): kind, shift, multiplier); None: the family's default for the
     # variant. A sampling node (ModelSamplingAuraFlow, ModelSamplingFlux, ModelSamplingSD3) sets it.
     model_sampling: dict | None = None
+    cfg_norm: float = 0.0                 # ComfyUI's CFGNorm node at this strength (0: not applied)
     choice: PlanChoice | None = field(default=None, metadata=LOCAL)   # why this plan (set by validate)
 
     @classmethod
@@ -119,6 +120,8 @@ class GenerateRequest:
                              info, batch)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
+        if self.model_sampling is not None:
+            self._check_model_sampling(info)
         if self.loras:
             check_loras(self.model, self.loras, info)
         if ranks is None:
@@ -159,6 +162,16 @@ class GenerateRequest:
         if self.model_sampling is not None:
             return FlowSampling.from_dict(self.model_sampling)
         return info.spec.sampling(info.variant)
+
+    def _check_model_sampling(self, info) -> None:
+        """A sampling node's model sampling must feed the model timesteps on its own scale: ComfyUI hands the model
+        model_sampling.timestep(sigma), and the engine's forward takes the family's default scale."""
+        given, default = FlowSampling.from_dict(self.model_sampling), info.spec.sampling(info.variant)
+        if given.timesteps_per_sigma != default.timesteps_per_sigma:
+            raise ValueError(f"model sampling {given.describe()} gives {info.variant} timesteps of sigma x "
+                             f"{given.timesteps_per_sigma:g}, but it takes sigma x {default.timesteps_per_sigma:g} "
+                             f"(its default: {default.describe()}); use a sampling node whose multiplier is "
+                             f"{default.timesteps_per_sigma:g} (e.g. ModelSamplingAuraFlow for multiplier 1)")
 
     def submit(self, engine, **kwargs):
         """Run this validated request as a generate job on `engine` (kwargs: Engine.submit's callbacks). A rank that
@@ -279,6 +292,9 @@ class GenerateRequest:
             raise ValueError(f"batch_index={self.batch_index!r} is invalid: use a list of non-negative integers")
         if self.model_sampling is not None:
             FlowSampling.from_dict(self.model_sampling)   # ValueError naming what is wrong
+        if isinstance(self.cfg_norm, bool) or not isinstance(self.cfg_norm, (int, float)) \
+                or not math.isfinite(self.cfg_norm) or not 0 <= self.cfg_norm <= 100:
+            raise ValueError(f"cfg_norm={self.cfg_norm!r} is invalid: use a CFGNorm strength from 0 (off) to 100")
 
     # ---- across the process boundary ---------------------------------------------------------------------------
     def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:

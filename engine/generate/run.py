@@ -99,6 +99,7 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
     ctx.check_cancel(0)
     with attention_kernels(request.attention, ctx.device):
         samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape), cfg=request.cfg,
+                               cfg_norm=request.cfg_norm,
                                sampler=request.sampler, seed=request.seed, steps=len(start.sigmas) - 1,
                                deadline_s=ctx.deadline_s)
     if video and samples is not None:
@@ -132,7 +133,8 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
         samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device),
                           sampling=request.sampling(info), latent=info.spec.latent, seed=request.seed,
                           steps=request.steps, cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
-                          denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step)
+                          denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step,
+                          cfg_norm=request.cfg_norm)
     if parallel.cache is not None:
         ctx.info["step_cache"] = parallel.cache.stats.as_dict()
     return _finish(ctx, request, mesh, parallel.flow.loaded.info, samples)

@@ -20,19 +20,30 @@ from .schedules import SCHEDULERS, FlowSampling, compute_sigmas
 Predict = Callable[[torch.Tensor, torch.Tensor, tuple[str, ...]], tuple[torch.Tensor, ...]]
 
 
-def guided_denoiser(predict: Predict, cfg: float) -> Denoiser:
-    """x_model, sigma -> CFG-combined denoised, as ComfyUI's sampling_function / cfg_function compute it."""
+def guided_denoiser(predict: Predict, cfg: float, cfg_norm: float = 0.0) -> Denoiser:
+    """x_model, sigma -> CFG-combined denoised, as ComfyUI's sampling_function / cfg_function compute it. cfg_norm > 0
+    applies ComfyUI's CFGNorm node (a post-CFG function) at that strength: the result scaled per position so its norm
+    over the channels does not exceed the positive prediction's."""
     skip_negative = math.isclose(cfg, 1.0)
 
-    def denoise(x_model: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    def combined(x_model: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if skip_negative:
             (v_pos,) = predict(x_model, sigma, ("pos",))
+            denoised_pos = x_model - v_pos.float() * sigma
             # ComfyUI leaves the skipped negative at exactly 0, so neg + (pos - neg) * cfg is pos * cfg.
-            return (x_model - v_pos.float() * sigma) * cfg
+            return denoised_pos * cfg, denoised_pos
         v_pos, v_neg = predict(x_model, sigma, ("pos", "neg"))
         denoised_pos = x_model - v_pos.float() * sigma
         denoised_neg = x_model - v_neg.float() * sigma
-        return denoised_neg + (denoised_pos - denoised_neg) * cfg
+        return denoised_neg + (denoised_pos - denoised_neg) * cfg, denoised_pos
+
+    def denoise(x_model: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        result, denoised_pos = combined(x_model, sigma)
+        if cfg_norm:   # ComfyUI's CFGNorm (comfy_extras/nodes_cfg.py), in its operation order
+            scale = (torch.norm(denoised_pos, dim=1, keepdim=True)
+                     / (torch.norm(result, dim=1, keepdim=True) + 1e-8)).clamp(min=0.0, max=1.0)
+            result = result * scale * cfg_norm
+        return result
 
     return denoise
 
@@ -114,7 +125,7 @@ def start_sampling(latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: 
 def ksample(predict: Predict, latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: LatentFormat, seed: int,
             steps: int, cfg: float, sampler: str, scheduler: str, denoise: float = 1.0,
             batch_index: list[int] | None = None, noise: torch.Tensor | None = None,
-            callback: StepCallback | None = None) -> torch.Tensor:
+            callback: StepCallback | None = None, cfg_norm: float = 0.0) -> torch.Tensor:
     """Sample like ComfyUI's KSampler node; returns the float32 latent in raw VAE space, shaped like latent_raw.
 
     noise, when given, replaces the seeded initial noise (seed still drives the stochastic samplers' step noise).
@@ -122,6 +133,7 @@ def ksample(predict: Predict, latent_raw: torch.Tensor, *, sampling: FlowSamplin
     """
     start = start_sampling(latent_raw, sampling=sampling, latent=latent, seed=seed, steps=steps, cfg=cfg,
                            sampler=sampler, scheduler=scheduler, denoise=denoise, batch_index=batch_index, noise=noise)
-    x_model = sample(sampler, guided_denoiser(predict, cfg), start.x_model, start.sigmas, seed=seed, callback=callback,
+    x_model = sample(sampler, guided_denoiser(predict, cfg, cfg_norm), start.x_model, start.sigmas, seed=seed,
+                     callback=callback,
                      percent_to_sigma=start.percent_to_sigma)
     return start.finish(x_model)

@@ -21,6 +21,13 @@ _ZERO_SIGMA_TOLERANCE = 1e-5
 _FULL_DENOISE_ABOVE = 0.9999
 
 
+SAMPLING_NODES = {   # ComfyUI's sampling nodes: (kind, multiplier); each takes a shift
+    "aura_flow": ("discrete_flow", 1.0),    # ModelSamplingAuraFlow (Qwen-Image's templates: 3.1, edit 3.0)
+    "sd3": ("discrete_flow", 1000.0),       # ModelSamplingSD3
+    "flux": ("flux", 1.0),                  # ModelSamplingFlux (its shift: what that node computes from the size)
+}
+
+
 class FlowSampling:
     """ComfyUI's model sampling of a flow model: the sigma table and sigma<->timestep, of one of its two kinds.
 
@@ -62,6 +69,14 @@ class FlowSampling:
     @classmethod
     def sd3(cls, shift: float = 3.0) -> FlowSampling:
         return cls("discrete_flow", shift, 1000.0)
+
+    @classmethod
+    def node(cls, method: str, shift: float) -> FlowSampling:
+        """What ComfyUI's sampling node `method` (SAMPLING_NODES) sets at `shift`; ValueError naming a bad input."""
+        if method not in SAMPLING_NODES:
+            raise ValueError(f"sampling method {method!r} is invalid: use one of {', '.join(SAMPLING_NODES)}")
+        kind, multiplier = SAMPLING_NODES[method]
+        return cls(kind, shift, multiplier)
 
     @classmethod
     def from_dict(cls, spec: dict) -> FlowSampling:

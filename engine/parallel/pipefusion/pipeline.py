@@ -180,12 +180,13 @@ class Pipeline:
 
     # ---- the job ----------------------------------------------------------------------------------------------
     def run(self, ctx, start: SamplingStart | None, positive: Conditioning, negative: Conditioning | None, *,
-            latent_shape, cfg: float, sampler: str, seed: int, steps: int, deadline_s: float):
+            latent_shape, cfg: float, sampler: str, seed: int, steps: int, deadline_s: float, cfg_norm: float = 0.0):
         """Run the job's sampling through the pipeline. The last stage gets `start` (every rank can build it) and
         returns the raw latent; the first stage returns the same latent, received from the last; others None."""
         self.deadline_s = deadline_s
         self._pending = []
         self.steps_total = steps
+        self.cfg_norm = cfg_norm
         self.bind(positive, negative, latent_shape, cfg)
         try:
             if self.stage == self.stages - 1:
@@ -350,7 +351,7 @@ class Pipeline:
                 sl = slice(None) if piece is not None else self.model.latent_rows(m)
                 v = tuple(t[:, :, sl] for t in v_bands)
                 x, s = pending[m]
-                denoised = guided_denoiser(lambda xx, ss, which, v=v: v, self.cfg_scale)(x, s)
+                denoised = guided_denoiser(lambda xx, ss, which, v=v: v, self.cfg_scale, self.cfg_norm)(x, s)
                 try:
                     pending[m] = gens[m].send(denoised)
                 except StopIteration as end:
