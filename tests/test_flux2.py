@@ -876,3 +876,47 @@ def test_a_comfyui_flux2_conditioning_and_an_sd3_empty_latent_reach_the_engine_t
     assert report("node, ulysses2, two references vs reference", (got - want).abs().max(),
                   bound(want, 1.0, tokens_of(j)))
     assert "last job: plan ulysses2" in info
+
+
+# ---- the command line -----------------------------------------------------------------------------------------------
+def test_generate_takes_two_reference_latents_from_the_cond_file_and_equals_the_reference(models, diffusers_models,
+                                                                                         tmp_path):
+    """`python -m engine generate` with a cond file holding cond, ref_0 and ref_1 (ReferenceLatent's latents in
+    chain order) and --guidance 4 on two ranks (ulysses2): the LATENT file equals the reference sampler's, 128
+    channels at 1/16 of the --width x --height image."""
+    import subprocess
+    import sys
+    from safetensors.torch import load_file, save_file
+    from conftest import ROOT
+    j = job(refs=((4, 4), (5, 3)))
+    save_file({"cond": j["cond"], "ref_0": j["reference_latents"][0], "ref_1": j["reference_latents"][1]},
+              str(tmp_path / "c.safetensors"))
+    res = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", models["flux2-dev"], "--cond",
+                          str(tmp_path / "c.safetensors"), "--seed", "5", "--steps", str(STEPS), "--guidance", "4",
+                          "--width", "128", "--height", "128", "--ulysses", "2",
+                          "--out", str(tmp_path / "o.safetensors")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(res.stdout)
+    assert res.returncode == 0, res.stderr
+    got = load_file(str(tmp_path / "o.safetensors"))["samples"]
+    want = reference_sample(diffusers_models["flux2-dev"], j)
+    assert got.shape == (1, 128, 8, 8)
+    assert report("python -m engine generate, ulysses2, ref_0 and ref_1 vs reference", (got - want).abs().max(),
+                  bound(want, 1.0, tokens_of(j)))
+
+
+def test_generate_reads_a_flux2_latents_size_at_16_pixels_per_latent_pixel(models, tmp_path):
+    """A FLUX.2 --latent [1, 128, 8, 12] is a 192x128 image: --width 192 --height 128 agree with it, --width 96 is
+    refused in one line naming both sizes (before any rank starts)."""
+    from safetensors.torch import save_file
+    from engine.cli import build_parser, generate
+    from engine.cli.args import UsageError
+    save_file({"cond": torch.zeros(1, 20, WIDTH["flux2-dev"])}, str(tmp_path / "c.safetensors"))
+    save_file({"samples": torch.zeros(1, 128, 8, 12)}, str(tmp_path / "l.safetensors"))
+    base = ["generate", "--model", models["flux2-dev"], "--cond", str(tmp_path / "c.safetensors"), "--latent",
+            str(tmp_path / "l.safetensors"), "--out", str(tmp_path / "o.safetensors"), "--height", "128"]
+    parser = build_parser()
+    request = generate.build_request(parser.parse_args(base + ["--width", "192"]))
+    assert request.latent_raw.shape == (1, 128, 8, 12)
+    with pytest.raises(UsageError, match=r"is 192x128 px but --width/--height say 96x128"):
+        generate.build_request(parser.parse_args(base + ["--width", "96"]))
