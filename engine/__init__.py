@@ -1,4 +1,4 @@
-"""The multi-GPU FLUX/SD3 engine; runs and is tested without ComfyUI.
+"""The multi-GPU diffusion-transformer engine (the model families in families/); runs and is tested without ComfyUI.
 
 - cli/: the command line (`python -m engine ...`): generate, demo, make-tiny, bench.
 - runtime/: the rank runtime: the client (caller's process), rank processes, the shared-memory bridge that every

@@ -21,6 +21,10 @@ class JobCancelled(EngineError):
         self.step = step
 
 
+class CheckpointError(ValueError):
+    """A model file that cannot be used; the message names the file and what is wrong with it."""
+
+
 class PlanError(ValueError):
     """A parallel plan that cannot run; raised before any rank starts."""
 

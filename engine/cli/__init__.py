@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import EngineError
+from ..families import TITLES
 from .args import UsageError
 from .output import ResultNotWritten
 
@@ -20,8 +21,8 @@ def build_parser():
     from . import bench, demo, generate, plan, tiny, worker
     from .args import Parser
 
-    parser = Parser(prog=PROG, description="Multi-GPU FLUX/SD3 engine: runs ComfyUI's KSampler on a group of rank "
-                                           "processes")
+    parser = Parser(prog=PROG, description=f"Multi-GPU engine for {TITLES}: runs ComfyUI's KSampler on a group "
+                                           f"of rank processes")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,plan,make-tiny,bench,worker}")
     for module in (demo, generate, plan, tiny, bench, worker):
         module.register(sub)

@@ -11,6 +11,7 @@ import math
 import os
 from argparse import ArgumentTypeError
 
+from ..families import TITLES
 from ..parallel.plan import MAX_RANKS
 
 
@@ -155,20 +156,20 @@ def lora(text: str) -> tuple[str, float]:
 
 
 def model_source(text: str) -> str:
-    """A FLUX/SD3 checkpoint file, a diffusers folder or synthetic:<variant>[:tiny], read from its headers."""
+    """A model checkpoint file (one of the families in engine/families), a diffusers folder or synthetic:<variant>[:tiny], read from its headers."""
     from ..models.load import inspect_model
 
     try:
         inspect_model(text)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        works = "; give a FLUX.1/SD3 checkpoint: .safetensors, .gguf or a diffusers folder" \
+        works = f"; give a {TITLES} checkpoint: .safetensors, .gguf or a diffusers folder" \
             if "not a safetensors file" in str(e) and "checkpoints are read" not in str(e) else ""
         raise ArgumentTypeError(f"{e}{works}") from None
     return text
 
 
 def checkpoint_file(text: str) -> str:
-    """A FLUX/SD3 single-file checkpoint."""
+    """A single-file model checkpoint."""
     return model_source(existing_file(text))
 
 

@@ -23,7 +23,7 @@ PARTS = (("an inspect job on {ranks} CPU rank(s): every rank reads the checkpoin
           f"model and gives the same latent (3 checks)"),
          "the same generate on 2 CPU ranks under plan ulysses2, compared with the 1-rank latent (1 check)")
 DESCRIPTION = ("Check the engine end to end on CPU ranks (gloo over loopback) with a tiny FLUX.1-dev checkpoint "
-               "written to a temporary folder, or the FLUX/SD3 file given by --model: "
+               "written to a temporary folder, or the model file given by --model: "
                + "; ".join(f"({i}) {p}" for i, p in enumerate(PARTS, 1)).format(ranks="--ranks")
                + ". Ends with one verdict line; exits 0 when all 7 checks pass, 1 otherwise.")
 

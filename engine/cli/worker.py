@@ -8,13 +8,13 @@ import stat
 import sys
 from argparse import ArgumentTypeError
 
+from ..runtime.storelink import interface_towards, parse_hostport
+from ..runtime.worker import Lost, Refused, Worker
 from . import args as types
 from .args import UsageError
 
 
 def hostport(text: str) -> tuple[str, int]:
-    from ..runtime.remote import parse_hostport
-
     try:
         host, port = parse_hostport(text)
     except ValueError as e:
@@ -72,9 +72,6 @@ def read_secret(path: str | None) -> bytes:
 
 
 def run(a) -> int:
-    from ..runtime.remote import interface_towards
-    from ..runtime.worker import Lost, Refused, Worker
-
     host, port = a.join
     if a.device == "cpu" and a.gpus:
         raise UsageError("argument --gpus: given with --device cpu: drop --gpus or use --device cuda")

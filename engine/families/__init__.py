@@ -1,7 +1,7 @@
 """The model families the engine runs, one module each: adding a family is adding its module here.
 
 `get(name)` gives a family by the name a CheckpointInfo holds; `by_variant(variant)` by a variant name; `FAMILIES`
-lists them in detection order.
+lists them in detection order; `TITLES` names them for help texts.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ FAMILIES: tuple[Family, ...] = (flux.FAMILY, sd3.FAMILY, qwen_image.FAMILY, flux
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_VARIANT = {v: f for f in FAMILIES for v in f.variants}
 VARIANTS = tuple(_BY_VARIANT)
+TITLES = ", ".join(f.title for f in FAMILIES)   # "FLUX.1, SD3/SD3.5, ..." for help texts
 
 
 def get(name: str) -> Family:

@@ -12,16 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointError
+
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
                 "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 MAX_HEADER_BYTES = 100 << 20
-
-
-class CheckpointError(ValueError):
-    """A model file that cannot be used; the message names the file and what is wrong with it."""
 
 
 def _is_int(v) -> bool:

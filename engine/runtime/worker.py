@@ -22,8 +22,8 @@ import torch.distributed as dist
 from . import bridge
 from .launch import kill_all, log_tail, rank_env, signal_name, spawn_rank
 from .protocol import ChannelClosed
-from .remote import (CONNECT_TIMEOUT_S, WORKER_HEARTBEAT_S, AuthError, Pipe, connect, handshake_context, mac,
-                     read_json, session_key, wait_get)
+from .storelink import (CONNECT_TIMEOUT_S, WORKER_HEARTBEAT_S, AuthError, Pipe, connect, handshake_context, mac,
+                        read_json, session_key, wait_get)
 
 
 class Refused(Exception):

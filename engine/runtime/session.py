@@ -1,0 +1,91 @@
+"""A job that answers calls (Engine.session): the ranks keep the model loaded and answer one call at a time, e.g. one
+model evaluation per call for a sampler that runs in the caller's process."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from . import bridge
+from ..errors import EngineError
+from .protocol import ChannelClosed
+from .watch import Deadlines, JobResult, JobWatch
+
+
+class Session:
+    """A job that answers calls: see Engine.session (`engine` is that Engine). Holds the engine (one job at a time)
+    from enter to exit."""
+
+    def __init__(self, engine, kind: str, spec, inputs, deadlines: Deadlines):
+        self.engine, self.kind, self.spec, self.inputs, self.deadlines = engine, kind, spec, inputs, deadlines
+        self.job_id: int | None = None
+        self.calls = 0
+        self.result: JobResult | None = None   # the job's result, once ended
+        self.call_s: list[float] = []          # each call's time as the caller saw it (write, compute, read)
+        self._watch: JobWatch | None = None
+
+    def __enter__(self) -> "Session":
+        self.engine._lock.acquire()
+        try:
+            t_submit = time.perf_counter()
+            self.job_id, self._crc, t_ready, t_written = self.engine._send_job(self.kind, self.spec, self.inputs,
+                                                                               self.deadlines)
+            self._times = (t_submit, t_ready, t_written)
+            self._watch = JobWatch(self.engine.world, self.job_id)
+        except BaseException:
+            self.engine._lock.release()
+            raise
+        return self
+
+    def call(self, inputs: dict[str, torch.Tensor], **meta) -> dict[str, torch.Tensor]:
+        """One call: `inputs` through shared memory and `meta` (small JSON values) to the ranks; rank 0's outputs."""
+        if self._watch is None or self.result is not None:
+            raise RuntimeError("the session is not open: use it inside its with-block")
+        engine, job_id = self.engine, self.job_id
+        t0 = time.perf_counter()
+        self.calls += 1
+        call = self.calls
+        path = os.path.join(engine.engine_dir, f"j{job_id}-c{call}-in")
+        try:
+            manifest = bridge.write_segment(path, inputs) if inputs else None
+            doc = json.dumps({"call": call, "meta": meta, "entries": manifest["entries"] if manifest else []},
+                             sort_keys=True, separators=(",", ":"))
+            engine._chans[0].send({"op": "call", "job_id": job_id, "call": call, "doc": doc,
+                                   "segment": {"path": path, "nbytes": manifest["nbytes"]} if manifest else None})
+            answer = engine._await_job(job_id, self.deadlines, None, None, self._watch, call=call)
+            outputs = bridge.read_segment(answer["outputs"]) if answer.get("outputs") else {}
+        except (ChannelClosed, OSError) as e:
+            engine._fail(f"control channel failed: {e}")
+            raise EngineError(f"job {job_id}: the engine's control channel failed during call {call} ({e}); the "
+                              f"ranks will be replaced", phase="compute") from e
+        finally:
+            bridge.unlink_quietly(path)
+            if engine.engine_dir:
+                bridge.unlink_quietly(os.path.join(engine.engine_dir, f"j{job_id}-c{call}-out"))
+        self.call_s.append(time.perf_counter() - t0)
+        return outputs
+
+    def __exit__(self, exc_type, exc, tb):
+        engine = self.engine
+        try:
+            if self._watch is not None and not self._watch.final and engine._broken is None:
+                try:
+                    end = json.dumps({"call": 0, "end": True, "aborted": exc_type is not None, "entries": []})
+                    engine._chans[0].send({"op": "call", "job_id": self.job_id, "call": 0, "doc": end,
+                                           "segment": None})
+                except (ChannelClosed, OSError):
+                    pass
+            if engine._broken is None:
+                try:
+                    self.result = engine._collect(self.job_id, self._crc, self._watch, self.deadlines, None, None,
+                                                  self._times)
+                except BaseException:
+                    if exc_type is None:
+                        raise
+            else:
+                engine._unlink_job_files(self.job_id)
+        finally:
+            engine._lock.release()
+        return False
