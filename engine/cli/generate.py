@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from ..families import TITLES
 from ..generate.request import GenerateRequest, default_dtype, empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
@@ -31,8 +32,7 @@ def register(sub) -> None:
                                    "for Qwen-Image; [B,128,H/16,W/16] for FLUX.2) on a group of rank processes. Every "
                                    "input is checked before any rank starts.")
     p.add_argument("--model", required=True, type=types.model_source,
-                   help="checkpoint file (FLUX.1, FLUX.2, SD3/SD3.5, Qwen-Image), diffusers folder, or "
-                        "synthetic:<variant>[:tiny]")
+                   help=f"checkpoint file ({TITLES}), diffusers folder, or synthetic:<variant>[:tiny]")
     p.add_argument("--cond", required=True, type=types.existing_file,
                    help="safetensors with cond and pooled (a family without a pooled output: cond only), neg_cond "
                         "and neg_pooled for cfg != 1, and reference latents ref_0, ref_1, ... (neg_ref_0, ...) as "

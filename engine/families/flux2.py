@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.safetensors_file import CheckpointError
+from ..errors import CheckpointError
 from ..parallel.pipefusion.stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
