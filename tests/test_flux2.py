@@ -920,3 +920,26 @@ def test_generate_reads_a_flux2_latents_size_at_16_pixels_per_latent_pixel(model
     assert request.latent_raw.shape == (1, 128, 8, 12)
     with pytest.raises(UsageError, match=r"is 192x128 px but --width/--height say 96x128"):
         generate.build_request(parser.parse_args(base + ["--width", "96"]))
+
+
+# ---- CUDA (skipped where torch sees none) ---------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", ["flux2-dev", "flux2-klein-4b"])
+def test_the_cuda_velocity_equals_the_cpu_one_in_fp32_and_stays_near_it_in_bf16(models, variant):
+    """The tiny model with two references on CUDA: fp32 (no TF32) within the fp32 bound of the CPU's velocity; bf16
+    within a few percent relative L2 (8 mantissa bits, roundings growing ~sqrt through the blocks)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    x, cond = randn(3, (1, 128, 16, 16), (1, 40, WIDTH[variant]))
+    raw = randn(4, (1, 128, 8, 12), (1, 128, 16, 8))
+
+    def velocity(dtype, device):
+        flow = FlowModel(load_model(models[variant], dtype=dtype, device=device))
+        return flow.velocity(x, torch.tensor(0.6), flow.prepare([Conditioning(cond, None, 4.0, tuple(raw))], 1)).cpu()
+    cpu, gpu, bf16 = velocity("fp32", "cpu"), velocity("fp32", "cuda"), velocity("bf16", "cuda")
+    tokens = TEXT + 16 * 16 + 8 * 12 + 16 * 8
+    assert report(f"{variant} CUDA vs CPU fp32 velocity, two references", (gpu - cpu).abs().max(),
+                  fp32_bound(cpu.abs().max(), reduction=tokens, depth=DEPTH))
+    rel = ((bf16 - cpu).norm() / cpu.norm()).item()
+    print(f"{variant} CUDA bf16 vs CPU fp32: relative L2 {rel:.3g} (bound {2 ** -8 * math.sqrt(DEPTH * 16):.3g})")
+    assert rel <= 2 ** -8 * math.sqrt(DEPTH * 16)
