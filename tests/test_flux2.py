@@ -131,11 +131,28 @@ def simple_sigmas(steps, shift=SHIFT):
     return torch.tensor([float(table[-(1 + int(k * stride))]) for k in range(steps)] + [0.0])
 
 
+def flux2_scheduler_sigmas(steps, width, height):
+    """ComfyUI's Flux2Scheduler (comfy_extras/nodes_flux.py, 6b573ae :210 / v0.12.1 :211, compute_empirical_mu and
+    get_schedule): mu from the image's tokens (width x height / 256) and the steps; float32 t = linspace(1, 0,
+    steps + 1), sigma = e^mu / (e^mu + (1/t - 1)), 0 at t = 0."""
+    seq = round(width * height / 256)
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    if seq > 4300:
+        mu = a2 * seq + b2
+    else:
+        m200, m10 = a2 * seq + b2, a1 * seq + b1
+        a = (m200 - m10) / 190.0
+        mu = a * steps + (m200 - 200.0 * a)
+    t = torch.linspace(1, 0, steps + 1)
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1))
+
+
 @torch.no_grad()
-def reference_sample(model, j):
-    """KSampler, euler/simple on an empty latent: noise from the seed; CFG on denoised; process_out the identity."""
+def reference_sample(model, j, sigmas=None):
+    """KSampler, euler on an empty latent (sigmas: the "simple" schedule unless given, e.g. Flux2Scheduler's): noise
+    from the seed; CFG on denoised; process_out the identity."""
     x = torch.randn(j["latent_raw"].shape, generator=torch.Generator().manual_seed(j["seed"]))
-    sigmas = simple_sigmas(STEPS)
+    sigmas = simple_sigmas(STEPS) if sigmas is None else sigmas
     x = sigmas[0] * x
     for sigma, nxt in zip(sigmas[:-1], sigmas[1:]):
         denoised = x - sigma * reference_velocity(model, x, sigma, j["cond"], j.get("reference_latents") or (),
@@ -876,6 +893,36 @@ def test_a_comfyui_flux2_conditioning_and_an_sd3_empty_latent_reach_the_engine_t
     assert report("node, ulysses2, two references vs reference", (got - want).abs().max(),
                   bound(want, 1.0, tokens_of(j)))
     assert "last job: plan ulysses2" in info
+
+
+def test_the_guider_runs_flux2_schedulers_sigmas_one_engine_call_a_step_and_equals_the_reference(models,
+                                                                                                  diffusers_models):
+    """ComfyUI's FLUX.2 templates sample with SamplerCustomAdvanced: Flux2Scheduler's sigmas (mu from the image and
+    the steps), a sampler speaking ComfyUI's protocol (tests/test_guider.py's stand-ins) and here the xDiT Guider on
+    ulysses2 with FluxGuidance 4 and two ReferenceLatent images: one engine call per step, and the latent equals the
+    reference's euler over the same sigmas."""
+    import importlib
+    import test_guider
+    from conftest import PACK_NAME, load_pack
+    load_pack()
+    core = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    j = job(refs=((4, 4), (5, 3)))
+    positive = [[j["cond"], {"pooled_output": None, "reference_latents": list(j["reference_latents"]),
+                             "guidance": 4.0}]]
+    sigmas = flux2_scheduler_sigmas(STEPS, 128, 128)
+    noise = torch.randn(j["latent_raw"].shape, generator=torch.Generator().manual_seed(j["seed"]))
+    settings = core.EngineSettings(model_path=models["flux2-dev"], gpus=(0, 1), device="cpu", plan="explicit",
+                                   ulysses=2)
+    try:
+        got, guider = test_guider.guided(core, settings, "flux2", positive, None, 1.0, j["latent_raw"], sigmas, noise,
+                                         seed=j["seed"])
+    finally:
+        core.REGISTRY.unload()
+    want = reference_sample(diffusers_models["flux2-dev"], j, sigmas)
+    print(f"Flux2Scheduler sigmas at 128x128, {STEPS} steps: {[round(float(x), 4) for x in sigmas]}")
+    assert guider.last_run["calls"] == STEPS and guider.last_run["plan"] == "ulysses2"
+    assert report("guider, Flux2Scheduler sigmas, ulysses2, two references vs reference", (got - want).abs().max(),
+                  bound(want, 1.0, tokens_of(j)))
 
 
 # ---- the command line -----------------------------------------------------------------------------------------------
