@@ -11,6 +11,10 @@ Comfy-Org/ComfyUI (formerly comfyanonymous/ComfyUI), commit a125cd84b054a57729b5
 - nodes.py CLIPLoader; comfy_extras/nodes_qwen.py TextEncodeQwenImageEdit; comfy_extras/nodes_post_processing.py
   ImageScaleToTotalPixels (V3 io.Schema): what the Qwen-Image templates (comfyui-workflow-templates 0.1.95, the
   version 0.3.64 pins: image_qwen_image.json, image_qwen_image_edit.json) use.
+The FLUX.2 workflows' nodes come from a later ComfyUI, the first with FLUX.2 being 0.3.72 (commit 6b573ae0, "Flux 2"):
+- nodes.py: CLIPLoader's type list as of v0.12.1 (fe2511468d6b3f7a1581a711ae480f3313f2b39d): 0.3.64's list plus
+  "flux2" (Mistral-3 24B for [dev] and, from 0.9.2 on, Qwen3 4B / 8B for [klein]) and "ovis" (0.3.72's lacks it);
+- comfy_extras/nodes_flux.py: EmptyFlux2LatentImage (V3 io.Schema, the same in 0.3.72 and 0.12.1).
 A V3 node without display_name is shown under its node_id; a V3 output without display_name is named after its
 type (comfy_api/latest/_io.py, get_v1_info: `o.display_name if o.display_name else o.io_type`). A V1 node without
 RETURN_NAMES names its outputs after their types.
@@ -74,6 +78,40 @@ STOCK_NODES = {
         "outputs": (("CLIP", "CLIP"),),
         "output_node": False,
     },
+    # nodes.py (v0.12.1), class CLIPLoader: required clip_name (text_encoders list), type (the list below; 0.3.64's
+    # ends at "hunyuan_image", without "flux2" and "ovis"); optional device (["default", "cpu"], {"advanced": True});
+    # RETURN_TYPES = ("CLIP",); display name "Load CLIP"
+    "CLIPLoader": {
+        "display_name": "Load CLIP",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "clip_name", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
+            {"name": "type", "type": "COMBO", "widget": "combo",
+             "options": ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart",
+                         "cosmos", "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image",
+                         "hunyuan_image", "flux2", "ovis")},
+            {"name": "device", "type": "COMBO", "widget": "combo", "options": ("default", "cpu"),
+             "optional": True, "advanced": True},
+        ),
+        "outputs": (("CLIP", "CLIP"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_flux.py (0.3.72 on), EmptyFlux2LatentImage: display_name "Empty Flux 2 Latent";
+    # io.Int.Input("width", default=1024, min=16, max=nodes.MAX_RESOLUTION, step=16), height likewise,
+    # io.Int.Input("batch_size", default=1, min=1, max=4096); io.Latent.Output() (zeros [B, 128, H/16, W/16])
+    "EmptyFlux2LatentImage": {
+        "display_name": "Empty Flux 2 Latent",
+        "source": "comfy_extras/nodes_flux.py",
+        "inputs": (
+            {"name": "width", "type": "INT", "widget": "number", "default": 1024, "min": 16, "max": MAX_RESOLUTION,
+             "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 1024, "min": 16, "max": MAX_RESOLUTION,
+             "step": 16},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
     # comfy_extras/nodes_sd3.py, TripleCLIPLoader: io.Combo.Input clip_name1, clip_name2, clip_name3
     # (text_encoders list); io.Clip.Output()
     "TripleCLIPLoader": {
@@ -83,25 +121,6 @@ STOCK_NODES = {
             {"name": "clip_name1", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
             {"name": "clip_name2", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
             {"name": "clip_name3", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
-        ),
-        "outputs": (("CLIP", "CLIP"),),
-        "output_node": False,
-    },
-    # nodes.py, class CLIPLoader: required clip_name (text_encoders list), type (["stable_diffusion",
-    # "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos", "lumina2", "wan", "hidream",
-    # "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image"]); optional device (["default", "cpu"],
-    # {"advanced": True}); RETURN_TYPES = ("CLIP",); display name "Load CLIP"
-    "CLIPLoader": {
-        "display_name": "Load CLIP",
-        "source": "nodes.py",
-        "inputs": (
-            {"name": "clip_name", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
-            {"name": "type", "type": "COMBO", "widget": "combo",
-             "options": ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart",
-                         "cosmos", "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image",
-                         "hunyuan_image")},
-            {"name": "device", "type": "COMBO", "widget": "combo", "options": ("default", "cpu"),
-             "optional": True, "advanced": True},
         ),
         "outputs": (("CLIP", "CLIP"),),
         "output_node": False,

@@ -15,6 +15,7 @@ from conftest import ROOT
 from safetensors.torch import save_file
 
 from engine.cli import main
+from engine.families import TITLES
 from engine.models.tiny import write_tiny
 from engine.runtime.client import Engine
 
@@ -104,8 +105,8 @@ CASES = {
                                 r"argument --out: .*/image.png is invalid: a LATENT is written as a .safetensors "
                                 r"file; give a name ending in .safetensors, e.g. .*/image.safetensors$"),
     "gen-model-png": (GEN + ["--model", "{png}"],
-                      r"argument --model: image.png is a PNG image, not a safetensors file; give a FLUX.1/SD3 "
-                      r"checkpoint: .safetensors, .gguf or a diffusers folder$"),
+                      r"argument --model: image.png is a PNG image, not a safetensors file; give a "
+                      + re.escape(TITLES) + r" checkpoint: .safetensors, .gguf or a diffusers folder$"),
     "gen-cond-batch": (GEN + ["--cond", "{flux_cond_batch2}"], r"error: cond has batch 2 but the latent has 1: give "
                                                                 r"cond a batch of 1$"),
     "gen-lora-full-size-on-tiny": (GEN + ["--lora", "{full_size_lora}"],

@@ -15,11 +15,15 @@ from conftest import PACK_NAME, ROOT, load_pack
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
-             "qwen-image-edit")
+             "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
                "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
                "flux1-kontext-dev": "flux1-kontext-dev.safetensors", "qwen-image": "qwen_image_fp8_e4m3fn.safetensors",
-               "qwen-image-edit": "qwen_image_edit_fp8_e4m3fn.safetensors"}
+               "qwen-image-edit": "qwen_image_edit_fp8_e4m3fn.safetensors",
+               # Comfy-Org's repackaged FLUX.2 files (split_files/diffusion_models)
+               "flux2-dev": "flux2_dev_fp8mixed.safetensors",
+               "flux2-dev-multi-reference": "flux2_dev_fp8mixed.safetensors",
+               "flux2-klein-4b": "flux-2-klein-4b.safetensors"}
 ENGINE_PATCHES = ("XDiTModelSampling", "XDiTCFGNorm", "XDiTLoRA")   # engine -> engine nodes
 WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
@@ -390,6 +394,60 @@ def test_qwen_image_edit_is_comfyuis_edit_template_with_the_engine_for_the_model
         assert node["class_type"] == "TextEncodeQwenImageEdit"
         assert node["inputs"]["image"] == [scale_id, 0] and node["inputs"]["vae"] == encode["inputs"]["vae"]
     assert source(api, sampler_id, "negative")[1]["inputs"]["prompt"] == ""
+
+
+def test_flux2_dev_uses_flux_guidance_on_an_empty_flux2_latent_at_cfg_1():
+    """ComfyUI's FLUX.2 [dev] template: the Mistral-3 text encoder through CLIPLoader type flux2, FluxGuidance 4,
+    EmptyFlux2LatentImage, cfg 1 (the negative unused), euler; the VAE is FLUX.2's."""
+    _, api = load("flux2-dev")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert (s["cfg"], s["steps"], s["denoise"], s["sampler_name"], s["scheduler"]) == (1.0, 20, 1.0, "euler", "simple")
+    guidance_id, guidance = source(api, sampler_id, "positive")
+    assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 4.0
+    assert source(api, guidance_id, "conditioning")[1]["inputs"]["text"].strip()
+    assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""
+    assert only(api, "CLIPLoader")[1]["inputs"] == {"clip_name": "mistral_3_small_flux2_bf16.safetensors",
+                                                    "type": "flux2", "device": "default"}
+    assert source(api, sampler_id, "latent_image")[1] == dict(only(api, "EmptyFlux2LatentImage")[1])
+    assert only(api, "EmptyFlux2LatentImage")[1]["inputs"] == {"width": 1024, "height": 1024, "batch_size": 1}
+    assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == "flux2-vae.safetensors"
+
+
+def test_flux2_dev_multi_reference_chains_two_reference_latents_on_the_prompt():
+    """Two images, each LoadImage -> FluxKontextImageScale -> VAEEncode (the FLUX.2 VAE), chained ReferenceLatent
+    nodes on the prompt (FLUX.2 places them at index 10 and 20), FluxGuidance 4, an empty 1024x1024 FLUX.2 latent."""
+    _, api = load("flux2-dev-multi-reference")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    assert sampler["inputs"]["cfg"] == 1.0 and sampler["inputs"]["denoise"] == 1.0
+    guidance_id, guidance = source(api, sampler_id, "positive")
+    assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 4.0
+    node_id, node = source(api, guidance_id, "conditioning")
+    images = []
+    while node["class_type"] == "ReferenceLatent":
+        encode_id, encode = source(api, node_id, "latent")
+        assert encode["class_type"] == "VAEEncode"
+        assert api[encode_id]["inputs"]["vae"] == api[only(api, "VAEDecode")[0]]["inputs"]["vae"]
+        scale_id, scale = source(api, encode_id, "pixels")
+        assert scale["class_type"] == "FluxKontextImageScale"
+        images.append(source(api, scale_id, "image")[1]["inputs"]["image"])
+        node_id, node = source(api, node_id, "conditioning")
+    assert node["class_type"] == "CLIPTextEncode" and node["inputs"]["text"].strip()
+    assert images == ["jacket.png", "person.png"]   # the chain read from the sampler back: reference 2 last
+    assert source(api, sampler_id, "latent_image")[1]["class_type"] == "EmptyFlux2LatentImage"
+
+
+def test_flux2_klein_4b_runs_4_steps_without_guidance():
+    """The distilled [klein] 4B: the Qwen3 4B text encoder through CLIPLoader type flux2, 4 steps at cfg 1, no
+    FluxGuidance (klein has no guidance embedding)."""
+    _, api = load("flux2-klein-4b")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    assert sampler["inputs"]["steps"] == 4 and sampler["inputs"]["cfg"] == 1.0
+    assert "FluxGuidance" not in {n["class_type"] for n in api.values()}
+    assert source(api, sampler_id, "positive")[1]["class_type"] == "CLIPTextEncode"
+    assert only(api, "CLIPLoader")[1]["inputs"]["clip_name"] == "qwen_3_4b.safetensors"
+    assert only(api, "CLIPLoader")[1]["inputs"]["type"] == "flux2"
+    assert source(api, sampler_id, "latent_image")[1]["class_type"] == "EmptyFlux2LatentImage"
 
 
 def test_the_test_catches_a_broken_workflow(definitions):

@@ -141,7 +141,8 @@ GUIDER_SPEC = NodeSpec(
     (Field("engine", ENGINE_TYPE),
      Field("positive", "CONDITIONING"),
      Field("cfg", "FLOAT", 1.0, min=0.0, max=100.0, step=0.1, round=0.01,
-           tooltip="1.0 runs the positive only (FLUX.1); above 1 needs the negative (SD3/SD3.5, Qwen-Image)"),
+           tooltip="1.0 runs the positive only (FLUX.1, FLUX.2 [dev], distilled FLUX.2 [klein]); above 1 needs the "
+                   "negative (SD3/SD3.5, Qwen-Image, FLUX.2 [klein] base)"),
      Field("negative", "CONDITIONING", optional=True),
      Field("model", "MODEL", optional=True,
            tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) and post-CFG patches "
@@ -152,7 +153,7 @@ GUIDER_SPEC = NodeSpec(
 def lora_spec(lora_names: list[str]) -> NodeSpec:
     return NodeSpec(
         "XDiTLoRA", "xDiT LoRA", CATEGORY,
-        "Applies a LoRA (kohya, ComfyUI or diffusers format) inside the engine's ranks. Chain several; "
+        "Applies a LoRA (kohya, ComfyUI/ai-toolkit or diffusers format) inside the engine's ranks. Chain several; "
         "removing one restores the base weights.",
         (Field("engine", ENGINE_TYPE),
          Field("lora_name", "COMBO", options=tuple(lora_names), default=lora_names[0] if lora_names else None),
@@ -362,9 +363,9 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
 
 
 def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
-    """The raw VAE latents ReferenceLatent (FLUX.1 Kontext) or TextEncodeQwenImageEdit appended to a CONDITIONING
-    checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the family's
-    default, as ComfyUI's model has it)."""
+    """The raw VAE latents ReferenceLatent (FLUX.1 Kontext, FLUX.2) or TextEncodeQwenImageEdit appended to a
+    CONDITIONING checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the
+    family's default, as ComfyUI's model has it)."""
     extras = conditioning[0][1]
     refs = extras.get("reference_latents")
     if refs is not None and not isinstance(refs, (list, tuple)):
@@ -411,7 +412,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                          "VAEEncode to it")
     if latent.get("noise_mask") is not None:
         raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
-    samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"])   # as KSampler does
+    samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"],   # as KSampler does
+                               latent.get("downscale_ratio_spacial"))
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"))

@@ -152,6 +152,9 @@ def sampling_model(settings: core.EngineSettings):
 
     info = core.inspect_model(settings.model_path)
     class_name, unet = info.spec.comfy_model(info.config)
+    if not hasattr(models, class_name):   # a family newer than this ComfyUI (e.g. FLUX.2 before 0.3.72)
+        raise ValueError(f"{settings.model_path} holds a {info.variant} transformer, and this ComfyUI has no "
+                         f"{class_name} model (comfy.supported_models): update ComfyUI to sample it")
     config = getattr(models, class_name)(dict(unet, disable_unet_model_creation=True))
     model = config.get_model({})
     model.diffusion_model = _NoWeights()
@@ -226,7 +229,9 @@ def _comfy_driven(settings, seed, steps, cfg, sampler_name, scheduler, positive,
                          sampling_function=comfy.samplers.sampling_function, before_job=lambda: _make_room(settings))
     sigmas = comfy.samplers.KSampler(patcher, steps=steps, device="cpu", sampler=sampler_name, scheduler=scheduler,
                                      denoise=denoise).sigmas   # ComfyUI's own schedule, denoise and discarded sigma
-    samples = comfy.sample.fix_empty_latent_channels(patcher, latent_image["samples"])   # as KSampler does
+    ratio = latent_image.get("downscale_ratio_spacial")   # set by ComfyUI versions whose function takes it
+    samples = comfy.sample.fix_empty_latent_channels(patcher, latent_image["samples"],   # as KSampler does
+                                                     *(() if ratio is None else (ratio,)))
     noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
     progress = comfy.utils.ProgressBar(len(sigmas) - 1)
     out = guider.sample(noise, samples, comfy.samplers.sampler_object(sampler_name), sigmas,

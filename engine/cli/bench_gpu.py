@@ -1,8 +1,9 @@
-"""`python -m engine bench gpu`: FLUX.1-dev and SD3-medium sized transformers with random weights on one CUDA rank,
-through the engine (client -> bridge -> rank -> bridge), per attention kernel, eager vs compiled, with and without the
-step cache, fp8 weights and fp8 products. Each figure is a whole generate job after its warm-up job: the noise, every
-sampler step (transformer forward(s) and the Euler update), progress and cancel checks, and the latent returned to the
-client; not the model build, text encoders or VAE."""
+"""`python -m engine bench gpu`: full-size transformers (FLUX.1-dev and SD3-medium; Qwen-Image, FLUX.2 [dev] and
+[klein] when asked) with random weights on one CUDA rank, through the engine (client -> bridge -> rank -> bridge), per
+attention kernel, eager vs compiled, with and without the step cache, fp8 weights and fp8 products, beside the
+planner's estimate for the same job on the same GPU. Each figure is a whole generate job after its warm-up job: the
+noise, every sampler step (transformer forward(s) and the Euler update), progress and cancel checks, and the latent
+returned to the client; not the model build, text encoders or VAE."""
 from __future__ import annotations
 
 import statistics
@@ -19,8 +20,14 @@ MODELS = {  # name: (synthetic source, steps, cfg, text tokens)
     "flux-dev": ("synthetic:flux-dev", 28, 1.0, 512),
     "sd3-medium": ("synthetic:sd3-medium", 20, 4.5, 333),
     "qwen-image": ("synthetic:qwen-image", 20, 2.5, 256),   # the stock template: 20 steps, cfg 2.5
+    # ComfyUI's FLUX.2 templates: [dev] 20 steps at cfg 1 (FluxGuidance), distilled [klein] 4 steps at cfg 1; the
+    # text is padded to 512 tokens either way
+    "flux2-dev": ("synthetic:flux2-dev", 20, 1.0, 512),
+    "flux2-klein-4b": ("synthetic:flux2-klein-4b", 4, 1.0, 512),
+    "flux2-klein-9b": ("synthetic:flux2-klein-9b", 4, 1.0, 512),
 }
-DEFAULT_MODELS = "flux-dev,sd3-medium"   # qwen-image (41 GiB of bf16 weights) when asked
+# qwen-image (41 GiB of bf16 weights) and FLUX.2 (dev: 60 GiB; use the fp8 rows where bf16 does not fit) when asked
+DEFAULT_MODELS = "flux-dev,sd3-medium"
 ROWS = {  # name: request options (cache: the step cache at --cache-threshold)
     "eager": {},
     "eager-flash": {"attention": "flash"},
@@ -36,8 +43,9 @@ ROWS = {  # name: request options (cache: the step cache at --cache-threshold)
 
 
 def register(bench, emit) -> None:
-    g = bench.add_parser("gpu", help="full-size FLUX.1-dev / SD3-medium on one GPU: kernels, compile, cache, fp8",
-                         description=__doc__.split("\n", 1)[1].replace("\n", " "))
+    g = bench.add_parser("gpu", help="full-size transformers on one GPU: kernels, compile, cache, fp8, the planner's "
+                                     "estimate beside",
+                         description=__doc__.split(": ", 1)[1].replace("\n", " "))
     g.add_argument("--gpus", type=types.gpu_list, default=None, help="the CUDA GPU index to run on (default: 0)")
     g.add_argument("--models", type=types.name_list(list(MODELS)), default=DEFAULT_MODELS,
                    help="comma-separated: " + ", ".join(MODELS))
@@ -66,7 +74,18 @@ def _request(model: str, size: int, options: dict):
     source, steps, cfg, tokens = MODELS[model]
     request = GenerateRequest.random_conditioning(source, size, size, text_tokens=tokens, seed=0, steps=steps, cfg=cfg,
                                                   dtype="bf16", **options)
-    return request.validate(ranks=1).to_job()
+    return request.validate(ranks=1)
+
+
+def _planned_s(request, gpus) -> float:
+    """The cost model's seconds per image for this job on one rank of the GPU it runs on (as detected)."""
+    from ..models.load import inspect_model
+    from ..parallel import cost
+    from ..parallel.devices import detect_hardware
+    from ..parallel.plan import ParallelPlan
+
+    return cost.estimate(ParallelPlan(), request.workload(inspect_model(request.model)),
+                         detect_hardware(tuple(gpus))).s_per_image
 
 
 def _options(row: str, threshold: float | None) -> dict:
@@ -86,7 +105,7 @@ def bench_gpu(gpus, models, rows, size, repeats, threshold) -> list[dict]:
             source, steps, cfg, _ = MODELS[model]
             print(f"\n{model} ({source}), {steps} steps, cfg {cfg}", flush=True)
             # the agreed first-block change of each call, from one job whose threshold no change falls below
-            probe = engine.submit("generate", *_request(model, size, {"cache_threshold": PROBE_THRESHOLD}))
+            probe = engine.submit("generate", *_request(model, size, {"cache_threshold": PROBE_THRESHOLD}).to_job())
             changes = [c for c in probe.ranks[0]["step_cache"]["changes"] if c is not None]
             model_threshold = threshold if threshold is not None else round(statistics.median(changes), 4)
             print(f"first-block change per call: min {min(changes):.3f}, median {statistics.median(changes):.3f}, "
@@ -96,7 +115,8 @@ def bench_gpu(gpus, models, rows, size, repeats, threshold) -> list[dict]:
                 options = _options(row, model_threshold)
                 print(f"measuring {model} {row} ...", flush=True)
                 try:
-                    spec, inputs = _request(model, size, options)
+                    request = _request(model, size, options)
+                    spec, inputs = request.to_job()
                     warm = engine.submit("generate", spec, inputs)
                     runs = [engine.submit("generate", spec, inputs) for _ in range(repeats)]
                 except Exception as e:  # a kernel this GPU or torch lacks: report the row, keep measuring
@@ -111,7 +131,8 @@ def bench_gpu(gpus, models, rows, size, repeats, threshold) -> list[dict]:
                 rank = runs[-1].ranks[0]
                 cache = rank.get("step_cache") or {}
                 result = {"model": model, "row": row, "gpu": name, "size": size, "steps": steps, "cfg": cfg,
-                          "options": options, "job_s": total, "compute_s": compute, "ms_per_step": total / steps * 1e3,
+                          "options": options, "job_s": total, "planned_s": _planned_s(request, gpus),
+                          "compute_s": compute, "ms_per_step": total / steps * 1e3,
                           "warmup_job_s": warm.timings["total_s"], "peak_gib": rank["memory"].get("peak_gib"),
                           "skipped_calls": cache.get("skipped_calls"), "model_calls": cache.get("model_calls"),
                           "rel_l2_vs_eager": (((samples - reference).norm() / reference.norm()).item()
@@ -119,8 +140,9 @@ def bench_gpu(gpus, models, rows, size, repeats, threshold) -> list[dict]:
                           "graphs_reused": (warm.ranks[0].get("compiled_graphs") == rank.get("compiled_graphs")
                                             if options.get("compile") else None)}
                 results.append(result)
-                print(f"  {row}: {total:.3f} s per image, {result['ms_per_step']:.1f} ms per step, peak "
-                      f"{_gib(result['peak_gib'])} GiB, warm-up job {result['warmup_job_s']:.1f} s", flush=True)
+                print(f"  {row}: {total:.3f} s per image (planner: {result['planned_s']:.3f}), "
+                      f"{result['ms_per_step']:.1f} ms per step, peak {_gib(result['peak_gib'])} GiB, warm-up job "
+                      f"{result['warmup_job_s']:.1f} s", flush=True)
     _table(results)
     return results
 
@@ -130,21 +152,22 @@ def _gib(value: float | None) -> str:
 
 
 def _table(results: list[dict]) -> None:
-    header = ("model", "configuration", "s / image", "ms / step", "vs eager", "peak GiB", "skipped", "rel. L2 vs eager",
-              "warm-up job")
+    header = ("model", "configuration", "s / image", "planner s / image", "ms / step", "vs eager", "peak GiB",
+              "skipped", "rel. L2 vs eager", "warm-up job")
     rows = []
     eager = {r["model"]: r["job_s"] for r in results if r["row"] == "eager" and "error" not in r}
     for r in results:
         if "error" in r:
-            rows.append((r["model"], r["row"], "failed", "", "", "", "", r["error"][:60], ""))
+            rows.append((r["model"], r["row"], "failed", "", "", "", "", "", r["error"][:60], ""))
             continue
         base = eager.get(r["model"])
         skipped = f"{r['skipped_calls']}/{r['model_calls']}" if r["model_calls"] else "-"
         rel = f"{r['rel_l2_vs_eager']:.3g}" if r["rel_l2_vs_eager"] is not None else "-"
-        rows.append((r["model"], r["row"], f"{r['job_s']:.3f}", f"{r['ms_per_step']:.1f}",
+        rows.append((r["model"], r["row"], f"{r['job_s']:.3f}", f"{r['planned_s']:.3f}", f"{r['ms_per_step']:.1f}",
                      f"{base / r['job_s']:.2f}x" if base else "-", _gib(r["peak_gib"]), skipped, rel,
                      f"{r['warmup_job_s']:.1f} s"))
     print("\n" + markdown(header, rows))
     print("\nEach figure: a whole generate job (noise, every sampler step, the latent back through the bridge), "
           "median after a warm-up job; not the model build, text encoders or VAE. Random weights: the step cache's "
-          "skip rate and the differences say nothing about image quality on trained weights.")
+          "skip rate and the differences say nothing about image quality on trained weights. The planner's figure: "
+          "its cost model for the same job on one GPU of this kind (python -m engine plan), not a measurement.")

@@ -88,7 +88,8 @@ def bench_memory(models: list[str], stages: list[int], gpus: list[int] | None = 
     print("split compute: the default (on GPUs a job moves to the most balanced split that fits when this one does "
           "not); FLUX's double blocks cost what a single block costs per token but hold twice the weights. split "
           "weights: --stage-blocks balanced by the blocks' weights. The first stage also holds the image and text "
-          "embedders (and SD3's position table), every stage the timestep embedder.")
+          "embedders (and SD3's position table), every stage the timestep embedder (FLUX.2: and the three "
+          "modulations its blocks share).")
     return out
 
 

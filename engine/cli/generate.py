@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from ..families import TITLES
 from ..generate.request import GenerateRequest, default_dtype, empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
@@ -27,13 +28,15 @@ DEGREES = ("dp", "pipefusion", "ulysses", "ring")  # integer degree flags; --cfg
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="sample a LATENT with a model file, as ComfyUI's KSampler does",
-                       description="Sample a ComfyUI LATENT (the model family's: [B,16,H/8,W/8], or [B,16,1,H/8,W/8] "
-                                   "for Qwen-Image) on a group of rank processes. Every input is checked before any "
-                                   "rank starts.")
+                       description="Sample a ComfyUI LATENT (the model family's: [B,16,H/8,W/8]; [B,16,1,H/8,W/8] "
+                                   "for Qwen-Image; [B,128,H/16,W/16] for FLUX.2) on a group of rank processes. Every "
+                                   "input is checked before any rank starts.")
     p.add_argument("--model", required=True, type=types.model_source,
-                   help="FLUX.1/SD3 checkpoint file, diffusers folder, or synthetic:<variant>[:tiny]")
+                   help=f"checkpoint file ({TITLES}), diffusers folder, or synthetic:<variant>[:tiny]")
     p.add_argument("--cond", required=True, type=types.existing_file,
-                   help="safetensors with cond and pooled (and neg_cond, neg_pooled for cfg != 1)")
+                   help="safetensors with cond and pooled (a family without a pooled output: cond only), neg_cond "
+                        "and neg_pooled for cfg != 1, and reference latents ref_0, ref_1, ... (neg_ref_0, ...) as "
+                        "ReferenceLatent appends them")
     p.add_argument("--out", required=True, type=types.output_file(".safetensors", "a LATENT"),
                    help="output LATENT safetensors ('samples'): a new name or a regular file, which is replaced")
     p.add_argument("--seed", type=types.seed, default=0, help="noise seed, 0 .. 2**64-1")
@@ -51,7 +54,8 @@ def register(sub) -> None:
                    help="denoise strength; < 1 needs --latent (img2img)")
     p.add_argument("--latent", type=types.existing_file, help="input LATENT safetensors ('samples') to denoise from")
     p.add_argument("--guidance", type=types.request_field("guidance", types.finite_float), default=3.5,
-                   help="FLUX guidance (FluxGuidance); SD3 ignores it")
+                   help="FluxGuidance's value (FLUX.1 dev, FLUX.2 [dev]); a model without a guidance embedding "
+                        "(SD3, FLUX.2 [klein], Qwen-Image) ignores it")
     p.add_argument("--dtype", choices=list(COMPUTE_DTYPES),
                    help="compute dtype (default: bf16 with --gpus, fp32 on CPU ranks)")
     where = p.add_mutually_exclusive_group()
@@ -102,7 +106,7 @@ def register(sub) -> None:
                           help="how the cond file's reference latents are placed (default: the family's; "
                                "FluxKontextMultiReferenceLatentMethod's choices)")
     p.add_argument("--lora", type=types.lora, action="append", default=[], metavar="PATH[:STRENGTH]",
-                   help="apply a LoRA (kohya, BFL/ComfyUI or diffusers format); repeat to chain")
+                   help="apply a LoRA (kohya, ComfyUI/ai-toolkit or diffusers format); repeat to chain")
     p.set_defaults(run=run, parser=p)
 
 
@@ -144,7 +148,8 @@ def _latent(a, info) -> torch.Tensor:
         raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor (it has {_some(names)}): give a "
                          f"ComfyUI LATENT file")
     if samples.ndim == 4:  # other shapes: request.validate names what the model takes
-        size = (samples.shape[3] * 8, samples.shape[2] * 8)
+        d = info.spec.latent.downscale   # image pixels per latent pixel: 8, or 16 for FLUX.2
+        size = (samples.shape[3] * d, samples.shape[2] * d)
         if (a.width or size[0], a.height or size[1]) != size:
             raise UsageError(f"argument --latent: {a.latent} is {size[0]}x{size[1]} px but --width/--height say "
                              f"{a.width or size[0]}x{a.height or size[1]}: leave them out or match the latent")

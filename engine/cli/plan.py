@@ -11,6 +11,7 @@ from ..families import VARIANTS
 from ..generate.inputs import check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
+from ..models.quantized import BLOCKS
 from ..parallel import cost, published
 from ..parallel.devices import GPUS, LINKS, find_gpu, stated_hardware
 from ..parallel.plan import AUTO, FASTEST, GiB, ParallelPlan, Workload, candidates, feasible, plan_problems
@@ -62,6 +63,9 @@ def register(sub) -> None:
     p.add_argument("--batch", type=types.positive_int, default=1, help="images per job")
     p.add_argument("--dtype", default="bf16", choices=list(COMPUTE_DTYPES), help="compute dtype")
     p.add_argument("--fp8", action="store_true", help="fp8 weights (ComfyUI's fp8_e4m3fn weight dtype)")
+    p.add_argument("--quant", choices=list(BLOCKS),
+                   help="price the weights as a GGUF file of this block type holds them (e.g. Q4_K: 144 bytes per 256 "
+                        "weights); a GGUF or fp8 checkpoint given as --model is priced as it is stored")
     p.add_argument("--gpu-name", type=gpu_name, help=f"one of {', '.join(GPUS)} (default: an H100 of the kind the "
                                                      f"interconnect has: H100 PCIe over PCIe, else H100 SXM)")
     p.add_argument("--gpu-memory-gb", type=types.positive_float, help="GiB per GPU (default: the GPU's)")
@@ -82,7 +86,7 @@ def register(sub) -> None:
 
 def _header(info, work: Workload, hw, a) -> list[str]:
     tflops, source = cost.throughput_tflops(hw, work)
-    weights = "fp8" if work.fp8_weights else work.dtype
+    weights = f"GGUF {a.quant}" if a.quant else "fp8" if a.fp8 else info.format if info.stored_fp8 else work.dtype
     cfg = f"cfg {a.cfg:g}" + ("" if work.negative_pass else " (no negative pass)")
     link = hw.link
     lines = [f"model     {describe.summary(info)}",
@@ -145,7 +149,8 @@ def run(a) -> int:
         raise UsageError(f"argument --width/--height: {e}") from None
     work = Workload.from_info(info, latent_h, latent_w, batch=a.batch, negative_pass=a.cfg != 1.0,
                               text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8,
-                              compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps)
+                              compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps,
+                              bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None)
     hw = stated_hardware(a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect,
                          a.gpu_memory_gb)
     one = cost.estimate(ParallelPlan(), work, hw)

@@ -89,6 +89,8 @@ class Family:
     #                                                         first (() = the family takes none)
     max_latent_side: Callable[[dict], int | None] = lambda config: None   # latent pixels a side (position grid)
     pads_to_patches: bool = False                           # ComfyUI pads a latent to whole patches (else refused)
+    pad_text_to: int = 0                                    # ComfyUI's model prepends zero tokens to a shorter text
+    #                                                         up to this count (0: the text as the encoder gave it)
 
     # ---- parallel methods and the planner
     tokens: TokenTable | None = None
@@ -118,6 +120,13 @@ class Family:
 
 
 # ---- key maps from single-file layouts ---------------------------------------------------------------------------
+def pad_text(cond: torch.Tensor, tokens: int) -> torch.Tensor:
+    """cond [B, N, width] with zero tokens prepended up to `tokens` (never truncated), as a family's pad_text_to
+    asks."""
+    n = cond.shape[1]
+    return torch.nn.functional.pad(cond, (0, 0, tokens - n, 0)) if n < tokens else cond
+
+
 def linear(m: list, dst: str, src: str, op: Op = None, bias: bool = True) -> None:
     """A Linear's weight (and bias) from `src` to `dst`."""
     m.append((f"{dst}.weight", f"{src}.weight", op))

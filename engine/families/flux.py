@@ -328,7 +328,8 @@ def _model_class():
 
 FAMILY = Family(
     name="flux", title="FLUX.1", variants=("flux-dev", "flux-schnell"),
-    markers=(Marker("double_blocks.0.img_attn.qkv.weight", "bfl"),
+    markers=(Marker("double_blocks.0.img_attn.qkv.weight", "bfl",
+                    absent=("double_stream_modulation_img.lin.weight",)),   # FLUX.2's BFL files have it too
              Marker("single_transformer_blocks.0.attn.to_q.weight", "diffusers")),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("flux",),
     layers=lambda config: config["num_layers"] + config["num_single_layers"],

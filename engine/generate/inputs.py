@@ -48,16 +48,22 @@ def _px(info: CheckpointInfo, latent_h: int, latent_w: int) -> str:
     return f"{latent_w * d}x{latent_h * d} px"
 
 
-def fix_empty_latent(info: CheckpointInfo, samples):
+def fix_empty_latent(info: CheckpointInfo, samples, downscale_ratio: int | None = None):
     """A LATENT's samples as ComfyUI's KSampler hands them to this family's model (comfy.sample.fix_empty_latent_channels):
-    an all-zero latent of another channel count (EmptyLatentImage's 4) widened to the family's channels, and an image
-    latent [B, C, H, W] made one frame [B, C, 1, H, W] for a video latent format. Anything else is left for
-    check_latent to judge."""
+    an all-zero latent of another channel count (EmptyLatentImage's 4) widened to the family's channels, and resized
+    to the family's pixels per latent pixel when the LATENT says it was made for another (`downscale_ratio_spacial`,
+    which EmptyLatentImage / EmptySD3LatentImage set to 8: a FLUX.2 latent is 1/16); an image latent [B, C, H, W]
+    made one frame [B, C, 1, H, W] for a video latent format. Anything else is left for check_latent to judge."""
     if not isinstance(samples, torch.Tensor) or samples.ndim not in (4, 5):
         return samples
     fmt = info.spec.latent
-    if samples.shape[1] != fmt.channels and not torch.count_nonzero(samples):   # zeros tiled to the channels: zeros
-        samples = samples.new_zeros(samples.shape[0], fmt.channels, *samples.shape[2:])
+    if not torch.count_nonzero(samples):   # zeros tiled to the channels and resized (nearest-exact): zeros
+        shape = list(samples.shape)
+        shape[1] = fmt.channels
+        if downscale_ratio and downscale_ratio != fmt.downscale:
+            shape[-2:] = [round(n * downscale_ratio / fmt.downscale) for n in shape[-2:]]
+        if shape != list(samples.shape):
+            samples = samples.new_zeros(shape)
     if fmt.spatial_dims == 3 and samples.ndim == 4:
         samples = samples.unsqueeze(2)
     return samples

@@ -143,7 +143,8 @@ class GenerateRequest:
         """What the planner and the cost model know of this job."""
         lat = self.latent_raw
         return Workload.from_info(info, lat.shape[-2], lat.shape[-1], batch=lat.shape[0],
-                                  negative_pass=self.negative_pass, text_tokens=self._text_tokens(), dtype=self.dtype,
+                                  negative_pass=self.negative_pass, text_tokens=self._text_tokens(info),
+                                  dtype=self.dtype,
                                   fp8_weights=self.fp8_weights, compiled=self.compile, steps=self.steps,
                                   warmup_steps=self.warmup_steps, patches=self.patches,
                                   pipefusion_conflict=self._pipefusion_conflict())
@@ -187,10 +188,11 @@ class GenerateRequest:
         """After an out-of-memory failure under this (resolved) plan: what would need less (admission.py)."""
         return admission.memory_advice(self.plan, self.workload(inspect_model(self.model)), ranks, memory)
 
-    def _text_tokens(self) -> int:
-        """The longest prompt a pass runs (cond; neg_cond too with a negative pass)."""
+    def _text_tokens(self, info) -> int:
+        """The longest prompt a pass runs (cond; neg_cond too with a negative pass), as the model takes it (a family
+        that pads the text counts the padded tokens)."""
         sides = [self.cond] + ([self.neg_cond] if self.negative_pass else [])
-        return max(t.shape[1] for t in sides)
+        return max([t.shape[1] for t in sides] + [info.spec.pad_text_to])
 
     def tensors_to_check(self):
         """(name, tensor) of every input tensor the sampler reads: the negative side only with a negative pass."""

@@ -2,6 +2,7 @@
 config inferred from tensor shapes by the family's module (engine/families; nothing is fetched from a hub)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -25,8 +26,11 @@ class CheckpointInfo:
     parameters: int = 0         # the transformer's parameter count (what the planner's memory model weighs)
     block_parameters: int = 0   # of which in the transformer blocks
     stored_fp8: bool = False    # the file stores matrices in fp8 or GGUF blocks (<= ~1 byte a weight), which stay so
-    format: str = "safetensors"  # "safetensors" | "fp8_scaled" (ComfyUI's per-layer scale_weight) | "gguf"
+    format: str = "safetensors"  # "safetensors" | "fp8_scaled" (ComfyUI's per-layer scale_weight) | "fp8_mixed"
+    #                              (ComfyUI's mixed precision: weight_scale on the layers its metadata lists) | "gguf"
     quantization: str = ""      # GGUF: the transformer's tensor types with counts, e.g. "Q4_K x 120, F32 x 300"
+    quantized_parameters: int = 0   # parameters stored in fp8 or GGUF blocks (held so in memory)
+    quantized_bytes: int = 0        # the bytes they take in the file (and in memory)
 
     @property
     def spec(self) -> Family:
@@ -108,9 +112,8 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
     if arch and arch not in family.gguf_arches:
         raise CheckpointError(f"{path}: its GGUF architecture is {arch!r} but its tensors are a {family.name} "
                               f"transformer ({layout} layout); the file is mislabelled or damaged")
-    # as in ComfyUI, the marker makes a file fp8_scaled: without it, scale tensors are unexpected keys
-    scaled = {k for k in tensors if k.startswith(prefix) and is_scale_key(k[len(prefix):])} \
-        if prefix + "scaled_fp8" in tensors else set()
+    scaled_format = _scaled_format(path, tensors, metadata, prefix)
+    scaled = {k for k in tensors if k.startswith(prefix) and is_scale_key(k[len(prefix):], scaled_format)}
     keys = [k[len(prefix):] for k in tensors if k.startswith(prefix) and k not in scaled]
     shapes = {k[len(prefix):]: v.shape for k, v in tensors.items() if k.startswith(prefix) and k not in scaled}
     what = f"a {family.name} transformer ({layout} layout)"
@@ -138,12 +141,57 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
         counts = {d: dtypes.count(d) for d in sorted(set(dtypes))}
         quantization = ", ".join(f"{d} x {n}" for d, n in counts.items())
         fp8 = any(d not in ("F32", "F16", "BF16") for d in dtypes)
-    fmt = "gguf" if gguf else "fp8_scaled" if scaled else "safetensors"
+    fmt = "gguf" if gguf else scaled_format or "safetensors"
+    quantized = [tensors[prefix + k] for k in keys if tensors[prefix + k].dtype.startswith("F8")
+                 or (gguf and tensors[prefix + k].dtype not in ("F32", "F16", "BF16"))]
     return CheckpointInfo(family.name, variant, layout, prefix, config, keys,
                           ignored=len(tensors) - len(keys) - len(scaled), parameters=parameters,
-                          block_parameters=in_blocks, stored_fp8=fp8, format=fmt, quantization=quantization)
+                          block_parameters=in_blocks, stored_fp8=fp8, format=fmt, quantization=quantization,
+                          quantized_parameters=sum(math.prod(t.shape) for t in quantized),
+                          quantized_bytes=sum(t.end - t.begin for t in quantized))
 
 
-def is_scale_key(key: str) -> bool:
-    """ComfyUI's fp8_scaled tensors: the `scaled_fp8` marker and each layer's scale_weight / scale_input."""
-    return key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input"))
+# ComfyUI's scaled fp8 formats: each layer's tensors besides its weight (the weight's scale first). "fp8_scaled" is the
+# legacy one (a `scaled_fp8` marker tensor; comfy/utils.py convert_old_quants turns it into the other); "fp8_mixed" is
+# its mixed-precision format (comfy/ops.py MixedPrecisionOps: the layers in the header's `_quantization_metadata`,
+# or with a `comfy_quant` tensor, hold an fp8 weight and its weight_scale; the others are plain).
+SCALE_KEYS = {"fp8_scaled": (".scale_weight", ".scale_input"),
+              "fp8_mixed": (".weight_scale", ".input_scale", ".comfy_quant")}
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")   # the mixed-precision layer formats the engine loads
+
+
+def _scaled_format(path: str, tensors: dict, metadata: dict, prefix: str) -> str:
+    """"fp8_scaled", "fp8_mixed" or "" (none: scale tensors are then unexpected keys, as in ComfyUI)."""
+    if prefix + "scaled_fp8" in tensors:
+        return "fp8_scaled"
+    if "_quantization_metadata" not in metadata and not any(k.endswith(".comfy_quant") for k in tensors):
+        return ""
+    if "_quantization_metadata" in metadata:
+        try:
+            layers = json.loads(metadata["_quantization_metadata"])["layers"]
+            formats = {name: conf.get("format") for name, conf in layers.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{path}: its _quantization_metadata is not ComfyUI's {{\"layers\": {{layer: "
+                                  f"{{\"format\": ...}}}}}}: the file is damaged") from None
+        other = {name: f for name, f in formats.items() if f not in FP8_FORMATS}
+        if other:
+            name, f = next(iter(sorted(other.items())))
+            raise CheckpointError(f"{path}: layer {name} is quantized as {f!r}; the engine loads ComfyUI's "
+                                  f"mixed-precision layers in {' or '.join(FP8_FORMATS)}: use an fp8 release")
+    for k, t in tensors.items():   # per-layer comfy_quant tensors: the scale is known only for fp8 weights
+        if k.endswith((".weight_scale", ".weight_scale_2")):
+            weight = tensors.get(k.rsplit(".", 1)[0] + ".weight")
+            if k.endswith("_2") or (weight is not None and not weight.dtype.startswith("F8")):
+                raise CheckpointError(f"{path}: layer {k.rsplit('.', 1)[0]} is quantized in a format other than "
+                                      f"fp8 ({'a second weight scale: nvfp4' if k.endswith('_2') else weight.dtype}); "
+                                      f"the engine loads ComfyUI's mixed-precision layers in "
+                                      f"{' or '.join(FP8_FORMATS)}: use an fp8 release")
+    return "fp8_mixed"
+
+
+def is_scale_key(key: str, scaled_format: str = "fp8_scaled") -> bool:
+    """A scaled fp8 format's tensor besides the weights: fp8_scaled's `scaled_fp8` marker, a layer's scales (and
+    fp8_mixed's per-layer comfy_quant)."""
+    if not scaled_format:
+        return False
+    return key == "scaled_fp8" or key.endswith(SCALE_KEYS[scaled_format])

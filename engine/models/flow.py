@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import families
+from ..families.base import pad_text
 from .load import LoadedTransformer
 
 
@@ -64,7 +65,8 @@ class FlowModel:
 
     def prepare(self, sides: list[Conditioning], batch: int, items: slice = slice(None)) -> Prepared:
         """The sides' conditioning for latent items `items` of a batch of `batch`, stacked side after side."""
-        cond = torch.cat([rows(s.cond, batch, items) for s in sides]).to(self.device, self.dtype)
+        cond = torch.cat([pad_text(rows(s.cond, batch, items), self.family.pad_text_to)
+                          for s in sides]).to(self.device, self.dtype)
         pooled = None
         if sides[0].pooled is not None:
             pooled = torch.cat([rows(s.pooled, batch, items, "pooled") for s in sides]).to(self.device, self.dtype)

@@ -1,7 +1,8 @@
 """Load the transformer of a checkpoint into its family's unmodified diffusers transformer, streaming one
 tensor at a time (no full-file read, no text encoders or VAE, no hub). fp8 weights stay fp8 in memory and
 are cast to the compute dtype per layer call, as ComfyUI does with fp8 files; fp8_scaled layers keep their
-scale_weight and GGUF block-quantized layers their blocks, both dequantized per layer call (models/quantized.py)."""
+scale_weight (ComfyUI's mixed-precision fp8 layers their weight_scale) and GGUF block-quantized layers their blocks,
+all dequantized per layer call (models/quantized.py)."""
 from __future__ import annotations
 
 import glob
@@ -15,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .convert import apply_op, key_map
-from .detect import CheckpointInfo, detect
+from .detect import SCALE_KEYS, CheckpointInfo, detect
 from .gguf_file import GGUFTensors, is_gguf, read_gguf_header
 from .quantized import BLOCKS, CastLinear, GGUFLinear, dequantize
 from .safetensors_file import CheckpointError, TensorInfo, read_header
@@ -131,13 +132,14 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     unexpected = present - sources
     if unexpected:
         raise CheckpointError(f"{path}: {info.variant} ({info.layout} layout) has {len(unexpected)} unexpected keys: "
-                              f"{_few(unexpected)}; merged files and quantized formats other than fp8_scaled and GGUF "
-                              f"(e.g. bitsandbytes NF4) are not supported: use a plain, fp8_scaled or GGUF release")
-    orphans = [k for k in where if info.format == "fp8_scaled" and k.startswith(info.prefix)
-               and k.endswith((".scale_weight", ".scale_input"))
+                              f"{_few(unexpected)}; merged files and quantized formats other than fp8_scaled, fp8 "
+                              f"mixed and GGUF (e.g. bitsandbytes NF4) are not supported: use a plain, fp8_scaled or "
+                              f"GGUF release")
+    orphans = [k for k in where if info.format in SCALE_KEYS and k.startswith(info.prefix)
+               and k.endswith(SCALE_KEYS[info.format])
                and k[len(info.prefix):].rsplit(".", 1)[0] + ".weight" not in present]
     if orphans:
-        raise CheckpointError(f"{path}: {len(orphans)} fp8_scaled scales belong to no weight of the model: "
+        raise CheckpointError(f"{path}: {len(orphans)} {info.format} scales belong to no weight of the model: "
                               f"{_few(orphans)}; the file is damaged or not a transformer the engine runs")
     targets = {dst for dst, _, _ in mapping}
     if targets != set(expected):
@@ -193,14 +195,31 @@ def _open(file: str, where: dict):
 
 
 def _scale_of(path, where, key, info, raw, src, dst, op):
-    """An fp8_scaled layer's scale_weight, as the float32 factor for `dst` (a scalar, or a column per row)."""
+    """A scaled fp8 layer's scale, as the float32 factor for `dst` (a scalar, or a column per row)."""
     s = raw.float()
     if s.numel() == 1:
         return s.reshape(())
     if s.numel() == where[info.prefix + src][1].shape[0]:
         return apply_op(s.reshape(-1), op).reshape(-1, 1)
-    raise CheckpointError(f"{path}: {key} has shape {list(s.shape)}; a scale_weight is one number or one per output "
-                          f"row of {src} ({where[info.prefix + src][1].shape[0]})")
+    raise CheckpointError(f"{path}: {key} has shape {list(s.shape)}; a {key.rsplit('.', 1)[1]} is one number or one "
+                          f"per output row of {src} ({where[info.prefix + src][1].shape[0]})")
+
+
+def _check_layer_format(path, where, scale_key, read) -> None:
+    """ComfyUI's mixed-precision files may name each layer's format in a `comfy_quant` tensor (JSON bytes) instead
+    of the header: an fp8 format is what the engine loads."""
+    quant_key = scale_key[:-len("weight_scale")] + "comfy_quant" if scale_key and scale_key.endswith(
+        ".weight_scale") else None
+    if quant_key not in where:
+        return
+    try:
+        fmt = json.loads(bytes(read(quant_key)[0].to(torch.uint8).tolist())).get("format")
+    except (ValueError, AttributeError):
+        raise CheckpointError(f"{path}: {quant_key} is not ComfyUI's layer JSON; the file is damaged") from None
+    if fmt not in ("float8_e4m3fn", "float8_e5m2"):
+        raise CheckpointError(f"{path}: layer {quant_key[:-len('.comfy_quant')]} is quantized as {fmt!r}; the engine "
+                              f"loads ComfyUI's mixed-precision layers in float8_e4m3fn or float8_e5m2: use an fp8 "
+                              f"release")
 
 
 def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) -> tuple[dict, dict, dict, int]:
@@ -227,8 +246,10 @@ def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) 
     try:
         for src, outs in by_source.items():
             raw, tinfo = read(info.prefix + src)
-            scale_key = info.prefix + src[:-len("weight")] + "scale_weight" if src.endswith(".weight") else None
-            scale = read(scale_key)[0] if info.format == "fp8_scaled" and scale_key in where else None
+            scale_key = (info.prefix + src[:-len("weight")] + SCALE_KEYS[info.format][0][1:]
+                         if src.endswith(".weight") and info.format in SCALE_KEYS else None)
+            scale = read(scale_key)[0] if scale_key in where else None
+            _check_layer_format(path, where, scale_key, read)
             blocks = tinfo.dtype in BLOCKS
             for dst, op in outs:
                 try:
@@ -246,7 +267,7 @@ def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) 
                     else:   # a vector or a conv kernel in blocks (converters keep them float): expanded once
                         state[dst] = dequantize(t.to(device), tinfo.dtype, shape).to(compute)
                     continue
-                if scale is not None:
+                if scale is not None:   # fp8_scaled's scale_weight, fp8_mixed's weight_scale
                     if t.ndim != 2:
                         raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix "
                                               f"(shape {list(t.shape)}); only Linear weights are scaled")

@@ -6,8 +6,9 @@ models (tests check those against diffusers' own single-file converters) and the
 deterministic random weights, at least 4 heads and 4 blocks of each kind, so 4-way plans are testable.
 
 Besides plain safetensors, the same weights as ComfyUI's fp8_scaled files hold them (fp8 matrices, a float32
-scale_weight per layer, the `scaled_fp8` marker) and as ComfyUI-GGUF's .gguf files (arch field, the native keys,
-matrices in one block type, vectors in F32).
+scale_weight per layer, the `scaled_fp8` marker), as its mixed-precision fp8 files do (the blocks' matrices fp8 with a
+weight_scale, the layers listed in `_quantization_metadata`, the rest bf16) and as ComfyUI-GGUF's .gguf files (arch
+field, the native keys, matrices in one block type, vectors in F32).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def variants(kind: str) -> tuple[str, ...]:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3fn": torch.float8_e4m3fn}
-FORMATS = ("safetensors", "fp8_scaled", "gguf")
+FORMATS = ("safetensors", "fp8_scaled", "fp8_mixed", "gguf")
 
 
 def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32") -> dict[str, torch.Tensor]:
@@ -85,6 +86,28 @@ def scaled_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def mixed_fp8(weights: dict[str, torch.Tensor], comfy_quant: bool = False) -> tuple[dict, dict[str, str]]:
+    """fp32 weights as ComfyUI's mixed-precision files hold them (comfy/ops.py MixedPrecisionOps): the blocks'
+    matrices as float8_e4m3fn with a float32 `weight_scale` (largest magnitude / 448), every other tensor in bf16; the
+    quantized layers listed in the header's `_quantization_metadata`, or (comfy_quant) in a per-layer `comfy_quant`
+    tensor of JSON bytes, as files saved by newer ComfyUI carry them. Returns (tensors, header metadata)."""
+    out, layers = {}, {}
+    for name, t in weights.items():
+        if t.ndim == 2 and name.endswith(".weight") and "blocks." in name:
+            layer = name[:-len(".weight")]
+            scale = (t.float().abs().amax() / FP8_MAX).clamp(min=2.0 ** -30)
+            out[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+            out[layer + ".weight_scale"] = scale.reshape(())
+            layers[layer] = {"format": "float8_e4m3fn"}
+            if comfy_quant:
+                out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(layers[layer]).encode()), dtype=torch.uint8)
+        else:
+            out[name] = t.to(torch.bfloat16)
+    metadata = {} if comfy_quant else {"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                                               "layers": layers})}
+    return out, metadata
+
+
 def gguf_type(name: str, shape: tuple, quant: str) -> str:
     """The GGUF type a converter gives each tensor: vectors and tiny tensors F32; matrices in `quant`, or, where a
     row is not a whole number of its blocks, Q8_0 (32-value blocks) as llama.cpp's fallback does, else F16."""
@@ -130,7 +153,7 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
                prefix: bool = False, full: bool = False, format: str = "safetensors", quant: str = "Q8_0") -> str:
     """Write one tiny checkpoint and return its path. `full` adds placeholder text-encoder / VAE tensors
     and the `model.diffusion_model.` prefix, as in a full ComfyUI checkpoint. format: safetensors (in `dtype`),
-    fp8_scaled, or gguf (matrices in `quant`, see gguf_type)."""
+    fp8_scaled, fp8_mixed, or gguf (matrices in `quant`, see gguf_type)."""
     if kind not in families.names():
         raise ValueError(f"kind={kind!r} is invalid: use one of {', '.join(families.names())}")
     family = families.get(kind)
@@ -155,6 +178,9 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
         return path
     if format == "fp8_scaled":
         weights = scaled_fp8(weights)
+    if format == "fp8_mixed":
+        weights, header = mixed_fp8(weights)
+        metadata.update(header)
     if prefix or full:
         weights = {COMFY_PREFIX + k: v for k, v in weights.items()}
     if full:
@@ -162,7 +188,7 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
         for name in family.full_extras:
             weights[name] = torch.randn(8, 8, generator=gen).to(torch.float16)
     suffix = ("-full" if full else "-prefixed" if prefix else "") + ("" if dtype == "fp32" else f"-{dtype}")
-    suffix += "-fp8_scaled" if format == "fp8_scaled" else ""
+    suffix += f"-{format}" if format != "safetensors" else ""
     path = os.path.join(out_dir, f"tiny-{variant}{suffix}.safetensors")
     save_file(weights, path, metadata=metadata)
     return path

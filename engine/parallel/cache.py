@@ -8,8 +8,10 @@ has changed little skip only when the whole picture has.
 
 The blocks themselves are untouched (compiled blocks stay compiled, their weights keep their names): the model's
 block lists are replaced by lists of the same modules whose iteration yields thin call wrappers, and restored by
-`close`. Every FLUX and SD3 block is called as block(hidden_states=, encoder_hidden_states=, ...) and returns
-(encoder_hidden_states, hidden_states); only the final hidden states are used after the last block.
+`close`. A block is called as block(hidden_states=, encoder_hidden_states=, ...) and returns (encoder_hidden_states,
+hidden_states); a block called without an encoder stream (encoder_hidden_states None: FLUX.2's single blocks, which
+get text and image joined) returns the one joined stream, the image tokens at its end. Only the final image tokens
+are used after the last block.
 
 A threshold of 0 never skips, and then every block runs exactly as without the cache (the wrappers only read).
 """
@@ -77,13 +79,16 @@ class StepCache:
     def call(self, block: torch.nn.Module, args, kwargs):
         if block is self.first:
             return self._call_first(block, args, kwargs)
+        joined = kwargs.get("encoder_hidden_states") is None   # one stream in, one out
         if self._skip:  # pass the cached result along unchanged
-            return kwargs["encoder_hidden_states"], kwargs["hidden_states"]
-        encoder, hidden = block(*args, **kwargs)
+            return kwargs["hidden_states"] if joined else (kwargs["encoder_hidden_states"], kwargs["hidden_states"])
+        out = block(*args, **kwargs)
         if block is self.last:
-            self.streams[self.stream_key].rest_residual = hidden - self._first_out
+            hidden = out if joined else out[1]
+            image = hidden[:, hidden.shape[1] - self._first_out.shape[1]:]   # a joined stream ends in the image
+            self.streams[self.stream_key].rest_residual = image - self._first_out
             self._first_out = None
-        return encoder, hidden
+        return out
 
     def _call_first(self, block, args, kwargs):
         stream = self.streams.setdefault(self.stream_key, _Stream())

@@ -104,10 +104,11 @@ class Workload:
     head_dim: int = 128
     text_tokens: int = 512   # FLUX: T5 tokens; SD3: 77 CLIP + T5 tokens
     dual_layers: int = 0     # SD3.5-medium blocks with a second, image-only attention
-    weight_bytes: int = 0    # the transformer's weights as each rank holds them (fp8 matrices: a byte a parameter)
+    weight_bytes: int = 0    # the transformer's weights as each rank holds them (fp8 matrices: a byte a parameter,
+    #                          GGUF blocks: their bytes a parameter)
     block_weight_bytes: int = 0   # of which in the transformer blocks (what PipeFusion stages would divide)
     dtype: str = "bf16"      # compute dtype (activations)
-    fp8_weights: bool = False     # weight_bytes counts fp8 matrices (the file's, or the fp8 weight option)
+    fp8_weights: bool = False     # weight_bytes counts quantized matrices (an fp8 or GGUF file's, the fp8 option)
     compiled: bool = False   # torch.compile: the planner uses the GPU's compiled calibration when it has one
     # model facts the cost model needs (from_info fills them from the model's family)
     text_splits: bool = False     # the text tokens split with the image tokens under sequence parallel (else joint)
@@ -128,17 +129,22 @@ class Workload:
     @classmethod
     def from_info(cls, info, latent_h: int, latent_w: int, *, batch: int, negative_pass: bool, text_tokens: int,
                   dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
-                  warmup_steps: int = 1, patches: int | None = None, pipefusion_conflict: str = "") -> "Workload":
-        """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w."""
+                  warmup_steps: int = 1, patches: int | None = None, pipefusion_conflict: str = "",
+                  bytes_per_weight: float | None = None) -> "Workload":
+        """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w.
+        bytes_per_weight: the weights are held quantized at this many bytes each (e.g. a GGUF block type's, for a
+        known variant priced as such a file); None: as the file holds them."""
         patch, family = info.latent_patch, info.spec
-        fp8 = fp8_weights or info.stored_fp8   # an fp8 file's matrices stay fp8 (models/load.py)
-        per_parameter = 1 if fp8 else DTYPE_BYTES[dtype]
+        fp8 = fp8_weights or info.stored_fp8 or bytes_per_weight is not None   # fp8/GGUF matrices stay so (load.py)
+        if bytes_per_weight is None and info.quantized_parameters and not fp8_weights:
+            bytes_per_weight = info.quantized_bytes / info.quantized_parameters   # the file's: 1 for fp8, ~0.56 Q4_K
+        per_parameter = bytes_per_weight if bytes_per_weight is not None else 1 if fp8 else DTYPE_BYTES[dtype]
         return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
                    image_tokens=(latent_h // patch) * (latent_w // patch), negative_pass=negative_pass,
                    head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
-                   weight_bytes=info.parameters * per_parameter,
-                   block_weight_bytes=info.block_parameters * per_parameter,
+                   weight_bytes=round(info.parameters * per_parameter),
+                   block_weight_bytes=round(info.block_parameters * per_parameter),
                    dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=latent_h // patch, steps=steps,
                    warmup_steps=warmup_steps, patches=patches, pipefusion_conflict=pipefusion_conflict,
                    text_splits=family.text_splits, linear_width=family.linear_width,
@@ -148,14 +154,15 @@ class Workload:
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
                     negative_pass: bool = False, text_tokens: int | None = None, dtype: str = "bf16",
                     fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
-                    warmup_steps: int = 1) -> "Workload":
+                    warmup_steps: int = 1, bytes_per_weight: float | None = None) -> "Workload":
         """A known variant at full size (its family's dims) and width x height pixels; text tokens default to what
         ComfyUI's encoders give (the family's usual count, e.g. 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3)."""
         info = synthetic_info(f"synthetic:{variant}")
         down = info.spec.latent.downscale
         return cls.from_info(info, height // down, width // down, batch=batch, negative_pass=negative_pass,
                              text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights,
-                             compiled=compiled, steps=steps, warmup_steps=warmup_steps)
+                             compiled=compiled, steps=steps, warmup_steps=warmup_steps,
+                             bytes_per_weight=bytes_per_weight)
 
 
 

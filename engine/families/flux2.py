@@ -1,0 +1,451 @@
+"""FLUX.2 [dev] (32 B) and [klein] (4 B, 9 B; base and distilled have one structure): everything the engine knows of
+this family.
+
+ComfyUI's conventions, read from ComfyUI's source at the commit that added FLUX.2 (6b573ae0, "Flux 2", v0.3.72) and at
+v0.12.1 (fe251146), the same in both unless said:
+- comfy/model_detection.py: a Flux file with `double_stream_modulation_img.lin.weight` is FLUX.2: RoPE axes
+  (32, 32, 32, 32), theta 2000, mlp ratio 3 (SwiGLU), no biases, txt_ids_dims [3], patch size 1, default reference
+  method "index" with ref_index_scale 10; width, text width and block counts from the tensors; a guidance embedding
+  when `guidance_in.in_layer.weight` is there ([dev]; [klein] has none). One class covers dev and klein.
+- comfy/supported_models.py Flux2: sampling_settings shift 2.02, model type FLUX (ModelSamplingFlux: sigma(t) =
+  e^2.02 / (e^2.02 + 1/t - 1), timestep = sigma); latent format Flux2.
+- comfy/latent_formats.py Flux2: 128 channels at 1/16 of the image (the VAE's 32 channels packed 2x2, channels
+  (c, ph, pw)); process_in and process_out are the identity (the VAE normalises).
+- comfy_extras/nodes_flux.py EmptyFlux2LatentImage: zeros [B, 128, H/16, W/16]. Flux2Scheduler (steps, width,
+  height): sigmas with a mu that depends on the image's tokens and the steps (compute_empirical_mu); the plain
+  KSampler path uses the fixed shift instead.
+- comfy/model_base.py Flux2.extra_conds: the text is padded to 512 tokens by prepending zeros (never truncated);
+  Flux.extra_conds gives guidance (FluxGuidance, default 3.5; ignored by a model without a guidance embedding) and
+  the reference latents (ReferenceLatent, process_in: identity); the text encoder's attention mask is not used.
+- comfy/ldm/flux/model.py: the latent becomes tokens one latent pixel each (patch 1: 128 features); image ids
+  (index, row, col, 0), not centred; text ids (0, 0, 0, l) for l = 0..L-1 over the padded text; the sequence is
+  [text, image, references]; reference k (1, 2, ...) gets index 10 k at the origin ("index"), or ComfyUI's "offset"
+  / "uxo" placements with offsets in latent pixels; only the image tokens' output is kept. The model embeds
+  sigma * 1000 and guidance * 1000 in float32 and casts the embedding to the model's dtype.
+- comfy/text_encoders/flux.py: [dev]'s Mistral-3 24B gives [B, L, 15360] (three layers' hidden states), [klein]'s
+  Qwen3 4B / 8B [B, max(512, L), 7680 / 12288]; no pooled output.
+The unmodified diffusers Flux2Transformer2DModel computes all of this given the ids; its timestep embedding gets the
+float32 values through hooks.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError
+from ..parallel.pipefusion.stage import StageModel
+from ..sampling.latent_formats import LatentFormat
+from ..sampling.schedules import FlowSampling
+from .base import Family, Marker, StageParams, TokenTable, count, fused, linear, linear_shapes, pre_hook, tile_offsets
+
+REFERENCE_METHODS = ("index", "offset", "uxo")   # "index" unless FluxKontextMultiReferenceLatentMethod says else
+REF_INDEX_SCALE = 10                              # model_detection: ref_index_scale for FLUX.2
+THETA = 2000
+TEXT_TOKENS = 512                                 # model_base.Flux2: the text padded to at least this
+SHIFT = 2.02                                      # supported_models.Flux2: sampling_settings
+HEAD_DIM_AXES = {128: (32, 32, 32, 32)}
+
+
+# ---- dimensions and the BFL single-file layout -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flux2Dims:
+    hidden: int = 6144
+    heads: int = 48
+    depth: int = 8             # double-stream blocks
+    depth_single: int = 48     # single-stream blocks
+    mlp_ratio: float = 3.0     # SwiGLU: the input projection is twice this wide
+    in_channels: int = 128     # 32 VAE channels x 2x2, packed by the VAE
+    context_in: int = 15360    # 3 hidden-state layers of the text encoder
+    guidance_embed: bool = True
+    axes_dim: tuple = (32, 32, 32, 32)
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden * self.mlp_ratio)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+_TINY = dict(hidden=128, heads=4, depth=4, depth_single=4, axes_dim=(8, 8, 8, 8))
+DIMS = {
+    # BFL's Flux2Params; diffusers' scripts/convert_flux2_to_diffusers.py for klein
+    "full": {"flux2-dev": Flux2Dims(),
+             "flux2-klein-4b": Flux2Dims(hidden=3072, heads=24, depth=5, depth_single=20, context_in=7680,
+                                         guidance_embed=False),
+             "flux2-klein-9b": Flux2Dims(hidden=4096, heads=32, depth=8, depth_single=24, context_in=12288,
+                                         guidance_embed=False)},
+    # text widths stand for 3 x a tiny encoder's width, so each variant's conditioning differs in shape
+    "tiny": {"flux2-dev": Flux2Dims(**_TINY, context_in=96),
+             "flux2-klein-4b": Flux2Dims(**_TINY, context_in=48, guidance_embed=False),
+             "flux2-klein-9b": Flux2Dims(**_TINY, context_in=72, guidance_embed=False)},
+    "small": {"flux2-dev": Flux2Dims(hidden=512, heads=4, depth=4, depth_single=8, context_in=1536)},
+}
+
+
+def bfl_shapes(d: Flux2Dims) -> dict[str, tuple]:
+    """Every tensor of a FLUX.2 transformer in the BFL layout (flux2-dev.safetensors, ComfyUI's repackaged files),
+    with its shape. No biases anywhere."""
+    h, m, s = d.hidden, d.mlp_hidden, {}
+    linear_shapes(s, "img_in", h, d.in_channels, bias=False)
+    linear_shapes(s, "txt_in", h, d.context_in, bias=False)
+    linear_shapes(s, "time_in.in_layer", h, 256, bias=False)
+    linear_shapes(s, "time_in.out_layer", h, h, bias=False)
+    if d.guidance_embed:
+        linear_shapes(s, "guidance_in.in_layer", h, 256, bias=False)
+        linear_shapes(s, "guidance_in.out_layer", h, h, bias=False)
+    linear_shapes(s, "double_stream_modulation_img.lin", 6 * h, h, bias=False)
+    linear_shapes(s, "double_stream_modulation_txt.lin", 6 * h, h, bias=False)
+    linear_shapes(s, "single_stream_modulation.lin", 3 * h, h, bias=False)
+    for i in range(d.depth):
+        for stream in ("img", "txt"):
+            p = f"double_blocks.{i}.{stream}"
+            linear_shapes(s, f"{p}_attn.qkv", 3 * h, h, bias=False)
+            s[f"{p}_attn.norm.query_norm.scale"] = (d.head_dim,)
+            s[f"{p}_attn.norm.key_norm.scale"] = (d.head_dim,)
+            linear_shapes(s, f"{p}_attn.proj", h, h, bias=False)
+            linear_shapes(s, f"{p}_mlp.0", 2 * m, h, bias=False)
+            linear_shapes(s, f"{p}_mlp.2", h, m, bias=False)
+    for i in range(d.depth_single):
+        p = f"single_blocks.{i}"
+        linear_shapes(s, f"{p}.linear1", 3 * h + 2 * m, h, bias=False)
+        linear_shapes(s, f"{p}.linear2", h, h + m, bias=False)
+        s[f"{p}.norm.query_norm.scale"] = (d.head_dim,)
+        s[f"{p}.norm.key_norm.scale"] = (d.head_dim,)
+    linear_shapes(s, "final_layer.adaLN_modulation.1", 2 * h, h, bias=False)
+    linear_shapes(s, "final_layer.linear", d.in_channels, h, bias=False)
+    return s
+
+
+# ---- detection: the diffusers config from the tensors' shapes --------------------------------------------------------
+def _rope_axes(head_dim: int, metadata: dict) -> tuple:
+    stated = metadata.get("stated", {}).get("axes_dims_rope")
+    if stated and sum(stated) == head_dim:
+        return tuple(stated)
+    if head_dim in HEAD_DIM_AXES:
+        return HEAD_DIM_AXES[head_dim]
+    synthetic = metadata.get("xdit.synthetic")
+    if synthetic:  # our tiny test models carry their RoPE split; real FLUX.2 always has 128-wide heads
+        return tuple(json.loads(synthetic)["dims"]["axes_dim"])
+    raise CheckpointError(f"FLUX.2 transformer with {head_dim}-wide heads: its RoPE axes cannot be inferred "
+                          f"(FLUX.2 has 128-wide heads)")
+
+
+def _variant(hidden: int, guidance: bool, metadata: dict) -> str:
+    """[dev] has the guidance embedding; [klein] 4B and 9B differ in width (3072, 4096). Base and distilled files
+    have one structure (ComfyUI does not tell them apart either): the workflow's cfg and steps do."""
+    synthetic = metadata.get("xdit.synthetic")
+    stated = json.loads(synthetic).get("variant", "") if synthetic else ""
+    if stated in DIMS["full"] and DIMS["full"][stated].guidance_embed == guidance:
+        return stated
+    if guidance:
+        return "flux2-dev"
+    return "flux2-klein-9b" if hidden >= 4096 else "flux2-klein-4b"
+
+
+def infer(layout: str, s: dict, metadata: dict) -> tuple[dict, str]:
+    if layout == "bfl":
+        hidden, in_channels = s["img_in.weight"]
+        head_dim = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+        depth, single = count(s, r"double_blocks\.(\d+)\."), count(s, r"single_blocks\.(\d+)\.")
+        context_in, mlp = s["txt_in.weight"][1], s["double_blocks.0.img_mlp.2.weight"][1]
+        out_channels, guidance = s["final_layer.linear.weight"][0], "guidance_in.in_layer.weight" in s
+    else:
+        hidden, in_channels = s["x_embedder.weight"]
+        head_dim = s["transformer_blocks.0.attn.norm_q.weight"][0]
+        depth = count(s, r"transformer_blocks\.(\d+)\.")
+        single = count(s, r"single_transformer_blocks\.(\d+)\.")
+        context_in, mlp = s["context_embedder.weight"][1], s["transformer_blocks.0.ff.linear_out.weight"][1]
+        out_channels = s["proj_out.weight"][0]
+        guidance = "time_guidance_embed.guidance_embedder.linear_1.weight" in s
+    if hidden % head_dim:
+        raise CheckpointError(f"FLUX.2 width {hidden} is not a multiple of its head width {head_dim}")
+    if in_channels != 128 or out_channels != 128:
+        raise CheckpointError(f"FLUX.2 transformer with {in_channels} input / {out_channels} output channels; the "
+                              f"engine runs FLUX.2's 128-channel latent (ComfyUI's Flux2 latent format)")
+    if mlp * 2 % hidden:
+        raise CheckpointError(f"FLUX.2 transformer whose MLP width {mlp} is no multiple of half its width {hidden}")
+    config = {"patch_size": 1, "in_channels": 128, "num_layers": depth, "num_single_layers": single,
+              "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
+              "joint_attention_dim": context_in, "mlp_ratio": mlp / hidden,
+              "axes_dims_rope": _rope_axes(head_dim, metadata), "rope_theta": THETA, "guidance_embeds": guidance}
+    return config, _variant(hidden, guidance, metadata)
+
+
+def key_map(layout: str, config: dict) -> list | None:
+    """BFL keys -> diffusers' Flux2Transformer2DModel keys (None: the diffusers layout needs none); the same map as
+    diffusers' convert_flux2_transformer_checkpoint_to_diffusers (a test checks it against that)."""
+    if layout == "diffusers":
+        return None
+    h = config["num_attention_heads"] * config["attention_head_dim"]
+    m: list = []
+    linear(m, "x_embedder", "img_in", bias=False)
+    linear(m, "context_embedder", "txt_in", bias=False)
+    linear(m, "time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer", bias=False)
+    linear(m, "time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer", bias=False)
+    if config["guidance_embeds"]:
+        linear(m, "time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer", bias=False)
+        linear(m, "time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer", bias=False)
+    for name in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation"):
+        linear(m, f"{name}.linear", f"{name}.lin", bias=False)
+    for i in range(config["num_layers"]):
+        d, s = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        fused(m, (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"), f"{s}.img_attn.qkv", (h, h, h), bias=False)
+        fused(m, (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"), f"{s}.txt_attn.qkv",
+              (h, h, h), bias=False)
+        for dst, src in (("norm_q", "img_attn.norm.query_norm"), ("norm_k", "img_attn.norm.key_norm"),
+                         ("norm_added_q", "txt_attn.norm.query_norm"), ("norm_added_k", "txt_attn.norm.key_norm")):
+            m.append((f"{d}.attn.{dst}.weight", f"{s}.{src}.scale", None))
+        linear(m, f"{d}.attn.to_out.0", f"{s}.img_attn.proj", bias=False)
+        linear(m, f"{d}.attn.to_add_out", f"{s}.txt_attn.proj", bias=False)
+        linear(m, f"{d}.ff.linear_in", f"{s}.img_mlp.0", bias=False)
+        linear(m, f"{d}.ff.linear_out", f"{s}.img_mlp.2", bias=False)
+        linear(m, f"{d}.ff_context.linear_in", f"{s}.txt_mlp.0", bias=False)
+        linear(m, f"{d}.ff_context.linear_out", f"{s}.txt_mlp.2", bias=False)
+    for i in range(config["num_single_layers"]):
+        d, s = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        linear(m, f"{d}.attn.to_qkv_mlp_proj", f"{s}.linear1", bias=False)   # [q, k, v, gate, up] in both
+        linear(m, f"{d}.attn.to_out", f"{s}.linear2", bias=False)
+        m.append((f"{d}.attn.norm_q.weight", f"{s}.norm.query_norm.scale", None))
+        m.append((f"{d}.attn.norm_k.weight", f"{s}.norm.key_norm.scale", None))
+    linear(m, "norm_out.linear", "final_layer.adaLN_modulation.1", "swap", bias=False)
+    linear(m, "proj_out", "final_layer.linear", bias=False)
+    return m
+
+
+# ---- tokens and positions, as ComfyUI's Flux model builds them -------------------------------------------------------
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """Latent [b, 128, h, w] -> tokens [b, h*w, 128], rows first (process_img with patch size 1)."""
+    return x.flatten(2).transpose(1, 2)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Tokens [b, h*w, c] -> latent [b, c, h, w]."""
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, h, w)
+
+
+def image_ids(h: int, w: int, index: float = 0, row0: int = 0, col0: int = 0, device=None) -> torch.Tensor:
+    """(index, row0 + row, col0 + col, 0) of each latent pixel of an h x w latent, rows first, float32 [h*w, 4]."""
+    r = torch.arange(h, device=device).repeat_interleave(w) + row0
+    c = torch.arange(w, device=device).repeat(h) + col0
+    return torch.stack([torch.full_like(r, index), r, c, torch.zeros_like(r)], dim=1).to(torch.float32)
+
+
+def text_ids(tokens: int, device=None) -> torch.Tensor:
+    """(0, 0, 0, l) for text token l (txt_ids_dims [3])."""
+    ids = torch.zeros(tokens, 4, device=device)
+    ids[:, 3] = torch.arange(tokens, device=device, dtype=torch.float32)
+    return ids
+
+
+def reference_positions(method: str, latent_hw: tuple[int, int], shapes) -> list[tuple[int, int, int]]:
+    """(index, first row, first column) of each reference, in latent pixels (patch size 1: no rounding), as ComfyUI's
+    Flux._forward places them: "index" gives reference k index 10 k at the origin; "offset" index 1, tiled side by
+    side; "uxo" index 0, diagonally past the image and the references before it."""
+    if method not in REFERENCE_METHODS:
+        raise ValueError(f"reference_latents_method={method!r} is invalid: use one of {list(REFERENCE_METHODS)}")
+    shapes = [tuple(s) for s in shapes]
+    if method == "index":
+        return [(REF_INDEX_SCALE * (i + 1), 0, 0) for i in range(len(shapes))]
+    if method == "uxo":
+        corners = [(sum(h for h, _ in shapes[:i]), sum(w for _, w in shapes[:i])) for i in range(len(shapes))]
+        return [(0, latent_hw[0] + h, latent_hw[1] + w) for h, w in corners]
+    return [(1, row, col) for row, col in tile_offsets(shapes)]
+
+
+@contextlib.contextmanager
+def embedding_in_fp32(model, timestep: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype):
+    """For one forward: the timestep (and guidance) embedding gets these float32 values (sigma * 1000, guidance *
+    1000) instead of the ones diffusers rounds to the compute dtype, and its sinusoids are cast to the compute dtype
+    before the embedders, as ComfyUI's timestep_embedding(...).to(img.dtype) does."""
+    embed = model.time_guidance_embed
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(pre_hook(embed, lambda module, args: (timestep, guidance)))
+        for embedder in (embed.timestep_embedder, embed.guidance_embedder):
+            if embedder is not None:
+                stack.enter_context(pre_hook(embedder, lambda module, args: (args[0].to(dtype),)))
+        yield
+
+
+# ---- the one forward -------------------------------------------------------------------------------------------------
+def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Tensor:
+    """v for x [n, 128, h, w] (model space, compute dtype): one call of the unmodified Flux2Transformer2DModel with
+    ComfyUI's tokens, ids and float32 timestep embedding. The text arrives padded (Family.pad_text_to)."""
+    b, _, h, w = x.shape
+    device = flow.device
+    tokens, ids = [pack(x)], [image_ids(h, w, device=device)]
+    if prepared.references:
+        shapes = [tuple(r.shape[-2:]) for r in prepared.references]
+        for r, (index, row, col) in zip(prepared.references,
+                                         reference_positions(prepared.reference_method, (h, w), shapes)):
+            tokens.append(pack(r))
+            ids.append(image_ids(r.shape[-2], r.shape[-1], index, row, col, device))
+    guidance = prepared.guidance if flow.model.config.guidance_embeds else None
+    flow.reference_tokens = sum(t.shape[1] for t in tokens[1:])
+    try:
+        with embedding_in_fp32(flow.model, sigma32 * 1000.0, guidance * 1000.0 if guidance is not None else None,
+                               flow.dtype):
+            out = flow.model(hidden_states=torch.cat(tokens, dim=1), encoder_hidden_states=prepared.cond,
+                             timestep=sigma32, img_ids=torch.cat(ids), txt_ids=text_ids(prepared.cond.shape[1], device),
+                             guidance=guidance, return_dict=False)[0]
+    finally:
+        flow.reference_tokens = 0
+    return unpack(out[:, :h * w], h, w)
+
+
+# ---- sequence parallel: one attention processor for both block kinds ------------------------------------------------
+class Flux2SPProcessor:
+    """What diffusers' Flux2AttnProcessor (double blocks) and Flux2ParallelSelfAttnProcessor (single blocks: attention
+    and MLP from one fused projection) compute, with the attention through the sequence-parallel entry point. The
+    two modules call their processor with different positional arguments, so one instance serves both."""
+
+    def __init__(self, attention):
+        from diffusers.models.embeddings import apply_rotary_emb   # diffusers loads where the model runs
+        self.attention, self.rotary = attention, apply_rotary_emb
+
+    def __call__(self, attn, hidden_states, *args, joint_text_tokens: int = 0, joint_reference_tokens: int = 0):
+        """joint_text_tokens: the text tokens every rank holds in full, at the front of the sequence (0: the text is
+        split with the image tokens); joint_reference_tokens: the reference tokens every rank holds in full, at its
+        end (0: none, or split with the image tokens)."""
+        if hasattr(attn, "to_qkv_mlp_proj"):   # Flux2ParallelSelfAttention: (attention_mask, image_rotary_emb)
+            mask, rotary = (args + (None, None))[:2]
+            encoder = None
+        else:                                  # Flux2Attention: (encoder_hidden_states, attention_mask, rotary)
+            encoder, mask, rotary = (args + (None, None, None))[:3]
+        if mask is not None:
+            raise ValueError("sequence-parallel FLUX.2 attention takes no attention mask (ComfyUI uses none)")
+        if encoder is None and hasattr(attn, "to_qkv_mlp_proj"):
+            fused_out = attn.to_qkv_mlp_proj(hidden_states)
+            qkv, mlp = fused_out.split([3 * attn.inner_dim, fused_out.shape[-1] - 3 * attn.inner_dim], dim=-1)
+            q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+        else:
+            mlp = None
+            q, k, v = (proj(hidden_states).unflatten(-1, (-1, attn.head_dim)) for proj in (attn.to_q, attn.to_k,
+                                                                                            attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if encoder is not None:
+            eq, ek, ev = (proj(encoder).unflatten(-1, (-1, attn.head_dim))
+                          for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
+        if rotary is not None:   # the model computed it from this rank's (sliced) position ids, [text; image]
+            q, k = self.rotary(q, rotary, sequence_dim=1), self.rotary(k, rotary, sequence_dim=1)
+        if joint_text_tokens or joint_reference_tokens:
+            # the sequence is [text | image shard | references]: the joint ones enter the attention together
+            n, end = joint_text_tokens, q.shape[1] - joint_reference_tokens
+            joint = tuple(torch.cat([t[:, :n], t[:, end:]], dim=1) for t in (q, k, v))
+            image, held = self.attention(q[:, n:end], k[:, n:end], v[:, n:end], joint=joint)
+            out = torch.cat([held[:, :n], image, held[:, n:]], dim=1)
+        else:
+            out, _ = self.attention(q, k, v)
+        out = out.flatten(2, 3).to(q.dtype)
+        if mlp is not None:
+            return attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+        n = encoder.shape[1]
+        image_out = attn.to_out[1](attn.to_out[0](out[:, n:].contiguous()))
+        return image_out, attn.to_add_out(out[:, :n].contiguous())
+
+
+# ---- PipeFusion: a stage's share of the forward ----------------------------------------------------------------------
+class Flux2Stage(StageModel):
+    """Stages run the blocks directly. Every stage computes the timestep embedding and the three shared modulations
+    (FLUX.2's blocks hold none of their own); single blocks are called with the text and image apart
+    (split_hidden_states), so every stage passes on (text, image) as the others do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._ropes: dict = {}
+
+    def temb(self, prepared, sigma32: torch.Tensor):
+        n = prepared.cond.shape[0]
+        t = sigma32.reshape(-1).expand(n) * 1000.0
+        g = prepared.guidance * 1000.0 if self.model.config.guidance_embeds else None
+        with embedding_in_fp32(self.model, t, g, self.flow.dtype):
+            temb = self.model.time_guidance_embed(t, g)
+        return (temb, self.model.double_stream_modulation_img(temb), self.model.double_stream_modulation_txt(temb),
+                self.model.single_stream_modulation(temb))
+
+    def embed(self, x: torch.Tensor, prepared, band: int | None, with_text: bool):
+        start = 0 if band is None else self.layout.band_start(band)
+        image = self.model.x_embedder(pack(x)[:, self.local(band) - start])
+        text = self.model.context_embedder(prepared.cond) if with_text else image.new_zeros(x.shape[0], 0,
+                                                                                            image.shape[2])
+        return text, image
+
+    def _rope(self, band, n_text: int, device):
+        key = (band, n_text)
+        if key not in self._ropes:
+            idx = self.local(band)
+            rows, cols = idx // self.layout.cols, idx % self.layout.cols
+            ids = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], dim=1).to(torch.float32)
+            self._ropes[key] = self.model.pos_embed(torch.cat([text_ids(n_text), ids]).to(device))
+        return self._ropes[key]
+
+    def run_blocks(self, text, image, temb, band, with_text: bool):
+        _, mod_img, mod_txt, mod_single = temb
+        rope = self._rope(band, text.shape[1], image.device)
+        kwargs = {"joint_text_tokens": text.shape[1]}
+        for block in self.blocks:
+            if hasattr(block, "ff_context"):   # a double block
+                text, image = block(hidden_states=image, encoder_hidden_states=text, temb_mod_img=mod_img,
+                                    temb_mod_txt=mod_txt, image_rotary_emb=rope, joint_attention_kwargs=kwargs)
+            else:
+                text, image = block(hidden_states=image, encoder_hidden_states=text, temb_mod=mod_single,
+                                    image_rotary_emb=rope, joint_attention_kwargs=kwargs, split_hidden_states=True)
+        return text, image
+
+    def final(self, image, temb):
+        return self.model.proj_out(self.model.norm_out(image, temb[0]))
+
+    def unpatch(self, tokens: torch.Tensor, band: int | None) -> torch.Tensor:
+        return unpack(tokens, *self.band_grid(band))
+
+
+def _model_class():
+    from diffusers import Flux2Transformer2DModel
+    return Flux2Transformer2DModel
+
+
+def _describe_conditioning(c: dict) -> str:
+    encoder = {15360: "Mistral-3 24B", 7680: "Qwen3 4B", 12288: "Qwen3 8B"}.get(c["joint_attention_dim"],
+                                                                               "its text encoder")
+    return (f"cond [B, N, {c['joint_attention_dim']}] ({encoder}; zeros prepended to {TEXT_TOKENS} tokens), no pooled "
+            f"output" + ("; guidance embedded (FluxGuidance)" if c.get("guidance_embeds") else "; no guidance input")
+            + "; reference latents (ReferenceLatent) at index 10 k")
+
+
+FAMILY = Family(
+    name="flux2", title="FLUX.2", variants=("flux2-dev", "flux2-klein-4b", "flux2-klein-9b"),
+    markers=(Marker("double_stream_modulation_img.lin.weight", "bfl"),
+             Marker("double_stream_modulation_img.linear.weight", "diffusers")),
+    infer=infer, key_map=key_map, model_class=_model_class,
+    gguf_arches=("flux",),   # ComfyUI-GGUF has no FLUX.2 architecture: its converter writes FLUX.1's
+    layers=lambda config: config["num_layers"] + config["num_single_layers"],
+    latent=LatentFormat("Flux2", channels=128, downscale=16),
+    latent_patch=lambda config: 1,
+    sampling=lambda variant: FlowSampling.flux(SHIFT),
+    comfy_model=lambda config: ("Flux2", {"image_model": "flux2", "guidance_embed": bool(config["guidance_embeds"]),
+                                          "hidden_size": config["num_attention_heads"] * config["attention_head_dim"]}),
+    cond_width=lambda config: config["joint_attention_dim"],
+    pooled_width=lambda config: None,
+    takes_guidance=lambda config: bool(config["guidance_embeds"]),
+    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, reference_methods=REFERENCE_METHODS, pad_text_to=TEXT_TOKENS,
+    tokens=TokenTable(processor=Flux2SPProcessor, gather_after="proj_out",
+                      split_inputs=(("hidden_states", 1), ("img_ids", 0)),
+                      text_inputs=(("encoder_hidden_states", 1), ("txt_ids", 0)),
+                      blocks=("transformer_blocks", "single_transformer_blocks"), reference_tokens=True),
+    stage=Flux2Stage,
+    stage_params=StageParams(every=("time_guidance_embed.", "double_stream_modulation_img.",
+                                    "double_stream_modulation_txt.", "single_stream_modulation."),
+                             first=("x_embedder.", "context_embedder."), last=("norm_out.", "proj_out.")),
+    text_splits=True,
+    linear_width=13,   # per token and block: qkv 3 + out 1 + SwiGLU in 2 x 3 + out 3 (hidden^2)
+    native_layout="bfl", dims=DIMS, shapes=bfl_shapes,
+    full_extras=("vae.decoder.conv_in.weight", "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight"),
+    describe_blocks=lambda c: f"{c['num_layers']} double + {c['num_single_layers']} single blocks",
+    describe_conditioning=_describe_conditioning,
+)
