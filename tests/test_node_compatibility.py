@@ -1,6 +1,6 @@
 """Compatibility as a promise: a prompt or workflow saved with any released version of the pack validates and runs
 unchanged. tests/released_inputs.json keeps each released version's inputs for every node (from the history of
-xdit_nodes/core.py); the current specs must offer every released input with its type and options, in the same widget
+xdit_nodes/specs.py); the current specs must offer every released input with its type and options, in the same widget
 order, and every input added after a node's first release must be optional with the default that keeps the earlier
 behaviour. Prompts made of only a release's inputs go through a mirror of ComfyUI 0.3.64's prompt validation
 (execution.py, validate_inputs) over our specs and the stock nodes the tests already describe. Pure data: no engine
@@ -20,14 +20,14 @@ MODEL, LORA = "flux1-dev.safetensors", "style.safetensors"
 
 
 @pytest.fixture(scope="module")
-def core():
+def node_specs():
     load_pack()
-    return importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.specs")
 
 
-def current_specs(core) -> dict:
+def current_specs(node_specs) -> dict:
     """node id -> the current spec, as ComfyUI lists it with these files in the model and LoRA folders."""
-    specs = (core.engine_spec([MODEL]), core.SAMPLER_SPEC, core.lora_spec([LORA]), core.GUIDER_SPEC, core.INFO_SPEC)
+    specs = (node_specs.engine_spec([MODEL]), node_specs.SAMPLER_SPEC, node_specs.lora_spec([LORA]), node_specs.GUIDER_SPEC, node_specs.INFO_SPEC)
     return {s.node_id: s for s in specs}
 
 
@@ -40,17 +40,17 @@ def release_id(release: dict) -> str:
 
 
 # ---- the released inputs in the current specs --------------------------------------------------------------------
-def test_the_table_holds_every_node_the_pack_has_and_the_first_release_is_first(core):
+def test_the_table_holds_every_node_the_pack_has_and_the_first_release_is_first(node_specs):
     assert FIRST["change"].startswith("first release") and FIRST["commit"] == \
         "5f82299293f8396be2bf52ba020bf45d82cae241"
-    assert set(RELEASED[-1]["nodes"]) == set(current_specs(core))
+    assert set(RELEASED[-1]["nodes"]) == set(current_specs(node_specs))
     dates = [r["date"] for r in RELEASED]
     assert dates == sorted(dates)
 
 
 @pytest.mark.parametrize("node_id", ["XDiTEngine", "XDiTSampler", "XDiTLoRA", "XDiTGuider", "XDiTEngineInfo"])
-def test_every_input_added_after_a_nodes_first_release_is_optional_with_a_default(core, node_id):
-    spec = current_specs(core)[node_id]
+def test_every_input_added_after_a_nodes_first_release_is_optional_with_a_default(node_specs, node_id):
+    spec = current_specs(node_specs)[node_id]
     released = first_release_of(node_id)["nodes"][node_id]["inputs"]
     added = [f for f in spec.inputs if f.name not in released]
     print(f"{node_id}: first released with {list(released)}; added since: {[f.name for f in added]}")
@@ -61,8 +61,8 @@ def test_every_input_added_after_a_nodes_first_release_is_optional_with_a_defaul
 
 
 @pytest.mark.parametrize("release", RELEASED, ids=release_id)
-def test_every_released_input_is_still_there_with_its_type_options_and_default(core, release):
-    specs = current_specs(core)
+def test_every_released_input_is_still_there_with_its_type_options_and_default(node_specs, release):
+    specs = current_specs(node_specs)
     for node_id, node in release["nodes"].items():
         fields = {f.name: f for f in specs[node_id].inputs}
         assert [tuple(o) for o in node["outputs"]] == list(specs[node_id].outputs), node_id  # links keep their slots
@@ -80,21 +80,21 @@ def test_every_released_input_is_still_there_with_its_type_options_and_default(c
 
 
 @pytest.mark.parametrize("release", RELEASED, ids=release_id)
-def test_released_widgets_keep_their_order_so_a_saved_ui_workflow_maps_its_values(core, release):
+def test_released_widgets_keep_their_order_so_a_saved_ui_workflow_maps_its_values(node_specs, release):
     """A UI workflow saves widgets_values by position: the released widgets must come first, in their order, and new
     widgets after them (the frontend gives a value it did not save the widget's default)."""
     for node_id, node in release["nodes"].items():
         released = [n for n, e in node["inputs"].items() if e["type"] in WIDGETS]
-        now = [f.name for f in current_specs(core)[node_id].inputs if f.type in WIDGETS]
+        now = [f.name for f in current_specs(node_specs)[node_id].inputs if f.type in WIDGETS]
         assert now[:len(released)] == released, (node_id, release_id(release), now)
 
 
 # ---- ComfyUI's prompt validation, mirrored -----------------------------------------------------------------------
-def definitions(core, engine_all_required: bool = False) -> dict:
+def definitions(node_specs, engine_all_required: bool = False) -> dict:
     """node type -> {"inputs": {name: input}, "outputs": [type, ...]}: ours from the specs, the stock ones from
     tests/comfyui_stock_nodes.py. engine_all_required: the xDiT Engine's inputs all required, as they were before."""
     defs = {}
-    for spec in current_specs(core).values():
+    for spec in current_specs(node_specs).values():
         all_required = engine_all_required and spec.node_id == "XDiTEngine"
         defs[spec.node_id] = {
             "inputs": {f.name: {"type": f.type, "optional": f.optional and not all_required, "min": f.min,
@@ -146,26 +146,26 @@ def validate(prompt: dict, defs: dict) -> dict:
 
 
 @pytest.mark.parametrize("release", RELEASED, ids=release_id)
-def test_a_prompt_with_only_a_released_input_set_passes_validation(core, release):
+def test_a_prompt_with_only_a_released_input_set_passes_validation(node_specs, release):
     prompt = release_prompt(release, MODEL, LORA)
     assert set(prompt["10"]["inputs"]) == set(release["nodes"]["XDiTEngine"]["inputs"])  # no later input in it
-    errors = validate(prompt, definitions(core))
+    errors = validate(prompt, definitions(node_specs))
     print(f"{release_id(release)}: {len(prompt)} nodes, errors {errors}")
     assert errors == {}
 
 
-def test_the_first_release_prompt_fails_the_same_validation_when_later_inputs_are_required(core):
+def test_the_first_release_prompt_fails_the_same_validation_when_later_inputs_are_required(node_specs):
     """The check above would catch the regression: with every input required (as before this rule), ComfyUI answers
     "Required input is missing" for each input added since the first release."""
-    errors = validate(release_prompt(FIRST, MODEL, LORA), definitions(core, engine_all_required=True))
+    errors = validate(release_prompt(FIRST, MODEL, LORA), definitions(node_specs, engine_all_required=True))
     print(errors)
-    added = [f.name for f in core.engine_spec([MODEL]).inputs if f.name not in FIRST["nodes"]["XDiTEngine"]["inputs"]]
+    added = [f.name for f in node_specs.engine_spec([MODEL]).inputs if f.name not in FIRST["nodes"]["XDiTEngine"]["inputs"]]
     assert errors == {"10": [f"Required input is missing: {name}" for name in added]}
     assert added == ["cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps"]
 
 
-def test_the_validation_mirror_refuses_what_comfyui_refuses(core):
-    defs = definitions(core)
+def test_the_validation_mirror_refuses_what_comfyui_refuses(node_specs):
+    defs = definitions(node_specs)
     prompt = release_prompt(RELEASED[-1], MODEL, LORA)
     prompt["12"]["inputs"]["positive"] = ["5", 0]        # a LATENT into a CONDITIONING input
     prompt["12"]["inputs"]["steps"] = 0                  # below min

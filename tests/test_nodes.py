@@ -27,6 +27,12 @@ def core():
 
 
 @pytest.fixture(scope="module")
+def node_specs():
+    load_pack()
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.specs")
+
+
+@pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("nodes")
     return {"flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium"), "dir": d}
@@ -147,17 +153,17 @@ def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_pri
     assert out.returncode == 0 and out.stdout == "" and out.stderr == ""
 
 
-def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(core):
+def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(node_specs):
     ksampler = [("seed", 0), ("steps", 20), ("cfg", 8.0), ("sampler_name", None), ("scheduler", None),
                 ("positive", None), ("negative", None), ("latent_image", None), ("denoise", 1.0)]
-    fields = [f for f in core.SAMPLER_SPEC.inputs if f.name != "engine"]
+    fields = [f for f in node_specs.SAMPLER_SPEC.inputs if f.name != "engine"]
     assert [f.name for f in fields] == [name for name, _ in ksampler]
     for f, (name, default) in zip(fields, ksampler):
         if default is not None:
             assert f.default == default, name
     seed = fields[0]
     assert seed.control_after_generate and seed.max == 0xFFFFFFFFFFFFFFFF
-    assert core.SAMPLER_SPEC.outputs == (("LATENT", "LATENT"),)
+    assert node_specs.SAMPLER_SPEC.outputs == (("LATENT", "LATENT"),)
     assert {"euler", "dpmpp_2m"} <= set(fields[3].options) and {"simple", "normal", "karras"} <= set(fields[4].options)
 
 
@@ -285,8 +291,8 @@ def test_bad_inputs_fail_before_any_rank_starts_naming_the_input(core, models, c
     assert core.REGISTRY.running(s) is before  # nothing was started for a bad input
 
 
-def test_lora_node_chains_without_changing_upstream_settings_and_equals_generate_with_lora(core, models, tmp_path):
-    spec = core.lora_spec(["a.safetensors"])
+def test_lora_node_chains_without_changing_upstream_settings_and_equals_generate_with_lora(core, node_specs, models, tmp_path):
+    spec = node_specs.lora_spec(["a.safetensors"])
     assert [f.name for f in spec.inputs] == ["engine", "lora_name", "strength_model"] and spec.outputs[0][0] == "XDIT_ENGINE"
     from safetensors import safe_open
     with safe_open(models["flux"], "pt") as f:
@@ -318,21 +324,21 @@ def test_lora_node_chains_without_changing_upstream_settings_and_equals_generate
 
 
 # ---- validation: a file name not in ComfyUI's folders is refused before anything runs --------------------------
-def test_a_file_name_check_accepts_listed_names_refuses_others_naming_what_exists_and_passes_linked_inputs(core):
+def test_a_file_name_check_accepts_listed_names_refuses_others_naming_what_exists_and_passes_linked_inputs(node_specs):
     names = ["b.gguf", "a.safetensors", "sub/c.safetensors"]
     where = "models/diffusion_models or models/checkpoints"
-    assert core.check_file_name("model_name", "a.safetensors", names, where) is True
-    assert core.check_file_name("model_name", "sub/c.safetensors", names, where) is True
-    message = core.check_file_name("model_name", "flux1-dev.safetensors", names, where)
+    assert node_specs.check_file_name("model_name", "a.safetensors", names, where) is True
+    assert node_specs.check_file_name("model_name", "sub/c.safetensors", names, where) is True
+    message = node_specs.check_file_name("model_name", "flux1-dev.safetensors", names, where)
     print(message)
     assert message == ("model_name 'flux1-dev.safetensors' is not in models/diffusion_models or models/checkpoints; "
                        "found: a.safetensors, b.gguf, sub/c.safetensors")
     # linked from another node: ComfyUI passes None at validation; the node checks the value when it runs
-    assert core.check_file_name("model_name", None, names, where) is True
-    assert core.check_file_name("lora_name", "x.safetensors", [], "models/loras") == \
+    assert node_specs.check_file_name("model_name", None, names, where) is True
+    assert node_specs.check_file_name("lora_name", "x.safetensors", [], "models/loras") == \
         "lora_name 'x.safetensors' is not in models/loras; found: nothing"
-    assert core.check_file_name("lora_name", 3, ["3"], "models/loras").startswith("lora_name 3 is not in")
-    many = core.check_file_name("lora_name", "z", [f"l{i:02}.safetensors" for i in range(30)], "models/loras")
+    assert node_specs.check_file_name("lora_name", 3, ["3"], "models/loras").startswith("lora_name 3 is not in")
+    many = node_specs.check_file_name("lora_name", "z", [f"l{i:02}.safetensors" for i in range(30)], "models/loras")
     assert many.endswith("l11.safetensors and 18 more") and "\n" not in many
 
 
@@ -409,7 +415,7 @@ def test_the_engine_and_lora_nodes_validate_their_file_names_at_validation_as_co
 
 
 # ---- a prompt saved with the first release ---------------------------------------------------------------------
-def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(nodes_module, core, models, tmp_path):
+def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(nodes_module, core, node_specs, models, tmp_path):
     """The xDiT Engine given only its first release's inputs (as ComfyUI passes a saved prompt: absent optional inputs
     are not passed) makes the same settings as with every later input at its default, and those defaults are the
     earlier behaviour: no step cache, no compile, torch's attention choice, no PipeFusion. Its job runs."""
@@ -419,7 +425,7 @@ def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(no
     first = json.load(open(os.path.join(ROOT, "tests", "released_inputs.json")))["releases"][0]["nodes"]
     released = {name: e.get("default") for name, e in first["XDiTEngine"]["inputs"].items()}
     released.update(model_name="flux-a.safetensors", gpus="0")
-    spec = core.engine_spec(["flux-a.safetensors"])
+    spec = node_specs.engine_spec(["flux-a.safetensors"])
     later = {f.name: f.default for f in spec.inputs if f.name not in released}
     assert set(later) == {"cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps"}
     signature = inspect.signature(n.XDiTEngine.execute).parameters

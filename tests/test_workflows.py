@@ -1,5 +1,5 @@
 """The example workflows in workflows/: each UI (drag-and-drop) file is a well-formed ComfyUI graph of known nodes
-(the pack's, from core's specs; the stock ones, from tests/comfyui_stock_nodes.py), its links join outputs to inputs
+(the pack's, from xdit_nodes/specs.py; the stock ones, from tests/comfyui_stock_nodes.py), its links join outputs to inputs
 of the same type, its widget values fit their widgets, and its .api.json twin is exactly its translation to the
 API prompt format. Pure JSON checks: no engine starts."""
 import importlib
@@ -31,9 +31,9 @@ FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",
 
 
 @pytest.fixture(scope="module")
-def core():
+def node_specs():
     load_pack()
-    return importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.specs")
 
 
 # ---- node definitions, ours and stock, in one shape ------------------------------------------------------------
@@ -52,11 +52,11 @@ def _from_spec(spec):
 
 
 @pytest.fixture(scope="module")
-def definitions(core):
+def definitions(node_specs):
     """Node type -> definition. Our engine's model_name options are ComfyUI's model folders at run time: here they
     are the files the example workflows name."""
-    ours = [core.engine_spec(sorted(set(MODEL_FILES.values()))), core.SAMPLER_SPEC, core.INFO_SPEC, core.SAMPLING_SPEC,
-            core.CFG_NORM_SPEC]
+    ours = [node_specs.engine_spec(sorted(set(MODEL_FILES.values()))), node_specs.SAMPLER_SPEC, node_specs.INFO_SPEC, node_specs.SAMPLING_SPEC,
+            node_specs.CFG_NORM_SPEC]
     defs = {spec.node_id: _from_spec(spec) for spec in ours}
     for node_type, d in stock.STOCK_NODES.items():
         defs[node_type] = dict(d, ours=False)

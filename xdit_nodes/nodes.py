@@ -10,16 +10,16 @@ from comfy_api.v0_0_2 import ComfyExtension, io, ui
 
 from ..engine.errors import JobCancelled
 from ..engine.models.gguf_file import find_gguf_files
-from . import core
+from . import core, specs
 
-EngineType = io.Custom(core.ENGINE_TYPE)
+EngineType = io.Custom(specs.ENGINE_TYPE)
 _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.String, "MODEL": io.Model,
-          "GUIDER": io.Guider, core.ENGINE_TYPE: EngineType}
+          "GUIDER": io.Guider, specs.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 MODEL_WHERE = "models/" + " or models/".join(MODEL_FOLDERS)
 
 
-def _input(f: core.Field):
+def _input(f: specs.Field):
     tip = {"tooltip": f.tooltip} if f.tooltip else {}
     if f.optional:
         tip["optional"] = True
@@ -37,7 +37,7 @@ def _input(f: core.Field):
     return _TYPES[f.type].Input(f.name, **tip)
 
 
-def _schema(spec: core.NodeSpec) -> io.Schema:
+def _schema(spec: specs.NodeSpec) -> io.Schema:
     outputs = [_TYPES[t].Output(display_name=n) for t, n in spec.outputs]
     return io.Schema(node_id=spec.node_id, display_name=spec.display_name, category=spec.category,
                      description=spec.description, inputs=[_input(f) for f in spec.inputs], outputs=outputs,
@@ -79,12 +79,12 @@ def _gpus(text: str) -> tuple[int, ...]:
 class XDiTEngine(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.engine_spec(_model_names()))
+        return _schema(specs.engine_spec(_model_names()))
 
     @classmethod
     def validate_inputs(cls, model_name=None):
         """At validation (ComfyUI does not check V3 combo values): a model name not in the folders is refused."""
-        return core.check_file_name("model_name", model_name, _model_names(), MODEL_WHERE)
+        return specs.check_file_name("model_name", model_name, _model_names(), MODEL_WHERE)
 
     @classmethod
     def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
@@ -116,11 +116,11 @@ class XDiTSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
         import comfy.samplers
-        return _schema(core.sampler_spec(comfy.samplers.KSampler.SAMPLERS, comfy.samplers.KSampler.SCHEDULERS))
+        return _schema(specs.sampler_spec(comfy.samplers.KSampler.SAMPLERS, comfy.samplers.KSampler.SCHEDULERS))
 
     @classmethod
     def execute(cls, engine, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
-        if not core.engine_loop_runs(sampler_name, scheduler):
+        if not specs.engine_loop_runs(sampler_name, scheduler):
             return io.NodeOutput(_comfy_driven(engine, seed, steps, cfg, sampler_name, scheduler, positive, negative,
                                                latent_image, denoise))
         progress = comfy.utils.ProgressBar(steps)  # its update also raises on interrupt, on this thread
@@ -196,7 +196,7 @@ def _cfg_norm(strength: float):
 class XDiTGuider(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.GUIDER_SPEC)
+        return _schema(specs.GUIDER_SPEC)
 
     @classmethod
     def execute(cls, engine, positive, cfg, negative=None, model=None):
@@ -244,11 +244,11 @@ def _comfy_driven(settings, seed, steps, cfg, sampler_name, scheduler, positive,
 class XDiTLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.lora_spec(folder_paths.get_filename_list("loras")))
+        return _schema(specs.lora_spec(folder_paths.get_filename_list("loras")))
 
     @classmethod
     def validate_inputs(cls, lora_name=None):
-        return core.check_file_name("lora_name", lora_name, folder_paths.get_filename_list("loras"), "models/loras")
+        return specs.check_file_name("lora_name", lora_name, folder_paths.get_filename_list("loras"), "models/loras")
 
     @classmethod
     def execute(cls, engine, lora_name, strength_model):
@@ -261,7 +261,7 @@ class XDiTLoRA(io.ComfyNode):
 class XDiTModelSampling(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.SAMPLING_SPEC)
+        return _schema(specs.SAMPLING_SPEC)
 
     @classmethod
     def execute(cls, engine, method, shift):
@@ -271,7 +271,7 @@ class XDiTModelSampling(io.ComfyNode):
 class XDiTCFGNorm(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.CFG_NORM_SPEC)
+        return _schema(specs.CFG_NORM_SPEC)
 
     @classmethod
     def execute(cls, engine, strength):
@@ -281,7 +281,7 @@ class XDiTCFGNorm(io.ComfyNode):
 class XDiTEngineInfo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return _schema(core.INFO_SPEC)
+        return _schema(specs.INFO_SPEC)
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs):
