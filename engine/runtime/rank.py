@@ -55,6 +55,7 @@ class RankRuntime:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, int(init.get("threads", 1))))
         self.group = None
+        self.control_group = None   # host-memory (gloo) group of every rank: per-step agreements (jobs.py)
         self._init = init
 
     def connect(self) -> None:
@@ -71,6 +72,7 @@ class RankRuntime:
             dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
                                     timeout=timeout)
             self.group = dist.group.WORLD
+            self.control_group = dist.new_group(backend="gloo", timeout=timeout)
 
     # ---- threads -------------------------------------------------------------------------------
     def start_threads(self) -> None:
@@ -158,6 +160,7 @@ class RankRuntime:
             t0 = time.perf_counter()
             ctx = JobContext(self, job_id)
             outputs = handler(ctx, job["spec"], inputs)
+            ctx.settle()
             timings["compute_s"] = time.perf_counter() - t0
 
             self.enter_phase(job_id, "return")
