@@ -33,7 +33,8 @@ def _slope(x: torch.Tensor, denoised: torch.Tensor, sigma: torch.Tensor) -> torc
     return (x - denoised) / sigma
 
 
-def _euler(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _euler(x: torch.Tensor, sigmas: torch.Tensor, zero: list[bool], seed: int, done: Callable[[int], None],
+           noise_for: NoiseFor) -> Steps:
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         x = x + _slope(x, (yield x, sigma), sigma) * (sigma_next - sigma)
@@ -41,12 +42,13 @@ def _euler(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int
     return x
 
 
-def _heun(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _heun(x: torch.Tensor, sigmas: torch.Tensor, zero: list[bool], seed: int, done: Callable[[int], None],
+          noise_for: NoiseFor) -> Steps:
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         slope = _slope(x, (yield x, sigma), sigma)
         dsigma = sigma_next - sigma
-        if sigma_next == 0:  # the corrector would evaluate the model at sigma 0; ComfyUI ends with a plain Euler step
+        if zero[i + 1]:  # the corrector would evaluate the model at sigma 0; ComfyUI ends with a plain Euler step
             x = x + slope * dsigma
         else:
             x_euler = x + slope * dsigma
@@ -56,14 +58,15 @@ def _heun(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int]
     return x
 
 
-def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, zero: list[bool], seed: int,
+                          done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
     # ComfyUI's sample_euler_ancestral_RF (what euler_ancestral runs for CONST models): step deterministically to a
     # lower sigma_down, then rescale the signal and add fresh noise so the marginal matches sigma_next.
     noise = noise_for(lambda like: gaussian_noise_sampler(like, seed))
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         denoised = (yield x, sigma)
-        if sigma_next == 0:
+        if zero[i + 1]:
             x = denoised
         else:
             sigma_down = sigma_next * (1 + (sigma_next / sigma - 1) * ETA)
@@ -77,7 +80,8 @@ def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done
     return x
 
 
-def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, zero: list[bool], seed: int, done: Callable[[int], None],
+              noise_for: NoiseFor) -> Steps:
     # DPM-Solver++(2M) in t = -log(sigma); ComfyUI runs the same code for CONST models (no alpha).
     def t_of(sigma: torch.Tensor) -> torch.Tensor:
         return sigma.log().neg()
@@ -91,7 +95,7 @@ def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[
         denoised = (yield x, sigma)
         t, t_next = t_of(sigma), t_of(sigma_next)
         h = t_next - t
-        if previous is None or sigma_next == 0:  # first order on the first step and onto sigma 0
+        if previous is None or zero[i + 1]:  # first order on the first step and onto sigma 0
             target = denoised
         else:
             r = (t - t_of(sigmas[i - 1])) / h
@@ -102,8 +106,8 @@ def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[
     return x
 
 
-def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor,
-                       percent_to_sigma: PercentToSigma | None) -> Steps:
+def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, zero: list[bool], seed: int, done: Callable[[int], None],
+                       noise_for: NoiseFor, percent_to_sigma: PercentToSigma | None) -> Steps:
     # ComfyUI's sample_dpmpp_2m_sde (midpoint) for CONST models: steps in half-logSNR lambda = log((1 - sigma) / sigma)
     # with alpha = 1 - sigma, Brownian-tree noise seeded with the plain seed.
     if len(sigmas) <= 1:
@@ -123,7 +127,7 @@ def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: C
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         denoised = (yield x, sigma)
-        if sigma_next == 0:
+        if zero[i + 1]:
             x = denoised
         else:
             lam, lam_next = sigma.logit().neg(), sigma_next.logit().neg()
@@ -166,10 +170,12 @@ def sampler_steps(sampler_name: str, x: torch.Tensor, sigmas: torch.Tensor, *, s
         return lambda sigma, sigma_next: draw(sigma, sigma_next)[region]
 
     sigmas = sigmas.to(device=x.device)
+    # which sigmas are 0, read once here: the steps branch on it, and a branch on a device tensor makes the host wait
+    zero = (sigmas == 0).tolist()
     if sampler_name == "dpmpp_2m_sde":
-        return _dpmpp_2m_sde_flow(x, sigmas, seed, done, noise_for, percent_to_sigma)
+        return _dpmpp_2m_sde_flow(x, sigmas, zero, seed, done, noise_for, percent_to_sigma)
     run = {"euler": _euler, "euler_ancestral": _euler_ancestral_flow, "heun": _heun, "dpmpp_2m": _dpmpp_2m}[sampler_name]
-    return run(x, sigmas, seed, done, noise_for)
+    return run(x, sigmas, zero, seed, done, noise_for)
 
 
 def sample(sampler_name: str, denoise_fn: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,
