@@ -96,7 +96,8 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
                            scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device))
     positive, negative = _sides(request)
     ctx.check_cancel(0)
-    with syncs.loop(ctx.info, ctx.device):   # a test instrument; a no-op unless the rank's environment arms it
+    # a test instrument around the loop; a no-op unless the rank's environment arms it
+    with syncs.loop(ctx.info, ctx.device, host=(request, latent_raw, noise)):
         pipeline.setup(layout)
         with attention_kernels(request.attention, ctx.device):
             samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape),
@@ -127,7 +128,8 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
         ctx.check_cancel(step_index + 1)
 
     ctx.check_cancel(0)
-    with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device):
+    with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device,
+                                                                         host=(request, latent_raw, noise)):
         syncs.start()
         info = parallel.flow.loaded.info
         samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device),

@@ -147,7 +147,7 @@ class JobContext:
         if self.job_world == 1:
             agreed = bool(flag)
         else:
-            mine = torch.tensor([flag], dtype=torch.int64)
+            mine = syncs.in_host_memory(torch.tensor([flag], dtype=torch.int64))
             work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
             previous, self._agreement = self._agreement, (work, mine)
             agreed = False

@@ -121,7 +121,8 @@ class Pipeline:
     def _plan(self, start: SamplingStart, sampler: str, seed: int) -> None:
         """The job's calls, the header table (on the device), and this stage's incoming messages, in order."""
         layout = self.layout
-        self.calls = call_schedule(sampler, start, seed, layout.warmup)
+        self._sigmas_host = start.sigmas.detach().cpu()   # read once per job
+        self.calls = call_schedule(sampler, start, self._sigmas_host, seed, layout.warmup)
         self.steps_total = self.calls[-1].step + 1 if self.calls else 0
         rows, self._row = [], {}
 
@@ -187,9 +188,9 @@ class Pipeline:
         """Run the job's sampling through the pipeline. The last stage gets `start` (every rank can build it) and
         returns the raw latent; the first stage returns the same latent, received from the last; others None."""
         self.deadline_s = deadline_s
+        syncs.start()
         self.bind(positive, negative, latent_shape, cfg)
         self._plan(start, sampler, seed)
-        syncs.start()
         try:
             stopped_after = self._loop(ctx, start, sampler, seed)
             return self._end(ctx, stopped_after)
@@ -340,7 +341,8 @@ class Pipeline:
             rows = self.model.latent_rows(m)
             region = (slice(None), slice(None), rows, slice(None))
             self._gens.append(sampler_steps(sampler, x_all[region], start.sigmas, seed=seed,
-                                            percent_to_sigma=start.percent_to_sigma, whole=x_all, region=region))
+                                            percent_to_sigma=start.percent_to_sigma, whole=x_all, region=region,
+                                            host_sigmas=self._sigmas_host))
         self._next = [next(g) for g in self._gens]          # each patch's next request: (x, sigma)
         for m in range(layout.patches):
             self._request(0, m)

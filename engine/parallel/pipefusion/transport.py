@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ... import syncs
 from ...errors import EngineError
 from ...sampling.ksampler import SamplingStart
 from ...sampling.samplers import sampler_steps
@@ -32,23 +33,25 @@ class Call:
     warm: bool       # a whole-latent call (a warmup step)
 
 
-def call_schedule(sampler: str, start: SamplingStart, seed: int, warmup: int) -> list[Call]:
+def call_schedule(sampler: str, start: SamplingStart, sigmas_host: torch.Tensor, seed: int, warmup: int) -> list[Call]:
     """Every model call of the job, in order. The samplers ask for the same sigmas whatever the model returns, so a
-    run of the sampler on one number (on the host, once per job) gives the schedule every stage follows."""
+    run of the sampler on one number, on the host (sigmas_host: the job's sigmas in host memory), gives the schedule
+    every stage follows."""
     done = [0]
 
     def count(step_index, total):
         done[0] = step_index + 1
-    steps = sampler_steps(sampler, torch.zeros(1), start.sigmas.detach().cpu(), seed=seed, callback=count,
-                          percent_to_sigma=start.percent_to_sigma)
     calls = []
-    try:
-        x, sigma = next(steps)
-        while True:
-            calls.append(Call(float(sigma), done[0], done[0] < warmup))
-            x, sigma = steps.send(x)
-    except StopIteration:
-        return calls
+    with syncs.on_host():
+        steps = sampler_steps(sampler, torch.zeros(1), sigmas_host, seed=seed, callback=count,
+                              percent_to_sigma=start.percent_to_sigma, host_sigmas=sigmas_host)
+        try:
+            x, sigma = next(steps)
+            while True:
+                calls.append(Call(float(sigma), done[0], done[0] < warmup))
+                x, sigma = steps.send(x)
+        except StopIteration:
+            return calls
 
 
 @dataclass(frozen=True)
