@@ -106,8 +106,8 @@ def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: i
     return x
 
 
-def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int, done: Callable[[int], None],
-                       noise_for: NoiseFor, percent_to_sigma: PercentToSigma | None) -> Steps:
+def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int,
+                       done: Callable[[int], None], noise_for: NoiseFor, percent_to_sigma: PercentToSigma | None) -> Steps:
     # ComfyUI's sample_dpmpp_2m_sde (midpoint) for CONST models: steps in half-logSNR lambda = log((1 - sigma) / sigma)
     # with alpha = 1 - sigma, Brownian-tree noise seeded with the plain seed.
     if len(sigmas) <= 1:

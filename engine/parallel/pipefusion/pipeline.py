@@ -21,8 +21,8 @@ run one pipeline per pass / batch share and meet on the last stage, where the ve
 sampler, as parallelize.py does for one model call.
 
 No host read per piece, patch or layer: the samplers ask for the same sigmas whatever the model returns, so every
-rank derives the job's call schedule before the loop (transport.py `call_schedule`: each call's sigma and step) and with it every
-message it will receive, in order, with its shapes. A stage posts the receives of a step's messages ahead and waits
+rank derives the job's call schedule before the loop (transport.py `call_schedule`: each call's sigma and step) and
+with it every message it will receive, in order, with its shapes. A stage posts the receives of a step's messages ahead and waits
 on each in the device's stream order when it needs it, so the transfer of patch m+1 runs while patch m computes.
 Each message still starts with its header (kind, band, sigma, warm, steps done, cancelled), taken from a table on
 the device built once; the receiver keeps the headers on the device and checks them once, after the job
@@ -310,7 +310,8 @@ class Pipeline:
 
     def _end(self, ctx, stopped_after: int | None):
         """The job's last messages: the final latent (last stage -> first), a stop down the stages (every stage but
-        the last sends one, every stage but the first takes one); a cancel raises on every rank once they are through."""
+        the last sends one, every stage but the first takes one); a cancel raises on every rank once they are
+        through."""
         cancelled = stopped_after is not None
         done = stopped_after if cancelled else self.steps_total
         result = None
