@@ -123,11 +123,16 @@ def test_the_step_cache_decides_without_a_sync(tiny_models, counting, plan, sett
         assert deferred == cache["model_calls"] - 1   # one stream per rank here: every call after its first
 
 
-def test_compiled_blocks_sync_no_more_than_eager(tiny_models, counting):
-    r = request(tiny_models, "flux", dict(ulysses=2), compile=True, cache_threshold=SKIPS, steps=5)
+@pytest.mark.parametrize("plan,settings", [
+    (dict(ulysses=2), dict(cache_threshold=SKIPS)),
+    (dict(ring=2), {}),
+    (dict(pipefusion=2), dict(patches=3, warmup_steps=1)),
+], ids=lambda v: ",".join(f"{k}={w}" for k, w in v.items()))
+def test_compiled_blocks_sync_no_more_than_eager(tiny_models, counting, plan, settings):
+    r = request(tiny_models, "flux", plan, compile=True, **settings)
     counts, result = counted(counting, r)
     assert result.ranks[0]["compiled_graphs"] > 0
-    check("flux ulysses2 compiled, step cache", counts, 5)
+    check(f"flux {r.plan.describe()} compiled {settings}", counts, STEPS)
 
 
 def test_the_instrument_sees_each_kind_of_sync(monkeypatch):
