@@ -1,8 +1,9 @@
 """The step cache (First-Block-Cache) on real rank processes (gloo, CPU): a cache that skips no call reproduces the
 uncached latent bitwise on 1, 2 and 4 ranks (the cached path runs the same operations, exact by construction); at a threshold that
 skips, every rank takes the same decisions, and they are the decisions one rank takes (the agreed change differs
-across plans only by summation order, far from the threshold: the margin is printed); a skipped call returns the
-first block's output plus the cached remainder."""
+across plans only by summation order, far from the threshold: the margin is printed); a call is skipped on the change
+its stream's previous call measured (one call late, so the host never waits for the device), and returns the first
+block's output plus the cached remainder."""
 import pytest
 import torch
 
@@ -88,8 +89,9 @@ def test_ranks_agree_and_match_one_rank(tiny_models, engines, plan):
 
 
 def test_skipped_call_reuses_the_remainder(tiny_models):
-    """In process: the same input twice. The second call's first-block residual is unchanged (change 0), so it
-    skips, and its output is the first block's output plus the cached remainder: the full output up to rounding."""
+    """In process: the same input three times. The decision is taken one call late (the host never waits for the
+    device): the second call measures an unchanged first-block residual (change 0), so the third call skips, and its
+    output is the first block's output plus the cached remainder: the full output up to rounding."""
     loaded = load_model(tiny_models["flux"])
     flow = FlowModel(loaded)
     cache = StepCache(flow.model, families.get("flux").tokens.blocks, threshold=1e-3)
@@ -98,8 +100,10 @@ def test_skipped_call_reuses_the_remainder(tiny_models):
     x = torch.randn(1, 16, 16, 16, generator=g)
     cache.use_stream("pos")
     full = flow.velocity(x, torch.tensor(0.7), prepared)
+    second = flow.velocity(x, torch.tensor(0.7), prepared)
     again = flow.velocity(x, torch.tensor(0.7), prepared)
-    assert cache.stats.skipped_at == [1] and cache.stats.changes == [None, 0.0]
+    assert cache.stats.skipped_at == [2] and cache.stats.changes == [None, None, 0.0]
+    assert torch.equal(second, full)   # computed in full: the same operations on the same input
     rel = ((again - full).norm() / full.norm()).item()
     print(f"skipped call vs full call, relative L2 {rel:.3g}")
     assert rel < 1e-5

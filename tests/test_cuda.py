@@ -1,6 +1,7 @@
 """CUDA checks, skipped cleanly where torch sees no CUDA device (CI has none; run them on a GPU machine):
 CUDA vs CPU fp32 parity of the tiny models, bf16 within its expected distance, the attention kernels' log-sum-exp and
-the Ring merge built on it, fp8 products, and the engine on one CUDA rank (NCCL) with a clean shutdown."""
+the Ring merge built on it, fp8 products, the engine on one CUDA rank (NCCL) with a clean shutdown, and its step loop
+under CUDA's sync debug mode "error"."""
 import math
 
 import pytest
@@ -147,3 +148,21 @@ def test_pipefusion_stage_code_and_stale_kv_buffers_on_cuda(models, family, dtyp
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     fresh_kv_check(models[family], family, device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("options", [dict(dtype="bf16"), dict(dtype="bf16", cache_threshold=0.9),
+                                     dict(dtype="bf16", compile=True, cache_threshold=0.9),
+                                     dict(dtype="fp32", sampler="dpmpp_2m_sde")],
+                         ids=["eager", "step-cache", "compiled-step-cache", "fp32-dpmpp_2m_sde"])
+def test_the_step_loop_makes_no_synchronising_cuda_call(models, monkeypatch, options):
+    """The loop's steps after the first run under torch.cuda.set_sync_debug_mode("error") (XDIT_HOST_SYNCS=error in
+    the rank's environment): a synchronising CUDA call there fails the job. One CUDA rank (NCCL runs one rank per
+    device); the plans of several ranks are counted on CPU ranks (tests/test_host_syncs.py)."""
+    from engine import syncs
+    monkeypatch.setenv(syncs.ENV, "error")
+    with Engine(1, device="cuda", gpus=[0]) as engine:
+        result = engine.submit("generate", *_job(models, "flux", **options))
+    info = result.ranks[0]
+    print(options, info["host_syncs"], info.get("step_cache", {}).get("skipped_at"))
+    assert info["host_syncs"] == {"mode": "error"}
+    assert torch.isfinite(result.outputs["samples"]).all()

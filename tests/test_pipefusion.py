@@ -111,7 +111,9 @@ def test_patches_with_fresh_kv_equal_the_whole_call_and_the_whole_call_equals_th
 
 
 def test_a_stalled_stage_names_the_stage_what_it_waited_for_and_the_peer():
-    from engine.parallel.pipefusion.pipeline import StageStall
+    """Both deadlines: a wait the process group times out (CPU ranks, gloo), and the host's bound on how far it runs
+    ahead of a transfer that has not arrived (GPU ranks, where a wait only orders the device's stream)."""
+    from engine.parallel.pipefusion.transport import Link, StageStall
 
     class Never:
         def wait(self, timeout=None):
@@ -120,13 +122,10 @@ def test_a_stalled_stage_names_the_stage_what_it_waited_for_and_the_peer():
         def is_completed(self):
             return False
 
-    for device in ("cpu", "cuda"):
-        pipeline = Pipeline.__new__(Pipeline)
-        pipeline.flow = type("F", (), {"device": torch.device(device)})()
-        pipeline.mesh = type("M", (), {"rank": 3})()
-        pipeline.stage, pipeline.deadline_s = 1, 0.01
+    link = Link(stage=1, rank=3, deadline_s=0.01)
+    for wait in (link.wait, link.bound):
         with pytest.raises(StageStall) as e:
-            pipeline._wait(Never(), "patch 2 activations (step 5)", 2)
+            wait(Never(), "patch 2 activations (step 5)", 2)
         print(e.value)
         message = str(e.value)
         assert "stage 1 (rank 3) waited" in message and "patch 2 activations (step 5) (peer: rank 2)" in message

@@ -110,13 +110,14 @@ def test_plans_within_the_models_accuracy_are_a_tie_won_by_the_simpler_plan():
 
 
 def test_when_one_gpu_is_faster_auto_runs_on_one_rank_and_says_so():
-    """Over PCIe without peer access the exchanges of two eager H100s cost more than the half of the work they save
-    (the host's launches do not halve): one rank runs the job, the other idles."""
+    """Over PCIe without peer access the exchanges of two eager H100s cost about as much as the half of the work they
+    save, or more (the host's launches do not halve): one rank runs the job, the other idles."""
     choice = choose(FLUX, 2, "H100 SXM", "pcie-no-peer")
     print(choice.reason)
     assert choice.plan == ParallelPlan()
     assert re.match(r"auto chose single rank on 1 of 2 ranks \(the other 1 idle\): est\. \d+ ms/step.*; on all 2 the "
-                    r"best is \S+ est\. \d+ ms/step, \d+\.\d\d s/image: fewer GPUs are faster$", choice.reason)
+                    r"best is \S+ est\. \d+ ms/step, \d+\.\d\d s/image: (fewer GPUs are faster|as fast on fewer GPUs)$",
+                    choice.reason)
 
 
 def test_two_consumer_gpus_without_peer_access_run_a_small_job_on_one():
@@ -494,9 +495,11 @@ def test_plan_help_shows_the_defaults(capsys):
 
 
 def test_ring_overlap_hides_transfers_behind_attention_only_when_the_ring_can(monkeypatch):
-    """RING_OVERLAP is 0 while attention.py's _ring waits for each transfer before computing; the model still hides
-    up to the attention of r-1 blocks when it is raised, and never hides Ulysses' all-to-alls."""
+    """attention.py's _ring posts each hop before computing the block in hand (RING_OVERLAP 1): the model hides up
+    to the attention of r-1 blocks, nothing without the overlap, and never Ulysses' all-to-alls."""
+    assert cost.RING_OVERLAP == 1.0
     hw = stated_hardware(4, "H100 SXM", "pcie")
+    monkeypatch.setattr(cost, "RING_OVERLAP", 0.0)
     exposed = {p: cost.estimate(ParallelPlan(**{p: 4}), FLUX, hw).comm_ms for p in ("ring", "ulysses")}
     monkeypatch.setattr(cost, "RING_OVERLAP", 1.0)
     hidden = {p: exposed[p] - cost.estimate(ParallelPlan(**{p: 4}), FLUX, hw).comm_ms for p in ("ring", "ulysses")}

@@ -289,19 +289,18 @@ class FluxStage(StageModel):
         return embed(t, prepared.pooled)
 
     def embed(self, x: torch.Tensor, prepared, band: int | None, with_text: bool):
-        start = 0 if band is None else self.layout.band_start(band)
-        image = self.model.x_embedder(pack_2x2(x)[:, self.local(band) - start])
+        image = self.model.x_embedder(pack_2x2(x)[:, self.band_index(band)])
         text = self.model.context_embedder(prepared.cond) if with_text else image.new_zeros(x.shape[0], 0,
                                                                                             image.shape[2])
         return text, image
 
     def _rope(self, band, n_text: int, device):
         key = (band, n_text)
-        if key not in self._ropes:
-            idx = self.local(band)
+        if key not in self._ropes:   # built on the device, once per piece shape
+            idx = self.local_index(band)
             rows, cols = idx // self.layout.cols, idx % self.layout.cols
             img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1).to(torch.float32)
-            self._ropes[key] = self.model.pos_embed(torch.cat([torch.zeros(n_text, 3), img_ids]).to(device))
+            self._ropes[key] = self.model.pos_embed(torch.cat([img_ids.new_zeros(n_text, 3), img_ids]))
         return self._ropes[key]
 
     def run_blocks(self, text, image, temb, band, with_text: bool):

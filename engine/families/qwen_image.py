@@ -264,18 +264,17 @@ class QwenStage(StageModel):
         return self.model.time_text_embed(sigma32.reshape(-1).expand(n), prepared.cond)
 
     def embed(self, x: torch.Tensor, prepared, band: int | None, with_text: bool):
-        start = 0 if band is None else self.layout.band_start(band)
-        image = self.model.img_in(pack(x)[:, self.local(band) - start])
+        image = self.model.img_in(pack(x)[:, self.band_index(band)])
         text = (self.model.txt_in(self.model.txt_norm(prepared.cond)) if with_text
                 else image.new_zeros(x.shape[0], 0, image.shape[2]))
         return text, image
 
     def _rope(self, band, n_text: int, device):
         key = (band, n_text)
-        if key not in self._ropes:
+        if key not in self._ropes:   # built on the device, once per piece shape
             h, w = self.layout.rows * 2, self.layout.cols * 2
             axes = self.model.config.axes_dims_rope
-            ids = image_ids(h, w, device=device)[self.local(band).to(device)]
+            ids = image_ids(h, w, device=device)[self.local_index(band)]
             self._ropes[key] = (rotary(ids, axes, device), rotary(text_ids(h, w, n_text, device), axes, device))
         return self._ropes[key]
 

@@ -231,11 +231,9 @@ class SD3Stage(StageModel):
     def embed(self, x: torch.Tensor, prepared, band: int | None, with_text: bool):
         pe = self.model.pos_embed   # PatchEmbed's forward, on a band of rows: the conv is per patch, positions cropped
         tokens = pe.proj(x).flatten(2).transpose(1, 2)
-        start = 0 if band is None else self.layout.band_start(band)
-        idx = self.local(band)
         height, width = self.layout.rows * self.patch, self.layout.cols * self.patch
-        positions = pe.cropped_pos_embed(height, width)[:, idx]
-        image = (tokens[:, idx - start] + positions).to(tokens.dtype)
+        positions = pe.cropped_pos_embed(height, width)[:, self.local_index(band)]
+        image = (tokens[:, self.band_index(band)] + positions).to(tokens.dtype)
         text = (self.model.context_embedder(prepared.cond) if with_text
                 else image.new_zeros(x.shape[0], 0, image.shape[2]))
         return text, image

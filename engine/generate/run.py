@@ -13,6 +13,7 @@ from ..models.speed import attention_kernels, compiled_graphs, release_model_mem
 from ..parallel.parallelize import parallelize
 from ..parallel.pipefusion.layout import make_layout, stage_keep
 from ..parallel.pipefusion.pipeline import Pipeline
+from .. import syncs
 from ..sampling.ksampler import ksample, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
@@ -90,18 +91,20 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
     stage = mesh["pipefusion"].rank
     keep = stage_keep(info, layout, stage)
     pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep))
-    pipeline.setup(layout)
     noise = frame(prepare_noise(request.latent_raw.float(), request.seed, request.batch_index))   # its shape's draw
     start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.spec.latent.image(),
                            seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
                            scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device))
     positive, negative = _sides(request)
     ctx.check_cancel(0)
-    with attention_kernels(request.attention, ctx.device):
-        samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape), cfg=request.cfg,
-                               cfg_norm=request.cfg_norm,
-                               sampler=request.sampler, seed=request.seed, steps=len(start.sigmas) - 1,
-                               deadline_s=ctx.deadline_s)
+    # a test instrument around the loop; a no-op unless the rank's environment arms it
+    with syncs.loop(ctx.info, ctx.device, host=(request, latent_raw, noise)):
+        pipeline.setup(layout)
+        with attention_kernels(request.attention, ctx.device):
+            samples = pipeline.run(ctx, start, positive, negative, latent_shape=tuple(latent_raw.shape),
+                                   cfg=request.cfg, cfg_norm=request.cfg_norm, sampler=request.sampler,
+                                   seed=request.seed, steps=len(start.sigmas) - 1, deadline_s=ctx.deadline_s)
+    pipeline.check_headers()
     if video and samples is not None:
         samples = samples.unsqueeze(2)
     ctx.info["pipefusion"] = {"stage": stage, "blocks": list(layout.blocks_of(stage)), "patches": layout.patches,
@@ -128,7 +131,9 @@ def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | Non
         ctx.check_cancel(step_index + 1)
 
     ctx.check_cancel(0)
-    with attention_kernels(request.attention, ctx.device):
+    with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device,
+                                                                         host=(request, latent_raw, noise)):
+        syncs.start()
         info = parallel.flow.loaded.info
         samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device),
                           sampling=request.sampling(info), latent=info.spec.latent, seed=request.seed,

@@ -1,6 +1,8 @@
-"""The one attention entry point: local, Ulysses (yunchang's all-to-all), Ring (exact log-sum-exp merge), and any
-mix, over image tokens sharded across the sequence-parallel ranks, with optional joint text tokens that every
-rank holds in full (their K/V enter each softmax exactly once; their queries see every key).
+"""The one attention entry point: local, Ulysses (q, k and v exchanged in one all-to-all, the output back through
+yunchang's), Ring (each hop posted ahead of the block in hand, exact log-sum-exp merge), and any mix, over image
+tokens sharded across the sequence-parallel ranks, with optional joint text tokens that every rank holds in full
+(their K/V enter each softmax exactly once; their queries see every key). Nothing here reads a tensor on the host or
+waits on the host for a transfer.
 
 Tensors are (batch, tokens, heads, head_dim), diffusers' layout.
 """
@@ -19,31 +21,63 @@ except ImportError:
     flash_attn_func = None
 
 
+def _cudnn(q, k, v):
+    b, s, h, _ = q.shape
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, False, False)[:2]
+    return out.transpose(1, 2), lse.reshape(b, h, -1)[..., :s].float()   # cuDNN may keep a trailing dim of 1
+
+
+def _flash_attn(q, k, v):
+    if flash_attn_func is None:
+        raise NotImplementedError("flash-attn is not installed")
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)  # takes (batch, tokens, heads, dim) as is
+    return out, lse.float()
+
+
+def _aten(op, q, k, v, *extra):
+    out, lse = op(*(t.transpose(1, 2) for t in (q, k, v)), *extra)[:2]
+    return out.transpose(1, 2), lse[..., :q.shape[1]].float()   # the efficient kernel pads its LSE
+
+
+# CUDA half-precision kernels that return a log-sum-exp, fastest first (FLUX.1-dev on one H100: cuDNN 183 ms a step,
+# flash 207); the first that takes a call's shapes is remembered per device, dtype and head width
+HALF_KERNELS = {"cudnn": _cudnn, "flash-attn": _flash_attn,
+                "flash": lambda q, k, v: _aten(torch.ops.aten._scaled_dot_product_flash_attention, q, k, v)}
+_CHOSEN: dict = {}
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and its log-sum-exp (batch, heads, tokens; fp32), from a kernel that returns a real one
-    (yunchang's TORCH_MATH returns zeros, which breaks any ring merge)."""
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.is_cuda and half and flash_attn_func is not None:
-        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)  # takes (batch, tokens, heads, dim) as is
-        return out, lse.float()
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    (yunchang's TORCH_MATH returns zeros, which breaks any ring merge): on CUDA in half precision the fastest of
+    HALF_KERNELS that takes these shapes, in fp32 the efficient kernel; on the CPU torch's CPU flash kernel."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt)[:2]
-    elif half:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt)[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True)[:2]
-    return out.transpose(1, 2), lse[..., :q.shape[1]].float()  # the efficient kernel pads its LSE
+        return _aten(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, q, k, v)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return _aten(torch.ops.aten._scaled_dot_product_efficient_attention, q, k, v, None, True)
+    key = (q.device, q.dtype, q.shape[-1])
+    chosen = _CHOSEN.get(key)
+    order = ([chosen] if chosen else []) + [name for name in HALF_KERNELS if name != chosen]
+    error = None
+    for name in order:
+        try:
+            result = HALF_KERNELS[name](q, k, v)
+        except (RuntimeError, NotImplementedError) as e:   # this kernel does not take these shapes on this GPU
+            error = error or e
+            continue
+        _CHOSEN[key] = name
+        return result
+    raise error
 
 
 def _merge(out, lse, block_out, block_lse):
-    """Combine two partial softmax results over disjoint key sets."""
+    """Combine two partial softmax results over disjoint key sets: the block's share of the whole is
+    sigmoid(block_lse - lse), so the merged output is one lerp and the merged log-sum-exp one log-sigmoid (three
+    elementwise kernels, stable for any gap between the two; under compile they fuse with the blocks' graphs)."""
     if out is None:
         return block_out.float(), block_lse
-    new_lse = torch.logaddexp(lse, block_lse)
-    w_old = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    return out * w_old + block_out.float() * w_new, new_lse
+    share = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
+    return torch.lerp(out, block_out.float(), share), lse - F.logsigmoid(lse - block_lse)
 
 
 class SequenceParallelAttention:
@@ -51,8 +85,8 @@ class SequenceParallelAttention:
     communication benchmark at full model size on CPU ranks."""
 
     def __init__(self, mesh: Mesh, comm_only: bool = False, stale=None):
-        """stale: a PipeFusion K/V buffer (pipefusion.StaleKV) this layer attends through: the call's fresh keys are
-        written into it and the queries see all of it (the other patches' keys from their latest call)."""
+        """stale: a PipeFusion K/V buffer (pipefusion/stage.py StaleKV) this layer attends through: the call's fresh keys
+        are written into it and the queries see all of it (the other patches' keys from their latest call)."""
         self.mesh = mesh
         self.comm_only = comm_only
         self.stale = stale
@@ -66,7 +100,7 @@ class SequenceParallelAttention:
         if u.size > 1:
             sent = sum(t.numel() * t.element_size() for t in (q, k, v)) * (u.size - 1) // u.size
             self.mesh.stats.add("ulysses_all_to_all", sent)
-            q, k, v = (all_to_all_4D(t.contiguous(), scatter_idx=2, gather_idx=1, group=u.pg) for t in (q, k, v))
+            q, k, v = self._exchange_qkv(q, k, v)
             if joint is not None:
                 heads = q.shape[2]
                 joint = tuple(t[:, :, u.rank * heads:(u.rank + 1) * heads] for t in joint)
@@ -95,21 +129,45 @@ class SequenceParallelAttention:
                 text_out = image_out.new_zeros(image_out.shape[0], 0, *image_out.shape[2:])
         return image_out, (text_out if joint is not None else None)
 
+    def _exchange_qkv(self, q, k, v):
+        """Ulysses' exchange of q, k and v in one all-to-all (one call, not three): this rank's tokens of every head
+        out, every rank's tokens of this rank's heads back. Member j's heads of all three go in one block, laid out
+        as all_to_all_single scatters them; what comes back is split into q, k, v of (batch, tokens, heads/U, dim),
+        the same values yunchang's all_to_all_4D gives each tensor alone."""
+        u = self.ulysses
+        b, s, h, d = q.shape
+        send = q.new_empty(u.size, s, b, 3, h // u.size, d)
+        for i, t in enumerate((q, k, v)):
+            send[:, :, :, i] = t.reshape(b, s, u.size, h // u.size, d).permute(2, 1, 0, 3, 4)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=u.pg)
+        # received[j]: member j's tokens (its sequence shard, in member order) of this rank's heads
+        return received.permute(3, 2, 0, 1, 4, 5).reshape(3, b, u.size * s, h // u.size, d).unbind(0)
+
+    def _pass_on(self, kv, nxt: int, prv: int):
+        """Post one ring hop: kv to the next member, the previous member's into a new buffer; returns (buffer,
+        requests). Waiting on the requests orders the device's stream after the transfer (NCCL); the host goes on."""
+        r = self.ring
+        incoming = torch.empty_like(kv)
+        ops = [dist.P2POp(dist.isend, kv, nxt, group=r.pg), dist.P2POp(dist.irecv, incoming, prv, group=r.pg)]
+        self.mesh.stats.add("ring_p2p", kv.numel() * kv.element_size())
+        return incoming, dist.batch_isend_irecv(ops)
+
     def _ring(self, queries, keys0, values0, k, v):
         """Step 0 uses this rank's keys (text included, once); then the image K/V of every other ring member
-        arrives in turn. Partial results merge exactly through their log-sum-exp."""
+        arrives in turn. Each hop is posted before the attention of the block in hand (double buffering), so the
+        transfer runs while that block computes. Partial results merge exactly through their log-sum-exp."""
         r = self.ring
         kernel = attention_with_lse if not self.comm_only else \
             (lambda q, k, v: (q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)))
-        out, lse = _merge(None, None, *kernel(queries, keys0, values0))
-        kv = torch.stack([k, v]).contiguous()
         nxt, prv = r.ranks[(r.rank + 1) % r.size], r.ranks[(r.rank - 1) % r.size]
-        for _ in range(r.size - 1):
-            incoming = torch.empty_like(kv)
-            ops = [dist.P2POp(dist.isend, kv, nxt, group=r.pg), dist.P2POp(dist.irecv, incoming, prv, group=r.pg)]
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-            self.mesh.stats.add("ring_p2p", kv.numel() * kv.element_size())
+        incoming, requests = self._pass_on(torch.stack([k, v]), nxt, prv)
+        out, lse = _merge(None, None, *kernel(queries, keys0, values0))
+        for hop in range(1, r.size):
+            for request in requests:
+                request.wait()
             kv = incoming
+            if hop < r.size - 1:   # the next hop travels while this block computes
+                incoming, requests = self._pass_on(kv, nxt, prv)
             out, lse = _merge(out, lse, *kernel(queries, kv[0], kv[1]))
         return out.to(queries.dtype)

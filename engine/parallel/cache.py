@@ -2,8 +2,11 @@
 transformer block; when its output residual (output - input of the image stream) has barely changed since the last
 call that ran every block, the remaining blocks are skipped and their contribution from that call is reused.
 
-Under a parallel plan the decision is one all-reduce over every rank (sums of |change| and |previous residual|), so
-all ranks skip or compute together and no collective inside the skipped blocks is left waiting. Ranks whose shard
+The decision is taken one call late, so the host never waits for the device: a call skips when the first block's
+residual of the stream's previous call had changed little from the last fully computed call's. Each call's change
+is measured on the device and agreed by one all-reduce over every rank of the job (sums of |change| and |previous
+residual|), posted behind the first block and read at the stream's next call (`Deferred`), long after it completed.
+So all ranks skip or compute together and no collective inside the skipped blocks is left waiting; ranks whose shard
 has changed little skip only when the whole picture has.
 
 The blocks themselves are untouched (compiled blocks stay compiled, their weights keep their names): the model's
@@ -22,19 +25,52 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import syncs
+
+
+class Deferred:
+    """A small device tensor's value, read a model call later without making the host wait for the device. On CUDA it
+    is copied to pinned host memory behind the work that produces it (the collective `work` orders the device's
+    stream, not the host) and an event marks the copy: `result` waits for that event only, recorded a call ago and
+    long passed, never for the device's queue. On the CPU the host is the device: the collective runs in the
+    background and `result` waits for it."""
+
+    def __init__(self, t: torch.Tensor, work=None):
+        self._event = None
+        if t.is_cuda:
+            if work is not None:
+                work.wait()
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._work = None
+        else:
+            self._host, self._work = t, work
+
+    def result(self) -> list:
+        with syncs.deferred_read():
+            if self._event is not None:
+                self._event.synchronize()
+            if self._work is not None:
+                self._work.wait()
+            return self._host.tolist()
+
 
 @dataclass
 class _Stream:
     """One sequence of model calls (a pass and batch share): what the last fully computed call left."""
     first_residual: torch.Tensor | None = None   # first block's hidden-state residual
     rest_residual: torch.Tensor | None = None    # final hidden states - first block's output
+    measured: Deferred | None = None             # the last call's change, agreed, not yet read
 
 
 @dataclass
 class CacheStats:
     calls: int = 0
     skipped: int = 0
-    changes: list = field(default_factory=list)      # the agreed relative change of each call (None: no reference)
+    changes: list = field(default_factory=list)      # the agreed relative change each call's decision used: the
+    #                                                  stream's previous call's (None: no reference yet)
     skipped_at: list = field(default_factory=list)   # indices of the skipped calls
 
     def as_dict(self) -> dict:
@@ -43,9 +79,12 @@ class CacheStats:
 
 
 class StepCache:
-    def __init__(self, model: torch.nn.Module, block_lists: tuple[str, ...], threshold: float):
+    def __init__(self, model: torch.nn.Module, block_lists: tuple[str, ...], threshold: float, group=None,
+                 ranks: int = 1):
+        """group, ranks: the job's ranks, which agree on every decision (None, 1: this process alone)."""
         self.model = model
         self.threshold = float(threshold)
+        self.group, self.ranks = group, ranks
         self.originals = {name: model.get_submodule(name) for name in block_lists}
         blocks = [b for name in block_lists for b in self.originals[name]]
         if len(blocks) < 2:
@@ -96,7 +135,8 @@ class StepCache:
         hidden_in = kwargs["hidden_states"]
         encoder, hidden = block(*args, **kwargs)
         residual = hidden - hidden_in
-        change = self._relative_change(residual, stream)
+        change = self._agreed(stream.measured) if stream.measured is not None else None
+        stream.measured = self._measure(residual, stream)
         self.stats.changes.append(change)
         self._skip = change is not None and change < self.threshold
         if self._skip:
@@ -107,21 +147,25 @@ class StepCache:
         self._first_out = hidden
         return encoder, hidden
 
-    def _relative_change(self, residual: torch.Tensor, stream: _Stream) -> float | None:
-        """mean |residual - previous| / mean |previous| over every rank's shard, the same number on every rank;
-        None when this stream has no fully computed call yet."""
-        ready = stream.first_residual is not None and stream.rest_residual is not None
-        sums = torch.zeros(3, dtype=torch.float64, device=residual.device)
-        if ready and stream.first_residual.shape == residual.shape:
+    def _measure(self, residual: torch.Tensor, stream: _Stream) -> Deferred:
+        """This call's change against the stream's last fully computed call, summed over every rank's shard: |residual -
+        previous|, |previous|, and 1 where this rank has a reference (all on the device, all-reduced, read later)."""
+        ready = stream.first_residual is not None and stream.rest_residual is not None and \
+            stream.first_residual.shape == residual.shape
+        if ready:
             prev = stream.first_residual
-            sums[0] = (residual - prev).abs().double().sum()
-            sums[1] = prev.abs().double().sum()
-            sums[2] = 1.0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1:
-            dist.all_reduce(sums)
-        diff, base, ready_ranks = sums.tolist()
-        if ready_ranks < world or base == 0.0:
+            sums = torch.stack([(residual - prev).abs().double().sum(), prev.abs().double().sum(),
+                                torch.ones((), dtype=torch.float64, device=residual.device)])
+        else:
+            sums = torch.zeros(3, dtype=torch.float64, device=residual.device)
+        work = dist.all_reduce(sums, group=self.group, async_op=True) if self.ranks > 1 else None
+        return Deferred(sums, work)
+
+    def _agreed(self, measured: Deferred) -> float | None:
+        """mean |residual - previous| / mean |previous| over every rank's shard, the same number on every rank; None
+        when some rank had no reference."""
+        diff, base, ready_ranks = measured.result()
+        if ready_ranks < self.ranks or base == 0.0:
             return None
         return diff / base
 

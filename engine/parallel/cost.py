@@ -33,23 +33,21 @@ TIE = 0.10               # estimates within 10% of the fastest are a tie: the pl
                          # simpler one; and across rank counts, the fewer GPUs
 DUAL_WIDTH = 4           # SD3.5-medium's second, image-only attention: qkv 3 + out 1
 
-# ---- what the code overlaps and how many calls it makes (raise these when the code changes) ---------------------
-# Ring attention can hide each K/V transfer behind the attention of the block in hand. attention.py's `_ring` waits
-# for each transfer before computing on it (and on CUDA the send queues behind the attention launched just before
-# it), so today nothing is hidden: 0. Posting the next transfer before computing on the current block would let up
-# to min(transfer, attention of r-1 blocks) hide; raise this then. Ulysses' all-to-alls are always exposed: the
-# attention needs their output.
-RING_OVERLAP = 0.0
-# PipeFusion's stage-to-stage transfer of patch m could hide behind the compute of patch m+1. pipefusion.py's `_recv`
-# posts no receive ahead (it polls), so a transfer starts when the receiver asks for it: 0 today.
-PIPEFUSION_OVERLAP = 0.0
-ULYSSES_CALLS_PER_LAYER = 4   # all-to-alls per attention layer: q, k, v out and the output back (attention.py)
+# ---- what the code overlaps and how many calls it makes (change these when the code changes) ------------------
+# Ring attention hides each K/V transfer behind the attention of the block in hand: attention.py's `_ring` posts the
+# next hop before computing the current block (double buffering), so up to min(transfer, attention of r-1 blocks)
+# hides: 1. Ulysses' all-to-alls are always exposed: the attention needs their output.
+RING_OVERLAP = 1.0
+# PipeFusion's stage-to-stage transfer of patch m+1 hides behind the compute of patch m: pipeline.py posts a step's
+# receives ahead and waits on each in the device's stream order when it needs it: 1.
+PIPEFUSION_OVERLAP = 1.0
+ULYSSES_CALLS_PER_LAYER = 2   # all-to-alls per attention layer: q, k and v out in one, the output back (attention.py)
 
 
 @dataclass(frozen=True)
 class Code:
     """The parallel code whose time is estimated: what it overlaps and how many calls it makes. `engine_code()` is
-    this engine's (read at call time, so raising RING_OVERLAP takes effect); XDIT is the code that produced the
+    this engine's (read at call time, so a test may change RING_OVERLAP); XDIT is the code that produced the
     published runs the model is checked against."""
     name: str
     ring_overlap: float          # share of a ring hop's transfer hidden behind the attention of the block in hand

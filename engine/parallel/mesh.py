@@ -69,8 +69,10 @@ class Mesh:
         job = plan.world_size
         self.job_pg = dist.group.WORLD if 1 < job == world else (
             dist.new_group(list(range(job))) if 1 < job < world else None)
+        # and agree over host memory (gloo, beside NCCL too): None = the rank group's own control group (every rank)
+        self.control_pg = dist.new_group(list(range(job)), backend="gloo") if 1 < job < world else None
         if not self.active:
-            self.job_pg = None
+            self.job_pg = self.control_pg = None
 
     def _unravel(self, rank: int) -> tuple[int, ...]:
         coords = []

@@ -15,8 +15,8 @@ only the image shards.
 
 Seams: a new family is a table and a processor in its module. PipeFusion (pipefusion.py) splits the table's `blocks`
 into stages and runs its own loop with the same processors. The step cache (engine/parallel/cache.py) wraps the same
-block lists, its skip decision agreed over every rank; the predictor tells it which stream (pass and batch share)
-each model call belongs to.
+block lists, its skip decision agreed over every rank of the job, one call late; the predictor tells it which stream
+(pass and batch share) each model call belongs to.
 """
 from __future__ import annotations
 
@@ -142,7 +142,8 @@ class ParallelFlow:
                 self.cache = None
             return
         if self.cache is None:
-            self.cache = StepCache(self.flow.model, self.table.blocks, threshold)
+            self.cache = StepCache(self.flow.model, self.table.blocks, threshold, group=self.mesh.job_pg,
+                                   ranks=self.mesh.plan.world_size)
         self.cache.reset(threshold)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import JobCancelledSignal
+from .. import syncs
 from . import faults
 
 HANDLERS: dict[str, Callable] = {}
@@ -57,9 +58,12 @@ class JobContext:
         self.device: torch.device = runtime.device
         self.cache: dict = runtime.cache  # lives as long as the rank: loaded models stay between jobs
         self.info: dict = {}
-        # who agrees on cancelling: every rank, until the job's mesh says the plan runs on fewer (`mesh`)
+        # who agrees on cancelling: every rank, until the job's mesh says the plan runs on fewer (`mesh`); they agree
+        # over a group of their own in host memory (gloo, also beside NCCL), so the agreement never touches a device
         self.job_world: int = self.world
         self.job_group = self.group
+        self.control_group = runtime.control_group
+        self._agreement = None   # (work, flag) of the cancel agreement posted at the last check, still unread
 
     def mesh(self, plan):
         """The rank mesh for `plan`, built once per plan (a collective: every rank builds the same groups), its byte
@@ -73,6 +77,7 @@ class JobContext:
         mesh.stats.reset()
         if mesh.active:   # only the ranks that run the job enter its per-step collectives
             self.job_world, self.job_group = plan.world_size, mesh.job_pg
+            self.control_group = mesh.control_pg or self._rt.control_group
         else:
             self.info["idle"] = True
         return mesh
@@ -96,6 +101,7 @@ class JobContext:
         """Rank 0 reports; the client calls the caller's progress callback on the caller's thread. Every rank notes the
         step: its heartbeats carry it, so a stall names the step."""
         self._rt.step = step
+        syncs.step(step)
         if self.rank == 0:
             self._rt.chan.send({"op": "progress", "job_id": self.job_id, "step": step, "total": total})
 
@@ -123,17 +129,43 @@ class JobContext:
         self._rt.answer_call(self.job_id, call, outputs, info)
 
     def check_cancel(self, step: int) -> None:
-        """Raise on every rank of the job at once if the client asked any of them to cancel (agreed by all_reduce
-        MAX among the ranks that run the job, so no rank leaves a collective the others still wait in)."""
+        """Raise on every rank of the job at once if the client asked any of them to cancel (`cancel_agreed`)."""
+        if self.cancel_agreed(step):
+            raise JobCancelledSignal(step)
+
+    def cancel_agreed(self, step: int) -> bool:
+        """Has the job agreed to stop here? Call at the same checks on every rank of the job (once per step).
+
+        No rank waits for the others, nor for its device: each posts its own view (has the client asked to cancel?) as
+        an all-reduce MAX of a flag in host memory over the job's control group, and acts on the agreement it posted
+        at the check before, which every rank has posted too and which is complete by now. So a cancel that arrives
+        during step k stops the job at the check after step k+1 (within about a step), on every rank at the same
+        check, and no rank leaves a collective the others still wait in. One rank needs no agreement: it stops at
+        the next check."""
         self._rt.step = step
         flag = int(self._rt.cancel_job_id == self.job_id)
-        if self.job_world > 1:
-            t = torch.tensor([flag], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.job_group)
-            flag = int(t.item())
-        if flag:
-            raise JobCancelledSignal(step)
-        faults.fire(self._rt.fault, self.rank, "step", step)
+        if self.job_world == 1:
+            agreed = bool(flag)
+        else:
+            mine = syncs.in_host_memory(torch.tensor([flag], dtype=torch.int64))
+            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+            previous, self._agreement = self._agreement, (work, mine)
+            agreed = False
+            if previous is not None:
+                previous[0].wait()   # the control group's own deadline (the collective timeout) bounds it
+                agreed = bool(previous[1].item())
+            if agreed:
+                self.settle()
+        if not agreed:
+            faults.fire(self._rt.fault, self.rank, "step", step)
+        return agreed
+
+    def settle(self) -> None:
+        """Complete the agreement posted at the last check (every rank of the job posted it), so the control group
+        is in step for the next job. The rank calls it when a handler returns; a cancel calls it before raising."""
+        if self._agreement is not None:
+            work, self._agreement = self._agreement[0], None
+            work.wait()
 
 
 @job("echo")

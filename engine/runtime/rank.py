@@ -55,6 +55,7 @@ class RankRuntime:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, int(init.get("threads", 1))))
         self.group = None
+        self.control_group = None   # host-memory (gloo) group of every rank: per-step agreements (jobs.py)
         self._init = init
 
     def connect(self) -> None:
@@ -71,6 +72,7 @@ class RankRuntime:
             dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
                                     timeout=timeout)
             self.group = dist.group.WORLD
+            self.control_group = dist.new_group(backend="gloo", timeout=timeout)
 
     # ---- threads -------------------------------------------------------------------------------
     def start_threads(self) -> None:
@@ -136,6 +138,7 @@ class RankRuntime:
         self.busy = True
         self.step = None
         timings = {}
+        ctx = None
         out_of_memory = False
         try:
             self.enter_phase(job_id, "broadcast")
@@ -158,6 +161,7 @@ class RankRuntime:
             t0 = time.perf_counter()
             ctx = JobContext(self, job_id)
             outputs = handler(ctx, job["spec"], inputs)
+            ctx.settle()
             timings["compute_s"] = time.perf_counter() - t0
 
             self.enter_phase(job_id, "return")
@@ -173,6 +177,14 @@ class RankRuntime:
         except JobCancelledSignal as e:
             self.chan.send({"op": "cancelled", "job_id": job_id, "phase": self.phase, "step": e.step})
         except Exception as e:  # reported to the client, which decides whether the group is still sound
+            if ctx is not None:
+                # the cancel agreement this rank posted last: complete when every rank failed at the same check (the
+                # group stays in step); where another rank never posts it, this rank stays here unreported and the
+                # client replaces the group after its error grace, as it would a rank waiting in a collective
+                try:
+                    ctx.settle()
+                except Exception:   # the group is broken (a peer gone): the report says what failed first
+                    pass
             out_of_memory = is_out_of_memory(e)
             report = {"op": "error", "job_id": job_id, "phase": self.phase, "step": self.step,
                       "message": f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e),

@@ -2,6 +2,7 @@
 classes define it (each family names its own in engine/families)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,8 +27,8 @@ class LatentFormat:
 
     def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (1, self.channels) + (1,) * (like.ndim - 2)
-        return (torch.tensor(self.mean, device=like.device).view(shape).to(like.dtype),
-                torch.tensor(self.std, device=like.device).view(shape).to(like.dtype))
+        mean, std = _stats_on(self.mean, self.std, like.device, like.dtype)
+        return mean.view(shape), std.view(shape)
 
     def process_in(self, latent_raw: torch.Tensor) -> torch.Tensor:
         if self.mean is not None:
@@ -55,3 +56,10 @@ class LatentFormat:
         """The LATENT shape in words, e.g. "[B, 16, H/8, W/8]"."""
         d = self.downscale
         return f"[B, {self.channels}, {'1, ' if self.spatial_dims == 3 else ''}H/{d}, W/{d}]"
+
+
+@functools.lru_cache(maxsize=32)
+def _stats_on(mean: tuple, std: tuple, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A format's per-channel mean and std on a device, copied there once: a copy from host memory at each process_in
+    or process_out would make the host wait for the device at the end of every job."""
+    return (torch.tensor(mean, device=device).to(dtype), torch.tensor(std, device=device).to(dtype))

@@ -64,14 +64,15 @@ def brownian_noise_sampler(x: torch.Tensor, sigma_min: torch.Tensor, sigma_max: 
     on the device; a step's noise is the tree's increment over [sigma_next, sigma] scaled to unit variance.
     """
     t_lo, t_hi, tree_sign = _ordered(torch.as_tensor(sigma_min), torch.as_tensor(sigma_max))
-    w0 = torch.zeros_like(x).detach().cpu()
+    w0 = torch.zeros(x.shape, dtype=x.dtype)   # on the CPU, made there (a copy of a device tensor would wait for it)
     tree = torchsde.BrownianTree(t_lo.detach().cpu(), w0, t_hi.detach().cpu(), entropy=seed)
 
     def draw(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+        """sigma, sigma_next: in host memory (the samplers keep a copy), so no draw waits for the device."""
         sigma, sigma_next = torch.as_tensor(sigma), torch.as_tensor(sigma_next)
         lo, hi, sign = _ordered(sigma, sigma_next)
-        increment = tree(lo.detach().cpu().float(), hi.detach().cpu().float()).to(device=lo.device, dtype=lo.dtype)
+        increment = tree(lo.detach().cpu().float(), hi.detach().cpu().float()).to(dtype=lo.dtype)
         increment = increment * (tree_sign * sign)
-        return increment / (sigma_next - sigma).abs().sqrt()
+        return (increment / (sigma_next - sigma).abs().sqrt()).to(x.device)
 
     return draw

@@ -33,7 +33,8 @@ def _slope(x: torch.Tensor, denoised: torch.Tensor, sigma: torch.Tensor) -> torc
     return (x - denoised) / sigma
 
 
-def _euler(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _euler(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int, done: Callable[[int], None],
+           noise_for: NoiseFor) -> Steps:
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         x = x + _slope(x, (yield x, sigma), sigma) * (sigma_next - sigma)
@@ -41,12 +42,13 @@ def _euler(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int
     return x
 
 
-def _heun(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _heun(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int, done: Callable[[int], None],
+          noise_for: NoiseFor) -> Steps:
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         slope = _slope(x, (yield x, sigma), sigma)
         dsigma = sigma_next - sigma
-        if sigma_next == 0:  # the corrector would evaluate the model at sigma 0; ComfyUI ends with a plain Euler step
+        if host[i + 1] == 0:  # the corrector would evaluate the model at sigma 0; ComfyUI ends with a plain Euler step
             x = x + slope * dsigma
         else:
             x_euler = x + slope * dsigma
@@ -56,14 +58,15 @@ def _heun(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int]
     return x
 
 
-def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int,
+                          done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
     # ComfyUI's sample_euler_ancestral_RF (what euler_ancestral runs for CONST models): step deterministically to a
     # lower sigma_down, then rescale the signal and add fresh noise so the marginal matches sigma_next.
     noise = noise_for(lambda like: gaussian_noise_sampler(like, seed))
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         denoised = (yield x, sigma)
-        if sigma_next == 0:
+        if host[i + 1] == 0:
             x = denoised
         else:
             sigma_down = sigma_next * (1 + (sigma_next / sigma - 1) * ETA)
@@ -77,7 +80,8 @@ def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done
     return x
 
 
-def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor) -> Steps:
+def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int, done: Callable[[int], None],
+              noise_for: NoiseFor) -> Steps:
     # DPM-Solver++(2M) in t = -log(sigma); ComfyUI runs the same code for CONST models (no alpha).
     def t_of(sigma: torch.Tensor) -> torch.Tensor:
         return sigma.log().neg()
@@ -91,7 +95,7 @@ def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[
         denoised = (yield x, sigma)
         t, t_next = t_of(sigma), t_of(sigma_next)
         h = t_next - t
-        if previous is None or sigma_next == 0:  # first order on the first step and onto sigma 0
+        if previous is None or host[i + 1] == 0:  # first order on the first step and onto sigma 0
             target = denoised
         else:
             r = (t - t_of(sigmas[i - 1])) / h
@@ -102,20 +106,20 @@ def _dpmpp_2m(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[
     return x
 
 
-def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: Callable[[int], None], noise_for: NoiseFor,
-                       percent_to_sigma: PercentToSigma | None) -> Steps:
+def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor, seed: int,
+                       done: Callable[[int], None], noise_for: NoiseFor, percent_to_sigma: PercentToSigma | None) -> Steps:
     # ComfyUI's sample_dpmpp_2m_sde (midpoint) for CONST models: steps in half-logSNR lambda = log((1 - sigma) / sigma)
     # with alpha = 1 - sigma, Brownian-tree noise seeded with the plain seed.
     if len(sigmas) <= 1:
         return x
     # The tree spans the schedule as given, before the first sigma is moved off 1.
-    noise = noise_for(lambda like: brownian_noise_sampler(like, sigmas[sigmas > 0].min(), sigmas.max(), seed))
-    if sigmas[0] >= 1:
+    noise = noise_for(lambda like: brownian_noise_sampler(like, host[host > 0].min(), host.max(), seed))
+    if host[0] >= 1:
         if percent_to_sigma is None:
             raise ValueError("dpmpp_2m_sde with a first sigma of 1 needs percent_to_sigma (the model sampling's), "
                              "to move that sigma to percent_to_sigma(1e-4) as ComfyUI does")
-        sigmas = sigmas.clone()
-        sigmas[0] = percent_to_sigma(SNR_OFFSET_PERCENT)
+        sigmas, host = sigmas.clone(), host.clone()
+        sigmas[0] = host[0] = percent_to_sigma(SNR_OFFSET_PERCENT)
 
     previous: torch.Tensor | None = None
     h_previous: torch.Tensor | None = None
@@ -123,7 +127,7 @@ def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: C
     for i in range(len(sigmas) - 1):
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         denoised = (yield x, sigma)
-        if sigma_next == 0:
+        if host[i + 1] == 0:
             x = denoised
         else:
             lam, lam_next = sigma.logit().neg(), sigma_next.logit().neg()
@@ -135,7 +139,7 @@ def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: C
                 r = h_previous / h
                 x = x + 0.5 * alpha_next * (-h_eta).expm1().neg() * (1 / r) * (denoised - previous)
             if ETA > 0 and S_NOISE > 0:
-                x = x + noise(sigma, sigma_next) * sigma_next * (-2 * h * ETA).expm1().neg().sqrt() * S_NOISE
+                x = x + noise(host[i], host[i + 1]) * sigma_next * (-2 * h * ETA).expm1().neg().sqrt() * S_NOISE
         previous, h_previous = denoised, h
         done(i)
     return x
@@ -143,13 +147,15 @@ def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, seed: int, done: C
 
 def sampler_steps(sampler_name: str, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,
                   callback: StepCallback | None = None, percent_to_sigma: PercentToSigma | None = None,
-                  whole: torch.Tensor | None = None, region: tuple | None = None) -> Steps:
+                  whole: torch.Tensor | None = None, region: tuple | None = None,
+                  host_sigmas: torch.Tensor | None = None) -> Steps:
     """`sampler_name` as a generator over x (already noise-scaled to sigmas[0]): it yields (x, sigma) for each model
     call, takes the denoised estimate back by `send`, and returns x at sigmas[-1].
 
     x may be a region of a whole latent (PipeFusion's patches): `whole` is a tensor shaped like the whole latent and
     `region` the index of x within it; the stochastic samplers then draw their step noise for the whole latent and
-    take the region, so each patch gets exactly the noise a whole-latent run gives its pixels.
+    take the region, so each patch gets exactly the noise a whole-latent run gives its pixels. host_sigmas: the same
+    sigmas in host memory, where the caller has them (PipeFusion runs one generator per patch).
     """
     if sampler_name not in SAMPLERS:
         raise ValueError(f"sampler={sampler_name!r} is not supported; use one of {', '.join(SAMPLERS)}")
@@ -165,11 +171,14 @@ def sampler_steps(sampler_name: str, x: torch.Tensor, sigmas: torch.Tensor, *, s
         draw = build(whole)
         return lambda sigma, sigma_next: draw(sigma, sigma_next)[region]
 
+    # the sigmas in host memory, read once per job: the steps branch on them and the Brownian tree (on the CPU, as
+    # ComfyUI's) takes them, and a branch on or a copy of a device tensor makes the host wait for the device
+    host = sigmas.detach().cpu() if host_sigmas is None else host_sigmas
     sigmas = sigmas.to(device=x.device)
     if sampler_name == "dpmpp_2m_sde":
-        return _dpmpp_2m_sde_flow(x, sigmas, seed, done, noise_for, percent_to_sigma)
+        return _dpmpp_2m_sde_flow(x, sigmas, host, seed, done, noise_for, percent_to_sigma)
     run = {"euler": _euler, "euler_ancestral": _euler_ancestral_flow, "heun": _heun, "dpmpp_2m": _dpmpp_2m}[sampler_name]
-    return run(x, sigmas, seed, done, noise_for)
+    return run(x, sigmas, host, seed, done, noise_for)
 
 
 def sample(sampler_name: str, denoise_fn: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,

@@ -20,76 +20,43 @@ patch's tokens as they split a whole latent's (text joint: every rank of the sta
 run one pipeline per pass / batch share and meet on the last stage, where the velocities are gathered for the
 sampler, as parallelize.py does for one model call.
 
-Messages between stages are (header, tensors) over the pipefusion group's process group; the header says what
-follows (a request, a piece's activations, the final latent, or stop), so no rank has to guess a shape. Every wait
-has a deadline and a stall names the stage, the patch and the step it waited for.
+No host read per piece, patch or layer: the samplers ask for the same sigmas whatever the model returns, so every
+rank derives the job's call schedule before the loop (transport.py `call_schedule`: each call's sigma and step) and
+with it every message it will receive, in order, with its shapes. A stage posts the receives of a step's messages ahead and waits
+on each in the device's stream order when it needs it, so the transfer of patch m+1 runs while patch m computes.
+Each message still starts with its header (kind, band, sigma, warm, steps done, cancelled), taken from a table on
+the device built once; the receiver keeps the headers on the device and checks them once, after the job
+(`check_headers`). The token indices, K/V positions and sigmas the loop uses are device tensors built once per job.
+
+Cancelling is agreed by every rank of the job (JobContext.cancel_agreed, host memory, one step late) at the start of
+each step's last piece, before any receive of the next step is posted: so every rank knows the job stops after step
+T before it could wait for a message of step T+1, and the messages in flight are exactly known (the last stage's
+requests for the next step sent before its decision point), which the first stage takes and drops. Every wait has a
+deadline and a stall names the stage, the patch and the step it waited for (transport.py: on the CPU the process
+group's timeout bounds each wait; on a GPU the host may run ahead of the device, but never past a message a step
+back that has not arrived, which it polls until the deadline).
 """
 from __future__ import annotations
 
-import time
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 from ...errors import EngineError, JobCancelledSignal
 from ...models.flow import Conditioning, FlowModel
+from ... import syncs
 from ...sampling.ksampler import SamplingStart, guided_denoiser
 from ...sampling.samplers import sampler_steps
 from ..attention import SequenceParallelAttention
 from ..mesh import Mesh
 from ..parallelize import pass_groups
-from .layout import HEADER, Layout, stage_blocks_named
+from .layout import Layout, stage_blocks_named
+from .stage import PieceState, StaleKV
+from .transport import Call, Inbox, Link, Message, Outbox, call_schedule
 
 # header kinds
 REQUEST, PIECE, FINAL, STOP = 0, 1, 2, 3
 
 
-# ---- stale K/V: one buffer per attention layer ----------------------------------------------------------------------
-
-class PieceState:
-    """What the stage is computing now: the whole latent (band None) or one patch; and which pass group."""
-
-    def __init__(self, layout: Layout, ulysses: int):
-        self.band: int | None = None
-        self.group = 0
-        self.positions = [layout.buffer_positions(m, ulysses) for m in range(layout.patches)]
-
-
-class StaleKV:
-    """One attention layer's K/V for the whole latent (this rank's share), per pass group. A whole-latent call
-    replaces it; a patch's call writes its fresh keys in place and attends to all of it."""
-
-    def __init__(self, state: PieceState):
-        self.state = state
-        self.buffers: dict[int, list] = {}
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, text: tuple | None):
-        """k, v: this call's image keys and values (after the Ulysses exchange); text: fresh text (k, v) or None.
-        Returns (text k, v or None, image k, image v) to attend to."""
-        s = self.state
-        if s.band is None:
-            self.buffers[s.group] = [k.contiguous(), v.contiguous(), text]
-            return text, k, v
-        buf = self.buffers.get(s.group)
-        if buf is None:
-            raise RuntimeError("a patch reached attention before a whole-latent call filled its K/V")
-        pos = s.positions[s.band].to(k.device)
-        buf[0].index_copy_(1, pos, k)
-        buf[1].index_copy_(1, pos, v)
-        if text is not None:
-            buf[2] = text
-        return buf[2], buf[0], buf[1]
-
-
-# ---- one stage's share of the model's forward ---------------------------------------------------------------------
-
-
 # ---- the pipeline -----------------------------------------------------------------------------------------------
-
-class StageStall(EngineError):
-    pass
-
 
 class Pipeline:
     """One rank's part of a PipeFusion job: its stage's model, the stale K/V, and the loop its stage runs."""
@@ -103,18 +70,26 @@ class Pipeline:
         self.layout: Layout | None = None
         self._originals = dict(flow.model.attn_processors)
         self.kvs: dict[str, StaleKV] = {}
+        self.inbox: Inbox | None = None
 
     def close(self) -> None:
         self.flow.model.set_attn_processor(self._originals)
 
     # ---- per job ----------------------------------------------------------------------------------------------
     def setup(self, layout: Layout) -> None:
-        """Processors with stale K/V on this stage's attention layers (rebuilt when the layout changes)."""
+        """Processors with stale K/V on this stage's attention layers, and the token orders the loop uses, on the
+        device (rebuilt when the layout changes)."""
         if layout == self.layout:
             return
         self.layout = layout
-        self.state = PieceState(layout, self.mesh["ulysses"].size)
+        device = self.flow.device
+        self.state = PieceState(layout, self.mesh["ulysses"].size, device)
         self.model = self.flow.family.stage(self.flow, layout, self.mesh, self.block_lists, self.stage)
+        # the gathered velocity tokens of a piece (each sequence-parallel rank's share in turn) back in row order
+        self._inverse = {}
+        for band in [None] + list(range(layout.patches)):
+            order = torch.cat([layout.local_tokens(band, r) for r in range(layout.sp)])
+            self._inverse[band] = torch.argsort(order - (0 if band is None else layout.band_start(band))).to(device)
         mine = stage_blocks_named(self.flow.loaded.info, layout, self.stage)
         processors = {}
         self.kvs = {}
@@ -135,48 +110,77 @@ class Pipeline:
         """The last stage -> first stage direction has its own communicator (mesh "pipefusion_back")."""
         return self.mesh["pipefusion_back"].pg if to_first else self.group.pg
 
-    def _send(self, tensors: list[torch.Tensor]) -> None:
-        pg = self._pg(self.stage == self.stages - 1)
-        for t in tensors:
-            t = t.contiguous()
-            self._pending.append((dist.isend(t, self._peer(1), group=pg), t))
-            self.mesh.stats.add("pipefusion_p2p", t.numel() * t.element_size())
-        if len(self._pending) > 64:   # completed sends: let their buffers go
-            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+    def _send(self, header: int, tensors: list[torch.Tensor], what: str) -> None:
+        """A message to the next stage: its header (a row of the table on the device) and its tensors."""
+        self.outbox.send([self._headers[header]] + tensors, what)
 
-    def _recv(self, shape, dtype, what: str) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.flow.device)
-        work = dist.irecv(t, self._peer(-1), group=self._pg(self.stage == 0))
-        self._wait(work, what, self._peer(-1))
-        return t
+    # ---- the job's schedule ---------------------------------------------------------------------------------
+    def _pieces(self, call: Call) -> list:
+        return [None] if call.warm else list(range(self.layout.patches))
 
-    def _wait(self, work, what: str, peer: int) -> None:
-        deadline = time.monotonic() + self.deadline_s
-        if self.flow.device.type == "cpu":   # gloo waits with its own timeout
-            try:
-                work.wait(timedelta(seconds=self.deadline_s))
-                return
-            except RuntimeError as e:
-                if "imeout" not in str(e) and "imed out" not in str(e):
-                    raise
+    def _plan(self, start: SamplingStart, sampler: str, seed: int) -> None:
+        """The job's calls, the header table (on the device), and this stage's incoming messages, in order."""
+        layout = self.layout
+        self._sigmas_host = start.sigmas.detach().cpu()   # read once per job
+        self.calls = call_schedule(sampler, start, self._sigmas_host, seed, layout.warmup)
+        self.steps_total = self.calls[-1].step + 1 if self.calls else 0
+        rows, self._row = [], {}
+
+        def row(key, values):
+            self._row[key] = len(rows)
+            rows.append(values)
+        for k, c in enumerate(self.calls):
+            for m in range(layout.patches):
+                row(("request", k, m), [REQUEST, m, c.sigma, int(c.warm), c.step, 0])
+            for p in self._pieces(c):
+                row(("piece", k, p), [PIECE, -1 if p is None else p, c.sigma, int(c.warm), c.step, 0])
+        row(("final",), [FINAL, -1, 0.0, 0, self.steps_total, 0])
+        for t in range(self.steps_total + 1):
+            for cancelled in (0, 1):
+                row(("stop", t, cancelled), [STOP, -1, 0.0, 0, t, cancelled])
+        device = self.flow.device
+        self._headers = torch.tensor(rows, dtype=torch.float64, device=device)
+        self._sigma32 = torch.tensor([c.sigma for c in self.calls], dtype=torch.float32, device=device)
+        # the last piece of each step: where every rank agrees whether the next step runs
+        self._last_piece = {}
+        for k, c in enumerate(self.calls):
+            self._last_piece[c.step] = (k, self._pieces(c)[-1])
+        messages = []
+        if self.stage == 0:
+            shape = list(self.latent_shape)
+            shape[0] = self.items.stop - self.items.start
+            for k, c in enumerate(self.calls):
+                for m in range(layout.patches):
+                    rows_m = self.model.latent_rows(m)
+                    messages.append(Message(f"patch {m} request (step {c.step + 1})",
+                                            (((shape[0], shape[1], rows_m.stop - rows_m.start, shape[3]),
+                                              torch.float32),), self._row[("request", k, m)], c.step))
         else:
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.0002)
-            else:
-                work.wait()
-                return
-        raise StageStall(f"PipeFusion stage {self.stage} (rank {self.mesh.rank}) waited {self.deadline_s:.0f} s for "
-                         f"{what} (peer: rank {peer}) and gave up: that rank is stalled or gone", rank=self.mesh.rank,
-                         phase="compute")
+            for k, c in enumerate(self.calls):
+                for p in self._pieces(c):
+                    messages.append(Message(
+                        f"{'the whole latent' if p is None else f'patch {p}'} activations (step {c.step + 1})",
+                        tuple((s, self.flow.dtype) for s in self._piece_shapes(p)), self._row[("piece", k, p)], c.step))
+        link = Link(self.stage, self.mesh.rank, self.deadline_s)
+        # the host runs at most two steps' requests (or one step's pieces) ahead of what has arrived
+        self.inbox = Inbox(link, messages, self._peer(-1), self._pg(self.stage == 0), device,
+                           run_ahead=2 * layout.patches + 2)
+        self.outbox = Outbox(link, self._peer(1), self._pg(self.stage == self.stages - 1), self.mesh.stats)
 
-    def _header(self, kind, band=-1, sigma=0.0, warm=0, steps_done=0, cancelled=0) -> torch.Tensor:
-        return torch.tensor([kind, band, sigma, warm, steps_done, cancelled], dtype=torch.float64,
-                            device=self.flow.device)
-
-    def _recv_header(self, what: str) -> list:
-        return self._recv((HEADER,), torch.float64, what).tolist()
+    def check_headers(self) -> None:
+        """After a job: every header this stage took is the one the schedule says (one read per job)."""
+        inbox = self.inbox
+        if inbox is None or inbox.taken == 0:
+            return
+        expected = self._headers[torch.tensor([m.header for m in inbox.messages[:inbox.taken]],
+                                              device=self._headers.device)]
+        bad = (inbox.headers[:inbox.taken] != expected).any(dim=1).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise EngineError(f"PipeFusion stage {self.stage} (rank {self.mesh.rank}) received "
+                              f"{inbox.headers[i].tolist()} where the job's schedule says {expected[i].tolist()} "
+                              f"({inbox.messages[i].what}): the stages did not follow the same schedule",
+                              rank=self.mesh.rank, phase="compute")
 
     # ---- the job ----------------------------------------------------------------------------------------------
     def run(self, ctx, start: SamplingStart | None, positive: Conditioning, negative: Conditioning | None, *,
@@ -184,18 +188,15 @@ class Pipeline:
         """Run the job's sampling through the pipeline. The last stage gets `start` (every rank can build it) and
         returns the raw latent; the first stage returns the same latent, received from the last; others None."""
         self.deadline_s = deadline_s
-        self._pending = []
-        self.steps_total = steps
         self.cfg_norm = cfg_norm
+        syncs.start()
         self.bind(positive, negative, latent_shape, cfg)
+        self._plan(start, sampler, seed)
         try:
-            if self.stage == self.stages - 1:
-                return self._last(ctx, start, sampler, seed)
-            return self._middle(ctx)
+            stopped_after = self._loop(ctx, start, sampler, seed)
+            return self._end(ctx, stopped_after)
         finally:
-            pending, self._pending = self._pending, []
-            for work, _ in pending:   # with a deadline too: a peer that died must not hang this rank
-                self._wait(work, "the next stage to take its last messages", self._peer(1))
+            self.outbox.close()
             for kv in self.kvs.values():   # the next job's warmup refills them: hold no K/V between jobs
                 kv.buffers.clear()
 
@@ -215,12 +216,16 @@ class Pipeline:
         self.passes_mine = len(mine)
         self.temb_cache: dict = {}
 
-    def _temb(self, g: int, sigma: float) -> torch.Tensor:
-        key = (g, sigma)
-        if key not in self.temb_cache:
-            sigma32 = torch.tensor(sigma, dtype=torch.float32, device=self.flow.device)
-            self.temb_cache[key] = self.model.temb(self.groups[g][1], sigma32)
-        return self.temb_cache[key]
+    def _temb(self, g: int, sigma, key) -> torch.Tensor:
+        """The group's timestep embedding at sigma: a float, or in the loop the call's sigma on the device with the
+        call as key (each piece of a call reuses it)."""
+        if key is None:
+            return self.model.temb(self.groups[g][1], torch.tensor(sigma, dtype=torch.float32, device=self.flow.device))
+        if self.temb_cache.get("call") != key:
+            self.temb_cache = {"call": key}
+        if g not in self.temb_cache:
+            self.temb_cache[g] = self.model.temb(self.groups[g][1], sigma)
+        return self.temb_cache[g]
 
     def _piece_shapes(self, band: int | None) -> list[tuple]:
         """The shapes of a piece's activations between stages: (text, image) per pass group."""
@@ -234,15 +239,15 @@ class Pipeline:
             out += [(n, text, hidden), (n, n_image, hidden)]
         return out
 
-    def compute(self, band: int | None, sigma: float, x: torch.Tensor | None, received: list | None) -> list:
+    def compute(self, band: int | None, sigma, x: torch.Tensor | None, received: list | None, key=None) -> list:
         """This stage's blocks on one piece, every pass group; returns the activations (or, last stage, velocity
-        tokens per group)."""
+        tokens per group). sigma: a float, or (in the loop) the call's sigma on the device with the call as key."""
         self.state.band = band
         out = []
         with_text = band in (None, 0)
         for g, (passes, prepared) in enumerate(self.groups):
             self.state.group = g
-            temb = self._temb(g, sigma)
+            temb = self._temb(g, sigma, key)
             if self.model.first:
                 xs = x.to(self.flow.device, self.flow.dtype)
                 xs = torch.cat([xs] * passes) if passes > 1 else xs
@@ -256,138 +261,119 @@ class Pipeline:
                 out += [text, image]
         return out
 
-    # first and middle stages: take pieces from the previous stage (the first: requests from the last), pass them on
-    def _middle(self, ctx):
-        first = self.stage == 0
+    def _loop(self, ctx, start: SamplingStart | None, sampler: str, seed: int) -> int | None:
+        """Every piece of the schedule through this stage; returns None at the end of the job, or the step after
+        which every rank agreed to stop (a cancel)."""
+        layout = self.layout
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        if last:
+            self._start_patches(start, sampler, seed)
+        self.inbox.allow(0)
+        reported = 0
+        for k, call in enumerate(self.calls):
+            if call.step > reported:   # every rank notes the step (heartbeats name it); rank 0 reports it
+                reported = call.step
+                ctx.progress(call.step, self.steps_total)
+            for p in self._pieces(call):
+                stop = False
+                if (k, p) == self._last_piece[call.step] and call.step + 1 < self.steps_total:
+                    stop = ctx.cancel_agreed(call.step + 1)
+                    if not stop:
+                        self.inbox.allow(call.step + 1)
+                x = data = None
+                if first:
+                    x = self._take_requests(p)
+                else:
+                    data = self.inbox.take()
+                out = self.compute(p, self._sigma32[k], x, data, key=k)
+                if last:
+                    self._step_patches(k, p, out, send_requests=not stop)
+                else:
+                    self._send(self._row[("piece", k, p)], out, f"patch {p} activations (step {call.step + 1})"
+                               if p is not None else f"the whole latent's activations (step {call.step + 1})")
+                if stop:
+                    if first and not call.warm:   # the last stage's requests sent before it decided
+                        self.inbox.allow_count(layout.patches - 1)
+                    self.inbox.drain()
+                    return call.step + 1
+        return None
+
+    def _take_requests(self, band: int | None) -> torch.Tensor:
+        """The first stage's input: one patch's rows, or for a whole-latent call every patch's, put together."""
+        if band is not None:
+            return self.inbox.take()[0]
         shape = list(self.latent_shape)
         shape[0] = self.items.stop - self.items.start
-        reported = 0
-        while True:
-            header = self._recv_header("the next patch request" if first else "the next activations")
-            kind, band, sigma, warm, steps_done, _ = header
-            band = int(band)
-            if first and steps_done > reported:
-                reported = int(steps_done)
-                ctx.progress(reported, self.steps_total)
-            if kind in (FINAL, STOP):
-                return self._stop(header)
-            piece = None if warm else band
-            x = data = None
-            if first:
-                x, header = self._take_requests(band, bool(warm), shape, int(steps_done))
-                if header is not None:   # the last stage stopped while a warm call's requests came in
-                    return self._stop(header)
-            else:
-                data = [self._recv(s, self.flow.dtype, f"patch {band} activations (step {int(steps_done) + 1})")
-                        for s in self._piece_shapes(piece)]
-            out = self.compute(piece, sigma, x, data)
-            self._send([self._header(PIECE, -1 if piece is None else piece, sigma, warm, steps_done)] + out)
-
-    def _stop(self, header):
-        """The end of the job on a first or middle stage: pass the stop on; the first stage takes the final latent."""
-        kind, _, _, _, steps_done, cancelled = header
-        result = None
-        if kind == FINAL:
-            result = self._recv(tuple(self.latent_shape), torch.float32, "the final latent")
-        self._send([self._header(STOP, steps_done=steps_done, cancelled=cancelled)])
-        if cancelled:
-            raise JobCancelledSignal(int(steps_done))
-        return result
-
-    def _take_requests(self, band: int, warm: bool, shape: list, steps_done: int):
-        """The first stage's input: one patch's rows, or for a warm call every patch's, put together into the whole
-        latent. Returns (x, None), or (None, header) when a stop came instead of a request."""
-        def rows_of(m: int):
-            rows = self.model.latent_rows(m)
-            return rows, self._recv((shape[0], shape[1], rows.stop - rows.start, shape[3]), torch.float32,
-                                    f"patch {m} request (step {steps_done + 1})")
-        rows, x = rows_of(band)
-        if not warm:
-            return x, None
         whole = torch.empty(shape, dtype=torch.float32, device=self.flow.device)
-        whole[:, :, rows] = x
-        for m in range(1, self.layout.patches):
-            header = self._recv_header(f"patch {m} request (step {steps_done + 1})")
-            if header[0] != REQUEST:
-                return None, header
-            rows, x = rows_of(int(header[1]))
-            whole[:, :, rows] = x
-        return whole, None
+        for m in range(self.layout.patches):
+            whole[:, :, self.model.latent_rows(m)] = self.inbox.take()[0]
+        return whole
+
+    def _end(self, ctx, stopped_after: int | None):
+        """The job's last messages: the final latent (last stage -> first), a stop down the stages (every stage but
+        the last sends one, every stage but the first takes one); a cancel raises on every rank once they are
+        through."""
+        cancelled = stopped_after is not None
+        done = stopped_after if cancelled else self.steps_total
+        result = None
+        if self.stage == self.stages - 1 and not cancelled:
+            result = self._latent
+            self._send(self._row[("final",)], [result], "the final latent")
+        elif self.stage == 0 and not cancelled:
+            self.inbox.expect(Message("the final latent", ((tuple(self.latent_shape), torch.float32),),
+                                      self._row[("final",)], done))
+            (result,) = self.inbox.take()
+        if self.stage > 0:
+            self.inbox.expect(Message("the pipeline's stop", (), self._row[("stop", done, int(cancelled))], done))
+            self.inbox.take()
+        if self.stage < self.stages - 1:
+            self._send(self._row[("stop", done, int(cancelled))], [], "the pipeline's stop")
+        if cancelled:
+            raise JobCancelledSignal(done)
+        ctx.progress(done, self.steps_total)
+        return result if self.stage in (0, self.stages - 1) else None
 
     # the last stage: finish each piece, gather the velocities, step that patch's sampler, send its next request
-    def _last(self, ctx, start: SamplingStart, sampler: str, seed: int):
+    def _start_patches(self, start: SamplingStart, sampler: str, seed: int) -> None:
         layout = self.layout
+        self._start = start
         x_all = start.x_model
-        done_steps = [0] * layout.patches
-        gens = []
+        self._gens, self._finals = [], [None] * layout.patches
         for m in range(layout.patches):
             rows = self.model.latent_rows(m)
             region = (slice(None), slice(None), rows, slice(None))
-
-            def count(step_index, total, m=m):
-                done_steps[m] = step_index + 1
-            gens.append(sampler_steps(sampler, x_all[region], start.sigmas, seed=seed, callback=count,
-                                      percent_to_sigma=start.percent_to_sigma, whole=x_all, region=region))
-        finals: list[torch.Tensor | None] = [None] * layout.patches
-        pending = [next(g) for g in gens]          # each patch's first request: (x, sigma)
-        cancelled = False
-        checked = 0   # the last step boundary at which cancel was checked
-
-        def request(m: int) -> None:
-            x, sigma = pending[m]
-            warm = done_steps[m] < layout.warmup
-            self._send([self._header(REQUEST, m, float(sigma), int(warm), done_steps[m]), x[self.items]])
-
+            self._gens.append(sampler_steps(sampler, x_all[region], start.sigmas, seed=seed,
+                                            percent_to_sigma=start.percent_to_sigma, whole=x_all, region=region,
+                                            host_sigmas=self._sigmas_host))
+        self._next = [next(g) for g in self._gens]          # each patch's next request: (x, sigma)
         for m in range(layout.patches):
-            request(m)
-        while True:
-            kind, band, sigma, warm, steps_done, _ = self._recv_header("the next activations")
-            piece = None if warm else int(band)
-            data = [self._recv(s, self.flow.dtype, f"patch {band} activations (step {int(steps_done) + 1})")
-                    for s in self._piece_shapes(piece)]
-            tokens = self.compute(piece, sigma, None, data)
-            v_bands = self._velocities(tokens, piece)      # per pass: [batch, 16, rows, width] of the piece
-            for m in (range(layout.patches) if piece is None else [piece]):
-                sl = slice(None) if piece is not None else self.model.latent_rows(m)
-                v = tuple(t[:, :, sl] for t in v_bands)
-                x, s = pending[m]
-                denoised = guided_denoiser(lambda xx, ss, which, v=v: v, self.cfg_scale, self.cfg_norm)(x, s)
-                try:
-                    pending[m] = gens[m].send(denoised)
-                except StopIteration as end:
-                    finals[m] = end.value
-                    pending[m] = None
-            boundary = all(d == done_steps[0] for d in done_steps) and done_steps[0] > checked
-            if all(f is not None for f in finals):
-                latent = start.finish(torch.cat(finals, dim=2))
-                self._send([self._header(FINAL, steps_done=done_steps[0]), latent])
-                break
-            if boundary:
-                checked = done_steps[0]
-            if boundary and self._cancel(ctx):
-                cancelled = True
-                self._send([self._header(STOP, steps_done=done_steps[0], cancelled=1)])
-                break
-            for m in (range(layout.patches) if piece is None else [piece]):
-                if pending[m] is not None:
-                    request(m)
-        # drain: pieces already on their way, until the stop the first stage sends round the ring
-        while True:
-            kind, band, sigma, warm, steps_done, _ = self._recv_header("the pipeline's stop")
-            if kind == STOP:
-                break
-            piece = None if warm else int(band)
-            for s in self._piece_shapes(piece):
-                self._recv(s, self.flow.dtype, "activations in flight")
-        if cancelled:
-            raise JobCancelledSignal(done_steps[0])
-        return latent
+            self._request(0, m)
+
+    def _request(self, k: int, m: int) -> None:
+        x, _ = self._next[m]
+        self._send(self._row[("request", k, m)], [x[self.items]],
+                   f"patch {m} request (step {self.calls[k].step + 1})")
+
+    def _step_patches(self, k: int, piece: int | None, tokens: list, send_requests: bool) -> None:
+        v_bands = self._velocities(tokens, piece)      # per pass: [batch, 16, rows, width] of the piece
+        for m in (range(self.layout.patches) if piece is None else [piece]):
+            sl = slice(None) if piece is not None else self.model.latent_rows(m)
+            v = tuple(t[:, :, sl] for t in v_bands)
+            x, s = self._next[m]
+            denoised = guided_denoiser(lambda xx, ss, which, v=v: v, self.cfg_scale, self.cfg_norm)(x, s)
+            try:
+                self._next[m] = self._gens[m].send(denoised)
+            except StopIteration as end:
+                self._finals[m] = end.value
+                self._next[m] = None
+            if send_requests and self._next[m] is not None:
+                self._request(k + 1, m)
+        if all(f is not None for f in self._finals):
+            self._latent = self._start.finish(torch.cat(self._finals, dim=2))
 
     def _velocities(self, tokens: list[torch.Tensor], band: int | None) -> tuple[torch.Tensor, ...]:
         """Velocity tokens of this rank's share, per pass group -> the piece's velocity per pass, whole batch."""
-        order = torch.cat([self.layout.local_tokens(band, r) for r in range(self.layout.sp)])
-        start = 0 if band is None else self.layout.band_start(band)
-        inverse = torch.argsort(order - start).to(self.flow.device)
+        inverse = self._inverse[band]
         per_pass = []
         for (passes, _), t in zip(self.groups, tokens):
             t = self.mesh.all_gather(t, "sp", dim=1, kind="sp_gather")[:, inverse]
@@ -398,15 +384,3 @@ class Pipeline:
         if self.passes_mine < len(self.which):
             v = self.mesh.all_gather(v, "cfg", dim=0, kind="cfg_gather")
         return tuple(v.unbind(0))
-
-    def _cancel(self, ctx) -> bool:
-        """Agreed by every last-stage rank (they step together); the others learn it from the stop message."""
-        flag = torch.tensor([int(ctx.cancel_requested())], dtype=torch.int64, device=self.flow.device)
-        group = self.mesh["stage"]
-        if group.size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.pg)
-        return bool(flag.item())
-
-
-# ---- the job's layout, the stage's weights ------------------------------------------------------------------------
-

@@ -1,0 +1,209 @@
+"""The step loop of every plan never makes the host wait for the device per layer, patch or model call: each rank's
+instrument (engine/syncs.py, armed by XDIT_HOST_SYNCS=count in the ranks' environment) counts, per step, reads of
+device tensors on the host, blocking uploads to the device and host waits on transfers, on real rank processes (gloo,
+CPU) and the tiny FLUX.1-dev / SD3.5-medium checkpoints. After the first step (which builds what a job builds once)
+a step makes none; over the whole job no place in the code makes one more often than once per pass group, so none
+scales with layers, patches or calls. The step cache's decisions are read a call late (counted apart, not a sync)."""
+import os
+
+import pytest
+import torch
+
+from conftest import FAST
+from engine import syncs
+from engine.generate.request import GenerateRequest
+from engine.parallel.plan import ParallelPlan
+from engine.runtime.client import Engine
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def counting():
+    """counting(world): a CPU engine of that many ranks whose ranks count their host synchronisations."""
+    started = {}
+
+    def get(world):
+        if world not in started:
+            before = os.environ.get(syncs.ENV)
+            os.environ[syncs.ENV] = "count"   # the ranks inherit the environment when they start
+            try:
+                started[world] = Engine(world, device="cpu", deadlines=FAST)
+            finally:
+                if before is None:
+                    del os.environ[syncs.ENV]
+                else:
+                    os.environ[syncs.ENV] = before
+        return started[world]
+    yield get
+    for e in started.values():
+        e.close()
+
+
+def request(tiny_models, family, plan, *, cfg=1.0, batch=1, steps=STEPS, **kw):
+    g = torch.Generator().manual_seed(11)
+    pooled = 768 if family == "flux" else 2048
+    return GenerateRequest(model=tiny_models[family], cond=torch.randn(batch, 24, 4096, generator=g),
+                           pooled=torch.randn(batch, pooled, generator=g), latent_raw=torch.zeros(batch, 16, 16, 16),
+                           seed=5, steps=steps, cfg=cfg, neg_cond=torch.randn(1, 24, 4096, generator=g),
+                           neg_pooled=torch.randn(1, pooled, generator=g), plan=ParallelPlan(**plan), **kw).validate()
+
+
+def counted(counting, r) -> list[dict]:
+    """Each rank's count of the job: per_step (one bucket per step reported, bucket 0 the first step and the job's
+    set-up) and where (each place in the code, how often in the job)."""
+    result = counting(r.plan.world_size).submit("generate", *r.to_job())
+    counts = [rank["host_syncs"] for rank in result.ranks if not rank.get("idle")]
+    assert len(counts) == r.plan.world_size and all(c["mode"] == "count" for c in counts)
+    return counts, result
+
+
+SYNCS = ("read", "upload", "wait")
+
+
+def check(name: str, counts: list[dict], steps: int, per_job: int = 2) -> None:
+    for rank, c in enumerate(counts):
+        per_step = [sum(bucket[k] for k in SYNCS) for bucket in c["per_step"]]
+        deferred = sum(bucket["deferred"] for bucket in c["per_step"])
+        print(f"{name} rank {rank}: syncs per step {per_step} (bucket 0: the first step and the job's set-up), "
+              f"deferred reads {deferred}; where: {c['where']}")
+        assert len(per_step) == steps + 1   # every step reported once (and the end of the job)
+        assert per_step[1:] == [0] * steps, c["where"]
+        for kind in SYNCS:
+            for site, n in c["where"].get(kind, {}).items():
+                assert n <= per_job, f"{kind} at {site}: {n} times in one job of {steps} steps"
+
+
+PLANS = [
+    # family, plan, request settings
+    ("flux", dict(ulysses=2), {}),
+    ("flux", dict(ring=2), {}),
+    ("flux", dict(ulysses=2, ring=2), {}),
+    ("flux", dict(dp=2), dict(batch=2, sampler="euler_ancestral")),
+    ("flux", dict(cfg=2), dict(cfg=3.0, sampler="heun")),
+    ("flux", dict(cfg=2, ulysses=2), dict(cfg=3.0)),
+    ("sd3", dict(cfg=2, ring=2), dict(cfg=4.5, sampler="dpmpp_2m_sde")),
+    ("sd3", dict(dp=2, cfg=2), dict(cfg=4.5, batch=2, sampler="dpmpp_2m")),
+    ("flux", dict(pipefusion=2), dict(patches=3, warmup_steps=1)),
+    ("flux", dict(pipefusion=2), dict(patches=3, warmup_steps=1, sampler="dpmpp_2m_sde")),
+    ("flux", dict(pipefusion=2, ulysses=2), dict(patches=3, warmup_steps=1)),
+    ("flux", dict(pipefusion=2, ring=2), dict(patches=2, warmup_steps=1, sampler="heun")),
+    ("sd3", dict(pipefusion=2, cfg=2), dict(cfg=4.5, patches=2, warmup_steps=1)),
+]
+
+
+@pytest.mark.parametrize("family,plan,settings", PLANS,
+                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_no_plan_syncs_per_layer_patch_or_call(tiny_models, counting, family, plan, settings):
+    r = request(tiny_models, family, plan, **settings)
+    counts, _ = counted(counting, r)
+    check(f"{family} {r.plan.describe()} {settings}", counts, STEPS)
+
+
+# a threshold at which the tiny FLUX model skips some calls (its first block's residual changes 0.5 to 0.93 per step)
+SKIPS = 0.9
+
+
+@pytest.mark.parametrize("plan,settings", [
+    (dict(ulysses=2), {}),
+    (dict(cfg=2, ulysses=2), dict(cfg=3.0)),
+    (dict(dp=2), dict(batch=2)),
+], ids=lambda v: ",".join(f"{k}={w}" for k, w in v.items()))
+def test_the_step_cache_decides_without_a_sync(tiny_models, counting, plan, settings):
+    steps = 6
+    r = request(tiny_models, "flux", plan, steps=steps, cache_threshold=SKIPS, **settings)
+    counts, result = counted(counting, r)
+    check(f"flux {r.plan.describe()} step cache", counts, steps)
+    for rank, c in zip(result.ranks, counts):
+        cache = rank["step_cache"]
+        deferred = sum(bucket["deferred"] for bucket in c["per_step"])
+        print(f"rank {rank['rank']}: skipped calls {cache['skipped_at']} of {cache['model_calls']}; decisions read a "
+              f"call late: {deferred}; changes {cache['changes']}")
+        assert cache["skipped_calls"] > 0
+        assert deferred == cache["model_calls"] - 1   # one stream per rank here: every call after its first
+
+
+@pytest.mark.parametrize("plan,settings", [
+    (dict(ulysses=2), dict(cache_threshold=SKIPS)),
+    (dict(ring=2), {}),
+    (dict(pipefusion=2), dict(patches=3, warmup_steps=1)),
+], ids=lambda v: ",".join(f"{k}={w}" for k, w in v.items()))
+def test_compiled_blocks_sync_no_more_than_eager(tiny_models, counting, plan, settings):
+    r = request(tiny_models, "flux", plan, compile=True, **settings)
+    counts, result = counted(counting, r)
+    assert result.ranks[0]["compiled_graphs"] > 0
+    check(f"flux {r.plan.describe()} compiled {settings}", counts, STEPS)
+
+
+def test_the_instrument_sees_each_kind_of_sync(monkeypatch):
+    """In process, a loop that does what the engine must not: a read of a device tensor per layer, an index from host
+    memory per layer, a wait with a deadline per step. Each is counted in its step's bucket, where it happened; what
+    the loop builds once before its first step counts in bucket 0."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    monkeypatch.setenv(syncs.ENV, "count")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        info = {}
+        weights = [torch.randn(4, 4) for _ in range(3)]   # made before the loop: the model, on the device
+        with syncs.loop(info, torch.device("cpu")):
+            index = torch.arange(4)                         # made on the host
+            syncs.start()
+            table = index.to(torch.device("cpu"))           # put on the device once, in the first step
+            for step in range(2):
+                x = weights[0].sum(dim=0)[table]
+                for w in weights:
+                    x = (w @ x)[index]
+                    if x.abs().max().item() > 1e6:
+                        x = x / 1e6
+                dist.all_reduce(x, async_op=True).wait(timedelta(seconds=5))
+                syncs.step(step + 1)
+    finally:
+        dist.destroy_process_group()
+    per_step = info["host_syncs"]["per_step"]
+    print(per_step, info["host_syncs"]["where"])
+    assert [b["read"] for b in per_step] == [3, 3, 0]
+    assert [b["upload"] for b in per_step] == [4, 3, 0]
+    assert [b["wait"] for b in per_step] == [1, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def newer_models(tmp_path_factory):
+    """A tiny Qwen-Image and FLUX.2 [dev] checkpoint."""
+    from engine.models.tiny import write_tiny
+    d = str(tmp_path_factory.mktemp("newer"))
+    return {"qwen-image": write_tiny("qwen-image", d), "flux2": write_tiny("flux2", d, variant="flux2-dev")}
+
+
+def newer_request(models, family, plan, **kw):
+    """Qwen-Image at cfg 2.5 with a negative of another length and one reference latent (its edit model), or FLUX.2
+    [dev] with guidance and two reference latents; tiny widths 64 and 96."""
+    g = torch.Generator().manual_seed(3)
+    if family == "qwen-image":
+        j = dict(cond=torch.randn(1, 9, 64, generator=g), neg_cond=torch.randn(1, 4, 64, generator=g), cfg=2.5,
+                 latent_raw=torch.zeros(1, 16, 1, 16, 16))
+        refs = [torch.randn(1, 16, 1, 8, 8, generator=g)]
+    else:
+        j = dict(cond=torch.randn(1, 20, 96, generator=g), guidance=4.0, latent_raw=torch.zeros(1, 128, 8, 8))
+        refs = [torch.randn(1, 128, 4, 4, generator=g), torch.randn(1, 128, 3, 5, generator=g)]
+    if "pipefusion" not in plan:   # PipeFusion takes no reference latents
+        j["reference_latents"] = refs
+        if family == "qwen-image":
+            j["neg_reference_latents"] = refs
+    return GenerateRequest(model=models[family], seed=5, steps=STEPS, plan=ParallelPlan(**plan), **j,
+                           **kw).validate()
+
+
+@pytest.mark.parametrize("family,plan,settings", [
+    ("qwen-image", dict(ulysses=2), {}),
+    ("qwen-image", dict(cfg=2, ring=2), {}),
+    ("qwen-image", dict(pipefusion=2), dict(patches=2, warmup_steps=1)),
+    ("flux2", dict(ulysses=2), {}),
+    ("flux2", dict(ring=2), dict(cache_threshold=SKIPS)),
+    ("flux2", dict(pipefusion=2), dict(patches=2, warmup_steps=1)),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_qwen_image_and_flux2_sync_no_more_than_flux1(newer_models, counting, family, plan, settings):
+    r = newer_request(newer_models, family, plan, **settings)
+    counts, _ = counted(counting, r)
+    check(f"{family} {r.plan.describe()} {settings}", counts, STEPS)
