@@ -54,6 +54,7 @@ class ShareRuntime:
         self._init: dict = {}
         self.chan = _NoClient()
         self.rank, self.world, self.group = 0, 1, None
+        self.last_info: dict = {}   # what the last job reported (its JobContext.info), bytes per collective included
 
     def join(self, world: int, rank: int) -> None:
         """Become rank `rank` of a stand-in world of `world` (one rank: no process group, as on a real engine)."""
@@ -107,6 +108,7 @@ def time_job(rt: ShareRuntime, request, repeats: int, warmups: int = 1, rank: in
         run_generate(ctx, request)
         _sync(rt.device)
         times.append(time.perf_counter() - t0)
+        rt.last_info = ctx.info
     return times[warmups:]
 
 
@@ -243,8 +245,9 @@ def _answer(command: dict, rt: ShareRuntime) -> dict:
     plan = ParallelPlan.parse(command["plan"])
     request = share_request(command["request"], plan)
     if command["op"] == "job":
-        return {"times_s": time_job(rt, request, int(command["repeats"]), int(command.get("warmups", 1)),
-                                    int(command.get("rank", 0)))}
+        times = time_job(rt, request, int(command["repeats"]), int(command.get("warmups", 1)),
+                         int(command.get("rank", 0)))
+        return {"times_s": times, "bytes_sent_per_step": rt.last_info.get("bytes_sent_per_step", {})}
     if command["op"] == "stages":
         stages = [time_stage(rt, request, s, int(command["repeats"]))
                   for s in command.get("stages") or range(plan.pipefusion)]
