@@ -114,7 +114,8 @@ def time_job(rt: ShareRuntime, request, repeats: int, warmups: int = 1, rank: in
 
 def time_stage(rt: ShareRuntime, request, stage: int, repeats: int) -> dict:
     """A PipeFusion stage's share: its blocks on the whole latent (a warmup call, which fills the K/V buffers) and on
-    every patch in turn against those full buffers (a steady step), `repeats` times after one untimed round.
+    every patch in turn against those full buffers (a steady step), `repeats` times after one untimed round. The last
+    stage's sampler step per patch (elementwise on one patch's latent) is left out.
     Returns {"whole_s": [...], "steady_s": [...]} (the steady figure is all patches of one step)."""
     from ..models.flow import Conditioning, FlowModel
     from ..models.load import inspect_model, load_model
