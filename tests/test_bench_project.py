@@ -1,6 +1,7 @@
 """`bench project` on the CPU: a row per plan with its projected s/image beside the planner's estimate, the 1-rank
 projection beside `bench overhead`'s 1-rank engine job, the 2-rank check against a real pinned run; and the share's
-stand-in collectives, which must send exactly what a real rank sends. Timings are printed, never asserted."""
+stand-in collectives, which must send exactly what a real rank sends; and CPU ranks pinned to their own cores, as the
+2-rank check runs them. Timings are printed, never asserted."""
 import json
 import math
 import os
@@ -12,6 +13,8 @@ from engine.cli.bench_project import ShareWorker, _command
 from engine.models.load import inspect_model
 from engine.parallel.plan import ParallelPlan, feasible
 from engine.parallel.projection import share_request
+from engine.runtime.client import Engine
+from tests.conftest import FAST
 
 FIELDS = dict(model="synthetic:flux-dev:tiny", width=128, height=128, steps=2, cfg=1.0, dtype="fp32", seed=0)
 
@@ -70,3 +73,19 @@ def test_a_share_sends_per_collective_exactly_the_bytes_a_real_rank_sends(name, 
     real = engines(2).submit("generate", *share_request(FIELDS, plan).to_job()).ranks[0]["bytes_sent_per_step"]
     print(f"{name}: share {share}, real rank 0 {real}")
     assert share and share == real
+
+
+def test_pinned_cpu_ranks_each_run_every_thread_on_their_own_cores():
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        with pytest.raises(ValueError, match="pin_cpus needs a core per rank: 2 ranks, 1 core"):
+            Engine(2, device="cpu", pin_cpus=True, deadlines=FAST)
+        return
+    with Engine(2, device="cpu", pin_cpus=True, deadlines=FAST) as engine:
+        engine.submit("echo", {})
+        per_rank = [{tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f"/proc/{pid}/task")}
+                    for pid in engine.pids]
+    print("threads' cores per rank:", per_rank)
+    assert all(len(cores) == 1 for cores in per_rank)                # every thread of a rank on the same cores
+    first, second = (set(next(iter(cores))) for cores in per_rank)
+    assert first and second and not first & second and first | second <= set(allowed)
