@@ -5,7 +5,8 @@ CUDA is present), with --quick at sizes that take a few minutes on a CPU.
 overhead: the 1-rank engine's generate job vs the same Euler loop in process, alternating; bridge: tensor round trips
 through our shared-memory bridge vs the xDiT-style path (pickle -> torch.ByteTensor(list(bytes)) -> dist.send over
 gloo); comm: bytes one rank sends per step, per plan, measured vs analytic; scaling and cache: engine/cli/bench_plans.py;
-gpu: engine/cli/bench_gpu.py; soak (jobs with interrupts, resources before and after): engine/cli/bench_soak.py."""
+gpu: engine/cli/bench_gpu.py; soak (jobs with interrupts, resources before and after): engine/cli/bench_soak.py; project
+(every plan projected from one rank's share on one device): engine/cli/bench_project.py."""
 from __future__ import annotations
 
 import io
@@ -28,7 +29,7 @@ from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_soak, output
+from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_project, bench_soak, output
 from .args import UsageError
 
 
@@ -39,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--json", type=types.output_file(".json", "the rows"),
                    help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
-    bench = p.add_subparsers(dest="what", metavar="{overhead,bridge,comm,scaling,cache,memory,gpu,guider,faults,soak}")
+    bench = p.add_subparsers(dest="what",
+                             metavar="{overhead,bridge,comm,scaling,cache,memory,project,gpu,guider,faults,soak}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -75,6 +77,7 @@ def register(sub) -> None:
     c.set_defaults(run=lambda a: _emit(a, "comm", bench_comm(a.models)), parser=c)
     bench_plans.register(bench, _emit)
     bench_memory.register(bench, _emit)
+    bench_project.register(bench, _emit)
     bench_gpu.register(bench, _emit)
     bench_guider.register(bench, _emit)
     bench_faults.register(bench, _emit)
@@ -108,6 +111,11 @@ def _run_suite(a) -> int:
     print("\n## memory", flush=True)
     results["memory"] = bench_memory.bench_memory(["flux-dev"] if q else ["flux-dev", "sd3-medium"],
                                                   [1, 2] if q else [1, 2, 4], splits=("compute", "weights"))
+    print("\n## project", flush=True)
+    results["project"] = bench_project.bench_project("flux-dev", "tiny", None, 256, 256, steps, "fp32",
+                                                     [2] if q else [2, 4], 3 if q else 5,
+                                                     validate=("ulysses2", "ring2") if q else
+                                                     ("ulysses2", "ring2", "pipefusion2"))
     if torch.cuda.is_available():
         print("\n## gpu", flush=True)
         results["gpu"] = bench_gpu.bench_gpu([0], list(bench_gpu.MODELS), list(bench_gpu.ROWS), 1024, 2, None)
@@ -257,9 +265,10 @@ def _plain_loop(flow, noise: torch.Tensor, sigmas: torch.Tensor, positive, negat
 
 
 def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
-                   dtype: str, repeats: int) -> list[dict]:
+                   dtype: str, repeats: int, alongside=None) -> list[dict]:
     """One rank: the engine's generate job vs a plain in-process loop over the same forward, same weights and inputs,
-    run alternately (engine, loop, engine, loop, ...) so that drift in the machine's speed hits both alike."""
+    run alternately (engine, loop, engine, loop, ...) so that drift in the machine's speed hits both alike.
+    alongside: a third path timed in the same rounds, () -> seconds (`bench project`'s 1-rank share)."""
     from ..generate.request import GenerateRequest
     from ..models.flow import Conditioning, FlowModel
     from ..models.load import inspect_model, load_model
@@ -293,10 +302,12 @@ def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, 
     with Engine(1, device=device, gpus=gpus) as engine:
         first = engine.submit("generate", spec, inputs)
         plain()  # warm-up
+        beside = [alongside()] if alongside else []
         runs, loops = [], []
         for _ in range(repeats):
             runs.append(engine.submit("generate", spec, inputs))
             loops.append(plain())
+            beside += [alongside()] if alongside else []
     engine_total = statistics.median(r.timings["total_s"] for r in runs)
     engine_compute = statistics.median(r.timings["compute_s"] for r in runs)
     plain_s = statistics.median(t for _, t in loops)
@@ -316,7 +327,8 @@ def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, 
     print(f"latents: engine vs plain loop max abs diff {diff:.3g}")
     return [{"model": source, "width": width, "height": height, "steps": steps, "dtype": dtype, "device": device,
              "engine_job_s": engine_total, "engine_compute_s": engine_compute, "plain_loop_s": plain_s,
-             "ratio": engine_total / plain_s, "max_abs_diff": diff}]
+             "ratio": engine_total / plain_s, "max_abs_diff": diff,
+             **({"alongside_s": statistics.median(beside[1:])} if alongside else {})}]
 
 
 def bench_comm(models: list[str], quick: bool = False) -> list[dict]:

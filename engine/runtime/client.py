@@ -33,6 +33,9 @@ class Engine(RankGroup):
     engine worker --join HOST:PORT --node-rank K --ranks nK`); they follow this machine's `ranks` in rank order.
     `secret` (default $XDIT_SECRET) is required unless HOST is loopback; `interface` names the network interface
     gloo/NCCL use here (default: the one holding HOST). Rank 0 stays here: results return through this machine.
+
+    pin_cpus (CPU ranks on this machine): each rank runs on its own cores (`launch.cpu_sets`), with as many threads,
+    instead of every rank's threads roaming over every core; for timing ranks as if each had its own device.
     """
 
     # ---- jobs ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from . import bridge
 from ..errors import EngineError
 from ..parallel.plan import MAX_RANKS
-from .launch import kill_all, log_tail, rank_env, signal_name, spawn_rank
+from .launch import cpu_sets, kill_all, log_tail, rank_env, signal_name, spawn_rank
 from .protocol import Channel, ChannelClosed, ProtocolError
 from .remote import Cluster
 from .storelink import secret_from
@@ -35,7 +35,7 @@ class RankGroup:
                  deadlines: Deadlines | None = None, heartbeat_interval_s: float = 0.5,
                  collective_timeout_s: float = 1800.0, rank_stdio: str = "log", env: dict[str, str] | None = None,
                  start: bool = True, listen: str | None = None, remote_ranks: list[int] | None = None,
-                 secret: str | bytes | None = None, interface: str | None = None):
+                 secret: str | bytes | None = None, interface: str | None = None, pin_cpus: bool = False):
         if not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
             raise ValueError(f"ranks={ranks!r} is invalid: use 1 to {MAX_RANKS} (one rank per GPU)")
         if device not in ("cpu", "cuda"):
@@ -52,6 +52,9 @@ class RankGroup:
                                  f"are visible (0..{torch.cuda.device_count() - 1})")
         elif gpus:
             raise ValueError(f"gpus={gpus} given with device='cpu': drop gpus or use device='cuda'")
+        if pin_cpus and device != "cpu":
+            raise ValueError("pin_cpus=True pins CPU ranks to cores: use it with device='cpu'")
+        self.cores = cpu_sets(ranks) if pin_cpus else None
         if rank_stdio not in ("log", "inherit"):
             raise ValueError(f"rank_stdio={rank_stdio!r} is invalid: use 'log' or 'inherit'")
         if (listen is None) != (not remote_ranks):
@@ -141,7 +144,9 @@ class RankGroup:
                            "backend": "nccl" if self.device == "cuda" else "gloo",
                            "local_device": rank, "engine_dir": self.engine_dir, "store_path": store_path,
                            "heartbeat_interval_s": self.heartbeat_interval_s,
-                           "collective_timeout_s": self.collective_timeout_s, "threads": threads,
+                           "collective_timeout_s": self.collective_timeout_s,
+                           "threads": len(self.cores[rank]) if self.cores and rank < self.local_ranks else threads,
+                           "cores": self.cores[rank] if self.cores and rank < self.local_ranks else None,
                            "tcp_store": self._cluster.store_info(self.generation) if self._cluster else None})
             self.rank_info = self._wait_ready()
         except BaseException as e:

@@ -25,6 +25,33 @@ def rank_env(gpus: list[int] | None) -> dict[str, str]:
     return env
 
 
+def cpu_sets(ranks: int) -> list[list[int]]:
+    """Disjoint sets of this process's allowed CPU cores, one per rank, as even as possible (the first ranks get the
+    extra cores): what `Engine(pin_cpus=True)` pins its CPU ranks to. Raises ValueError with fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"pin_cpus needs a core per rank: {ranks} ranks, {len(cores)} core(s) allowed here "
+                         f"({','.join(map(str, cores))}); use at most {len(cores)} ranks or pin_cpus=False")
+    base, extra = divmod(len(cores), ranks)
+    out, start = [], 0
+    for r in range(ranks):
+        n = base + (1 if r < extra else 0)
+        out.append(cores[start:start + n])
+        start += n
+    return out
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process, and every thread it starts later, on `cores` only. The threads already running
+    (torch's pools) are pinned one by one: a process's affinity is per thread on Linux."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):
+            pass   # a thread that ended meanwhile
+    os.sched_setaffinity(0, cores)
+
+
 def spawn_rank(env: dict[str, str], pgid: int, log_path: str | None) -> tuple[subprocess.Popen, Channel]:
     """Start `python -m engine.runtime.rank` in process group `pgid` (0: a new one it leads), its control channel an
     inherited socketpair; stdout and stderr go to `log_path` (None: inherited)."""

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import bridge, faults
+from .launch import pin_process
 from ..errors import EngineError
 from ..errors import JobCancelledSignal
 from .jobs import HANDLERS, JobContext, is_out_of_memory, rank_memory
@@ -53,6 +54,8 @@ class RankRuntime:
             self.device = torch.device("cuda", init["local_device"])
         else:
             self.device = torch.device("cpu")
+            if init.get("cores"):   # Engine(pin_cpus=True): this rank's own cores, before its thread pool grows
+                pin_process(init["cores"])
             torch.set_num_threads(max(1, int(init.get("threads", 1))))
         self.group = None
         self.control_group = None   # host-memory (gloo) group of every rank: per-step agreements (jobs.py)
