@@ -54,6 +54,7 @@ class ShareRuntime:
         self._init: dict = {}
         self.chan = _NoClient()
         self.rank, self.world, self.group = 0, 1, None
+        self.control_group = None   # the per-step cancel agreement's group (the stand-in world's own)
         self.last_info: dict = {}   # what the last job reported (its JobContext.info), bytes per collective included
 
     def join(self, world: int, rank: int) -> None:
@@ -68,7 +69,7 @@ class ShareRuntime:
                 warnings.simplefilter("ignore")
                 dist.init_process_group("fake", rank=rank, world_size=world)
         self.world, self.rank = world, rank
-        self.group = dist.group.WORLD if world > 1 else None
+        self.group = self.control_group = dist.group.WORLD if world > 1 else None
 
     def enter_phase(self, job_id: int, phase: str, **detail) -> None:
         pass
