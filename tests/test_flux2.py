@@ -316,20 +316,22 @@ def test_a_step_cache_that_skips_nothing_is_exact(models, engines):
 
 
 def test_a_skipped_call_adds_the_cached_remainder_to_the_first_blocks_image_tokens(models, diffusers_models):
-    """In process: call a runs every block; call b (another latent and sigma) runs the first block and skips. Its
-    image tokens after the last block (a single block: text and image joined, the image at the end) must be the
-    first block's image output plus what the other blocks added in call a. The reference records and replaces those
+    """In process: calls a and b run every block (the decision is taken a call late: b measures the change that
+    lets c skip); call c (another latent and sigma) runs the first block and skips. Its image tokens after the last
+    block (a single block: text and image joined, the image at the end) must be the first block's image output plus
+    what the other blocks added in call b, the last fully computed one. The reference records and replaces those
     tokens with hooks on the diffusers model driven by this module's reference."""
     from engine import families
     from engine.parallel.cache import StepCache
     flow = FlowModel(load_model(models["flux2-dev"]))
     cache = StepCache(flow.model, families.get("flux2").tokens.blocks, threshold=1e9)   # skips whatever changed
-    xa, xb, cond = randn(8, (1, 128, 4, 6), (1, 128, 4, 6), (1, 20, 96))
+    xa, xb, xc, cond = randn(8, (1, 128, 4, 6), (1, 128, 4, 6), (1, 128, 4, 6), (1, 20, 96))
     prepared = flow.prepare([Conditioning(cond, None, 3.5)], 1)
     cache.use_stream("pos")
     flow.velocity(xa, torch.tensor(0.8), prepared)
-    got = flow.velocity(xb, torch.tensor(0.6), prepared)
-    assert cache.stats.skipped_at == [1]
+    flow.velocity(xb, torch.tensor(0.6), prepared)
+    got = flow.velocity(xc, torch.tensor(0.4), prepared)
+    assert cache.stats.skipped_at == [2]
     cache.close()
 
     model, n = diffusers_models["flux2-dev"], 24
@@ -338,12 +340,12 @@ def test_a_skipped_call_adds_the_cached_remainder_to_the_first_blocks_image_toke
     handles = [first.register_forward_hook(lambda m, a, out: seen.__setitem__("first", out[1])),
                last.register_forward_hook(lambda m, a, out: seen.__setitem__("last", out[:, -n:]))]
     with torch.no_grad():
-        reference_velocity(model, xa, 0.8, cond)
+        reference_velocity(model, xb, 0.6, cond)
         remainder = seen["last"] - seen["first"]
         handles.pop().remove()
         handles.append(last.register_forward_hook(
             lambda m, a, out: torch.cat([out[:, :-n], seen["first"] + remainder], dim=1)))
-        want = reference_velocity(model, xb, 0.6, cond)
+        want = reference_velocity(model, xc, 0.4, cond)
     for h in handles:
         h.remove()
     assert report("skipped call vs first block + cached remainder", (got - want).abs().max(),
