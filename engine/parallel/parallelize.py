@@ -127,6 +127,10 @@ class ParallelFlow:
         count = t.shape[dim] - m
         self._image_tokens, self._pad = count, -count % self.mesh["sp"].size
         self.attention.pad_tokens = self._pad
+        if self.cache is not None:   # the pad rows end the last rank's image shard
+            sp = self.mesh["sp"]
+            last = self._pad and sp.rank == sp.size - 1
+            self.cache.pad_rows = (-(-count // sp.size) - self._pad, self._pad) if last else (0, 0)
         if not m:
             return self._shard(t, dim, what, pad=True)
         image = t.narrow(dim, 0, count)
