@@ -15,11 +15,11 @@ from engine import families
 from engine.parallel.plan import ParallelPlan
 
 
-def request(tiny_models, family, plan, threshold, cfg=1.0, steps=10):
+def request(tiny_models, family, plan, threshold, cfg=1.0, steps=10, latent_hw=(16, 16)):
     g = torch.Generator().manual_seed(11)
     pooled = 768 if family == "flux" else 2048
     r = GenerateRequest(model=tiny_models[family], cond=torch.randn(1, 24, 4096, generator=g),
-                        pooled=torch.randn(1, pooled, generator=g), latent_raw=torch.zeros(1, 16, 16, 16), seed=5,
+                        pooled=torch.randn(1, pooled, generator=g), latent_raw=torch.zeros(1, 16, *latent_hw), seed=5,
                         steps=steps, cfg=cfg, neg_cond=torch.randn(1, 30, 4096, generator=g),
                         neg_pooled=torch.randn(1, pooled, generator=g), plan=ParallelPlan(**plan),
                         cache_threshold=threshold)
@@ -117,3 +117,18 @@ def test_bad_threshold_is_refused(value):
     r = GenerateRequest(model="", cond=None, pooled=None, latent_raw=None, cache_threshold=value)
     with pytest.raises(ValueError, match="cache_threshold="):
         r.check_scalars()
+
+
+@pytest.mark.parametrize("plan", [dict(ring=2), dict(ulysses=2, ring=2)],
+                         ids=lambda p: ParallelPlan(**p).describe().replace(" ", ""))
+def test_padded_shards_measure_the_change_of_the_real_tokens_only(tiny_models, engines, plan):
+    """81 image tokens: the last rank's pad rows (copies of the last token) stay out of the agreed change, so every
+    change equals one rank's to fp32 rounding (counting them would weigh the last token twice or more)."""
+    one, (one_info,) = generate(engines, request(tiny_models, "flux", {}, THRESHOLD, latent_hw=(18, 18)))
+    many, infos = generate(engines, request(tiny_models, "flux", plan, THRESHOLD, latent_hw=(18, 18)))
+    pairs = [(a, b) for a, b in zip(one_info["changes"], infos[0]["changes"]) if a is not None]
+    gap = max(abs(a - b) for a, b in pairs)
+    print(f"{ParallelPlan(**plan).describe()} 81 tokens: agreed changes vs one rank's, max abs diff {gap:.3g}; "
+          f"skipped {infos[0]['skipped_at']} (one rank {one_info['skipped_at']})")
+    assert [a is None for a in one_info["changes"]] == [b is None for b in infos[0]["changes"]]
+    assert gap <= 1e-5 and infos[0]["skipped_at"] == one_info["skipped_at"]

@@ -68,9 +68,35 @@ def test_an_explicit_plan_is_kept_when_it_fits_and_refused_with_a_working_plan_w
         resolve_plan(ParallelPlan(ulysses=4), 4, six_heads)
     best_of_4 = rank_plans(4, six_heads, assumed_hardware(4))[0].plan   # an explicit plan's rank count is kept
     assert best_of_4.world_size == 4 and str(refused.value).endswith(f"try {best_of_4.describe()}")
-    with pytest.raises(PlanError, match=r"ulysses x ring = 8 does not divide .*try cfg2 x ulysses4"):
-        resolve_plan(ParallelPlan(ulysses=4, ring=2), 8, Workload(batch=1, negative_pass=True,
-                                                                   **dict(SD3_MEDIUM_1024, image_tokens=4092)))
+    with pytest.raises(PlanError, match=r"4094 image tokens: ulysses x ring = 4 does not divide them under pipefusion"):
+        resolve_plan(ParallelPlan(pipefusion=2, ulysses=2, ring=2), 8,
+                     Workload(batch=1, negative_pass=True, **dict(SD3_MEDIUM_1024, image_tokens=4094)))
+
+
+@pytest.mark.parametrize("degrees,tokens", [(dict(ulysses=2), 6889), (dict(ring=2), 6889),
+                                            (dict(ulysses=2, ring=2), 4225), (dict(ulysses=4, ring=2), 4092)])
+def test_image_tokens_the_degree_does_not_divide_are_padded_and_the_plan_is_accepted_and_priced(degrees, tokens):
+    """Qwen-Image at 1328x1328 (83x83 tokens), FLUX.1 at 1040x1040 (65x65): each rank holds the tokens padded up to a
+    multiple of the degree, so the plan runs and is priced on the padded share (at most degree - 1 tokens more)."""
+    from engine.parallel.cost import estimate, rank_flops
+    from engine.parallel.plan import feasible, plan_problems, shard_tokens
+    plan, sp = ParallelPlan(**degrees), degrees.get("ulysses", 1) * degrees.get("ring", 1)
+    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, image_tokens=tokens))
+    assert tokens % sp and plan_problems(plan, work) == [] and plan in feasible(plan.world_size, work)
+    assert resolve_plan(plan, plan.world_size, work).plan == plan
+    assert shard_tokens(tokens, sp) * sp - tokens < sp
+    padded = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, image_tokens=shard_tokens(tokens, sp) * sp))
+    assert rank_flops(plan, work)[0] < rank_flops(plan, padded)[0]   # the pad rows are no keys
+    assert rank_flops(plan, work)[0] > rank_flops(plan, Workload(batch=1, negative_pass=False,
+                                                                 **dict(FLUX_DEV_1024, image_tokens=tokens - 1)))[0]
+    print(f"{plan.describe()} {tokens} tokens: {estimate(plan, work, assumed_hardware(plan.world_size)).step_ms:.1f} "
+          f"ms/step estimated")
+
+
+def test_too_few_image_tokens_for_the_degree_are_refused_naming_the_numbers():
+    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, image_tokens=6))
+    with pytest.raises(PlanError, match=r"6 image tokens: too few for ulysses x ring = 4 \(padded to 2 a rank"):
+        resolve_plan(ParallelPlan(ring=4), 4, work)
 
 
 @pytest.mark.parametrize("ranks", [0, 9, -1, True, 2.0])
@@ -80,7 +106,7 @@ def test_rank_counts_outside_1_to_8_are_refused(ranks):
 
 
 def test_auto_runs_a_job_no_plan_of_the_rank_count_can_run_on_fewer_ranks_and_says_so():
-    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=49))
+    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=1))
     choice = resolve_plan(AUTO, 2, work)
     print(choice.reason)
     assert choice.plan == ParallelPlan()
@@ -90,8 +116,8 @@ def test_auto_runs_a_job_no_plan_of_the_rank_count_can_run_on_fewer_ranks_and_sa
 
 def test_cpu_ranks_still_refuse_a_job_no_plan_of_their_count_can_run():
     """CPU ranks exist to run the parallel paths: auto uses them all, or names the numbers."""
-    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=49))
-    with pytest.raises(PlanError, match="no parallel plan runs this job on 2 ranks .*7 heads, 49 image tokens"):
+    work = Workload(batch=1, negative_pass=False, **dict(FLUX_DEV_1024, heads=7, image_tokens=1))
+    with pytest.raises(PlanError, match="no parallel plan runs this job on 2 ranks .*7 heads, 1 image tokens"):
         resolve_plan(AUTO, 2, work, cpu_hardware(2))
 
 

@@ -359,8 +359,23 @@ def test_plan_prints_the_ranked_table_and_the_choice_without_starting_a_rank(cap
     assert all(r.endswith(("| yes | yes |", "| yes | no |")) for r in rows) and len(rows) == 10
     assert {r.split(" | ")[1] for r in rows if r.endswith("| no |")} == {
         r.split(" | ")[1] for r in rows if "pipefusion" in r}   # PipeFusion: approximate
-    assert lines[-1].startswith("auto chose ulysses2 x ring2 on 4 of 8 ranks (the other 4 idle): est.")
+    # eager and launch-bound from 3 GPUs on: ring3 (4096 tokens padded to 1366 a rank) is as fast on fewer GPUs
+    assert lines[-1].startswith("auto chose ring3 on 3 of 8 ranks (the other 5 idle): est.")
     assert "74.4 TFLOP per step" in out and "best on 1 GPU: single rank" in out and "28 steps, eager" in out
+
+
+@pytest.mark.parametrize("model,size,tokens", [("qwen-image", 1328, 6889), ("flux-dev", 1040, 4225)])
+def test_plan_offers_ulysses_and_ring_for_a_size_whose_tokens_the_degree_does_not_divide(capsys, model, size, tokens):
+    """Qwen-Image's 1328x1328 (83x83 tokens) and FLUX.1 at 1040x1040 (65x65): the tokens are padded per rank, so
+    ulysses2 and ring2 are listed with their estimates."""
+    assert main(["plan", "--model", model, "--gpus", "2", "--interconnect", "nvlink", "--width", str(size),
+                 "--height", str(size), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    listed = {e["plan"]: e for e in data["candidates"]}
+    for plan in ("ulysses2", "ring2"):
+        print(f"{model} {size}x{size} ({tokens} image tokens) {plan}: {listed[plan]['ms_per_step']:.1f} ms/step, "
+              f"{listed[plan]['s_per_image']:.2f} s/image")
+        assert listed[plan]["exact"] and listed[plan]["ms_per_step"] > 0 and listed[plan]["fits"]
 
 
 def test_plan_json_has_the_chosen_plan_one_gpu_and_every_candidate(capsys):

@@ -302,6 +302,22 @@ def test_every_plan_equals_one_rank_with_reference_latents(qwen, engines, degree
     assert report(f"Qwen-Image edit {plan.describe()} vs one rank", (many - one).abs().max(), bound(one, STEPS, 2.5))
 
 
+@pytest.mark.parametrize("degrees,refs", [(dict(ulysses=2), ()), (dict(ring=2), ()), (dict(ulysses=2, ring=2), ()),
+                                           (dict(ulysses=2), ((10, 12),)), (dict(ring=2), ((10, 12),))],
+                         ids=lambda d: ParallelPlan(**d).describe().replace(" ", "") if isinstance(d, dict) else
+                         ("edit" if d else "t2i"))
+def test_an_image_whose_tokens_the_degree_does_not_divide_is_padded_and_equals_one_rank(qwen, engines, degrees, refs):
+    """An 18x18 latent is 9x9 = 81 image tokens: the last rank's shard ends in pad rows no softmax sees. With a
+    10x12 reference (30 tokens; 111 in all, odd) the references are joint and the image tokens alone padded. The
+    9-token prompt is joint, the 4-token negative split with the image."""
+    plan = ParallelPlan(**degrees)
+    one = run(engines, job(qwen, refs=refs, hw=(18, 18)))
+    many = run(engines, job(qwen, plan, refs=refs, hw=(18, 18)))
+    assert many.shape == one.shape == (1, 16, 1, 18, 18)
+    assert report(f"Qwen-Image {'edit ' if refs else ''}{plan.describe()} 81 image tokens (padded) vs one rank",
+                  (many - one).abs().max(), bound(one, STEPS, 2.5))
+
+
 # ---- files: quantized, LoRAs ------------------------------------------------------------------------------------
 def test_a_gguf_file_gives_the_latent_of_its_dequantized_plain_copy(qwen, engines, tmp_path):
     import gguf

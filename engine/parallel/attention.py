@@ -1,7 +1,9 @@
 """The one attention entry point: local, Ulysses (q, k and v exchanged in one all-to-all, the output back through
 yunchang's), Ring (each hop posted ahead of the block in hand, exact log-sum-exp merge), and any mix, over image
 tokens sharded across the sequence-parallel ranks, with optional joint text tokens that every rank holds in full
-(their K/V enter each softmax exactly once; their queries see every key). Nothing here reads a tensor on the host or
+(their K/V enter each softmax exactly once; their queries see every key). Image tokens the degree does not divide
+arrive padded (parallelize.py): the last sequence-parallel rank's shard ends in `pad_tokens` rows, which no softmax
+sees as keys (their query rows are computed and dropped at the gather). Nothing here reads a tensor on the host or
 waits on the host for a transfer.
 
 Tensors are (batch, tokens, heads, head_dim), diffusers' layout.
@@ -92,6 +94,10 @@ class SequenceParallelAttention:
         self.stale = stale
         self.ulysses = mesh["ulysses"]
         self.ring = mesh["ring"]
+        # pad rows at the end of the last sequence-parallel rank's image shard (set per forward by parallelize.py).
+        # Ranks are ordered ring-major, ulysses fastest: after Ulysses' exchange the pad rows end the K/V of every
+        # rank of the last ring member, and the ring passes them on as that member's block
+        self.pad_tokens = 0
 
     def __call__(self, q, k, v, joint: tuple | None = None):
         """q, k, v: this rank's image-token shard (all heads). joint: text (q, k, v), full on every rank.
@@ -111,6 +117,8 @@ class SequenceParallelAttention:
         queries = torch.cat([joint[0], q], dim=1) if n_text else q
         keys = torch.cat([text_kv[0], k], dim=1) if text_kv is not None else k
         values = torch.cat([text_kv[1], v], dim=1) if text_kv is not None else v
+        if self.pad_tokens and self.ring.rank == self.ring.size - 1:   # this rank's own keys end in the pad rows
+            keys, values = keys[:, :keys.shape[1] - self.pad_tokens], values[:, :values.shape[1] - self.pad_tokens]
         if self.comm_only:
             out = queries.clone()
             if self.ring.size > 1:
@@ -169,5 +177,7 @@ class SequenceParallelAttention:
             kv = incoming
             if hop < r.size - 1:   # the next hop travels while this block computes
                 incoming, requests = self._pass_on(kv, nxt, prv)
+            if self.pad_tokens and (r.rank - hop) % r.size == r.size - 1:   # the last member's block: pad rows off
+                kv = kv[:, :, :kv.shape[2] - self.pad_tokens]
             out, lse = _merge(out, lse, *kernel(queries, kv[0], kv[1]))
         return out.to(queries.dtype)

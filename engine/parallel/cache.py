@@ -84,6 +84,9 @@ class StepCache:
         """group, ranks: the job's ranks, which agree on every decision (None, 1: this process alone)."""
         self.model = model
         self.threshold = float(threshold)
+        # (first row, count) of pad rows in this rank's image shard (sequence parallel padding, parallelize.py): left
+        # out of the change measured, so the decision is one rank's
+        self.pad_rows = (0, 0)
         self.group, self.ranks = group, ranks
         self.originals = {name: model.get_submodule(name) for name in block_lists}
         blocks = [b for name in block_lists for b in self.originals[name]]
@@ -154,6 +157,9 @@ class StepCache:
             stream.first_residual.shape == residual.shape
         if ready:
             prev = stream.first_residual
+            start, count = self.pad_rows
+            if count:
+                residual, prev = (torch.cat([t[:, :start], t[:, start + count:]], dim=1) for t in (residual, prev))
             sums = torch.stack([(residual - prev).abs().double().sum(), prev.abs().double().sum(),
                                 torch.ones((), dtype=torch.float64, device=residual.device)])
         else:

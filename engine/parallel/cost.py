@@ -26,7 +26,7 @@ from . import calibration
 from .devices import Hardware, Interconnect, efficiency
 from .memory import memory_gib, stage_memory_gib
 from .pipefusion.layout import analytic_p2p_bytes
-from .plan import DTYPE_BYTES, ParallelPlan, Workload, items_per_rank, text_split
+from .plan import DTYPE_BYTES, ParallelPlan, Workload, items_per_rank, shard_tokens, text_split
 
 FP32_SLOWDOWN = 8        # fp32 matmuls leave the bf16 tensor path: 1/15 of bf16 on H100, 1/2 on GeForce cards
 TIE = 0.10               # estimates within 10% of the fastest are a tie: the plan that sends less wins, then the
@@ -88,8 +88,10 @@ REFERENCE_GEMM_WORK = (4096 + 512) * 3072
 # ---- what each method sends (the closed forms `bench comm` checks against the engine's own counts) -----------
 def attention_bytes(image_tokens: int, text_tokens: int, heads: int, head_dim: int, layers: int, text_split: bool,
                     plan, batch: int, elem_bytes: int = 2) -> dict[str, int]:
-    """Bytes one rank sends per model call in `layers` sequence-parallel attention layers, per collective kind."""
+    """Bytes one rank sends per model call in `layers` sequence-parallel attention layers, per collective kind
+    (image tokens the degree does not divide travel padded to a multiple of it)."""
     u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
+    image_tokens = shard_tokens(image_tokens, p) * p
     width = heads * head_dim * elem_bytes   # bytes per token per Q/K/V
     split = text_split and text_tokens % p == 0
     seq = image_tokens + (text_tokens if split else 0)
@@ -106,7 +108,7 @@ def attention_bytes(image_tokens: int, text_tokens: int, heads: int, head_dim: i
 def sp_gather_bytes(image_tokens: int, out_features: int, plan, batch: int, elem_bytes: int = 2) -> int:
     """The velocity tokens each sequence-parallel rank sends to the others after the model's output projection."""
     p = plan.ulysses * plan.ring
-    return (p - 1) * batch * (image_tokens // p) * out_features * elem_bytes
+    return (p - 1) * batch * shard_tokens(image_tokens, p) * out_features * elem_bytes
 
 
 def patches(plan, work) -> int:
@@ -147,17 +149,20 @@ def comm_bytes(plan, work) -> dict[str, int]:
 # ---- compute -------------------------------------------------------------------------------------------------
 def rank_flops(plan, work) -> tuple[float, float]:
     """(all, attention) FLOPs of one rank's model call. Linear layers: 2 x weights x tokens; attention: 4 x
-    queries x keys x width. Text tokens held by every rank (joint) are computed by every rank."""
+    queries x keys x width. Text tokens held by every rank (joint) are computed by every rank. Image tokens the
+    degree does not divide are padded to a multiple of it: the pad rows are computed as tokens and queries, not as
+    keys."""
     u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
     hidden = work.heads * work.head_dim
     split = text_split(plan, work)
     n_img, n_txt = work.image_tokens, work.text_tokens
-    tokens = n_img / p + (n_txt / p if split else n_txt)
-    queries = n_img / r + (n_txt / r if split else n_txt)   # after Ulysses' exchange: S/R tokens, H/U heads
+    n_pad = shard_tokens(n_img, p) * p   # image tokens padded
+    tokens = n_pad / p + (n_txt / p if split else n_txt)
+    queries = n_pad / r + (n_txt / r if split else n_txt)   # after Ulysses' exchange: S/R tokens, H/U heads
     attention = 4 * queries * (n_img + n_txt) * hidden / u * work.layers
-    attention += 4 * (n_img / r) * n_img * hidden / u * work.dual_layers
+    attention += 4 * (n_pad / r) * n_img * hidden / u * work.dual_layers
     linear = 2 * hidden * hidden * (work.linear_width * tokens * work.layers
-                                    + DUAL_WIDTH * n_img / p * work.dual_layers)
+                                    + DUAL_WIDTH * n_pad / p * work.dual_layers)
     items = items_per_rank(plan, work)
     stages = plan.pipefusion   # each stage runs its share of the blocks; pipelined, the stages work at once
     return items * (linear + attention) / stages, items * attention / stages
@@ -167,7 +172,7 @@ def gemm_work(plan, work) -> float:
     """Rows x hidden width of one rank's matrix products per model call (per patch under PipeFusion)."""
     p = plan.ulysses * plan.ring
     split = text_split(plan, work)
-    tokens = work.image_tokens / p + (work.text_tokens / p if split else work.text_tokens)
+    tokens = shard_tokens(work.image_tokens, p) + (work.text_tokens / p if split else work.text_tokens)
     return items_per_rank(plan, work) * tokens / patches(plan, work) * work.heads * work.head_dim
 
 

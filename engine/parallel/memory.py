@@ -8,7 +8,7 @@ import math
 
 from ..models.synthetic import synthetic_info
 from .pipefusion.layout import balanced_split, block_lists, meta_model, reference_costs
-from .plan import DTYPE_BYTES, GiB, items_per_rank, text_split
+from .plan import DTYPE_BYTES, GiB, items_per_rank, shard_tokens, text_split
 
 ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidden widths (input, fused projections,
                          # mlp, attention buffers)
@@ -22,7 +22,7 @@ def memory_gib(plan, work) -> dict[str, float]:
     per-stage totals, with their K/V buffers, are `stage_memory_gib`'s."""
     weights = work.weight_bytes - work.block_weight_bytes + work.block_weight_bytes / plan.pipefusion
     p = plan.ulysses * plan.ring
-    tokens = work.image_tokens / p + (work.text_tokens / p if text_split(plan, work) else work.text_tokens)
+    tokens = shard_tokens(work.image_tokens, p) + (work.text_tokens / p if text_split(plan, work) else work.text_tokens)
     hidden = work.heads * work.head_dim
     activations = items_per_rank(plan, work) * tokens * hidden * ACT_WIDTHS * DTYPE_BYTES[work.dtype]
     parts = {"weights": weights / GiB, "activations": activations / GiB, "runtime": RUNTIME_GIB}

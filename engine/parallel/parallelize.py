@@ -13,6 +13,11 @@ together divide the degree they are split as one sequence; otherwise every rank 
 (joint, like text that does not divide), the processor is told so (`joint_reference_tokens`), and the gather takes
 only the image shards.
 
+Image tokens the degree does not divide are padded at the split: each rank holds ceil(N / degree) of them, the last
+rank's shard ending in copies of the last token (`plan.pad_tokens` of them, fewer than a shard). The attention
+entry point drops the padded keys before every softmax, so the real tokens' outputs are exact; the padded rows'
+outputs are dropped at the gather.
+
 Seams: a new family is a table and a processor in its module. PipeFusion (pipefusion.py) splits the table's `blocks`
 into stages and runs its own loop with the same processors. The step cache (engine/parallel/cache.py) wraps the same
 block lists, its skip decision agreed over every rank of the job, one call late; the predictor tells it which stream
@@ -50,6 +55,9 @@ class ParallelFlow:
         self.cache: StepCache | None = None
         self._joint_references = 0   # reference tokens every rank holds in full in the current forward
         self._joint_text = False     # the current forward's text is held in full by every rank
+        self._image_tokens = 0       # image tokens (before padding) of the current forward
+        self._pad = 0                # pad rows at the end of the last rank's image shard in the current forward
+        self.attention: SequenceParallelAttention | None = None
         if mesh["sp"].size > 1:
             self._split_tokens()
 
@@ -57,7 +65,8 @@ class ParallelFlow:
     def _split_tokens(self) -> None:
         model, table = self.flow.model, self.table
         self._original_processors = dict(model.attn_processors)
-        model.set_attn_processor(table.processor(SequenceParallelAttention(self.mesh)))
+        self.attention = SequenceParallelAttention(self.mesh)
+        model.set_attn_processor(table.processor(self.attention))
         if table.split_inputs or table.text_inputs:
             self._hooks.append(model.register_forward_pre_hook(self._split_forward_inputs, with_kwargs=True))
         for name, item, dim in table.split_after:
@@ -84,28 +93,48 @@ class ParallelFlow:
         return hook
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's output tokens -> the whole sequence; joint reference tokens (the same on every rank) are
-        appended once, after the gathered image tokens."""
+        """This rank's output tokens -> the whole sequence, the pad rows dropped; joint reference tokens (the same on
+        every rank) are appended once, after the gathered image tokens."""
         m = self._joint_references
-        if not m:
-            return self.mesh.all_gather(tokens, "sp", dim=1, kind="sp_gather")
-        image = self.mesh.all_gather(tokens[:, :-m], "sp", dim=1, kind="sp_gather")
-        return torch.cat([image, tokens[:, -m:]], dim=1)
+        image = self.mesh.all_gather(tokens[:, :tokens.shape[1] - m], "sp", dim=1, kind="sp_gather")
+        if self._pad:
+            image = image[:, :self._image_tokens]
+        return torch.cat([image, tokens[:, tokens.shape[1] - m:]], dim=1) if m else image
 
-    def _shard(self, tokens: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+    def _shard(self, tokens: torch.Tensor, dim: int, what: str, pad: bool = False) -> torch.Tensor:
+        """This rank's equal share of `tokens` along dim; with `pad` a count the degree does not divide is padded at
+        the end with copies of the last token, else refused."""
         sp = self.mesh["sp"]
-        if tokens.shape[dim] % sp.size:
-            raise ValueError(f"{what} has {tokens.shape[dim]} tokens, which ulysses x ring = {sp.size} does not divide")
-        n = tokens.shape[dim] // sp.size
-        return tokens.narrow(dim, sp.rank * n, n)
+        count = tokens.shape[dim]
+        if count % sp.size and not pad:
+            raise ValueError(f"{what} has {count} tokens, which ulysses x ring = {sp.size} does not divide")
+        n = -(-count // sp.size)
+        if count - (sp.size - 1) * n < 1:
+            raise ValueError(f"{what} has {count} tokens, too few for ulysses x ring = {sp.size}: padded to "
+                             f"{n} a rank, the last rank would hold none")
+        start = sp.rank * n
+        shard = tokens.narrow(dim, start, min(n, count - start))
+        missing = n - shard.shape[dim]
+        if missing:   # the last rank: copies of the last token (finite values; their outputs are dropped)
+            last = tokens.narrow(dim, count - 1, 1)
+            shard = torch.cat([shard, last.expand(*(missing if d == dim else -1 for d in range(last.dim())))], dim=dim)
+        return shard
 
     def _shard_image(self, t: torch.Tensor, dim: int, what: str) -> torch.Tensor:
-        """This rank's shard of image tokens; joint reference tokens at the end stay whole on every rank."""
+        """This rank's shard of image tokens, padded to an equal share; joint reference tokens at the end stay whole
+        on every rank. Tells the attention how many pad rows the last shard ends in."""
         m = self._joint_references
+        count = t.shape[dim] - m
+        self._image_tokens, self._pad = count, -count % self.mesh["sp"].size
+        self.attention.pad_tokens = self._pad
+        if self.cache is not None:   # the pad rows end the last rank's image shard
+            sp = self.mesh["sp"]
+            last = self._pad and sp.rank == sp.size - 1
+            self.cache.pad_rows = (-(-count // sp.size) - self._pad, self._pad) if last else (0, 0)
         if not m:
-            return self._shard(t, dim, what)
-        image = t.narrow(dim, 0, t.shape[dim] - m)
-        return torch.cat([self._shard(image, dim, what), t.narrow(dim, image.shape[dim], m)], dim=dim)
+            return self._shard(t, dim, what, pad=True)
+        image = t.narrow(dim, 0, count)
+        return torch.cat([self._shard(image, dim, what, pad=True), t.narrow(dim, count, m)], dim=dim)
 
     def _split_forward_inputs(self, module, args, kwargs):
         kwargs = dict(kwargs)

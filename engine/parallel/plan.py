@@ -179,9 +179,13 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
     if work.heads % plan.ulysses:
         problems.append(f"the model has {work.heads} heads: ulysses {plan.ulysses} does not divide them")
     sp = plan.ulysses * plan.ring
-    if work.image_tokens % sp:
+    if plan.pipefusion > 1 and work.image_tokens % sp:   # PipeFusion's patches split their tokens unpadded
         problems.append(f"the latent has {work.image_tokens} image tokens: ulysses x ring = {sp} does not divide them "
-                        f"(pick a size whose tokens divide, or a smaller degree)")
+                        f"under pipefusion (pick a size whose tokens divide, or ulysses/ring without pipefusion)")
+    elif work.image_tokens - (sp - 1) * shard_tokens(work.image_tokens, sp) < 1:
+        problems.append(f"the latent has {work.image_tokens} image tokens: too few for ulysses x ring = {sp} (padded "
+                        f"to {shard_tokens(work.image_tokens, sp)} a rank, the last rank would hold none); use a "
+                        f"smaller degree")
     if plan.cfg == 2 and not work.negative_pass:
         problems.append("cfg parallel needs a negative pass, and this job has none (cfg 1.0)")
     if work.batch % plan.dp:
@@ -194,6 +198,12 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
         problems += pipefusion_problems(plan.pipefusion, work.patches or plan.pipefusion, work.warmup_steps,
                                         work.steps, work.layers, work.rows, work.image_tokens // work.rows, sp, None)
     return problems
+
+
+def shard_tokens(image_tokens: int, sp: int) -> int:
+    """Image tokens each sequence-parallel rank holds: an equal share, the count padded up to a multiple of the
+    degree (parallelize.py pads the last rank's shard; the attention ignores the pad rows)."""
+    return -(-image_tokens // sp)
 
 
 def candidates(world: int, pipefusion: bool = False) -> list[ParallelPlan]:
