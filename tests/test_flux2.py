@@ -269,6 +269,9 @@ PLANS = [
     ("flux2-klein-4b", dict(cfg=2, ulysses=2), dict(cfg=4.0, refs=((5, 3),), neg_refs=((4, 4),)), None,
      "klein base cfg2 x ulysses2, references joint on one side, split on the other"),
     ("flux2-dev", dict(dp=2), dict(batch=2, refs=((4, 4),)), None, "dp2, one reference for the batch"),
+    # 9x7 = 63 image tokens: the last rank's shard padded with a copy of the last token, its keys dropped
+    ("flux2-dev", dict(ulysses=2), dict(hw=(9, 7), refs=((4, 4),)), None, "ulysses2, 63 image tokens padded"),
+    ("flux2-dev", dict(ulysses=2, ring=2), dict(hw=(9, 7)), None, "ulysses2 x ring2, 63 image tokens padded"),
 ]
 
 
