@@ -369,7 +369,9 @@ class GenerateRequest:
 
 
 def empty_latent(info, width: int, height: int, batch: int = 1) -> torch.Tensor:
-    """The family's empty LATENT (zeros, as its empty-latent node gives) for a width x height image."""
+    """The family's empty LATENT (zeros, as its empty-latent node gives) for a width x height image: one zero seen
+    through a broadcast view, so a request too large for the machine is refused before any memory is taken (the
+    bridge writes the zeros when the job is sent)."""
     fmt = info.spec.latent
     frames = (1,) if fmt.spatial_dims == 3 else ()
-    return torch.zeros(batch, fmt.channels, *frames, height // fmt.downscale, width // fmt.downscale)
+    return torch.zeros(()).expand(batch, fmt.channels, *frames, height // fmt.downscale, width // fmt.downscale)
