@@ -8,12 +8,14 @@ pre-hook that lives for one forward.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from ..errors import CheckpointError
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 
@@ -205,3 +207,18 @@ def pre_hook(module: torch.nn.Module, hook):
         yield
     finally:
         handle.remove()
+
+
+def rope_axes(head_dim: int, metadata: dict, known: dict[int, tuple], title: str) -> tuple:
+    """The RoPE axes of a FLUX-style transformer with `head_dim`-wide heads: as the file states them, as the family
+    knows them for that width (`known`), or as a tiny synthetic model records them; otherwise a CheckpointError."""
+    stated = metadata.get("stated", {}).get("axes_dims_rope")
+    if stated and sum(stated) == head_dim:
+        return tuple(stated)
+    if head_dim in known:
+        return known[head_dim]
+    synthetic = metadata.get("xdit.synthetic")
+    if synthetic:  # the tiny test models carry their RoPE split; the released models have 128-wide heads
+        return tuple(json.loads(synthetic)["dims"]["axes_dim"])
+    raise CheckpointError(f"{title} transformer with {head_dim}-wide heads: its RoPE axes cannot be inferred "
+                          f"({title} has 128-wide heads)")

@@ -11,7 +11,6 @@ FluxKontextMultiReferenceLatentMethod's method; only the image tokens' output is
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ from ..parallel.pipefusion.stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import (Family, Marker, StageParams, TokenTable, count, fused, grid_ids, linear, linear_shapes, pack_2x2,
-                   pre_hook, tile_offsets, unpack_2x2)
+                   pre_hook, rope_axes, tile_offsets, unpack_2x2)
 
 REFERENCE_METHODS = ("offset", "index", "uxo")   # FluxKontextMultiReferenceLatentMethod ("uxo/uno": uxo)
 HEAD_DIM_AXES = {128: (16, 56, 56)}               # FLUX.1's RoPE split of its 128-wide heads
@@ -94,17 +93,6 @@ def bfl_shapes(d: FluxDims) -> dict[str, tuple]:
 
 
 # ---- detection: the diffusers config from the tensors' shapes --------------------------------------------------------
-def _rope_axes(head_dim: int, metadata: dict) -> tuple:
-    stated = metadata.get("stated", {}).get("axes_dims_rope")
-    if stated and sum(stated) == head_dim:
-        return tuple(stated)
-    if head_dim in HEAD_DIM_AXES:
-        return HEAD_DIM_AXES[head_dim]
-    synthetic = metadata.get("xdit.synthetic")
-    if synthetic:  # our tiny test models carry their RoPE split; real FLUX always has 128-wide heads
-        return tuple(json.loads(synthetic)["dims"]["axes_dim"])
-    raise CheckpointError(f"FLUX transformer with {head_dim}-wide heads: its RoPE axes cannot be inferred "
-                          f"(FLUX.1 has 128-wide heads)")
 
 
 def _config(hidden, in_channels, head_dim, depth, single, context_in, vec_in, guidance, metadata):
@@ -116,7 +104,7 @@ def _config(hidden, in_channels, head_dim, depth, single, context_in, vec_in, gu
     config = {"patch_size": 1, "in_channels": in_channels, "num_layers": depth, "num_single_layers": single,
               "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
               "joint_attention_dim": context_in, "pooled_projection_dim": vec_in, "guidance_embeds": guidance,
-              "axes_dims_rope": _rope_axes(head_dim, metadata)}
+              "axes_dims_rope": rope_axes(head_dim, metadata, HEAD_DIM_AXES, "FLUX.1")}
     return config, "flux-dev" if guidance else "flux-schnell"
 
 

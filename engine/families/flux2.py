@@ -39,7 +39,8 @@ from ..errors import CheckpointError
 from ..parallel.pipefusion.stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, StageParams, TokenTable, count, fused, linear, linear_shapes, pre_hook, tile_offsets
+from .base import (Family, Marker, StageParams, TokenTable, count, fused, linear, linear_shapes, pre_hook, rope_axes,
+                   tile_offsets)
 
 REFERENCE_METHODS = ("index", "offset", "uxo")   # "index" unless FluxKontextMultiReferenceLatentMethod says else
 REF_INDEX_SCALE = 10                              # model_detection: ref_index_scale for FLUX.2
@@ -122,17 +123,6 @@ def bfl_shapes(d: Flux2Dims) -> dict[str, tuple]:
 
 
 # ---- detection: the diffusers config from the tensors' shapes --------------------------------------------------------
-def _rope_axes(head_dim: int, metadata: dict) -> tuple:
-    stated = metadata.get("stated", {}).get("axes_dims_rope")
-    if stated and sum(stated) == head_dim:
-        return tuple(stated)
-    if head_dim in HEAD_DIM_AXES:
-        return HEAD_DIM_AXES[head_dim]
-    synthetic = metadata.get("xdit.synthetic")
-    if synthetic:  # our tiny test models carry their RoPE split; real FLUX.2 always has 128-wide heads
-        return tuple(json.loads(synthetic)["dims"]["axes_dim"])
-    raise CheckpointError(f"FLUX.2 transformer with {head_dim}-wide heads: its RoPE axes cannot be inferred "
-                          f"(FLUX.2 has 128-wide heads)")
 
 
 def _variant(hidden: int, guidance: bool, metadata: dict) -> str:
@@ -172,7 +162,7 @@ def infer(layout: str, s: dict, metadata: dict) -> tuple[dict, str]:
     config = {"patch_size": 1, "in_channels": 128, "num_layers": depth, "num_single_layers": single,
               "attention_head_dim": head_dim, "num_attention_heads": hidden // head_dim,
               "joint_attention_dim": context_in, "mlp_ratio": mlp / hidden,
-              "axes_dims_rope": _rope_axes(head_dim, metadata), "rope_theta": THETA, "guidance_embeds": guidance}
+              "axes_dims_rope": rope_axes(head_dim, metadata, HEAD_DIM_AXES, "FLUX.2"), "rope_theta": THETA, "guidance_embeds": guidance}
     return config, _variant(hidden, guidance, metadata)
 
 
