@@ -27,6 +27,7 @@ from ..parallel.projection import RESULT, project_job, project_pipefusion, share
 from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT, cpu_sets, rank_env
 from . import args as types
+from .bench_overhead import bench_overhead
 from .args import UsageError
 from .tables import markdown
 
@@ -199,7 +200,6 @@ def bench_project(variant: str, size: str, gpus: list[int] | None, width: int, h
     """The 1-rank row comes from `bench overhead`'s rounds: on the CPU, where other processes share the cores, the
     1-rank share runs in them, alternating with the engine's job and the plain loop; on a GPU, after them (one copy
     of the model on the device at a time)."""
-    from .bench import bench_overhead
 
     device = "cuda" if gpus else "cpu"
     source = f"synthetic:{variant}" + (":tiny" if size == "tiny" else "")
