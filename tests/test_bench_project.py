@@ -12,7 +12,7 @@ from engine.cli import main
 from engine.cli.bench_project import ShareWorker, _command
 from engine.models.load import inspect_model
 from engine.parallel.plan import ParallelPlan, feasible
-from engine.parallel.projection import share_request
+from engine.runtime.projection import share_request
 from engine.runtime.client import Engine
 from tests.conftest import FAST
 

@@ -1,7 +1,7 @@
 """`bench project`: every plan of P ranks projected from one rank's share run on this one device (a GPU or the CPU),
 beside the planner's estimate; the 1-rank row beside `bench overhead`'s; on the CPU, the method checked against real
 2-rank runs with each rank pinned to its own core, the residual printed. The share and the projection arithmetic are
-engine/parallel/projection.py's; here are the worker processes that run the shares, the real runs and the tables."""
+engine/runtime/projection.py's; here are the worker processes that run the shares, the real runs and the tables."""
 from __future__ import annotations
 
 import gc
@@ -23,7 +23,7 @@ from ..models.load import inspect_model
 from ..parallel import cost
 from ..parallel.devices import GPUS, LINKS, Hardware, find_gpu, link_for
 from ..parallel.plan import ParallelPlan, feasible, is_exact, plan_problems
-from ..parallel.projection import RESULT, project_job, project_pipefusion, share_request
+from ..runtime.projection import RESULT, project_job, project_pipefusion, share_request
 from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT, cpu_sets, rank_env
 from . import args as types
@@ -87,7 +87,7 @@ class ShareWorker:
     def __init__(self, device: str, threads: int, cores: list[int] | None, gpu: int | None, deadline_s: float):
         self.deadline_s = deadline_s
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.projection"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.runtime.projection"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=rank_env([gpu] if device == "cuda"
                                                                                           else None),
                                      cwd=PACK_ROOT, process_group=0)

@@ -26,9 +26,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import cost
-from .devices import Interconnect
-from .plan import ParallelPlan, Workload
+from ..generate.request import GenerateRequest
+from ..generate.run import run_generate
+from ..models.flow import Conditioning, FlowModel
+from ..models.load import inspect_model, load_model
+from ..models.speed import release_model_memory
+from ..parallel import cost
+from ..parallel.devices import Interconnect
+from ..parallel.pipefusion.layout import make_layout, stage_keep
+from ..parallel.pipefusion.pipeline import Pipeline
+from ..parallel.plan import ParallelPlan, Workload
+from .jobs import JobContext
+from .launch import pin_process
 
 RESULT = "share: "   # the prefix of the worker's result lines (anything else on stdout is not ours)
 
@@ -82,7 +91,6 @@ def _sync(device: torch.device) -> None:
 
 def share_request(fields: dict, plan: ParallelPlan):
     """The benchmark's generate request (random conditioning drawn as `bench overhead` draws it) under `plan`."""
-    from ..generate.request import GenerateRequest
 
     fields = dict(fields)
     model, width, height = fields.pop("model"), fields.pop("width"), fields.pop("height")
@@ -94,9 +102,6 @@ def share_request(fields: dict, plan: ParallelPlan):
 
 def time_job(rt: ShareRuntime, request, repeats: int, warmups: int = 1, rank: int = 0) -> list[float]:
     """Seconds of rank `rank`'s generate job under the request's plan, `repeats` times after `warmups` untimed runs."""
-    from ..generate.run import run_generate
-    from ..models.speed import release_model_memory
-    from ..runtime.jobs import JobContext
 
     if rt.cache.pop("stage", None):   # one model at a time on the device
         release_model_memory(rt.device)
@@ -118,12 +123,6 @@ def time_stage(rt: ShareRuntime, request, stage: int, repeats: int) -> dict:
     every patch in turn against those full buffers (a steady step), `repeats` times after one untimed round. The last
     stage's sampler step per patch (elementwise on one patch's latent) is left out.
     Returns {"whole_s": [...], "steady_s": [...]} (the steady figure is all patches of one step)."""
-    from ..models.flow import Conditioning, FlowModel
-    from ..models.load import inspect_model, load_model
-    from ..models.speed import release_model_memory
-    from ..runtime.jobs import JobContext
-    from .pipefusion.layout import make_layout, stage_keep
-    from .pipefusion.pipeline import Pipeline
 
     plan = request.plan
     rt.join(plan.world_size, stage * plan.ring * plan.ulysses)   # mesh order: ..., pipefusion, ring, ulysses
@@ -263,7 +262,6 @@ def serve() -> None:
     "cpu" | "cuda", "threads": n, "cores": [...] | null}; then {"op": "job", "plan": "ulysses2", "request": {...},
     "repeats": n, "warmups": 1, "rank": 0} or {"op": "stages", "plan": "pipefusion2", "request": {...}, "repeats": n,
     "stages": [0, 1] (default: every stage)}."""
-    from ..runtime.launch import pin_process
 
     rt = None
     for line in sys.stdin:
