@@ -86,7 +86,11 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
          Field("warmup_steps", "INT", 1, min=1, max=10000, advanced=True, optional=True,
                tooltip="PipeFusion: steps on the whole latent before patches use the previous step's K/V; the "
                        "job's steps (or more) gives exactly the one-GPU result")),
-        ((ENGINE_TYPE, "engine"),))
+        ((ENGINE_TYPE, "engine"), ("MODEL", "MODEL")))
+
+
+ENGINE_MODEL_TIP = ("the xDiT Engine's MODEL, directly or through ComfyUI's nodes that patch a MODEL (ModelSamplingAuraFlow "
+                    "/ SD3 / Flux, CFGNorm, LoRA loaders): the job follows their sampling, post-CFG functions and LoRAs")
 
 
 def sampler_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec:
@@ -95,8 +99,11 @@ def sampler_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec
     guider path)."""
     return NodeSpec(
         "XDiTSampler", "xDiT Sampler", CATEGORY,
-        "KSampler on the xDiT engine: the same inputs and the same latent as ComfyUI's KSampler, across several GPUs.",
-        (Field("engine", ENGINE_TYPE),
+        "KSampler on the xDiT engine: the same inputs and the same latent as ComfyUI's KSampler, across several GPUs. "
+        "Connect the xDiT Engine's MODEL (through any ModelSampling, CFGNorm or LoRA nodes) to model, or its engine "
+        "output to engine.",
+        (Field("engine", ENGINE_TYPE, optional=True,
+               tooltip="the xDiT Engine's engine output (or connect its MODEL to model instead)"),
          Field("seed", "INT", 0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
          Field("steps", "INT", 20, min=1, max=10000),
          Field("cfg", "FLOAT", 8.0, min=0.0, max=100.0, step=0.1, round=0.01),
@@ -105,7 +112,8 @@ def sampler_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec
          Field("positive", "CONDITIONING"),
          Field("negative", "CONDITIONING"),
          Field("latent_image", "LATENT"),
-         Field("denoise", "FLOAT", 1.0, min=0.0, max=1.0, step=0.01)),
+         Field("denoise", "FLOAT", 1.0, min=0.0, max=1.0, step=0.01),
+         Field("model", "MODEL", optional=True, tooltip=ENGINE_MODEL_TIP)),
         (("LATENT", "LATENT"),))
 
 
@@ -122,15 +130,16 @@ GUIDER_SPEC = NodeSpec(
     "BasicGuider / CFGGuider on the xDiT engine, for SamplerCustomAdvanced: ComfyUI's own noise, sampler (every "
     "KSamplerSelect name) and sigmas drive the engine one model evaluation at a time. Leave negative unconnected "
     "for FLUX (cfg 1).",
-    (Field("engine", ENGINE_TYPE),
+    (Field("engine", ENGINE_TYPE, optional=True,
+           tooltip="the xDiT Engine's engine output (or connect its MODEL to model instead)"),
      Field("positive", "CONDITIONING"),
      Field("cfg", "FLOAT", 1.0, min=0.0, max=100.0, step=0.1, round=0.01,
            tooltip="1.0 runs the positive only (FLUX.1, FLUX.2 [dev], distilled FLUX.2 [klein]); above 1 needs the "
                    "negative (SD3/SD3.5, Qwen-Image, FLUX.2 [klein] base)"),
      Field("negative", "CONDITIONING", optional=True),
      Field("model", "MODEL", optional=True,
-           tooltip="optional: a MODEL whose sampling settings (e.g. ModelSamplingFlux's shift) and post-CFG patches "
-                   "(e.g. CFGNorm) the sampler should use; the engine's own model file is used for the weights")),
+           tooltip=ENGINE_MODEL_TIP + "; or any MODEL whose sampling settings and post-CFG functions should be used "
+                   "with the engine input's weights")),
     (("GUIDER", "GUIDER"),))
 
 

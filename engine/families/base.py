@@ -84,7 +84,9 @@ class Family:
     cond_width: Callable[[dict], int]                       # CONDITIONING tensor [B, N, width]
     pooled_width: Callable[[dict], int | None]              # pooled_output [B, width], None: the family has none
     takes_guidance: Callable[[dict], bool]                  # an embedded guidance scale (FluxGuidance)
-    forward: Callable                                       # (flow, x_model, sigma32, prepared) -> velocity
+    forward: Callable                                       # (flow, x_model, timestep32, prepared) -> velocity;
+    #                                                         timestep32: what ComfyUI's model gets (its model
+    #                                                         sampling's timestep(sigma), float32)
     text_tokens: int                                        # the encoders' usual token count (planner, stage split)
     cfg: float                                              # the cfg its stock workflows use (1.0: no negative pass)
     reference_methods: tuple[str, ...] = ()                 # how reference latents are placed, ComfyUI's default

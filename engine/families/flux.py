@@ -193,8 +193,9 @@ def _fp32_embedding(model, timestep: torch.Tensor, guidance: torch.Tensor | None
     return pre_hook(model.time_text_embed, exact)
 
 
-def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Tensor:
-    """v for x [n, 16, h, w] (model space, compute dtype): one call of the unmodified FluxTransformer2DModel."""
+def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
+    """v for x [n, 16, h, w] (model space, compute dtype) at ComfyUI's model timestep (float32; sigma itself for
+    FLUX.1): one call of the unmodified FluxTransformer2DModel."""
     b, c, h, w = x.shape
     if h % 2 or w % 2:
         raise ValueError(f"FLUX latent {h}x{w} is not a multiple of its 2x2 patches: width and height must be "
@@ -211,9 +212,9 @@ def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Ten
     guidance = prepared.guidance if flow.model.config.guidance_embeds else None
     flow.reference_tokens = packed.shape[1] - image_tokens
     try:
-        with _fp32_embedding(flow.model, sigma32 * 1000.0, guidance * 1000.0 if guidance is not None else None):
+        with _fp32_embedding(flow.model, timestep * 1000.0, guidance * 1000.0 if guidance is not None else None):
             out = flow.model(hidden_states=packed, encoder_hidden_states=prepared.cond,
-                             pooled_projections=prepared.pooled, timestep=sigma32, img_ids=img_ids, txt_ids=txt_ids,
+                             pooled_projections=prepared.pooled, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
                              guidance=guidance, return_dict=False)[0]
     finally:
         flow.reference_tokens = 0

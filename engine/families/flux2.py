@@ -262,9 +262,10 @@ def embedding_in_fp32(model, timestep: torch.Tensor, guidance: torch.Tensor | No
 
 
 # ---- the one forward -------------------------------------------------------------------------------------------------
-def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Tensor:
-    """v for x [n, 128, h, w] (model space, compute dtype): one call of the unmodified Flux2Transformer2DModel with
-    ComfyUI's tokens, ids and float32 timestep embedding. The text arrives padded (Family.pad_text_to)."""
+def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
+    """v for x [n, 128, h, w] (model space, compute dtype) at ComfyUI's model timestep (float32; sigma itself for
+    FLUX.2): one call of the unmodified Flux2Transformer2DModel with ComfyUI's tokens, ids and float32 timestep
+    embedding. The text arrives padded (Family.pad_text_to)."""
     b, _, h, w = x.shape
     device = flow.device
     tokens, ids = [pack(x)], [image_ids(h, w, device=device)]
@@ -277,10 +278,10 @@ def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Ten
     guidance = prepared.guidance if flow.model.config.guidance_embeds else None
     flow.reference_tokens = sum(t.shape[1] for t in tokens[1:])
     try:
-        with embedding_in_fp32(flow.model, sigma32 * 1000.0, guidance * 1000.0 if guidance is not None else None,
+        with embedding_in_fp32(flow.model, timestep * 1000.0, guidance * 1000.0 if guidance is not None else None,
                                flow.dtype):
             out = flow.model(hidden_states=torch.cat(tokens, dim=1), encoder_hidden_states=prepared.cond,
-                             timestep=sigma32, img_ids=torch.cat(ids), txt_ids=text_ids(prepared.cond.shape[1], device),
+                             timestep=timestep, img_ids=torch.cat(ids), txt_ids=text_ids(prepared.cond.shape[1], device),
                              guidance=guidance, return_dict=False)[0]
     finally:
         flow.reference_tokens = 0

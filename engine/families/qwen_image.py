@@ -172,9 +172,10 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 # ---- the one forward -------------------------------------------------------------------------------------------------
-def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Tensor:
+def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
     """v for x [n, 16, h, w] (model space, compute dtype): one call of the unmodified QwenImageTransformer2DModel with
-    ComfyUI's positions (its RoPE table replaced for this forward) and its timestep embedded from fp32 sigma."""
+    ComfyUI's positions (its RoPE table replaced for this forward) and its timestep (ComfyUI's: sigma itself) embedded
+    from fp32 values."""
     b, _, h, w = x.shape
     device = flow.device
     refs = prepared.references
@@ -188,10 +189,10 @@ def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Ten
     img_shapes = [[(1, *grid(h, w))] + [(1, *grid(*s)) for s in ref_shapes]] * b
     flow.reference_tokens = sum(t.shape[1] for t in tokens) - image_tokens
     try:
-        with pre_hook(flow.model.time_text_embed, lambda module, args: (sigma32,) + args[1:]), \
+        with pre_hook(flow.model.time_text_embed, lambda module, args: (timestep,) + args[1:]), \
                 forward_hook(flow.model.pos_embed, lambda module, args, out: freqs, prepend=True):
             out = flow.model(hidden_states=torch.cat(tokens, dim=1), encoder_hidden_states=prepared.cond,
-                             encoder_hidden_states_mask=None, timestep=sigma32, img_shapes=img_shapes,
+                             encoder_hidden_states_mask=None, timestep=timestep, img_shapes=img_shapes,
                              return_dict=False)[0]
     finally:
         flow.reference_tokens = 0

@@ -175,10 +175,9 @@ def key_map(layout: str, config: dict) -> list | None:
 
 
 # ---- the one forward, with ComfyUI's conventions ---------------------------------------------------------------------
-def forward(flow, x: torch.Tensor, sigma32: torch.Tensor, prepared) -> torch.Tensor:
+def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
     """v for x [n, 16, h, w] (model space, compute dtype): one call of the unmodified SD3Transformer2DModel, its
-    timestep sigma * 1000 embedded from fp32 values."""
-    timestep = sigma32 * 1000.0
+    timestep (ComfyUI's: sigma * 1000, float32) embedded from fp32 values."""
     with pre_hook(flow.model.time_text_embed, lambda module, args: (timestep, args[1])):
         return flow.model(hidden_states=x, encoder_hidden_states=prepared.cond, pooled_projections=prepared.pooled,
                           timestep=timestep, return_dict=False)[0]

@@ -60,6 +60,9 @@ class FlowModel:
         self.family = families.get(loaded.info.family)
         self.dtype = loaded.dtype
         self.device = next(p for p in self.model.parameters() if not p.is_meta).device  # a stage holds part
+        # ComfyUI's model timestep per sigma under the family's own model sampling (the only scale the engine's loop
+        # runs: a sampling node of another scale is refused, GenerateRequest._check_model_sampling)
+        self.timesteps_per_sigma = self.family.sampling(loaded.info.variant).timesteps_per_sigma
         # reference tokens at the end of the current forward's image tokens: the parallel token hooks read it
         self.reference_tokens = 0
 
@@ -88,10 +91,17 @@ class FlowModel:
     def velocity(self, x_model: torch.Tensor, sigma: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         """v for latents x_model [n, C, h, w] or one-frame video latents [n, C, 1, h, w] (model space) at `sigma`,
         float32, shaped like x_model."""
+        sigma32 = sigma.detach().to(torch.float32).reshape(-1).expand(x_model.shape[0]).to(self.device)
+        return self.output(x_model, sigma32 * self.timesteps_per_sigma, prepared)
+
+    @torch.no_grad()
+    def output(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        """The model's output (for a flow model its velocity) at ComfyUI's model timestep: what ComfyUI's diffusion
+        model returns for (x_model, timestep), float32, shaped like x_model. timestep: one float32 value per item."""
         n = x_model.shape[0]
-        sigma32 = sigma.detach().to(torch.float32).reshape(-1).expand(n).to(self.device)
+        timestep32 = timestep.detach().to(torch.float32).reshape(-1).expand(n).to(self.device)
         x = frame(x_model).to(self.device, self.dtype)
-        v = self.family.forward(self, x, sigma32, prepared).to(torch.float32)
+        v = self.family.forward(self, x, timestep32, prepared).to(torch.float32)
         return v.unsqueeze(2) if x_model.ndim == 5 else v
 
 
