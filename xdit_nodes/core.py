@@ -21,6 +21,7 @@ from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.schedules import FlowSampling
 from .guider import EngineGuider
+from .model import EngineLink, model_request
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
 
 # ---- engine settings and registry --------------------------------------------------------------------------
@@ -120,7 +121,16 @@ class EngineRecord:
     last_bytes: dict = field(default_factory=dict)
     last_stages: list = field(default_factory=list)   # PipeFusion: each rank's stage, blocks and weights held
     last_memory: list = field(default_factory=list)   # what each rank measured of itself
+    last_route: str = ""                              # which route ran the last job (the Info node says)
+    last_lora: int | None = None                      # layers the last job's LoRAs touched
+    open_session: object = None                       # a model session of a sampling run still open (model.py)
     notes: list[str] = field(default_factory=list)
+
+    def close_session(self) -> None:
+        """End a model session an earlier sampling run left open (the engine serves one job at a time)."""
+        if self.open_session is not None:
+            self.open_session.close()
+            self.open_session = None
 
 
 class EngineRegistry:
@@ -139,6 +149,7 @@ class EngineRegistry:
                 engine = Engine(len(settings.gpus), device=settings.device,
                                 gpus=list(settings.gpus) if settings.device == "cuda" else None, deadlines=deadlines)
                 record = self._records[settings.ranks_key] = EngineRecord(engine, settings)
+            record.close_session()
             record.settings = settings
             return record
 
@@ -153,6 +164,7 @@ class EngineRegistry:
             for key in keys:
                 record = self._records.pop(key, None)
                 if record is not None:
+                    record.close_session()
                     record.engine.close()
                     stopped += 1
             return stopped
@@ -224,8 +236,9 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
 
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
-           before_job=None, registry: EngineRegistry = REGISTRY) -> dict:
-    """KSampler on the engine: returns the LATENT dict (other keys kept, as KSampler does)."""
+           before_job=None, registry: EngineRegistry = REGISTRY, weight_patches=None) -> dict:
+    """KSampler on the engine: returns the LATENT dict (other keys kept, as KSampler does). weight_patches: a MODEL
+    chain's LoRA patches (models/lora.py WeightPatches), applied on the ranks with the engine's own LoRAs."""
     settings.validate()
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
@@ -244,7 +257,10 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
         before_job()
     record = registry.get(settings)
     t0 = time.perf_counter()
-    result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel)
+    result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel,
+                            weight_patches=weight_patches)
+    record.last_route = "xDiT Sampler: the whole sampling loop on the ranks"
+    record.last_lora = result.ranks[0].get("lora_layers_touched")
     record.last_plan = choice.plan.describe()
     record.last_plan_reason = choice.reason
     record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)
@@ -255,6 +271,18 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
     return out
+
+
+def check_per_call(settings: EngineSettings) -> None:
+    """What only the engine's own loop runs, refused (naming the xDiT Engine's input) before ComfyUI's sampler drives
+    the engine one model call at a time."""
+    settings.validate()
+    if settings.pipefusion > 1 or settings.cache_threshold:
+        name = "pipefusion" if settings.pipefusion > 1 else "cache_threshold"
+        raise ValueError(f"xDiT Engine: {name} runs only inside the xDiT Sampler's own loop, and this job runs "
+                         f"ComfyUI's sampler on the engine one model call at a time; set {name} to "
+                         f"{'1' if name == 'pipefusion' else '0'}, or use xDiT Sampler with a sampler and scheduler "
+                         f"the engine has")
 
 
 def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_patcher, sampling_function,
@@ -282,6 +310,18 @@ def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_pa
                         request_for=request_for, engine_for=lambda: registry.get(settings), before_job=before_job)
 
 
+def model_link(settings: EngineSettings, *, before_job=None, registry: EngineRegistry = REGISTRY) -> EngineLink:
+    """The link of an xDiT Engine's MODEL to the engine (model.py): its sessions are planned and checked with the
+    settings' plan on the engine's hardware."""
+    def request_for(settings, x, timestep, conditioning, cond_or_uncond):
+        info = inspect_model(settings.model_path)
+        return model_request(settings, x, timestep, conditioning, cond_or_uncond,
+                             latent_channels=info.spec.latent.channels,
+                             hardware=hardware_for(settings.device, len(settings.gpus), settings.gpus),
+                             job_request=job_request)
+    return EngineLink(settings, registry, request_for, before_job)
+
+
 def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> str:
     """What the Info node shows."""
     record = registry.running(settings)
@@ -304,9 +344,13 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
         where = f"cuda:{settings.gpus[rank]}" if settings.device == "cuda" else "cpu"
         parts = [f"{k.replace('_gib', '')} {v:.2f} GiB" for k, v in memory.items()]
         lines.append(f"rank {rank} ({where}): " + ", ".join(parts))
+    if record.last_route:
+        lines.append(f"last job ran: {record.last_route}")
     if record.last_timings:
-        lines.append(f"last job: plan {record.last_plan}; " +
-                     ", ".join(f"{k} {v:.3f} s" for k, v in record.last_timings.items()))
+        lines.append(f"last job: plan {record.last_plan}; " + ", ".join(
+            f"{k} {v:.3f} s" if k.endswith("_s") else f"{k} {v}" for k, v in record.last_timings.items()))
+    if record.last_lora:
+        lines.append(f"LoRA layers applied on the ranks: {record.last_lora}")
     if record.last_plan_reason:
         lines.append(f"plan: {record.last_plan_reason}")
     if record.last_cache:

@@ -2,6 +2,9 @@
 interrupt and memory management passed into core. Imported only inside ComfyUI."""
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
+
 import torch
 import comfy.model_management as mm
 import comfy.utils
@@ -10,7 +13,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io, ui
 
 from ..engine.errors import JobCancelled
 from ..engine.models.gguf_file import find_gguf_files
-from . import core, specs
+from . import core, model as engine_model_parts, specs
 
 EngineType = io.Custom(specs.ENGINE_TYPE)
 _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.String, "MODEL": io.Model,
@@ -95,16 +98,16 @@ class XDiTEngine(io.ComfyNode):
                                        cache_threshold=cache_threshold, compile=compile, attention=attention,
                                        pipefusion=pipefusion, patches=patches, warmup_steps=warmup_steps)
         settings.validate()
-        return io.NodeOutput(settings)
+        return io.NodeOutput(settings, engine_model(settings))
 
 
 def _make_room(settings: core.EngineSettings) -> None:
-    """ComfyUI's own models leave a GPU that the engine's ranks use."""
+    """ComfyUI's own models leave a GPU that the engine's ranks use (the engine's MODEL lives on the CPU and stays)."""
     if settings.device != "cuda":
         return
     device = mm.get_torch_device()
     if device.type == "cuda" and (device.index or 0) in settings.gpus:
-        mm.unload_all_models()
+        mm.free_memory(1e30, device)
         mm.soft_empty_cache()
         record = core.REGISTRY.running(settings)
         note = f"made room on cuda:{device.index or 0} (ComfyUI's device) by unloading ComfyUI's models before each job"
@@ -119,51 +122,155 @@ class XDiTSampler(io.ComfyNode):
         return _schema(specs.sampler_spec(comfy.samplers.KSampler.SAMPLERS, comfy.samplers.KSampler.SCHEDULERS))
 
     @classmethod
-    def execute(cls, engine, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
-        if not specs.engine_loop_runs(sampler_name, scheduler):
-            return io.NodeOutput(_comfy_driven(engine, seed, steps, cfg, sampler_name, scheduler, positive, negative,
-                                               latent_image, denoise))
+    def execute(cls, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                engine=None, model=None):
+        settings, chain = _engine_and_chain(engine, model)
+        sampling, cfg_norm, reasons, weight_patches = None, 0.0, [], None
+        if chain is not None:
+            engine_model_parts.check_chain(chain)
+            sampling, cfg_norm, reasons = engine_model_parts.loop_settings(
+                chain, _sampling_classes(), core.inspect_model(settings.model_path).spec.sampling(
+                    core.inspect_model(settings.model_path).variant))
+            weight_patches = engine_model_parts.weight_patches(chain)
+        if isinstance(latent_image, dict) and latent_image.get("noise_mask") is not None:
+            reasons.append("the latent has a noise mask")   # ComfyUI's sampler masks the denoising itself
+        if reasons or not specs.engine_loop_runs(sampler_name, scheduler):
+            # ComfyUI's own KSampler on the engine's MODEL: one model call at a time, the same result
+            core.check_per_call(settings)
+            model_chain = _as_engine_model(settings, chain)
+            return io.NodeOutput(_comfy_ksampler(model_chain, seed, steps, cfg, sampler_name, scheduler, positive,
+                                                 negative, latent_image, denoise))
+        if chain is not None:
+            settings = replace(settings, sampling=(sampling["kind"], sampling["shift"], sampling["multiplier"]),
+                               cfg_norm=cfg_norm)
         progress = comfy.utils.ProgressBar(steps)  # its update also raises on interrupt, on this thread
         try:
-            latent = core.sample(engine, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
+            latent = core.sample(settings, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
                                  sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                                  on_progress=lambda step, total: progress.update_absolute(step, total),
-                                 should_cancel=mm.processing_interrupted, before_job=lambda: _make_room(engine))
+                                 should_cancel=mm.processing_interrupted, before_job=lambda: _make_room(settings),
+                                 weight_patches=weight_patches)
         except JobCancelled:
             mm.throw_exception_if_processing_interrupted()  # ComfyUI's own interrupt exception, flag cleared
             raise
         return io.NodeOutput(latent)
 
 
-class _NoWeights(torch.nn.Module):
-    """Stands where ComfyUI's model would hold its diffusion model: the engine's ranks hold the weights."""
-    dtype = torch.float32
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("this MODEL carries only the xDiT engine's sampling settings (no weights): sample it with "
-                           "xDiT Sampler or the xDiT Guider, not KSampler or BasicGuider")
+def _sampling_classes() -> engine_model_parts.SamplingClasses:
+    import comfy.model_sampling as ms
+    return engine_model_parts.SamplingClasses(ms.ModelSamplingFlux, ms.ModelSamplingDiscreteFlow, ms.CONST)
 
 
-def sampling_model(settings: core.EngineSettings):
-    """A ComfyUI model without weights for the engine's model family: ComfyUI's own model sampling (sigmas,
-    noise scaling, percent_to_sigma) and latent format, for ComfyUI's samplers, schedulers and previews."""
+def _link_of(model):
+    """The EngineLink behind an xDiT Engine's MODEL (after any patches), or None for another MODEL."""
+    diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
+    return diffusion_model.link if isinstance(diffusion_model, engine_model_parts.EngineTransformer) else None
+
+
+def _engine_and_chain(engine, model):
+    """(engine settings, MODEL chain or None) of a node given an xDiT Engine's engine output and/or a MODEL."""
+    link = _link_of(model) if model is not None else None
+    if link is not None:
+        if engine is not None and (engine.model_path, engine.gpus) != (link.settings.model_path, link.settings.gpus):
+            raise ValueError("engine and model come from different xDiT Engines (or settings): connect only the "
+                             "model input (the xDiT Engine's MODEL chain), or only engine")
+        return (engine if engine is not None else link.settings), model
+    if engine is None:
+        raise ValueError("connect the xDiT Engine's MODEL (through any ModelSampling, CFGNorm or LoRA nodes) to the "
+                         "model input, or its engine output to engine" + (
+                             "; the MODEL given comes from another loader (it can only add sampling settings to an "
+                             "engine input)" if model is not None else ""))
+    return engine, model
+
+
+def _as_engine_model(settings: core.EngineSettings, chain):
+    """A MODEL whose forward runs on the engine for these settings: the chain itself when it is the engine's, else the
+    engine's MODEL carrying the chain's sampling, options and LoRA patches (a MODEL from another loader), else the
+    engine's MODEL with the xDiT Model Sampling / CFGNorm settings."""
+    if chain is not None and _link_of(chain) is not None:
+        return chain
+    m = engine_model(settings)
+    if chain is None:
+        return m
+    m = m.clone()
+    m.add_object_patch("model_sampling", chain.get_model_object("model_sampling"))
+    m.model_options = chain.model_options
+    for key, entries in (chain.patches or {}).items():
+        m.patches[key] = list(entries)
+    return m
+
+
+def _comfy_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
+    """ComfyUI's own KSampler (nodes.common_ksampler: its noise, schedule, sampler, progress and previews)."""
+    import nodes as comfy_nodes
+
+    if not isinstance(latent_image, dict) or "samples" not in latent_image:
+        raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
+                         "VAEEncode to it")
+    return comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                       latent_image, denoise=denoise)[0]
+
+
+class _Unavailable(torch.nn.Module):
+    """The MODEL of an xDiT Engine whose file this ComfyUI cannot describe (a family newer than it): any use says so."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.__dict__["message"] = message
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_parameters", "_buffers", "_modules"):
+            return super().__getattr__(name)
+        raise AttributeError(self.__dict__["message"])
+
+
+_MODELS: dict = {}   # settings -> (MODEL, its link): one per engine settings while ComfyUI holds the node's output
+
+
+def engine_model(settings: core.EngineSettings):
+    """The xDiT Engine's MODEL: ComfyUI's own model class for the file, detected from the file's header as ComfyUI's
+    loader detects it (no weight read), with the engine standing in for its diffusion model (model.py)."""
+    import comfy.model_detection as detection
     import comfy.model_patcher
-    import comfy.supported_models as models
+    from comfy.patcher_extension import CallbacksMP
 
-    info = core.inspect_model(settings.model_path)
-    class_name, unet = info.spec.comfy_model(info.config)
-    if not hasattr(models, class_name):   # a family newer than this ComfyUI (e.g. FLUX.2 before 0.3.72)
-        raise ValueError(f"{settings.model_path} holds a {info.variant} transformer, and this ComfyUI has no "
-                         f"{class_name} model (comfy.supported_models): update ComfyUI to sample it")
-    config = getattr(models, class_name)(dict(unet, disable_unet_model_creation=True))
-    model = config.get_model({})
-    model.diffusion_model = _NoWeights()
-    device = mm.intermediate_device()
+    from ..engine.models.load import header_tensors
+
+    key = settings
+    if key in _MODELS:
+        return _MODELS[key]
+    sd = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in
+          header_tensors(settings.model_path).items()}
+    prefix = detection.unet_prefix_from_state_dict(sd)
+    stripped = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
+    config = detection.model_config_from_unet(stripped, "")
+    if config is None:
+        converted = detection.convert_diffusers_mmdit(stripped, "")
+        if converted is not None:
+            stripped, config = converted, detection.model_config_from_unet(converted, "")
+    device = torch.device("cpu")   # ComfyUI's side of the MODEL holds no weights: its sampler runs on the CPU
+    if config is None:
+        info = core.inspect_model(settings.model_path)
+        message = (f"this ComfyUI does not know {info.variant} ({info.spec.title}) models, so the xDiT Engine's "
+                   f"MODEL output cannot describe it: update ComfyUI, or use the engine output with xDiT Sampler")
+        return comfy.model_patcher.ModelPatcher(_Unavailable(message), load_device=device, offload_device=device,
+                                                size=1)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(stripped, "", device=torch.device("meta"))
+    keys = {k: (tuple(v.shape), v.dtype) for k, v in model.diffusion_model.state_dict().items()}
+    link = core.model_link(settings, before_job=lambda: _make_room(settings))
+    model.diffusion_model = engine_model_parts.EngineTransformer(link, keys)
+    link.owner = weakref.ref(model)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
-    if settings.sampling:   # xDiT Model Sampling: as ComfyUI's sampling nodes patch a MODEL (this one is ours alone)
-        model.model_sampling = _model_sampling(model, *settings.sampling)
-    if settings.cfg_norm:   # xDiT CFGNorm: as ComfyUI's CFGNorm node patches a MODEL
+    link.base_patcher = weakref.ref(patcher)
+    patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, engine_model_parts.OWN_CALLBACK, link.on_cleanup)
+    if settings.sampling:   # xDiT Model Sampling on the engine output: as ComfyUI's sampling nodes patch a MODEL
+        patcher.add_object_patch("model_sampling", _model_sampling(model, *settings.sampling))
+    if settings.cfg_norm:   # xDiT CFGNorm on the engine output
         patcher.set_model_sampler_post_cfg_function(_cfg_norm(settings.cfg_norm))
+    if len(_MODELS) >= 8:
+        _MODELS.clear()
+    _MODELS[key] = patcher
     return patcher
 
 
@@ -190,6 +297,7 @@ def _cfg_norm(strength: float):
         scale = (torch.norm(cond_p, dim=1, keepdim=True) / (torch.norm(pred, dim=1, keepdim=True) + 1e-8)).clamp(
             min=0.0, max=1.0)
         return pred * scale * strength
+    cfg_norm.xdit_cfg_norm = float(strength)   # the engine's own loop recognises it (model.cfg_norm_strength)
     return cfg_norm
 
 
@@ -199,46 +307,29 @@ class XDiTGuider(io.ComfyNode):
         return _schema(specs.GUIDER_SPEC)
 
     @classmethod
-    def execute(cls, engine, positive, cfg, negative=None, model=None):
+    def execute(cls, positive, cfg, engine=None, negative=None, model=None):
+        """ComfyUI's own CFGGuider (BasicGuider without a negative) on the engine's MODEL: SamplerCustomAdvanced's
+        sampler calls the engine once per model evaluation, CFG parallel splitting the batched passes."""
         import comfy.samplers
+        from comfy_extras.nodes_custom_sampler import Guider_Basic
 
-        patcher = sampling_model(engine)
-        if model is not None:  # its sampling settings (ModelSamplingFlux/SD3/AuraFlow) and CFG hooks, our weights
-            patcher.model.model_sampling = model.get_model_object("model_sampling")
-            for fn in model.model_options.get("sampler_post_cfg_function", []):   # e.g. CFGNorm
-                patcher.set_model_sampler_post_cfg_function(fn)
-        guider = core.guider(engine, positive, negative, cfg, model_patcher=patcher,
-                             sampling_function=comfy.samplers.sampling_function,
-                             before_job=lambda: _make_room(engine))
+        settings, chain = _engine_and_chain(engine, model)
+        if chain is not None:
+            engine_model_parts.check_chain(chain)
+        core.check_per_call(settings)
+        cfg = float(cfg)
+        if cfg != 1.0 and negative is None:
+            raise ValueError(f"xDiT Guider: cfg={cfg} needs a negative conditioning: connect one to negative, or set "
+                             f"cfg 1.0 (FLUX)")
+        m = _as_engine_model(settings, chain)
+        if negative is None:
+            guider = Guider_Basic(m)
+            guider.set_conds(positive)
+        else:
+            guider = comfy.samplers.CFGGuider(m)
+            guider.set_conds(positive, negative)
+            guider.set_cfg(cfg)
         return io.NodeOutput(guider)
-
-
-def _comfy_driven(settings, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
-    """A sampler or scheduler the engine's loop does not have: ComfyUI's KSampler (its sigmas, noise and sampler)
-    drives the engine through the xDiT Guider, one model evaluation per call."""
-    import comfy.sample
-    import comfy.samplers
-
-    if not isinstance(latent_image, dict) or "samples" not in latent_image:
-        raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
-                         "VAEEncode to it")
-    if latent_image.get("noise_mask") is not None:
-        raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
-    patcher = sampling_model(settings)
-    guider = core.guider(settings, positive, negative, cfg, model_patcher=patcher,
-                         sampling_function=comfy.samplers.sampling_function, before_job=lambda: _make_room(settings))
-    sigmas = comfy.samplers.KSampler(patcher, steps=steps, device="cpu", sampler=sampler_name, scheduler=scheduler,
-                                     denoise=denoise).sigmas   # ComfyUI's own schedule, denoise and discarded sigma
-    ratio = latent_image.get("downscale_ratio_spacial")   # set by ComfyUI versions whose function takes it
-    samples = comfy.sample.fix_empty_latent_channels(patcher, latent_image["samples"],   # as KSampler does
-                                                     *(() if ratio is None else (ratio,)))
-    noise = comfy.sample.prepare_noise(samples, seed, latent_image.get("batch_index"))
-    progress = comfy.utils.ProgressBar(len(sigmas) - 1)
-    out = guider.sample(noise, samples, comfy.samplers.sampler_object(sampler_name), sigmas,
-                        callback=lambda step, x0, x, total: progress.update_absolute(step + 1, total), seed=seed)
-    latent = dict(latent_image)
-    latent["samples"] = out.to(mm.intermediate_device())
-    return latent
 
 
 class XDiTLoRA(io.ComfyNode):

@@ -173,11 +173,16 @@ class GenerateRequest:
                              f"(its default: {default.describe()}); use a sampling node whose multiplier is "
                              f"{default.timesteps_per_sigma:g} (e.g. ModelSamplingAuraFlow for multiplier 1)")
 
-    def submit(self, engine, **kwargs):
-        """Run this validated request as a generate job on `engine` (kwargs: Engine.submit's callbacks). A rank that
-        runs out of memory fails the job with what it held and the plans and settings that need less."""
+    def submit(self, engine, weight_patches=None, **kwargs):
+        """Run this validated request as a generate job on `engine` (kwargs: Engine.submit's callbacks).
+        weight_patches: a ComfyUI MODEL's LoRA patches (models/lora.py WeightPatches) applied with the LoRA files. A
+        rank that runs out of memory fails the job with what it held and the plans and settings that need less."""
+        spec, inputs = self.to_job()
+        if weight_patches is not None and weight_patches.entries:
+            patch_spec, patch_inputs = weight_patches.to_job()
+            spec, inputs = {"request": spec, "patches": patch_spec}, {**inputs, **patch_inputs}
         try:
-            return engine.submit("generate", *self.to_job(), **kwargs)
+            return engine.submit("generate", spec, inputs, **kwargs)
         except EngineError as e:
             if not e.oom:
                 raise

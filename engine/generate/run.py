@@ -27,9 +27,10 @@ def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
     return (os.path.abspath(path), dtype, fp8_weights, st.st_mtime_ns, st.st_size)
 
 
-def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
+def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patches=None):
     """The rank keeps one model (a new one replaces it) and its parallel form for the last mesh. stage: a PipeFusion
-    stage's (name, keep): the rank then holds only what `keep` accepts."""
+    stage's (name, keep): the rank then holds only what `keep` accepts. weight_patches: a ComfyUI MODEL's LoRA patches
+    (models/lora.py WeightPatches), applied with the request's LoRA files."""
     state = ctx.cache.setdefault("generate", {})
     key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ())
     if state.get("key") != key:
@@ -51,8 +52,9 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None):
             state["parallel"].close()
         parallel = Pipeline(state["flow"], mesh) if stage else parallelize(state["flow"], mesh)
         state.update(parallel=parallel, mesh=mesh)
-    if request.loras or state.get("lora_state", {}).get("touched"):
-        ctx.info.update(apply_loras(state["loaded"], request.loras, state.setdefault("lora_state", {})))
+    if request.loras or (weight_patches is not None and weight_patches.entries) or state.get("lora_state", {}).get("touched"):
+        ctx.info.update(apply_loras(state["loaded"], request.loras, state.setdefault("lora_state", {}),
+                                     weight_patches))
     parallel = state["parallel"]
     blocks = parallel.block_lists if stage else parallel.table.blocks
     set_compiled(state["flow"].model, blocks, request.compile)
@@ -81,7 +83,7 @@ def _finish(ctx, request: GenerateRequest, mesh, info, samples: torch.Tensor) ->
     return {"samples": samples.cpu()} if ctx.rank == 0 else None
 
 
-def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tensor] | None:
+def run_pipefusion(ctx, request: GenerateRequest, mesh, weight_patches=None) -> dict[str, torch.Tensor] | None:
     """A KSampler run through the PipeFusion stages: this rank loads only its stage's weights."""
     info = inspect_model(request.model)
     video = request.latent_raw.ndim == 5   # a video latent format's one frame: the stages work on the image latent
@@ -90,7 +92,8 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
                          request.warmup_steps, request.stage_blocks)
     stage = mesh["pipefusion"].rank
     keep = stage_keep(info, layout, stage)
-    pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep))
+    pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep),
+                               weight_patches=weight_patches)
     noise = frame(prepare_noise(request.latent_raw.float(), request.seed, request.batch_index))   # its shape's draw
     start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.spec.latent.image(),
                            seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
@@ -113,15 +116,16 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh) -> dict[str, torch.Tenso
     return _finish(ctx, request, mesh, info, samples)
 
 
-def run_generate(ctx, request: GenerateRequest) -> dict[str, torch.Tensor] | None:
-    """One KSampler run under the request's plan; rank 0 returns the LATENT samples."""
+def run_generate(ctx, request: GenerateRequest, weight_patches=None) -> dict[str, torch.Tensor] | None:
+    """One KSampler run under the request's plan; rank 0 returns the LATENT samples. weight_patches: a ComfyUI
+    MODEL's LoRA patches (models/lora.py WeightPatches)."""
     mesh = ctx.mesh(request.plan)
     if not mesh.active:   # the plan runs on fewer ranks than the engine has: this one idles for the job
         return None
     ctx.reset_peak_memory()
     if request.plan.pipefusion > 1:
-        return run_pipefusion(ctx, request, mesh)
-    parallel = _parallel_model(ctx, request, mesh)
+        return run_pipefusion(ctx, request, mesh, weight_patches)
+    parallel = _parallel_model(ctx, request, mesh, weight_patches=weight_patches)
     latent_raw = request.latent_raw.float()
     noise = prepare_noise(latent_raw, request.seed, request.batch_index)  # the whole batch's, as ComfyUI draws it
     positive, negative = _sides(request)

@@ -42,6 +42,11 @@ class Prepared:
     references: tuple[torch.Tensor, ...] = ()   # model space [rows, C, h, w], one row per batch row, like cond
     reference_method: str = ""
 
+    def rows(self, items: slice) -> "Prepared":
+        """The conditioning of batch rows `items` (each row has its own)."""
+        return Prepared(self.cond[items], None if self.pooled is None else self.pooled[items], self.guidance[items],
+                        tuple(r[items] for r in self.references), self.reference_method)
+
 
 def rows(t: torch.Tensor, batch: int, items: slice, name: str = "conditioning") -> torch.Tensor:
     """Rows `items` of a tensor that holds one row for the whole batch or one per item."""

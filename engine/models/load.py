@@ -19,7 +19,7 @@ from .convert import apply_op, key_map
 from .detect import SCALE_KEYS, CheckpointInfo, detect
 from .gguf_file import GGUFTensors, is_gguf, read_gguf_header
 from .quantized import BLOCKS, CastLinear, GGUFLinear, dequantize
-from .safetensors_file import CheckpointError, TensorInfo, read_header
+from .safetensors_file import TORCH_DTYPES, CheckpointError, TensorInfo, read_header
 from .synthetic import init_random_, is_synthetic, synthetic_info
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,6 +64,14 @@ def _headers(files: list[str]) -> tuple[dict[str, tuple[str, TensorInfo]], dict]
         for k, v in tensors.items():
             where[k] = (f, v)
     return where, metadata
+
+
+def header_tensors(path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{key: (dtype, shape)} of every tensor a checkpoint's headers list, keys as stored (prefix kept): what a loader
+    that detects models from keys and shapes (ComfyUI's) needs, without reading a weight. GGUF blocks are given as
+    float16 tensors of their logical shape, as ComfyUI-GGUF presents them."""
+    where, _ = _headers(_files(path))
+    return {k: (TORCH_DTYPES.get(v.dtype, torch.float16), tuple(v.shape)) for k, (_, v) in where.items()}
 
 
 def inspect_checkpoint(path: str) -> CheckpointInfo:

@@ -7,9 +7,14 @@ through the same key map as the weights, so a fused qkv delta splits into to_q/t
 did. Removing a LoRA reads the touched weights back from the checkpoint: no second copy of the model is kept.
 Layers held quantized (GGUF blocks, fp8_scaled) are never written: they keep the LoRA's factors and add
 s * up @ down * alpha / rank to their dequantized weight per call, and removing it drops the factors.
+
+ComfyUI's own LoRA loaders on the engine's MODEL hand over their weight patches instead of a file (`WeightPatches`):
+LoRA factors or full differences keyed by ComfyUI's parameter names, which are the family's native layout (ComfyUI's
+model definition), routed through that layout's key map like a LoRA file named in it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -138,10 +143,95 @@ def lora_factors(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> d
     return factors
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightPatches:
+    """Weight patches of a ComfyUI MODEL, as the ranks take them: `entries` [{"key": ComfyUI parameter name (no
+    "diffusion_model." prefix), "kind": "lora" | "diff", "scale": strength x alpha / rank (lora) or strength (diff),
+    "offset": None or [dim, start, length] (the rows of a fused parameter the patch covers)}], each with its tensors
+    in `tensors` ("<i>.up", "<i>.down" or "<i>.diff"); `digest` identifies the set (the same patches cost nothing
+    the second time)."""
+    digest: str
+    entries: tuple
+    tensors: dict
+
+    @classmethod
+    def none(cls) -> "WeightPatches":
+        return cls("", (), {})
+
+    def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return ({"digest": self.digest, "entries": list(self.entries)},
+                {f"patch.{k}": v for k, v in self.tensors.items()})
+
+    @classmethod
+    def from_job(cls, spec: dict, inputs: dict[str, torch.Tensor]) -> "WeightPatches":
+        if not isinstance(spec, dict) or not isinstance(spec.get("entries"), list):
+            raise ValueError(f"weight patches {spec!r} are malformed: give {{'digest': ..., 'entries': [...]}}")
+        tensors = {k[len("patch."):]: v for k, v in inputs.items() if k.startswith("patch.")}
+        for i, e in enumerate(spec["entries"]):
+            if not isinstance(e, dict) or e.get("kind") not in ("lora", "diff") or not isinstance(e.get("key"), str):
+                raise ValueError(f"weight patch {i} {e!r} is malformed: give key, kind lora|diff, scale, offset")
+            needed = ("up", "down") if e["kind"] == "lora" else ("diff",)
+            missing = [n for n in needed if f"{i}.{n}" not in tensors]
+            if missing:
+                raise ValueError(f"weight patch {i} ({e['key']}) lacks its tensors {missing}")
+        return cls(str(spec.get("digest", "")), tuple(spec["entries"]), tensors)
+
+
+def _rows(t: torch.Tensor, offset, rows: int) -> torch.Tensor:
+    """A patch covering rows [start, start + length) of a fused parameter of `rows` rows, as a tensor over all its rows
+    (zero elsewhere), so the key map's row split takes each routed parameter's share of it."""
+    if offset is None:
+        return t
+    dim, start, length = offset
+    if dim != 0 or t.shape[0] != length or start < 0 or start + length > rows:
+        raise CheckpointError(f"a weight patch covers rows {start}..{start + length} (dim {dim}) of a parameter of "
+                              f"{rows} rows; the engine applies row ranges of dim 0 only")
+    full = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    full[start:start + length] = t
+    return full
+
+
+@torch.no_grad()
+def patch_factors(patches: WeightPatches, info: CheckpointInfo, diffusers_keys: set[str],
+                  shapes: dict[str, tuple]) -> dict[str, list[tuple]]:
+    """{diffusers parameter: [(up, down, scale, op)]} of ComfyUI weight patches, as lora_factors gives a file's (a full
+    difference is up = diff, down = identity: it is kept as the difference itself, see _delta). `shapes`: the
+    diffusers parameters' shapes (a fused source's rows are the sum of its routes' rows)."""
+    native = dataclasses.replace(info, layout=info.spec.native_layout)   # ComfyUI's names: the native layout
+    routes_of: dict[str, list] = {}
+    for dst, src, op in key_map(native) or []:
+        routes_of.setdefault(src, []).append((dst, op))
+    for key in diffusers_keys:
+        routes_of.setdefault(key, [(key, None)])
+    factors: dict[str, list[tuple]] = {}
+    for i, e in enumerate(patches.entries):
+        key = e["key"]
+        routes = routes_of.get(key)
+        if routes is None:
+            raise CheckpointError(f"a LoRA patch on the MODEL targets {key}, which is not a layer of this "
+                                  f"{info.variant} model (a LoRA for another model?)")
+        first_op = routes[0][1]
+        rows = sum(first_op[2]) if isinstance(first_op, tuple) else shapes[routes[0][0]][0]
+        scale = float(e["scale"])
+        if e["kind"] == "lora":
+            up = _rows(patches.tensors[f"{i}.up"].float(), e.get("offset"), rows)
+            down = patches.tensors[f"{i}.down"].float()
+            if up.ndim != 2 or down.ndim != 2 or up.shape[1] != down.shape[0]:
+                raise CheckpointError(f"the LoRA patch on {key} has up {list(up.shape)} and down "
+                                      f"{list(down.shape)}: not a linear LoRA ([out, rank] and [rank, in])")
+            parts = [(up, down, scale)]
+        else:
+            parts = [(_rows(patches.tensors[f"{i}.diff"].float(), e.get("offset"), rows), None, scale)]
+        for dst, op in routes:
+            for up, down, s in parts:
+                factors.setdefault(dst, []).append((up, down, s, op))
+    return factors
+
+
 def _delta(parts) -> torch.Tensor:
     delta = None
     for up, down, scale, op in parts:
-        part = apply_op((up @ down) * scale, op)
+        part = apply_op((up if down is None else up @ down) * scale, op)   # down None: a full difference
         delta = part if delta is None else delta + part
     return delta
 
@@ -153,11 +243,13 @@ def lora_deltas(path: str, info: CheckpointInfo, diffusers_keys: set[str]) -> di
 
 
 @torch.no_grad()
-def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
-    """Make the model's weights base + the given LoRAs. `state` remembers what is applied (per rank), so the same
-    list costs nothing, and a changed list restores the touched weights from the checkpoint first."""
-
-    wanted = tuple((os.path.abspath(p), os.stat(p).st_mtime_ns, float(s)) for p, s in loras)
+def apply_loras(loaded, loras: list[tuple[str, float]], state: dict, patches: WeightPatches | None = None) -> dict:
+    """Make the model's weights base + the given LoRA files + a MODEL's weight patches. `state` remembers what is
+    applied (per rank), so the same list costs nothing, and a changed list restores the touched weights from the
+    checkpoint first."""
+    patches = patches or WeightPatches.none()
+    wanted = tuple((os.path.abspath(p), os.stat(p).st_mtime_ns, float(s)) for p, s in loras) + (
+        (("patches", patches.digest),) if patches.entries else ())
     if state.get("applied", ()) == wanted:
         return {"lora_changed": False}
     params = dict(loaded.model.named_parameters())
@@ -165,17 +257,26 @@ def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
     restored = restore_weights(loaded, touched) if touched else 0
     touched = set()
     on_top = 0
-    for path, _, strength in wanted:
-        for name, parts in lora_factors(path, loaded.info, set(params)).items():
+    sources = [(lambda path=path: lora_factors(path, loaded.info, set(params)), float(strength),
+                f"LoRA {os.path.basename(path)}") for path, strength in loras]
+    if patches.entries:
+        shapes = {k: tuple(v.shape) for k, v in params.items()}
+        sources.append((lambda: patch_factors(patches, loaded.info, set(params), shapes), 1.0, "the MODEL's LoRA"))
+    for factors_of, strength, label in sources:
+        for name, parts in factors_of().items():
             weight = params[name]
             if weight.is_meta:   # a PipeFusion stage holds only its own blocks
                 continue
             owner = lora_owner(loaded.model, name)
             if getattr(owner, "lora_on_top", False):
                 for up, down, scale, op in parts:
+                    if down is None:
+                        raise CheckpointError(f"{label}: a full weight difference for {name}, which is held "
+                                              f"quantized (fp8 or GGUF blocks) and takes LoRA factors only; load "
+                                              f"the model unquantized or leave that patch out")
                     up = apply_op(up, op)
                     if (up.shape[0], down.shape[1]) != (owner.out_features, owner.in_features):
-                        raise CheckpointError(f"LoRA {os.path.basename(path)}: delta for {name} has shape "
+                        raise CheckpointError(f"{label}: delta for {name} has shape "
                                               f"{[up.shape[0], down.shape[1]]}, the weight "
                                               f"{[owner.out_features, owner.in_features]}")
                     owner.add_lora(up.to(weight.device), down.to(weight.device), scale, strength)
@@ -184,7 +285,7 @@ def apply_loras(loaded, loras: list[tuple[str, float]], state: dict) -> dict:
                 continue
             delta = _delta(parts)
             if weight.shape != delta.shape:
-                raise CheckpointError(f"LoRA {os.path.basename(path)}: delta for {name} has shape {list(delta.shape)}, "
+                raise CheckpointError(f"{label}: delta for {name} has shape {list(delta.shape)}, "
                                       f"the weight {list(weight.shape)}")
             weight.copy_((weight.float() + strength * delta.to(weight.device)).to(weight.dtype))
             touched.add(name)

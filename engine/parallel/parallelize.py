@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..families.base import TokenTable
-from ..models.flow import Conditioning, FlowModel
+from ..models.flow import Conditioning, FlowModel, Prepared
 from .attention import SequenceParallelAttention
 from .cache import StepCache
 from .mesh import Mesh
@@ -221,6 +221,28 @@ class ParallelFlow:
                 v = self.mesh.all_gather(v, "cfg", dim=0, kind="cfg_gather")            # pos, neg in group order
             return tuple(v.unbind(0))
         return predict
+
+
+    # ---- a model call of independent rows (ComfyUI's diffusion model, driven by ComfyUI's sampler) -------------------
+    def call(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        """The model's output for a batch of rows that each carry their own conditioning (what ComfyUI's diffusion
+        model computes for one call: the positive and negative passes concatenated along the batch when ComfyUI
+        batches them). CFG parallel halves the rows when their count divides, data parallel then splits each half;
+        a group whose degree does not divide the rows computes them all (the same result, no gather)."""
+        n = x_model.shape[0]
+        cfg, dp = self.mesh["cfg"], self.mesh["dp"]
+        split_cfg = cfg.size > 1 and n % cfg.size == 0
+        per_cfg = n // cfg.size if split_cfg else n
+        split_dp = dp.size > 1 and per_cfg % dp.size == 0
+        per = per_cfg // dp.size if split_dp else per_cfg
+        start = (cfg.rank * per_cfg if split_cfg else 0) + (dp.rank * per if split_dp else 0)
+        items = slice(start, start + per)
+        out = self.flow.output(x_model[items], timestep[items], prepared.rows(items))
+        if split_dp:
+            out = self.mesh.all_gather(out, "dp", dim=0, kind="dp_gather")
+        if split_cfg:
+            out = self.mesh.all_gather(out, "cfg", dim=0, kind="cfg_gather")
+        return out
 
 
 def parallelize(flow: FlowModel, mesh: Mesh) -> ParallelFlow:

@@ -232,7 +232,12 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     """One KSampler run of a transformer under the job's plan (engine/generate)."""
     from ..generate.request import GenerateRequest
     from ..generate.run import run_generate
+    from ..models.lora import WeightPatches
 
+    if isinstance(spec, dict) and set(spec) == {"request", "patches"}:   # with a ComfyUI MODEL's LoRA patches
+        patches = WeightPatches.from_job(spec["patches"], inputs)
+        spec, inputs = spec["request"], {k: v for k, v in inputs.items() if not k.startswith("patch.")}
+        return run_generate(ctx, GenerateRequest.from_job(spec, inputs), patches)
     return run_generate(ctx, GenerateRequest.from_job(spec, inputs))
 
 
@@ -243,6 +248,21 @@ def guide(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     from ..generate.request import GenerateRequest
 
     return run_guide(ctx, GenerateRequest.from_job(spec, inputs))
+
+
+@job("model")
+def model(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """The engine as ComfyUI's diffusion model: one model call per session call (engine/generate/model_call.py)."""
+    from ..generate.model_call import run_model
+    from ..generate.request import GenerateRequest
+    from ..models.lora import WeightPatches
+
+    if not isinstance(spec, dict) or set(spec) != {"request", "patches"}:
+        raise ValueError(f"model job document is malformed: keys {sorted(spec) if isinstance(spec, dict) else spec!r}, "
+                         f"expected request and patches (client and ranks differ in version?)")
+    request_inputs = {k: v for k, v in inputs.items() if not k.startswith("patch.")}
+    return run_model(ctx, GenerateRequest.from_job(spec["request"], request_inputs),
+                     WeightPatches.from_job(spec["patches"], inputs))
 
 
 @job("comm_probe")

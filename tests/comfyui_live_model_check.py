@@ -1,0 +1,228 @@
+"""Run inside a real ComfyUI's Python (by tests/test_comfyui_live.py): the xDiT Engine's MODEL in ComfyUI's own graphs.
+Each stock graph runs twice: on the model ComfyUI loads from the file (UNETLoader's, the tiny file's widths given to
+its detection), and with the loader swapped for the xDiT Engine (its MODEL through the same ComfyUI nodes: sampling
+nodes, CFGNorm, LoraLoaderModelOnly; ComfyUI's KSampler, KSamplerAdvanced, SamplerCustomAdvanced), on 1 and 2 CPU
+ranks; and with the sampler swapped too (xDiT Sampler taking the MODEL chain: the engine's own loop). Prints one JSON
+report. Usage: python comfyui_live_model_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
+import asyncio
+import json
+import os
+import sys
+import time
+
+comfyui, pack_parent, models = sys.argv[1:4]
+sys.argv = ["main.py", "--cpu"]
+sys.path.insert(0, comfyui)
+os.chdir(comfyui)
+import torch  # noqa: E402
+import comfy.options  # noqa: E402
+comfy.options.enable_args_parsing()
+import comfy.model_management as mm  # noqa: E402
+import comfy.utils  # noqa: E402
+import folder_paths  # noqa: E402
+import nodes  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+for folder in ("diffusion_models", "loras"):
+    folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
+folder_paths.add_model_folder_path("custom_nodes", pack_parent)
+asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
+import comfyui_version  # noqa: E402
+
+report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
+
+
+def call(name, **kw):
+    """Run a node as ComfyUI's executor would: V3 classes through EXECUTE_NORMALIZED, V1 through FUNCTION."""
+    cls = nodes.NODE_CLASS_MAPPINGS[name]
+    if hasattr(cls, "EXECUTE_NORMALIZED"):
+        return cls.EXECUTE_NORMALIZED(**kw).args
+    return getattr(cls(), cls.FUNCTION)(**kw)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def native_model(file):
+    """UNETLoader's model, with the tiny file's widths given to ComfyUI's detection (which fixes the released models'
+    widths for FLUX.1 and Qwen-Image); everything else (config class, weights, model sampling) is ComfyUI's own."""
+    import comfy.model_detection
+    import comfy.model_patcher
+
+    path = folder_paths.get_full_path("diffusion_models", file)
+    sd = comfy.utils.load_torch_file(path)
+    with safe_open(path, "pt") as f:
+        dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
+    unet_config = comfy.model_detection.detect_unet_config(sd, "")
+    if unet_config.get("image_model") == "flux":
+        width = sd["img_in.weight"].shape[0]
+        unet_config.update(hidden_size=width, num_heads=dims["heads"], axes_dim=list(dims["axes_dim"]),
+                           context_in_dim=dims["context_in"], vec_in_dim=dims["vec_in"])
+    elif unet_config.get("image_model") == "qwen_image":
+        unet_config.update(attention_head_dim=dims["hidden"] // dims["heads"], num_attention_heads=dims["heads"],
+                           joint_attention_dim=dims["context_in"], axes_dims_rope=tuple(dims["axes_dim"]))
+    config = comfy.model_detection.model_config_from_unet_config(unet_config, sd)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(sd, "")
+    model.load_model_weights(sd, "")
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def engine(file, gpus, **kw):
+    settings = dict(model_name=file, family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
+                    cfg_parallel=False, dp=1, timeout_s=600)
+    settings.update(kw)
+    return call("XDiTEngine", **settings)
+
+
+def last_job(eng):
+    text = call("XDiTEngineInfo", engine=eng, unload=False)[0]
+    plan = next((line for line in text.splitlines() if line.startswith("last job: plan ")), "")
+    route = next((line for line in text.splitlines() if line.startswith("last job ran: ")), "")
+    return plan[len("last job: plan "):].split(";")[0], route[len("last job ran: "):], text
+
+
+g = torch.Generator().manual_seed(0)
+FLUX_COND = [[torch.randn(1, 24, 64, generator=g), {"pooled_output": torch.randn(1, 32, generator=g),
+                                                    "guidance": 3.5}]]
+SD3_POS = [[torch.randn(1, 30, 64, generator=g), {"pooled_output": torch.randn(1, 64, generator=g)}]]
+SD3_NEG = [[torch.randn(1, 30, 64, generator=g), {"pooled_output": torch.randn(1, 64, generator=g)}]]
+QWEN_POS = [[torch.randn(1, 12, 64, generator=g), {"pooled_output": None}]]
+QWEN_NEG = [[torch.randn(1, 7, 64, generator=g), {"pooled_output": None}]]
+LATENT = {"samples": torch.zeros(1, 16, 16, 16)}
+
+
+def conds_for(file):
+    """The tiny files' text widths differ from the released models': conditioning of the file's widths."""
+    path = folder_paths.get_full_path("diffusion_models", file)
+    with safe_open(path, "pt") as f:
+        dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
+    gen = torch.Generator().manual_seed(1)
+    width = dims.get("context_in", 64)
+    pooled = dims.get("vec_in") or dims.get("pooled_in")
+    pos = [[torch.randn(1, 24, width, generator=gen),
+            {"pooled_output": torch.randn(1, pooled, generator=gen) if pooled else None, "guidance": 3.5}]]
+    neg = [[torch.randn(1, 24 if "qwen" not in file else 9, width, generator=gen),
+            {"pooled_output": torch.randn(1, pooled, generator=gen) if pooled else None, "guidance": 3.5}]]
+    return pos, neg
+
+
+def ksampler(model, pos, neg, cfg, steps=3, sampler="euler", scheduler="simple", latent=LATENT, denoise=1.0):
+    return call("KSampler", model=model, seed=3, steps=steps, cfg=cfg, sampler_name=sampler, scheduler=scheduler,
+                positive=pos, negative=neg, latent_image=latent, denoise=denoise)[0]["samples"]
+
+
+def chain(model, steps):
+    for node, kw in steps:
+        model = call(node, model=model, **kw)[0]
+    return model
+
+
+LORA = "tiny-flux-lora.safetensors"
+GRAPHS = [
+    # (name, file, cfg, MODEL nodes between the loader and the sampler)
+    ("flux-dev", "tiny-flux-dev.safetensors", 1.0, []),
+    ("flux-dev+ModelSamplingFlux+LoRA", "tiny-flux-dev.safetensors", 1.0,
+     [("ModelSamplingFlux", dict(max_shift=1.15, base_shift=0.5, width=256, height=256)),
+      ("LoraLoaderModelOnly", dict(lora_name=LORA, strength_model=0.8))]),
+    ("sd3.5-medium cfg4", "tiny-sd3.5-medium.safetensors", 4.0, [("ModelSamplingSD3", dict(shift=3.0))]),
+    ("qwen-image AuraFlow3.1", "tiny-qwen-image.safetensors", 2.5, [("ModelSamplingAuraFlow", dict(shift=3.1))]),
+    ("qwen-image-edit AuraFlow3.0+CFGNorm", "tiny-qwen-image.safetensors", 2.5,
+     [("ModelSamplingAuraFlow", dict(shift=3.0)), ("CFGNorm", dict(strength=1.0))]),
+]
+for name, file, cfg, steps in GRAPHS:
+    pos, neg = conds_for(file)
+    latent = {"samples": torch.zeros(1, 16, 1, 16, 16)} if "qwen" in file else LATENT
+    t0 = time.perf_counter()
+    want = ksampler(chain(native_model(file), steps), pos, neg, cfg, latent=latent)
+    entry = {"native_s": round(time.perf_counter() - t0, 2)}
+    for gpus in ("0", "0,1"):
+        eng, model = engine(file, gpus)
+        t0 = time.perf_counter()
+        got = ksampler(chain(model, steps), pos, neg, cfg, latent=latent)
+        plan, route, _ = last_job(eng)
+        entry[f"ksampler gpus={gpus}"] = {"rel_l2": rel(got, want), "plan": plan, "route": route,
+                                          "s": round(time.perf_counter() - t0, 2)}
+        t0 = time.perf_counter()
+        fast = call("XDiTSampler", model=chain(model, steps), seed=3, steps=3, cfg=cfg, sampler_name="euler",
+                    scheduler="simple", positive=pos, negative=neg, latent_image=latent, denoise=1.0)[0]["samples"]
+        plan, route, _ = last_job(eng)
+        entry[f"xdit sampler gpus={gpus}"] = {"rel_l2": rel(fast, want), "plan": plan, "route": route,
+                                              "s": round(time.perf_counter() - t0, 2)}
+    report["graphs"][name] = entry
+    print(name, json.dumps(entry), flush=True)
+
+# the Wan 2.2 form of two samplers: KSamplerAdvanced from step 0 to 2 with leftover noise, then 2 to 4 without noise
+pos, neg = conds_for("tiny-sd3.5-medium.safetensors")
+
+
+def advanced(model, start, end, add_noise, leftover, latent):
+    return call("KSamplerAdvanced", model=model, add_noise="enable" if add_noise else "disable", noise_seed=7, steps=4,
+                cfg=3.5, sampler_name="euler", scheduler="simple", positive=pos, negative=neg, latent_image=latent,
+                start_at_step=start, end_at_step=end,
+                return_with_leftover_noise="enable" if leftover else "disable")[0]
+
+
+def two_stage(model):
+    first = advanced(model, 0, 2, True, True, LATENT)
+    return advanced(model, 2, 10000, False, False, first)["samples"]
+
+
+want = two_stage(native_model("tiny-sd3.5-medium.safetensors"))
+eng, model = engine("tiny-sd3.5-medium.safetensors", "0,1")
+report["graphs"]["sd3.5 KSamplerAdvanced pair"] = {"rel_l2": rel(two_stage(model), want), "plan": last_job(eng)[0]}
+
+# SamplerCustomAdvanced with ComfyUI's BasicGuider on the engine's MODEL (the FLUX.2 templates' form)
+pos, _ = conds_for("tiny-flux-dev.safetensors")
+
+
+def custom(model):
+    guider = call("BasicGuider", model=model, conditioning=pos)[0]
+    sigmas = call("BasicScheduler", model=model, scheduler="simple", steps=3, denoise=1.0)[0]
+    return call("SamplerCustomAdvanced", noise=call("RandomNoise", noise_seed=5)[0], guider=guider,
+                sampler=call("KSamplerSelect", sampler_name="dpmpp_2m")[0], sigmas=sigmas,
+                latent_image=LATENT)[0]["samples"]
+
+
+want = custom(native_model("tiny-flux-dev.safetensors"))
+eng, model = engine("tiny-flux-dev.safetensors", "0,1")
+report["graphs"]["flux BasicGuider+SamplerCustomAdvanced"] = {"rel_l2": rel(custom(model), want),
+                                                              "plan": last_job(eng)[0]}
+
+# what the ranks cannot run is refused in one line
+eng, model = engine("tiny-flux-dev.safetensors", "0")
+patched = model.clone()
+patched.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+for label, m in (("attention patch", patched),):
+    try:
+        ksampler(m, pos, pos, 1.0, steps=1)
+        report["refusals"][label] = "not refused"
+    except Exception as e:
+        report["refusals"][label] = f"{type(e).__name__}: {e}"
+
+# progress and interrupt through ComfyUI's own KSampler on the MODEL, then the next run
+seen, seen_interrupt = [], []
+
+
+def interrupt_at_2(value, total, preview, node_id=None, prompt_id=None):
+    """The UI's cancel at step 2, and the server's progress hook (main.py), which raises ComfyUI's interrupt."""
+    seen.append(value)
+    if value >= 2 and not seen_interrupt:
+        seen_interrupt.append(value)
+        mm.interrupt_current_processing(True)
+    mm.throw_exception_if_processing_interrupted()
+
+
+comfy.utils.set_progress_bar_global_hook(interrupt_at_2)
+try:
+    ksampler(model, pos, pos, 1.0, steps=50)
+    report["interrupt"] = "not interrupted"
+except mm.InterruptProcessingException:
+    report["interrupt"] = {"steps_seen": seen, "flag_after": mm.processing_interrupted()}
+comfy.utils.set_progress_bar_global_hook(None)
+again = ksampler(model, pos, pos, 1.0, steps=2)
+report["after_interrupt_finite"] = bool(torch.isfinite(again).all())
+report["info"] = last_job(eng)[2]
+print("REPORT " + json.dumps(report))

@@ -1,0 +1,348 @@
+"""The xDiT Engine's MODEL: a ComfyUI model that holds no weights in ComfyUI's process and whose diffusion model runs
+on the engine's ranks. ComfyUI's own model class for the family (built by nodes.py from the file's header, as
+ComfyUI's loader would detect it) prepares the conditioning, and ComfyUI's nodes patch and sample it as any MODEL;
+only the diffusion model's call crosses to the engine (engine/generate/model_call.py), one session per sampling run.
+
+What a MODEL chain carries is honoured where it runs: model sampling (ModelSamplingAuraFlow / SD3 / Flux), CFG
+functions (CFGNorm) and wrappers around the model call run in ComfyUI's process as with any model; LoRA weight patches
+(ComfyUI's LoRA loaders) are handed to the ranks. A patch the ranks cannot run (attention or block patches, a
+replaced diffusion model, LoRA kinds other than plain LoRA and weight differences, ControlNet) stops the job with one
+line naming it, never a silent difference.
+
+Also what the xDiT Sampler needs to run a MODEL chain in the engine's own loop (`loop_settings`), and the reasons it
+cannot (then ComfyUI's sampler drives the MODEL instead, with the same result). Nothing here imports ComfyUI: its
+classes come in as arguments.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..engine.generate.request import GenerateRequest
+from ..engine.models.lora import WeightPatches
+from ..engine.parallel.plan import AUTO, FASTEST
+
+OWN_CALLBACK = "xdit_model"   # the key of the pack's own callbacks and wrappers on a MODEL
+MODEL_SAMPLING = "model_sampling"   # the one object patch the engine's MODEL takes (ComfyUI's sampling nodes)
+PER_CALL_OPTIONS = ("sampler_cfg_function", "sampler_pre_cfg_function", "model_function_wrapper",
+                    "disable_cfg1_optimization", "sampler_calc_cond_batch_function", "denoise_mask_function")
+DIFFUSION_MODEL_WRAPPERS = "diffusion_model"   # comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL
+
+
+class ModelPatchError(ValueError):
+    """A MODEL patch the engine's ranks cannot run: one line naming it and what to do."""
+
+
+# ---- the stand-in for ComfyUI's diffusion model -------------------------------------------------------------------
+class EngineTransformer(torch.nn.Module):
+    """Stands where ComfyUI's model holds its diffusion model: no parameters, its forward a call on the engine. Its
+    state dict lists ComfyUI's own parameter names and shapes as meta tensors (no memory), so ComfyUI's LoRA loaders
+    map a LoRA's layers onto it exactly as onto the real model."""
+
+    dtype = torch.float32   # ComfyUI hands the inputs over in float32; the ranks cast to their compute dtype
+
+    def __init__(self, link: "EngineLink", keys: dict[str, tuple[tuple, torch.dtype]]):
+        super().__init__()
+        self.link = link
+        self._keys = dict(keys)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, (shape, dtype) in self._keys.items():
+            destination[prefix + key] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def forward(self, x, timestep, context=None, control=None, transformer_options=None, **kwargs):
+        return self.link.call(x, timestep, context, control, transformer_options or {}, kwargs)
+
+
+# ---- a MODEL chain's patches ------------------------------------------------------------------------------------------
+def check_chain(patcher) -> None:
+    """Refuse what a MODEL chain carries that no route can run on the engine's ranks (ModelPatchError)."""
+    extra = sorted(k for k in getattr(patcher, "object_patches", {}) if k != MODEL_SAMPLING)
+    if extra:
+        raise ModelPatchError(
+            f"a node replaced the MODEL's {', '.join(extra)} (e.g. TorchCompileModel or a model-merge node): the xDiT "
+            f"engine runs its own diffusion model on its ranks; remove that node (the xDiT Engine's compile input "
+            f"compiles on the ranks)")
+    if getattr(patcher, "hook_patches", None):
+        raise ModelPatchError("the MODEL carries hook weight patches (CreateHookLora / SetModelHooksOnCond nodes), "
+                              "which the xDiT engine does not apply: use LoraLoaderModelOnly instead")
+    options = getattr(patcher, "model_options", {}) or {}
+    transformer = options.get("transformer_options", {}) or {}
+    check_transformer_options(transformer)
+
+
+def check_transformer_options(transformer: dict) -> None:
+    """Attention and block patches and wrappers of the diffusion model act inside ComfyUI's diffusion model, which
+    does not run here: refused, naming them."""
+    for name in ("patches", "patches_replace"):
+        kinds = sorted(k for k, v in (transformer.get(name) or {}).items() if v)
+        if kinds:
+            raise ModelPatchError(
+                f"the MODEL carries {name} {', '.join(kinds)} (from a node that patches attention or transformer "
+                f"blocks, e.g. IPAdapter, PuLID, a block-skip or attention node): those run inside ComfyUI's diffusion "
+                f"model, which the xDiT engine replaces; remove that node")
+    wrappers = {k for k, fns in ((transformer.get("wrappers") or {}).get(DIFFUSION_MODEL_WRAPPERS) or {}).items()
+                if fns and k != OWN_CALLBACK}
+    if wrappers:
+        raise ModelPatchError(
+            f"the MODEL carries a diffusion-model wrapper ({', '.join(sorted(wrappers))}) from a node that wraps "
+            f"ComfyUI's diffusion model, which the xDiT engine replaces; remove that node")
+
+
+_DIGESTS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A content digest of a tensor, computed once while the tensor lives (a LoRA loader keeps its tensors)."""
+    held = _DIGESTS.get(id(t))
+    if held is not None and held[0]() is t:
+        return held[1]
+    if len(_DIGESTS) > 4096:
+        for key in [k for k, (ref, _) in _DIGESTS.items() if ref() is None]:
+            del _DIGESTS[key]
+    data = t.detach().to("cpu").contiguous()
+    h = hashlib.blake2b(f"{data.dtype}{list(data.shape)}".encode(), digest_size=16)
+    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest = h.hexdigest()
+    _DIGESTS[id(t)] = (weakref.ref(t), digest)
+    return digest
+
+
+def weight_patches(patcher) -> WeightPatches:
+    """The MODEL's weight patches (ComfyUI's LoRA loaders) as the ranks take them; a patch of another kind is refused
+    in one line naming it."""
+    entries, tensors = [], {}
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(getattr(patcher, "patches", {}) or {}):
+        for strength_patch, adapter, strength_model, offset, function in patcher.patches[key]:
+            name = key[len("diffusion_model."):] if key.startswith("diffusion_model.") else key
+            if function is not None or strength_model != 1.0:
+                raise ModelPatchError(f"the MODEL patches {name} with a weight function or a base-weight strength "
+                                      f"({strength_model:g}), which the xDiT engine does not apply (a model-merge "
+                                      f"node?); remove that node")
+            i = len(entries)
+            entry = {"key": name, "offset": list(offset) if offset is not None else None}
+            if getattr(adapter, "name", None) == "lora" and hasattr(adapter, "weights"):
+                up, down, alpha, mid, dora, reshape = (tuple(adapter.weights) + (None,) * 6)[:6]
+                if mid is not None or dora is not None or reshape is not None:
+                    which = "LoCon mid weights" if mid is not None else "DoRA" if dora is not None else "a reshape"
+                    raise ModelPatchError(f"the LoRA on {name} uses {which}, which the xDiT engine does not apply; use "
+                                          f"a plain LoRA (lora_up/lora_down or lora_A/lora_B)")
+                if up.ndim != 2 or down.ndim != 2:
+                    raise ModelPatchError(f"the LoRA on {name} is not a linear LoRA (up {list(up.shape)}, down "
+                                          f"{list(down.shape)}): the xDiT engine applies linear LoRAs")
+                scale = float(alpha) / down.shape[0] if alpha is not None else 1.0
+                entry.update(kind="lora", scale=float(strength_patch) * scale)
+                tensors[f"{i}.up"], tensors[f"{i}.down"] = up, down
+                parts = (up, down)
+            elif isinstance(adapter, tuple) and len(adapter) == 2 and adapter[0] == "diff":
+                entry.update(kind="diff", scale=float(strength_patch))
+                tensors[f"{i}.diff"] = adapter[1][0]
+                parts = (adapter[1][0],)
+            else:
+                kind = getattr(adapter, "name", None) or (adapter[0] if isinstance(adapter, tuple) else
+                                                          type(adapter).__name__)
+                raise ModelPatchError(f"the MODEL patches {name} with a {kind!r} weight patch (LoHa, LoKr, OFT, GLoRA, "
+                                      f"BOFT or a set/merge patch), which the xDiT engine does not apply; use a plain "
+                                      f"LoRA")
+            entries.append(entry)
+            h.update(repr(sorted(entry.items())).encode())
+            for t in parts:
+                h.update(_digest(t).encode())
+    return WeightPatches(h.hexdigest() if entries else "", tuple(entries), tensors)
+
+
+@dataclass(frozen=True)
+class SamplingClasses:
+    """ComfyUI's model sampling classes (comfy.model_sampling), passed in by nodes.py."""
+    flux: type
+    discrete_flow: type
+    const: type
+
+
+def cfg_norm_strength(fn) -> float | None:
+    """The strength of a post-CFG function that is ComfyUI's CFGNorm (post-CFG form) or the pack's own, else None."""
+    ours = getattr(fn, "xdit_cfg_norm", None)
+    if ours is not None:
+        return float(ours)
+    code = getattr(fn, "__code__", None)
+    if code is None or not getattr(fn, "__qualname__", "").endswith("CFGNorm.execute.<locals>.cfg_norm") \
+            or "strength" not in code.co_freevars:
+        return None
+    value = fn.__closure__[code.co_freevars.index("strength")].cell_contents
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def loop_settings(patcher, classes: SamplingClasses, family_sampling) -> tuple[dict | None, float, list[str]]:
+    """What the engine's own loop needs from a MODEL chain: (model sampling as FlowSampling.as_dict(), CFGNorm strength,
+    reasons it cannot run the chain exactly). `family_sampling` is the family's default FlowSampling (its timestep
+    scale is the only one the loop runs). A reason means ComfyUI's sampler must drive the MODEL instead."""
+    reasons = []
+    sampling = None
+    ms = patcher.get_model_object(MODEL_SAMPLING)
+    if not isinstance(ms, classes.const):
+        reasons.append(f"its model sampling {type(ms).__name__} is not a flow (CONST) sampling")
+    elif isinstance(ms, classes.flux):
+        sampling = {"kind": "flux", "shift": float(ms.shift), "multiplier": 1.0}
+    elif isinstance(ms, classes.discrete_flow):
+        sampling = {"kind": "discrete_flow", "shift": float(ms.shift), "multiplier": float(ms.multiplier)}
+        if float(ms.multiplier) != family_sampling.timesteps_per_sigma:
+            reasons.append(f"its model sampling gives timesteps of sigma x {float(ms.multiplier):g}")
+    else:
+        reasons.append(f"its model sampling {type(ms).__name__} is not one the engine's loop has")
+    options = patcher.model_options or {}
+    cfg_norm = 0.0
+    for fn in options.get("sampler_post_cfg_function", []) or []:
+        strength = cfg_norm_strength(fn)
+        if strength is None or cfg_norm:
+            reasons.append(f"it has a post-CFG function {getattr(fn, '__qualname__', fn)!r}")
+        else:
+            cfg_norm = strength
+    reasons += [f"it sets {name}" for name in PER_CALL_OPTIONS if options.get(name)]
+    wrappers = {t for t, keyed in (getattr(patcher, "wrappers", {}) or {}).items()
+                for k, fns in keyed.items() if fns and k != OWN_CALLBACK}
+    wrappers |= {t for t, keyed in ((options.get("transformer_options") or {}).get("wrappers") or {}).items()
+                 for k, fns in keyed.items() if fns and k != OWN_CALLBACK}
+    if wrappers:
+        reasons.append(f"it has {', '.join(sorted(wrappers))} wrappers")
+    return sampling, cfg_norm, reasons
+
+
+# ---- the link: one engine session per sampling run ----------------------------------------------------------------
+CONDITIONING_KWARGS = ("y", "guidance", "ref_latents", "ref_latents_method")
+
+
+class EngineLink:
+    """Between a MODEL's diffusion model and the engine. The first diffusion-model call of a sampling run opens a
+    model session (its plan chosen for that call's shapes, the sampling MODEL's LoRA patches sent along); ComfyUI's
+    cleanup after the run (`on_cleanup`) closes it and records the job for the Info node.
+
+    settings: the xDiT Engine's (core.EngineSettings); registry: core's EngineRegistry; request_for(settings, x,
+    timestep, conditioning, cond_or_uncond) -> a validated GenerateRequest (core.model_request); before_job(): makes
+    room on ComfyUI's GPU."""
+
+    def __init__(self, settings, registry, request_for, before_job=None, route: str = ""):
+        self.settings, self.registry, self.request_for, self.before_job = settings, registry, request_for, before_job
+        self.route = route or "ComfyUI's sampler on the engine's MODEL, one model call at a time"
+        self.owner: weakref.ref | None = None   # the ComfyUI model holding the EngineTransformer
+        self.base_patcher: weakref.ref | None = None
+        self.session = None
+        self._opened = 0.0
+
+    # what ComfyUI calls ----------------------------------------------------------------------------------------------
+    def call(self, x, timestep, context, control, transformer_options: dict, kwargs: dict) -> torch.Tensor:
+        if control is not None:
+            raise ModelPatchError("the conditioning carries a ControlNet (ControlNetApply nodes), which the xDiT "
+                                  "engine does not run; remove it from the graph")
+        check_transformer_options(transformer_options)
+        conditioning = {"context": context}
+        for name, value in kwargs.items():
+            if value is None:
+                continue
+            if name == "attention_mask":
+                if torch.is_tensor(value) and bool((value != 0).all()):
+                    continue   # a mask that masks nothing
+                raise ModelPatchError("the conditioning carries a text attention mask that masks tokens, which the "
+                                      "xDiT engine does not apply; encode one prompt per conditioning")
+            if name not in CONDITIONING_KWARGS:
+                raise ModelPatchError(f"the MODEL is called with {name!r} (from a node that adds conditioning the "
+                                      f"xDiT engine does not take: e.g. an inpainting, control or regional node); "
+                                      f"remove that node")
+            conditioning[name] = value
+        if self.session is None:
+            self._open(x, timestep, conditioning, transformer_options.get("cond_or_uncond") or [0])
+        try:
+            return self.session.call(x, timestep, conditioning)
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def on_cleanup(self, patcher=None) -> None:
+        """ComfyUI's cleanup after a sampling run (CallbacksMP.ON_CLEANUP): the run's session ends."""
+        self.close()
+
+    # the session -------------------------------------------------------------------------------------------------------
+    def _patcher(self):
+        owner = self.owner() if self.owner is not None else None
+        current = getattr(owner, "current_patcher", None)
+        return current if current is not None else (self.base_patcher() if self.base_patcher else None)
+
+    def _open(self, x, timestep, conditioning: dict, cond_or_uncond) -> None:
+        from ..engine.generate.model_call import ModelSession   # the rank-side stack loads only when a job runs
+
+        patcher = self._patcher()
+        patches = WeightPatches.none()
+        if patcher is not None:
+            check_chain(patcher)
+            patches = weight_patches(patcher)
+        request = self.request_for(self.settings, x, timestep, conditioning, list(cond_or_uncond))
+        if self.before_job is not None:
+            self.before_job()
+        record = self.registry.get(self.settings)   # closes a session an earlier run left open
+        deadlines = replace(record.engine.deadlines, compute_s=float(self.settings.timeout_s))
+        session = ModelSession(record.engine, request, patches, deadlines=deadlines)
+        session.__enter__()
+        self.session, self._opened, self._request, self._record = session, time.perf_counter(), request, record
+        record.open_session = self
+
+    def close(self, failed: bool = False) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        record = self._record
+        if getattr(record, "open_session", None) is self:
+            record.open_session = None
+        if failed:
+            session.__exit__(RuntimeError, RuntimeError("model call failed"), None)
+        else:
+            session.__exit__(None, None, None)
+        result = session.result
+        ranks = result.ranks if result is not None else []
+        calls = session.calls
+        record.last_route = self.route
+        record.last_plan = self._request.plan.describe()
+        record.last_plan_reason = self._request.choice.reason if self._request.choice else ""
+        wall = time.perf_counter() - self._opened
+        record.last_timings = {"model_calls": calls, "wall_s": wall,
+                               "per_call_s": (sum(session.call_s) / calls) if calls else 0.0}
+        record.last_cache, record.last_stages = {}, []
+        record.last_bytes = ranks[0].get("bytes_sent_per_step", {}) if ranks else {}
+        record.last_memory = [r.get("memory", {}) for r in ranks]
+        record.last_lora = ranks[0].get("lora_layers_touched") if ranks else None
+
+
+def model_request(settings, x: torch.Tensor, timestep, conditioning: dict, cond_or_uncond: list, *, latent_channels: int,
+                  hardware, job_request) -> GenerateRequest:
+    """The request a model session is planned and checked by, from the first call of a sampling run: the call's rows
+    are len(cond_or_uncond) chunks of the latent batch, the positive (0) and the negative (1) when ComfyUI batches
+    both passes. `job_request` is core.job_request; `hardware` the engine's."""
+    n = x.shape[0]
+    chunks = max(1, len(cond_or_uncond))
+    b = n // chunks if n % chunks == 0 else n
+    pos = cond_or_uncond.index(0) if 0 in cond_or_uncond else 0
+    neg = cond_or_uncond.index(1) if 1 in cond_or_uncond and 0 in cond_or_uncond else None
+
+    def side(i):
+        rows = slice(i * b, (i + 1) * b)
+        extras = {"pooled_output": conditioning["y"][rows] if conditioning.get("y") is not None else None}
+        if conditioning.get("guidance") is not None:
+            extras["guidance"] = float(conditioning["guidance"][i * b])
+        if conditioning.get("ref_latents"):
+            extras["reference_latents"] = [r[rows] for r in conditioning["ref_latents"]]
+            if conditioning.get("ref_latents_method"):
+                extras["reference_latents_method"] = conditioning["ref_latents_method"]
+        return [[conditioning["context"][rows], extras]]
+
+    plan = settings.requested_plan()
+    if plan == FASTEST:   # PipeFusion runs only inside the engine's own loop
+        plan = AUTO
+    latent = torch.zeros(()).expand(b, latent_channels, *x.shape[2:])
+    negative_pass = neg is not None
+    request = job_request(replace(settings, plan="auto") if plan == AUTO else settings, side(pos),
+                          side(neg) if negative_pass else None, latent, cfg=2.0 if negative_pass else 1.0)
+    return request.validate(len(settings.gpus), hardware)
