@@ -40,9 +40,12 @@ def release_prompt(release: dict, model: str, lora: str, custom_sampler: bool = 
     links = {"XDiTEngine": {}, "XDiTLoRA": {"engine": ["10", 0]},
              "XDiTSampler": {"engine": ["11", 0] if "XDiTLoRA" in nodes else ["10", 0], "positive": ["4", 0],
                              "negative": ["3", 0], "latent_image": ["5", 0]},
-             "XDiTEngineInfo": {"engine": ["10", 0], "after": ["12", 0]},
-             "XDiTGuider": {"engine": ["10", 0], "positive": ["4", 0], "negative": ["3", 0]}}
-    ids = {"XDiTEngine": "10", "XDiTLoRA": "11", "XDiTSampler": "12", "XDiTEngineInfo": "13", "XDiTGuider": "14"}
+             # the sampling and CFGNorm nodes (a Qwen-Image graph's) on a side branch the Info node reports from
+             "XDiTEngineInfo": {"engine": ["18", 0] if "XDiTCFGNorm" in nodes else ["10", 0], "after": ["12", 0]},
+             "XDiTGuider": {"engine": ["10", 0], "positive": ["4", 0], "negative": ["3", 0]},
+             "XDiTModelSampling": {"engine": ["10", 0]}, "XDiTCFGNorm": {"engine": ["17", 0]}}
+    ids = {"XDiTEngine": "10", "XDiTLoRA": "11", "XDiTSampler": "12", "XDiTEngineInfo": "13", "XDiTGuider": "14",
+           "XDiTModelSampling": "17", "XDiTCFGNorm": "18"}
     for node_id, node in nodes.items():
         inputs = {}
         for name, entry in node["inputs"].items():
@@ -50,8 +53,8 @@ def release_prompt(release: dict, model: str, lora: str, custom_sampler: bool = 
                 inputs[name] = links[node_id][name]
             elif entry["type"] in WIDGETS:
                 inputs[name] = released_value(node_id, name, entry, model, lora)
-            elif node_id == "XDiTGuider" and name == "model":
-                continue   # an optional MODEL: left unconnected
+            elif entry.get("optional"):
+                continue   # an optional socket (a MODEL): left unconnected
         prompt[ids[node_id]] = {"class_type": node_id, "inputs": inputs}
     prompt["15"] = {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["6", 0]}}
     prompt["16"] = {"class_type": "SaveImage", "inputs": {"images": ["15", 0], "filename_prefix": "ComfyUI"}}

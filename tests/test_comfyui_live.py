@@ -58,7 +58,7 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA", "XDiTGuider": "xDiT Guider",
                                     "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info",
                                     "XDiTModelSampling": "xDiT Model Sampling", "XDiTCFGNorm": "xDiT CFGNorm"}
-    assert report["sampler_inputs"] == ["engine", "seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
+    assert report["sampler_inputs"] == ["seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
                                         "negative", "latent_image", "denoise"]
     # the first release's engine inputs are the required ones; every input added since is optional
     first = list(RELEASED[0]["nodes"]["XDiTEngine"]["inputs"])
@@ -109,7 +109,9 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
                 assert server.poll() is None, server.stderr.read()[-3000:]
                 assert time.monotonic() < deadline, "ComfyUI did not come up within 180 s"
                 time.sleep(1)
-        assert list(info["XDiTSampler"]["input"]["required"])[:2] == ["engine", "seed"]
+        assert list(info["XDiTSampler"]["input"]["required"])[:1] == ["seed"]
+        assert {"engine", "model"} <= set(info["XDiTSampler"]["input"]["optional"])
+        assert info["XDiTSampler"]["output"] == ["LATENT"]
         listed = _get(f"{base}/object_info")
         assert {n for n in listed if n.startswith("XDiT")} == {"XDiTEngine", "XDiTLoRA", "XDiTSampler", "XDiTGuider",
                                                                 "XDiTEngineInfo", "XDiTModelSampling", "XDiTCFGNorm"}
@@ -150,6 +152,43 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+@pytest.mark.timeout(900)
+def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
+    """The loader swapped for the xDiT Engine (its MODEL through ComfyUI's sampling, CFGNorm and LoRA nodes into
+    ComfyUI's own KSampler, KSamplerAdvanced pair and SamplerCustomAdvanced), and the sampler swapped too (xDiT Sampler
+    taking the MODEL chain), against the same graphs on the model ComfyUI loads itself, on 1 and 2 CPU ranks."""
+    for family, variant, name in (("sd3", "sd3.5-medium", "tiny-sd3.5-medium"), ("qwen-image", None, "tiny-qwen-image")):
+        path = write_tiny(family, str(setup["dir"]), **({"variant": variant} if variant else {}))
+        shutil.copy(path, setup["models"] / "diffusion_models" / f"{name}.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(2, 128, generator=g) * 0.1,
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(384, 2, generator=g) * 0.1,
+               "lora_unet_single_blocks_1_linear1.lora_down.weight": torch.randn(4, 128, generator=g) * 0.1,
+               "lora_unet_single_blocks_1_linear1.lora_up.weight": torch.randn(128 * 3 + 512, 4, generator=g) * 0.1,
+               "lora_unet_single_blocks_1_linear1.alpha": torch.tensor(2.0)},
+              str(setup["models"] / "loras" / "tiny-flux-lora.safetensors"))
+    out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_model_check.py"), COMFYUI,
+                          str(setup["packs"]), str(setup["models"])], capture_output=True, text=True, timeout=840,
+                         env=setup["env"])
+    line = next((x for x in out.stdout.splitlines() if x.startswith("REPORT ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    report = json.loads(line[len("REPORT "):])
+    print(json.dumps(report, indent=1))
+    # fp32 through different code paths: rounding only (measured 2e-7 to 5e-7 in 0.3.64 and 0.33)
+    for name, entry in report["graphs"].items():
+        runs = {k: v for k, v in entry.items() if isinstance(v, dict)} or {"": entry}
+        for key, run in runs.items():
+            assert run["rel_l2"] < 1e-5, (name, key, run)
+    two = {k: v["plan"] for k, v in report["graphs"]["sd3.5-medium cfg4"].items() if isinstance(v, dict)}
+    assert two["ksampler gpus=0,1"] == "cfg2" and two["xdit sampler gpus=0,1"] == "cfg2"   # the batched passes split
+    routes = {v["route"] for e in report["graphs"].values() for v in e.values() if isinstance(v, dict) and "route" in v}
+    assert routes == {"ComfyUI's sampler on the engine's MODEL, one model call at a time",
+                      "xDiT Sampler: the whole sampling loop on the ranks"}
+    assert "patches attn1_patch" in report["refusals"]["attention patch"]
+    assert isinstance(report["interrupt"], dict) and report["interrupt"]["flag_after"] is False
+    assert report["after_interrupt_finite"] and "last job ran: ComfyUI's sampler on the engine's MODEL" in report["info"]
 
 
 @pytest.mark.timeout(1300)   # every sampler name, twice, through ComfyUI's sampler on CPU ranks: minutes

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from engine.runtime.client import Engine
 from engine.generate.request import GenerateRequest
+from engine.models.lora import WeightPatches
 from engine.models.safetensors_file import CheckpointError
 from engine.models.tiny import write_tiny
 
@@ -97,13 +98,29 @@ def setup(tmp_path_factory):
     engine.close()
 
 
-def run(s, model, loras=()):
+def run(s, model, loras=(), weight_patches=None):
     g = torch.Generator().manual_seed(4)
     r = GenerateRequest(model=model, cond=torch.randn(1, 16, 4096, generator=g), pooled=torch.randn(1, 768, generator=g),
                         latent_raw=torch.zeros(1, 16, 16, 16), seed=2, steps=3, loras=list(loras))
     r = r.validate()
-    result = s["engine"].submit("generate", *r.to_job())
+    result = r.submit(s["engine"], weight_patches=weight_patches)
     return result.outputs["samples"], result.ranks[0]
+
+
+def comfy_patches(f, strength, hidden=128, split_qkv=False, digest="p"):
+    """The weight patches ComfyUI's LoRA loader puts on a MODEL for these factors, keyed by ComfyUI's parameter names
+    (FLUX.1's BFL names); split_qkv: as a diffusers-format LoRA lands on the fused qkv (one patch per q, k, v rows)."""
+    entries, tensors = [], {}
+    for layer, (down, up, alpha) in f.items():
+        parts = [(up, None)]
+        if split_qkv and layer.endswith("qkv"):
+            parts = [(up[i * hidden:(i + 1) * hidden], [0, i * hidden, hidden]) for i in range(3)]
+        for rows, offset in parts:
+            i = len(entries)
+            entries.append({"key": layer + ".weight", "kind": "lora", "scale": strength * alpha / down.shape[0],
+                            "offset": offset})
+            tensors[f"{i}.up"], tensors[f"{i}.down"] = rows, down
+    return WeightPatches(digest, tuple(entries), tensors)
 
 
 @pytest.mark.parametrize("fmt", ["kohya", "comfy", "diffusers"])
@@ -131,6 +148,25 @@ def test_chained_loras_add_up_and_removing_them_restores_the_base_exactly(setup)
     assert info["lora_changed"] and torch.equal(restored, base)
     _, again = run(setup, setup["base"])
     assert "lora_changed" not in again  # no LoRA before and after: nothing to do
+
+
+@pytest.mark.parametrize("split_qkv", [False, True], ids=["whole-layers", "qkv-rows"])
+def test_a_models_lora_patches_equal_the_lora_merged_into_the_checkpoint(setup, split_qkv):
+    """ComfyUI's LoRA loaders on the engine's MODEL hand over patches keyed by ComfyUI's names: applied on the ranks
+    they give the merged checkpoint's latent; the same patches again cost nothing; without them the base returns."""
+    want, _ = run(setup, merged_checkpoint(setup["base"], str(setup["dir"] / "merged-patches.safetensors"),
+                                           (0.8, setup["f1"])))
+    patches = comfy_patches(setup["f1"], 0.8, split_qkv=split_qkv, digest=f"f1-{split_qkv}")
+    got, info = run(setup, setup["base"], weight_patches=patches)
+    diff = (got - want).abs().max().item()
+    print(f"ComfyUI LoRA patches ({'qkv rows' if split_qkv else 'whole layers'}) vs merged: max abs diff {diff:.3g}; "
+          f"layers touched {info.get('lora_layers_touched')}")
+    assert diff <= 1e-4 and info["lora_changed"]
+    _, again = run(setup, setup["base"], weight_patches=patches)
+    assert again["lora_changed"] is False
+    base, _ = run(setup, setup["base"])
+    restored, info = run(setup, setup["base"])
+    assert torch.equal(base, restored)
 
 
 def test_the_same_lora_list_is_applied_once(setup):

@@ -27,7 +27,8 @@ def node_specs():
 
 def current_specs(node_specs) -> dict:
     """node id -> the current spec, as ComfyUI lists it with these files in the model and LoRA folders."""
-    specs = (node_specs.engine_spec([MODEL]), node_specs.SAMPLER_SPEC, node_specs.lora_spec([LORA]), node_specs.GUIDER_SPEC, node_specs.INFO_SPEC)
+    specs = (node_specs.engine_spec([MODEL]), node_specs.SAMPLER_SPEC, node_specs.lora_spec([LORA]), node_specs.GUIDER_SPEC,
+             node_specs.INFO_SPEC, node_specs.SAMPLING_SPEC, node_specs.CFG_NORM_SPEC)
     return {s.node_id: s for s in specs}
 
 
@@ -48,7 +49,8 @@ def test_the_table_holds_every_node_the_pack_has_and_the_first_release_is_first(
     assert dates == sorted(dates)
 
 
-@pytest.mark.parametrize("node_id", ["XDiTEngine", "XDiTSampler", "XDiTLoRA", "XDiTGuider", "XDiTEngineInfo"])
+@pytest.mark.parametrize("node_id", ["XDiTEngine", "XDiTSampler", "XDiTLoRA", "XDiTGuider", "XDiTEngineInfo",
+                                     "XDiTModelSampling", "XDiTCFGNorm"])
 def test_every_input_added_after_a_nodes_first_release_is_optional_with_a_default(node_specs, node_id):
     spec = current_specs(node_specs)[node_id]
     released = first_release_of(node_id)["nodes"][node_id]["inputs"]
@@ -65,7 +67,8 @@ def test_every_released_input_is_still_there_with_its_type_options_and_default(n
     specs = current_specs(node_specs)
     for node_id, node in release["nodes"].items():
         fields = {f.name: f for f in specs[node_id].inputs}
-        assert [tuple(o) for o in node["outputs"]] == list(specs[node_id].outputs), node_id  # links keep their slots
+        released_outputs = [tuple(o) for o in node["outputs"]]   # links keep their slots; new outputs come after
+        assert list(specs[node_id].outputs)[:len(released_outputs)] == released_outputs, node_id
         for name, was in node["inputs"].items():
             where = f"{node_id}.{name} ({release_id(release)})"
             assert name in fields, f"{where} is gone"

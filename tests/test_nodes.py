@@ -156,8 +156,11 @@ def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_pri
 def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(node_specs):
     ksampler = [("seed", 0), ("steps", 20), ("cfg", 8.0), ("sampler_name", None), ("scheduler", None),
                 ("positive", None), ("negative", None), ("latent_image", None), ("denoise", 1.0)]
-    fields = [f for f in node_specs.SAMPLER_SPEC.inputs if f.name != "engine"]
+    fields = [f for f in node_specs.SAMPLER_SPEC.inputs if f.name not in ("engine", "model")]
     assert [f.name for f in fields] == [name for name, _ in ksampler]
+    # what stands for KSampler's model: the engine's MODEL chain or its engine output, either one
+    assert {f.name: (f.type, f.optional) for f in node_specs.SAMPLER_SPEC.inputs if f.name in ("engine", "model")} \
+        == {"engine": ("XDIT_ENGINE", True), "model": ("MODEL", True)}
     for f, (name, default) in zip(fields, ksampler):
         if default is not None:
             assert f.default == default, name
@@ -432,9 +435,11 @@ def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(no
     for f in spec.inputs:   # what ComfyUI leaves out, the node's own default fills in: the spec's
         assert (signature[f.name].default if f.optional else inspect.Parameter.empty) == \
             (f.default if f.optional else signature[f.name].default), f.name
-    (old,) = n.XDiTEngine.execute(**released)
-    (now,) = n.XDiTEngine.execute(**released, **later)
-    assert old == now
+    built = []   # the MODEL output is ComfyUI's own model class (tests/test_comfyui_live.py builds it in ComfyUI)
+    n.engine_model = lambda settings: built.append(settings) or ("MODEL", settings)
+    (old, old_model) = n.XDiTEngine.execute(**released)
+    (now, now_model) = n.XDiTEngine.execute(**released, **later)
+    assert old == now and old_model == ("MODEL", old) and built == [old, now]
     request = core.job_request(old, flux_conditioning(), None, empty_latent()["samples"], cfg=1.0, steps=2)
     assert (request.cache_threshold, request.compile, request.attention, request.plan, request.patches) == \
         (0.0, False, "auto", "auto", None)
