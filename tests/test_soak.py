@@ -16,7 +16,7 @@ def test_a_short_soak_matches_every_reference_through_cancels_and_aborts_and_lea
     s = json.loads(out.read_text())["soak"][0]
     soak, warm = s["counts"], s["warmup_counts"]
     print("soak:", soak, "warm-up:", warm, "before:", s["before"], "after:", s["after"])
-    assert soak["jobs"] == 24 and soak["generate"] and soak["echo"] and soak["guide sessions"]
+    assert soak["jobs"] == 24 and soak["generate"] and soak["echo"] and soak["model sessions"]
     for counts in (soak, warm):   # every complete run compared (first runs set the references) and equal
         assert counts["mismatches"] == 0 and counts["matched"] == counts["compared"]
         assert counts["cancels asked"] == counts["cancelled"] + counts["finished before the cancel landed"]

@@ -74,17 +74,17 @@ def test_cancelling_a_job_on_a_subset_stops_its_ranks_and_the_engine_stays_ready
     assert after.outputs["samples"].shape == (1, 16, 16, 16)
 
 
-def test_a_guider_session_on_a_subset_answers_as_an_engine_of_the_plan_ranks(tiny_models, engines):
-    from engine.generate.guide import GuideSession
+def test_a_model_session_on_a_subset_answers_as_an_engine_of_the_plan_ranks(tiny_models, engines):
+    from engine.generate.model_call import ModelSession, request_conditioning
     r = request(tiny_models, plan=ParallelPlan())
     r = r.validate()
     x = torch.randn(1, 16, 16, 16, generator=torch.Generator().manual_seed(1))
     out = {}
     for world in (1, 2):
-        with GuideSession(engines(world), r) as session:
-            out[world] = session.velocity(x, 0.7)[0]
-            session.velocity(x, 0.3)
-    assert report("guider velocity, single-rank plan on a 2-rank engine vs a 1-rank engine",
+        with ModelSession(engines(world), r) as session:
+            out[world] = session.call(x, torch.tensor([0.7]), request_conditioning(r, ("pos",), 1))
+            session.call(x, torch.tensor([0.3]), request_conditioning(r, ("pos",), 1))
+    assert report("model call, single-rank plan on a 2-rank engine vs a 1-rank engine",
                   (out[2] - out[1]).abs().max(), fp32_bound(out[1].abs().max(), reduction=4096, depth=8))
 
 

@@ -20,7 +20,6 @@ from ..engine.parallel.devices import hardware_for
 from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.schedules import FlowSampling
-from .guider import EngineGuider
 from .model import EngineLink, model_request
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
 
@@ -208,14 +207,14 @@ def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor]
 
 def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
                 seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
-                denoise: float = 1.0, batch_index=None, negative_always: bool = False) -> GenerateRequest:
+                denoise: float = 1.0, batch_index=None) -> GenerateRequest:
     """The engine request for these settings and ComfyUI values (not yet validated). The negative is read when
-    cfg != 1, or whenever it is given with negative_always (a guider: ComfyUI's CFG++ samplers use it at cfg 1)."""
+    cfg != 1."""
     cond, pooled, guidance = conditioning_tensors(positive, "positive")
     refs, method = conditioning_references(positive, "positive")
     neg_cond = neg_pooled = neg_refs = None
     neg_method = ""
-    if cfg != 1.0 or (negative_always and negative is not None):
+    if cfg != 1.0:
         neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
         neg_refs, neg_method = conditioning_references(negative, "negative")
     return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
@@ -283,31 +282,6 @@ def check_per_call(settings: EngineSettings) -> None:
                          f"ComfyUI's sampler on the engine one model call at a time; set {name} to "
                          f"{'1' if name == 'pipefusion' else '0'}, or use xDiT Sampler with a sampler and scheduler "
                          f"the engine has")
-
-
-def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_patcher, sampling_function,
-           before_job=None, registry: EngineRegistry = REGISTRY) -> EngineGuider:
-    """The xDiT Guider's GUIDER. The request is built and validated when SamplerCustomAdvanced runs it, against the
-    latent it is given; the conditioning is checked now, so a wrong input fails at this node."""
-    settings.validate()
-    if settings.pipefusion > 1 or settings.cache_threshold:
-        raise ValueError(f"the engine has {'pipefusion' if settings.pipefusion > 1 else 'cache_threshold'} set, "
-                         f"which runs only inside the engine's own sampler loop: with the xDiT Guider use pipefusion "
-                         f"1 and cache_threshold 0, or use xDiT Sampler")
-    cfg = float(cfg)
-    if cfg != 1.0 and negative is None:
-        raise ValueError(f"cfg={cfg} needs a negative conditioning: connect one, or use cfg 1.0 (FLUX)")
-    job_request(settings, positive, negative, torch.zeros(1, 16, 2, 2), cfg=cfg, negative_always=True)
-
-    def request_for(latent_raw: torch.Tensor, cfg_now: float) -> GenerateRequest:
-        request = job_request(settings, positive, negative, latent_raw, cfg=cfg_now, negative_always=True)
-        request = request.validate(len(settings.gpus), hardware_for(settings.device, len(settings.gpus), settings.gpus))
-        record = registry.get(settings)
-        record.last_plan, record.last_plan_reason = request.plan.describe(), request.choice.reason
-        return request
-
-    return EngineGuider(model_patcher, sampling_function, cfg=cfg, has_negative=negative is not None,
-                        request_for=request_for, engine_for=lambda: registry.get(settings), before_job=before_job)
 
 
 def model_link(settings: EngineSettings, *, before_job=None, registry: EngineRegistry = REGISTRY) -> EngineLink:

@@ -1,12 +1,13 @@
-"""`bench guider`: the per-call cost of a sampler that drives the engine one model evaluation at a time (the xDiT
-Guider's path) against the engine's own loop, for the same job on the same ranks."""
+"""`bench guider`: the per-call cost of a sampler that drives the engine one model evaluation at a time (ComfyUI's
+sampler on the xDiT Engine's MODEL: KSampler, the xDiT Guider, SamplerCustomAdvanced) against the engine's own loop
+(xDiT Sampler), for the same job on the same ranks."""
 from __future__ import annotations
 
 import statistics
 import time
 
 
-from ..generate.guide import GuideSession
+from ..generate.model_call import ModelSession, session_predictor
 from ..generate.request import GenerateRequest
 from ..models.load import inspect_model
 from ..runtime.client import Engine
@@ -17,10 +18,12 @@ from .tables import markdown
 
 def register(bench, emit) -> None:
     from . import args as types
-    p = bench.add_parser("guider", help="per-call overhead of the guider path vs the engine's own loop",
-                         description="The same euler job run by the engine's own loop (one job) and by a sampler in "
-                                     "this process that calls the engine once per model evaluation (the xDiT Guider's "
-                                     "path), alternately; the difference per step is the per-call overhead.")
+    p = bench.add_parser("guider", help="per-call overhead of ComfyUI's sampler on the engine's MODEL vs the "
+                                        "engine's own loop",
+                         description="The same euler job run by the engine's own loop (one job, xDiT Sampler's route) "
+                                     "and by a sampler in this process that calls the engine once per model evaluation "
+                                     "(the route of ComfyUI's samplers on the xDiT Engine's MODEL), alternately; the "
+                                     "difference per step is the per-call overhead.")
     p.add_argument("--model", default="synthetic:flux-dev:tiny", help="model path or synthetic:<variant>[:tiny]")
     p.add_argument("--ranks", type=types.positive_int, default=1, help="CPU ranks (auto plan)")
     p.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")
@@ -44,9 +47,9 @@ def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, re
             t0 = time.perf_counter()
             want = engine.submit("generate", spec, inputs).outputs["samples"]
             t1 = time.perf_counter()
-            with GuideSession(engine, request) as session:
-                x = sample("euler", guided_denoiser(session.predict, request.cfg), start.x_model, start.sigmas,
-                           seed=1)
+            with ModelSession(engine, request) as session:
+                predict = session_predictor(session, request, request.sampling(info).timesteps_per_sigma)
+                x = sample("euler", guided_denoiser(predict, request.cfg), start.x_model, start.sigmas, seed=1)
             got = start.finish(x)
             t2 = time.perf_counter()
             if i:
@@ -56,9 +59,9 @@ def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, re
                 diffs.append(float((got - want).abs().max()))
     loop, guide = statistics.median(loop_s), statistics.median(guide_s)
     row = {"model": model, "plan": request.plan.describe(), "latent": f"{width}x{height}", "steps": steps,
-           "engine_loop_s": loop, "guider_s": guide, "overhead_per_call_ms": (guide - loop) / steps * 1000,
+           "engine_loop_s": loop, "model_route_s": guide, "overhead_per_call_ms": (guide - loop) / steps * 1000,
            "median_call_ms": statistics.median(call_s) * 1000, "max_abs_diff": max(diffs)}
-    print(markdown(("model", "plan", "latent", "steps", "engine loop s", "guider s", "overhead/call ms",
+    print(markdown(("model", "plan", "latent", "steps", "engine loop s", "MODEL route s", "overhead/call ms",
                     "median call ms", "max abs diff"),
                    [(row["model"], row["plan"], row["latent"], steps, f"{loop:.3f}", f"{guide:.3f}",
                      f"{row['overhead_per_call_ms']:.1f}", f"{row['median_call_ms']:.1f}",

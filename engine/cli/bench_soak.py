@@ -2,8 +2,8 @@
 
 One engine (2 CPU ranks by default) runs a rotation of real jobs on tiny synthetic models: FLUX generate jobs under
 ulysses, ring and data parallel (batch of one image per rank), an SD3 generate job under CFG parallel, an echo job
-(tensors through the bridge and back from the last rank) and an SD3 guide session (the xDiT Guider's path: a few
-model evaluations, both sides). Every configuration's first run is its reference; every later run of it must be
+(tensors through the bridge and back from the last rank) and an SD3 model session (the route of ComfyUI's samplers on
+the xDiT Engine's MODEL: a few model calls, both passes batched). Every configuration's first run is its reference; every later run of it must be
 bitwise equal (same code, same process group, same inputs). One job in INTERRUPT_EVERY is interrupted: a job is
 cancelled through should_cancel once rank 0 has reported a varying number of steps (0: before the first), a session
 is aborted by an exception raised inside its with-block after a varying number of calls. The engine must never
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import JobCancelled
-from ..generate.guide import GuideSession
+from ..generate.model_call import ModelSession, request_conditioning
 from ..generate.request import GenerateRequest
 from ..parallel.plan import ParallelPlan
 from ..runtime import bridge
@@ -38,7 +38,7 @@ from .tables import markdown
 DEFAULT_JOBS, QUICK_JOBS = 500, 60
 ROTATION = 6                # configurations (make_configs)
 STEPS = 4                   # euler steps per generate job
-SIGMAS = (1.0, 0.6, 0.3)    # one guide call each
+SIGMAS = (1.0, 0.6, 0.3)    # one model call each
 SIZE = 128                  # pixels: a 16x16 latent
 
 
@@ -92,11 +92,11 @@ def interrupt_period(configs: int, at_least: int = 4) -> int:
 @dataclass
 class Config:
     name: str
-    kind: str                    # generate | echo | guide
+    kind: str                    # generate | echo | model
     spec: dict = field(default_factory=dict)
     inputs: dict = field(default_factory=dict)
-    request: GenerateRequest | None = None   # guide
-    x: torch.Tensor | None = None            # guide: the latent each call sends
+    request: GenerateRequest | None = None   # model
+    x: torch.Tensor | None = None            # model: the latent each call sends
     reference: list[torch.Tensor] | None = None
     runs: int = 0
     matched: int = 0
@@ -106,7 +106,7 @@ class Config:
     @property
     def interrupt_targets(self) -> int:
         """How many points an interrupt rotates over: steps reported (0 .. STEPS) or calls answered."""
-        return {"generate": STEPS + 1, "echo": 4, "guide": len(SIGMAS)}[self.kind]
+        return {"generate": STEPS + 1, "echo": 4, "model": len(SIGMAS)}[self.kind]
 
 
 def _generate(name: str, model: str, plan: ParallelPlan, batch: int = 1, cfg: float = 1.0) -> Config:
@@ -125,9 +125,9 @@ def make_configs(ranks: int) -> list[Config]:
     flux, sd3 = "synthetic:flux-dev:tiny", "synthetic:sd3-medium:tiny"
     half = ranks // 2
     g = torch.Generator().manual_seed(5)
-    guide = GenerateRequest.random_conditioning(sd3, SIZE, SIZE, text_tokens=16, draw_seed=9, cfg=4.0,
+    calls = GenerateRequest.random_conditioning(sd3, SIZE, SIZE, text_tokens=16, draw_seed=9, cfg=4.0,
                                                 plan=ParallelPlan(cfg=2, ulysses=half))
-    guide = guide.validate(ranks)
+    calls = calls.validate(ranks)
     return [
         _generate(f"flux ulysses{ranks}", flux, ParallelPlan(ulysses=ranks)),
         _generate(f"flux ring{ranks}", flux, ParallelPlan(ring=ranks)),
@@ -135,8 +135,8 @@ def make_configs(ranks: int) -> list[Config]:
         _echo(ranks, g),
         _generate(f"sd3 cfg2{f' ulysses{half}' if half > 1 else ''} (cfg 4)", sd3,
                   ParallelPlan(cfg=2, ulysses=half), cfg=4.0),
-        Config(f"sd3 guide cfg2{f' ulysses{half}' if half > 1 else ''}", "guide", request=guide,
-               x=torch.randn(guide.latent_raw.shape, generator=g)),
+        Config(f"sd3 model calls cfg2{f' ulysses{half}' if half > 1 else ''}", "model", request=calls,
+               x=torch.randn(calls.latent_raw.shape, generator=g)),
     ]
 
 
@@ -148,7 +148,7 @@ def _echo(ranks: int, g: torch.Generator) -> Config:
 
 
 class _Abort(Exception):
-    """Raised inside a guide session's with-block to abort it."""
+    """Raised inside a model session's with-block to abort it."""
 
 
 class _Cancel:
@@ -166,14 +166,17 @@ class _Cancel:
 
 def run_once(engine: Engine, c: Config, interrupt_at: int | None) -> tuple[list[torch.Tensor] | None, dict]:
     """One run of `c`: its outputs (None when interrupted) and what happened."""
-    if c.kind == "guide":
+    if c.kind == "model":
         outs = []
         try:
-            with GuideSession(engine, c.request) as s:
+            with ModelSession(engine, c.request) as s:
                 for i, sigma in enumerate(SIGMAS):
                     if interrupt_at is not None and i == interrupt_at:
                         raise _Abort(f"aborted after {i} calls")
-                    outs.extend(s.velocity(c.x, sigma, ("pos", "neg")))
+                    rows = c.x.shape[0]
+                    conditioning = request_conditioning(c.request, ("pos", "neg"), rows)
+                    outs.extend(s.call(torch.cat([c.x, c.x]), torch.full((2 * rows,), sigma * 1000.0),
+                                       conditioning).chunk(2))
         except _Abort:
             return None, {"aborted": True, "at": interrupt_at}
         return outs, {"info": s.result.ranks if s.result else []}
@@ -238,11 +241,11 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
     device = "cuda" if gpus else "cpu"
     print(f"soak: {jobs} jobs on {ranks} {device.upper()} ranks after a warm-up, rotating "
           f"{', '.join(c.name for c in configs)}; tiny synthetic models, {SIZE}x{SIZE}, {STEPS} euler steps, "
-          f"{len(SIGMAS)} guide calls; one job in {period} interrupted (a cancel at a varying step, or a session "
+          f"{len(SIGMAS)} model calls; one job in {period} interrupted (a cancel at a varying step, or a session "
           f"aborted by an exception); every result against its configuration's first run (torch.equal)", flush=True)
 
     def tally() -> dict:
-        return {"jobs": 0, "generate": 0, "echo": 0, "guide sessions": 0, "cancels asked": 0, "cancelled": 0,
+        return {"jobs": 0, "generate": 0, "echo": 0, "model sessions": 0, "cancels asked": 0, "cancelled": 0,
                 "finished before the cancel landed": 0, "sessions aborted": 0, "compared": 0, "matched": 0,
                 "mismatches": 0, "matched right after an interrupt": 0, "cancelled at step": {}}
     warm, counts = tally(), tally()
@@ -255,10 +258,10 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
         c.runs += 1
         _gpu_mib(what.get("info", []), gpu_mib)
         counts["jobs"] += 1
-        counts["guide sessions" if c.kind == "guide" else c.kind] += 1
+        counts["model sessions" if c.kind == "model" else c.kind] += 1
         if interrupt_at is not None:
             c.interrupted += 1
-            if c.kind == "guide":
+            if c.kind == "model":
                 counts["sessions aborted"] += 1
             else:
                 counts["cancels asked"] += 1

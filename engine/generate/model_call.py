@@ -17,10 +17,10 @@ import time
 
 import torch
 
+from ..errors import PlanError
 from ..models.flow import Prepared, frame
 from ..models.lora import WeightPatches
 from ..models.speed import attention_kernels
-from .guide import check_guide
 from .request import GenerateRequest
 from .run import _finish, _parallel_model
 
@@ -31,6 +31,17 @@ TENSORS = ("context", "y", "guidance")
 LISTS = ("ref_latents",)
 STRINGS = ("ref_latents_method",)
 SLOTS = 4   # conditioning tensors the ranks hold per name (a positive and a negative, each alone or batched)
+
+
+def check_per_call(request: GenerateRequest) -> None:
+    """What the engine's own loop runs but a model driven one call at a time cannot: PipeFusion pipelines the steps of
+    the engine's sampler, and the step cache counts the engine's steps."""
+    if request.plan.pipefusion > 1:
+        raise PlanError(f"plan {request.plan.describe()} uses pipefusion, which pipelines the engine's own sampler "
+                        f"loop: with ComfyUI's sampler on the engine use ulysses, ring, cfg or dp, or use xDiT Sampler")
+    if request.cache_threshold:
+        raise PlanError("the step cache counts the engine's own steps: set cache_threshold 0 with ComfyUI's sampler "
+                        "on the engine, or use xDiT Sampler")
 
 
 class HeldConditioning:
@@ -60,7 +71,7 @@ class ModelSession:
     request: validated (its plan resolved). patches: the MODEL's weight patches (WeightPatches) or None."""
 
     def __init__(self, engine, request: GenerateRequest, patches: WeightPatches | None = None, *, deadlines=None):
-        check_guide(request)
+        check_per_call(request)
         self.request = request
         spec, inputs = request.to_job()
         patch_spec, patch_inputs = (patches or WeightPatches.none()).to_job()
@@ -140,7 +151,7 @@ def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepar
 def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str, torch.Tensor] | None:
     """Rank side: load the model under the plan with the MODEL's patches, then answer calls until the client ends
     the session."""
-    check_guide(request)
+    check_per_call(request)
     mesh = ctx.mesh(request.plan)
     if not mesh.active:   # the plan runs on fewer ranks: this one only takes part in the calls' broadcast
         for _ in ctx.calls():
@@ -168,3 +179,30 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
     _finish(ctx, request, mesh, flow.loaded.info, torch.empty(0))
     ctx.info["bytes_sent_per_step"] = {k: v / max(calls, 1) for k, v in mesh.stats.sent.items()}  # per call here
     return None
+
+
+def request_conditioning(request: GenerateRequest, sides: tuple[str, ...], rows: int) -> dict:
+    """What ComfyUI's model would hand its diffusion model for a request's conditioning (`sides` "pos"/"neg" stacked,
+    `rows` latent rows each): for benchmarks and checks that drive a model session without ComfyUI."""
+    def side(name):
+        cond = request.cond if name == "pos" else request.neg_cond
+        pooled = request.pooled if name == "pos" else request.neg_pooled
+        return (cond.expand(rows, *cond.shape[1:]) if cond.shape[0] == 1 else cond,
+                None if pooled is None else pooled.expand(rows, *pooled.shape[1:]) if pooled.shape[0] == 1 else pooled)
+    parts = [side(s) for s in sides]
+    out = {"context": torch.cat([c for c, _ in parts]), "guidance": torch.full((rows * len(sides),), request.guidance)}
+    if parts[0][1] is not None:
+        out["y"] = torch.cat([p for _, p in parts])
+    return out
+
+
+def session_predictor(session: ModelSession, request: GenerateRequest, timesteps_per_sigma: float):
+    """A Predict (sampling/ksampler.py) over a model session, the passes asked for batched into one call as ComfyUI
+    batches them: lets the engine's own samplers drive the per-call route, e.g. to time it against the engine's loop."""
+    def predict(x_model: torch.Tensor, sigma: torch.Tensor, which: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        rows = x_model.shape[0]
+        t = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1)[:1] * timesteps_per_sigma
+        out = session.call(torch.cat([x_model] * len(which)), t.expand(rows * len(which)),
+                           request_conditioning(request, which, rows))
+        return tuple(out.chunk(len(which)))
+    return predict

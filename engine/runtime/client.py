@@ -136,7 +136,7 @@ class Engine(RankGroup):
     def session(self, kind: str, spec: dict | None = None, inputs: dict[str, torch.Tensor] | None = None, *,
                 deadlines: Deadlines | None = None) -> "Session":
         """Start a job that answers calls (e.g. one model evaluation each) until the caller ends it; use as a
-        context manager: `with engine.session("guide", spec, inputs) as s: out = s.call({"x": x}, sigma=0.5)`.
+        context manager: `with engine.session("model", spec, inputs) as s: out = s.call({"x": x}, held={})`.
         The engine serves nothing else meanwhile. Leaving the block ends the job; an exception in the block ends it
         too (the ranks stop serving and stay up) and is re-raised."""
         return Session(self, kind, spec, inputs, deadlines or self.deadlines)

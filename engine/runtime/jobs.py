@@ -241,15 +241,6 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     return run_generate(ctx, GenerateRequest.from_job(spec, inputs))
 
 
-@job("guide")
-def guide(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
-    """The model driven one evaluation per call by a sampler in the client's process (engine/generate/guide.py)."""
-    from ..generate.guide import run_guide
-    from ..generate.request import GenerateRequest
-
-    return run_guide(ctx, GenerateRequest.from_job(spec, inputs))
-
-
 @job("model")
 def model(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     """The engine as ComfyUI's diffusion model: one model call per session call (engine/generate/model_call.py)."""
