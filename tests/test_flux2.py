@@ -903,11 +903,11 @@ def test_a_comfyui_flux2_conditioning_and_an_sd3_empty_latent_reach_the_engine_t
 def test_the_guider_runs_flux2_schedulers_sigmas_one_engine_call_a_step_and_equals_the_reference(models,
                                                                                                   diffusers_models):
     """ComfyUI's FLUX.2 templates sample with SamplerCustomAdvanced: Flux2Scheduler's sigmas (mu from the image and
-    the steps), a sampler speaking ComfyUI's protocol (tests/test_guider.py's stand-ins) and here the xDiT Guider on
-    ulysses2 with FluxGuidance 4 and two ReferenceLatent images: one engine call per step, and the latent equals the
-    reference's euler over the same sigmas."""
+    the steps) and a sampler speaking ComfyUI's protocol (tests/test_model_route.py's stand-ins), here on the xDiT
+    Engine's MODEL on ulysses2 with FluxGuidance 4 and two ReferenceLatent images: one engine call per step, and the
+    latent equals the reference's euler over the same sigmas."""
     import importlib
-    import test_guider
+    import test_model_route
     from conftest import PACK_NAME, load_pack
     load_pack()
     core = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
@@ -919,14 +919,16 @@ def test_the_guider_runs_flux2_schedulers_sigmas_one_engine_call_a_step_and_equa
     settings = core.EngineSettings(model_path=models["flux2-dev"], gpus=(0, 1), device="cpu", plan="explicit",
                                    ulysses=2)
     try:
-        got, guider = test_guider.guided(core, settings, "flux2", positive, None, 1.0, j["latent_raw"], sigmas, noise,
-                                         seed=j["seed"])
+        model = test_model_route.engine_model(core, settings, "flux2", "flux2-dev")
+        got = test_model_route.ksampler(model, "flux2", positive, None, 1.0, noise, j["latent_raw"], sigmas,
+                                        seed=j["seed"])
+        plan, calls, _ = test_model_route.last_job(core, settings)
     finally:
         core.REGISTRY.unload()
     want = reference_sample(diffusers_models["flux2-dev"], j, sigmas)
     print(f"Flux2Scheduler sigmas at 128x128, {STEPS} steps: {[round(float(x), 4) for x in sigmas]}")
-    assert guider.last_run["calls"] == STEPS and guider.last_run["plan"] == "ulysses2"
-    assert report("guider, Flux2Scheduler sigmas, ulysses2, two references vs reference", (got - want).abs().max(),
+    assert calls == STEPS and plan == "ulysses2"
+    assert report("MODEL route, Flux2Scheduler sigmas, ulysses2, two references vs reference", (got - want).abs().max(),
                   bound(want, 1.0, tokens_of(j)))
 
 

@@ -48,19 +48,17 @@ class BaseModel:
     """comfy.model_base.BaseModel around the engine's diffusion model: _apply_model's conversions, the latent format,
     and the sampling patcher ComfyUI's pre_run sets (current_patcher)."""
 
-    def __init__(self, family, diffusion_model):
+    def __init__(self, family, diffusion_model, variant=None):
         spec = families.get(family)
         self.family, self.format, self.diffusion_model = family, spec.latent, diffusion_model
-        self.model_sampling = ConstSampling(FlowSampling.flux() if family == "flux" else FlowSampling.sd3())
+        self.model_sampling = ConstSampling(spec.sampling(variant or spec.variants[0]))
         self.current_patcher = None
 
-    def apply_model(self, x, sigma, context, y, guidance, transformer_options):
+    def apply_model(self, x, sigma, conds, transformer_options):
         t = self.model_sampling.timestep(sigma).float()
-        kwargs = {"y": y} if y is not None else {}
-        if self.family == "flux":
-            kwargs["guidance"] = guidance
-        out = self.diffusion_model(x, t, context=context, control=None, transformer_options=transformer_options,
-                                   **kwargs).float()
+        kwargs = {k: v for k, v in conds.items() if k != "context" and v is not None}
+        out = self.diffusion_model(x, t, context=conds["context"], control=None,
+                                   transformer_options=transformer_options, **kwargs).float()
         return self.model_sampling.calculate_denoised(sigma, out, x)
 
 
@@ -72,12 +70,18 @@ def calc_cond_batch(model, conds, x, sigma, model_options):
     groups = [sides] if len({c["context"].shape for _, c in sides}) == 1 else [[s] for s in sides]
     for group in groups:
         rows = x.shape[0]
-        cat = lambda key: None if group[0][1].get(key) is None else torch.cat(
-            [c[key].expand(rows, *c[key].shape[1:]) for _, c in group])
+
+        def cat(values):   # each side's rows repeated to the batch (repeat_to_batch_size), sides concatenated
+            if values[0] is None or isinstance(values[0], str):
+                return values[0]
+            if isinstance(values[0], list):
+                return [cat([v[i] for v in values]) for i in range(len(values[0]))]
+            return torch.cat([v.expand(rows, *v.shape[1:]) for v in values])
         options = dict(model_options.get("transformer_options", {}), cond_or_uncond=[i for i, _ in group],
                        sigmas=sigma)
-        output = model.apply_model(torch.cat([x] * len(group)), torch.cat([sigma] * len(group)), cat("context"),
-                                   cat("y"), cat("guidance"), options).chunk(len(group))
+        conds = {key: cat([c[key] for _, c in group]) for key in group[0][1]}
+        output = model.apply_model(torch.cat([x] * len(group)), torch.cat([sigma] * len(group)), conds,
+                                   options).chunk(len(group))
         for (i, _), o in zip(group, output):
             out[i] = o
     return out
@@ -91,12 +95,19 @@ def sampling_function(model, x, sigma, uncond, cond, cfg, model_options):
 
 
 def comfy_conds(conditioning, family):
-    """What ComfyUI's extra_conds make of a CONDITIONING entry: context, y (pooled), guidance (FLUX)."""
+    """What ComfyUI's extra_conds make of a CONDITIONING entry: context (FLUX.2: zeros prepended up to 512 tokens), y
+    (the pooled vector), guidance (FLUX.1 and FLUX.2: the value or 3.5), ref_latents (each process_in'd)."""
     if conditioning is None:
         return None
+    spec = families.get(family)
     cond, extras = conditioning[0]
+    if spec.pad_text_to and cond.shape[1] < spec.pad_text_to:
+        cond = torch.nn.functional.pad(cond, (0, 0, spec.pad_text_to - cond.shape[1], 0))
+    refs = extras.get("reference_latents")
     return {"context": cond, "y": extras.get("pooled_output"),
-            "guidance": torch.tensor([extras.get("guidance", 3.5)]) if family == "flux" else None}
+            "guidance": torch.tensor([extras.get("guidance", 3.5)]) if family in ("flux", "flux2") else None,
+            "ref_latents": [spec.latent.process_in(r) for r in refs] if refs else None,
+            "ref_latents_method": extras.get("reference_latents_method")}
 
 
 def ksampler(model, family, positive, negative, cfg, noise, latent, sigmas, sampler="euler", seed=0, callback=None,
@@ -108,22 +119,23 @@ def ksampler(model, family, positive, negative, cfg, noise, latent, sigmas, samp
     pos, neg = comfy_conds(positive, family), comfy_conds(negative, family)
     latent_model = model.format.process_in(latent) if torch.count_nonzero(latent) else latent
     x = model.model_sampling.noise_scaling(sigmas[0], noise, latent_model)
-    flow = FlowSampling.flux() if family == "flux" else FlowSampling.sd3()
     try:
         x = engine_sample(sampler, lambda x_in, s: sampling_function(model, x_in, s * x_in.new_ones([x_in.shape[0]]),
                                                                      neg, pos, cfg, options),
-                          x, sigmas, seed=seed, callback=callback, percent_to_sigma=flow.percent_to_sigma)
+                          x, sigmas, seed=seed, callback=callback,
+                          percent_to_sigma=model.model_sampling.flow.percent_to_sigma)
     finally:
         link.on_cleanup()
     return model.format.process_out(model.model_sampling.inverse_noise_scaling(sigmas[-1], x))
 
 
-def engine_model(core, s, family):
+def engine_model(core, s, family, variant=None):
+    """The xDiT Engine's MODEL as nodes.py builds it, with the BaseModel stand-in for ComfyUI's model class."""
     from conftest import PACK_NAME
     import importlib
     parts = importlib.import_module(PACK_NAME + ".xdit_nodes.model")
     link = core.model_link(s)
-    model = BaseModel(family, parts.EngineTransformer(link, {}))
+    model = BaseModel(family, parts.EngineTransformer(link, {}), variant)
     link.owner = lambda: model
     return model
 
