@@ -54,11 +54,16 @@ def native_model(file):
     sd = comfy.utils.load_torch_file(path)
     with safe_open(path, "pt") as f:
         dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
+    if any(k.endswith("scale_weight") or k == "scaled_fp8" for k in sd):   # as UNETLoader loads a scaled fp8 file
+        import comfy.sd
+        return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
     unet_config = comfy.model_detection.detect_unet_config(sd, "")
-    if unet_config.get("image_model") == "flux":
+    if unet_config.get("image_model") in ("flux", "flux2"):
         width = sd["img_in.weight"].shape[0]
         unet_config.update(hidden_size=width, num_heads=dims["heads"], axes_dim=list(dims["axes_dim"]),
-                           context_in_dim=dims["context_in"], vec_in_dim=dims["vec_in"])
+                           context_in_dim=dims["context_in"])
+        if "vec_in" in dims:
+            unet_config["vec_in_dim"] = dims["vec_in"]
     elif unet_config.get("image_model") == "qwen_image":
         unet_config.update(attention_head_dim=dims["hidden"] // dims["heads"], num_attention_heads=dims["heads"],
                            joint_attention_dim=dims["context_in"], axes_dims_rope=tuple(dims["axes_dim"]))
@@ -120,6 +125,16 @@ def chain(model, steps):
     return model
 
 
+def with_reference(conditioning, latent):
+    """ReferenceLatent (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit) on a conditioning."""
+    return call("ReferenceLatent", conditioning=conditioning, latent={"samples": latent})[0]
+
+
+HAS_FLUX2 = "EmptyFlux2LatentImage" in nodes.NODE_CLASS_MAPPINGS   # ComfyUI 0.3.72 and later
+g = torch.Generator().manual_seed(9)
+KONTEXT_REF = torch.randn(1, 16, 12, 16, generator=g)
+QWEN_REF = torch.randn(1, 16, 1, 12, 12, generator=g)
+FLUX2_REFS = (torch.randn(1, 128, 4, 4, generator=g), torch.randn(1, 128, 5, 3, generator=g))
 LORA = "tiny-flux-lora.safetensors"
 GRAPHS = [
     # (name, file, cfg, MODEL nodes between the loader and the sampler)
@@ -131,10 +146,25 @@ GRAPHS = [
     ("qwen-image AuraFlow3.1", "tiny-qwen-image.safetensors", 2.5, [("ModelSamplingAuraFlow", dict(shift=3.1))]),
     ("qwen-image-edit AuraFlow3.0+CFGNorm", "tiny-qwen-image.safetensors", 2.5,
      [("ModelSamplingAuraFlow", dict(shift=3.0)), ("CFGNorm", dict(strength=1.0))]),
-]
+    ("flux-schnell", "tiny-flux-schnell.safetensors", 1.0, []),
+    ("flux-kontext (a ReferenceLatent)", "tiny-flux-dev.safetensors", 1.0, []),
+    ("qwen-image-edit (ReferenceLatent on both sides)", "tiny-qwen-image.safetensors", 2.5,
+     [("ModelSamplingAuraFlow", dict(shift=3.0)), ("CFGNorm", dict(strength=1.0))]),
+    ("sd3.5-medium fp8_scaled file", "tiny-sd3.5-medium-fp8-scaled.safetensors", 4.0, []),
+] + ([("flux2-dev (two ReferenceLatents)", "tiny-flux2-dev.safetensors", 1.0, []),
+      ("flux2-klein-4b cfg3", "tiny-flux2-klein-4b.safetensors", 3.0, [])] if HAS_FLUX2 else [])
 for name, file, cfg, steps in GRAPHS:
     pos, neg = conds_for(file)
     latent = {"samples": torch.zeros(1, 16, 1, 16, 16)} if "qwen" in file else LATENT
+    if "flux2" in file:
+        latent = {"samples": torch.zeros(1, 128, 8, 8)}
+    if "ReferenceLatent" in name:
+        refs = {"flux-dev": (KONTEXT_REF,), "qwen-image": (QWEN_REF,), "flux2-dev": FLUX2_REFS}[
+            file[len("tiny-"):-len(".safetensors")]]
+        for ref in refs:
+            pos = with_reference(pos, ref)
+            if "both sides" in name:
+                neg = with_reference(neg, ref)
     t0 = time.perf_counter()
     want = ksampler(chain(native_model(file), steps), pos, neg, cfg, latent=latent)
     entry = {"native_s": round(time.perf_counter() - t0, 2)}
@@ -153,6 +183,16 @@ for name, file, cfg, steps in GRAPHS:
                                               "s": round(time.perf_counter() - t0, 2)}
     report["graphs"][name] = entry
     print(name, json.dumps(entry), flush=True)
+
+# a GGUF file (ComfyUI-GGUF's format; this ComfyUI has no loader for it): the engine's MODEL, built from the file's
+# header as ComfyUI detects models, against the engine's own loop on the same file
+pos, _ = conds_for("tiny-flux-dev.safetensors")
+eng, model = engine("tiny-flux-dev-Q8_0.gguf", "0,1")
+via_model = ksampler(model, pos, pos, 1.0)
+via_loop = call("XDiTSampler", engine=eng, seed=3, steps=3, cfg=1.0, sampler_name="euler", scheduler="simple",
+                positive=pos, negative=pos, latent_image=LATENT, denoise=1.0)[0]["samples"]
+report["graphs"]["flux-dev Q8_0 GGUF: KSampler on the MODEL vs xDiT Sampler"] = {
+    "rel_l2": rel(via_model, via_loop), "plan": last_job(eng)[0]}
 
 # the Wan 2.2 form of two samplers: KSamplerAdvanced from step 0 to 2 with leftover noise, then 2 to 4 without noise
 pos, neg = conds_for("tiny-sd3.5-medium.safetensors")

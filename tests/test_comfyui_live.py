@@ -159,9 +159,18 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
     """The loader swapped for the xDiT Engine (its MODEL through ComfyUI's sampling, CFGNorm and LoRA nodes into
     ComfyUI's own KSampler, KSamplerAdvanced pair and SamplerCustomAdvanced), and the sampler swapped too (xDiT Sampler
     taking the MODEL chain), against the same graphs on the model ComfyUI loads itself, on 1 and 2 CPU ranks."""
-    for family, variant, name in (("sd3", "sd3.5-medium", "tiny-sd3.5-medium"), ("qwen-image", None, "tiny-qwen-image")):
-        path = write_tiny(family, str(setup["dir"]), **({"variant": variant} if variant else {}))
-        shutil.copy(path, setup["models"] / "diffusion_models" / f"{name}.safetensors")
+    for family, variant, name, kw in (
+            ("sd3", "sd3.5-medium", "tiny-sd3.5-medium.safetensors", {}),
+            ("sd3", "sd3.5-medium", "tiny-sd3.5-medium-fp8-scaled.safetensors", {"format": "fp8_scaled"}),
+            ("qwen-image", None, "tiny-qwen-image.safetensors", {}),
+            ("flux", "flux-schnell", "tiny-flux-schnell.safetensors", {}),
+            ("flux", "flux-dev", "tiny-flux-dev-Q8_0.gguf", {"format": "gguf", "quant": "Q8_0"}),
+            ("flux2", "flux2-dev", "tiny-flux2-dev.safetensors", {}),
+            ("flux2", "flux2-klein-4b", "tiny-flux2-klein-4b.safetensors", {})):
+        folder = setup["dir"] / name
+        folder.mkdir(exist_ok=True)
+        path = write_tiny(family, str(folder), **({"variant": variant} if variant else {}), **kw)
+        shutil.copy(path, setup["models"] / "diffusion_models" / name)
     g = torch.Generator().manual_seed(0)
     save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.randn(2, 128, generator=g) * 0.1,
                "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.randn(384, 2, generator=g) * 0.1,
@@ -176,6 +185,11 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
     assert line, out.stdout[-2000:] + out.stderr[-4000:]
     report = json.loads(line[len("REPORT "):])
     print(json.dumps(report, indent=1))
+    families = {"flux-dev", "flux-schnell", "flux-kontext (a ReferenceLatent)", "sd3.5-medium cfg4",
+                "sd3.5-medium fp8_scaled file", "qwen-image AuraFlow3.1", "qwen-image-edit (ReferenceLatent on both sides)"}
+    if report["comfyui"] != "0.3.64":   # FLUX.2 needs ComfyUI 0.3.72 or later
+        families |= {"flux2-dev (two ReferenceLatents)", "flux2-klein-4b cfg3"}
+    assert families <= set(report["graphs"])
     # fp32 through different code paths: rounding only (measured 2e-7 to 5e-7 in 0.3.64 and 0.33)
     for name, entry in report["graphs"].items():
         runs = {k: v for k, v in entry.items() if isinstance(v, dict)} or {"": entry}
