@@ -171,12 +171,14 @@ def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(node_specs):
 
 
 def test_the_sampler_latent_equals_engine_generate_for_the_same_inputs(core, models, tmp_path):
+    """xDiT Save Conditioning's file (core.conditioning_file) fed to the command line gives the node's latent."""
     positive, negative = sd3_conditioning(1), sd3_conditioning(2)
     out = core.sample(settings(core, models["sd3"]), positive, negative, empty_latent(), seed=9, steps=3, cfg=4.0,
                       sampler_name="dpmpp_2m", scheduler="karras", denoise=1.0)
     cond_file = tmp_path / "cond.safetensors"
-    save_file({"cond": positive[0][0], "pooled": positive[0][1]["pooled_output"], "neg_cond": negative[0][0],
-               "neg_pooled": negative[0][1]["pooled_output"]}, str(cond_file))
+    tensors, metadata = core.conditioning_file(positive, negative)
+    assert sorted(tensors) == ["cond", "neg_cond", "neg_pooled", "pooled"] and metadata == {}
+    save_file(tensors, str(cond_file), metadata=metadata)
     res = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", models["sd3"], "--cond", str(cond_file),
                           "--seed", "9", "--steps", "3", "--cfg", "4.0", "--sampler", "dpmpp_2m", "--scheduler",
                           "karras", "--width", "128", "--height", "128", "--out", str(tmp_path / "o.safetensors")],
@@ -186,6 +188,19 @@ def test_the_sampler_latent_equals_engine_generate_for_the_same_inputs(core, mod
     diff = (out["samples"] - want).abs().max().item()
     print(f"xDiT Sampler LATENT vs python -m engine generate: max abs diff {diff}")
     assert torch.equal(out["samples"], want)
+
+
+def test_a_conditioning_file_keeps_references_and_guidance_for_the_command_line(core):
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 16, 8, 8, generator=g)
+    positive = [[torch.randn(1, 5, 4096, generator=g), {"pooled_output": torch.randn(1, 768, generator=g),
+                                                        "guidance": 2.5, "reference_latents": [ref, ref * 2],
+                                                        "reference_latents_method": "index"}]]
+    tensors, metadata = core.conditioning_file(positive)
+    assert sorted(tensors) == ["cond", "pooled", "ref_0", "ref_1"] and torch.equal(tensors["ref_1"], ref * 2)
+    assert metadata == {"guidance": "2.5", "reference_latents_method": "index"}
+    with pytest.raises(ValueError, match="positive holds 2 conditioning entries"):
+        core.conditioning_file(positive * 2)
 
 
 def test_the_engine_is_reused_across_prompts_and_restarts_only_for_new_ranks(core, models):

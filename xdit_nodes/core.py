@@ -205,6 +205,28 @@ def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor]
     return (list(refs) if refs is not None else None), extras.get("reference_latents_method") or ""
 
 
+def conditioning_file(positive, negative=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of the COND.safetensors file `generate --cond` reads for these CONDITIONINGs: cond, pooled,
+    neg_cond, neg_pooled, ref_0.. and neg_ref_0..; the metadata keeps the guidance and reference method, which the
+    command line takes as --guidance and --reference-method."""
+    tensors, metadata = {}, {}
+    for side, conditioning, prefix in (("positive", positive, ""), ("negative", negative, "neg_")):
+        if conditioning is None:
+            continue
+        cond, pooled, guidance = conditioning_tensors(conditioning, side)
+        refs, method = conditioning_references(conditioning, side)
+        tensors[f"{prefix}cond"] = cond.detach().to("cpu").contiguous()
+        if pooled is not None:
+            tensors[f"{prefix}pooled"] = pooled.detach().to("cpu").contiguous()
+        for i, r in enumerate(refs or ()):
+            tensors[f"{prefix}ref_{i}"] = r.detach().to("cpu").contiguous()
+        if guidance is not None and side == "positive":
+            metadata["guidance"] = f"{float(guidance):g}"
+        if method:
+            metadata[f"{prefix}reference_latents_method"] = method
+    return tensors, metadata
+
+
 def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
                 seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
                 denoise: float = 1.0, batch_index=None) -> GenerateRequest:

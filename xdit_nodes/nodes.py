@@ -387,6 +387,34 @@ class XDiTEngineInfo(io.ComfyNode):
         return io.NodeOutput(text, ui=ui.PreviewText(text))
 
 
+class XDiTSaveConditioning(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(specs.SAVE_CONDITIONING_SPEC)
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        return float("nan")  # a file each run, as SaveImage
+
+    @classmethod
+    def execute(cls, positive, filename_prefix, negative=None):
+        import os
+        from safetensors.torch import save_file
+
+        tensors, metadata = core.conditioning_file(positive, negative)
+        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix,
+                                                                              folder_paths.get_output_directory())
+        path = os.path.join(folder, f"{name}_{counter:05}_.safetensors")
+        save_file(tensors, path, metadata=metadata)
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
+        flags = (f" --guidance {metadata['guidance']}" if "guidance" in metadata else "") + (
+            f" --reference-method {metadata['reference_latents_method']}" if "reference_latents_method" in metadata
+            else "")
+        text = f"saved {path}: {shapes}\nuse it: python -m engine generate --cond {path}{flags} --model ..."
+        return io.NodeOutput(path, ui=ui.PreviewText(text))
+
+
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTGuider, XDiTEngineInfo, XDiTModelSampling, XDiTCFGNorm]
+        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTGuider, XDiTEngineInfo, XDiTModelSampling, XDiTCFGNorm,
+                XDiTSaveConditioning]

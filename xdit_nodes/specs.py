@@ -194,3 +194,13 @@ INFO_SPEC = NodeSpec(
      Field("after", "LATENT", optional=True,
            tooltip="connect the sampler's LATENT so this node runs after the job it reports on")),
     (("STRING", "info"),), output_node=True)
+
+SAVE_CONDITIONING_SPEC = NodeSpec(
+    "XDiTSaveConditioning", "xDiT Save Conditioning", CATEGORY,
+    "Saves a CONDITIONING (and an optional negative) as the COND.safetensors file `python -m engine generate --cond` "
+    "reads: cond, pooled, neg_cond, neg_pooled and reference latents ref_0, ... (neg_ref_0, ...), in ComfyUI's output "
+    "folder. Wire your text encoders into it once to run a prompt from the command line.",
+    (Field("positive", "CONDITIONING"), Field("negative", "CONDITIONING", optional=True),
+     Field("filename_prefix", "STRING", "xdit/cond",
+           tooltip="under ComfyUI's output folder; a counter is added, e.g. xdit/cond_00001.safetensors")),
+    (("STRING", "path"),), output_node=True)
