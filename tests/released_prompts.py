@@ -43,9 +43,10 @@ def release_prompt(release: dict, model: str, lora: str, custom_sampler: bool = 
              # the sampling and CFGNorm nodes (a Qwen-Image graph's) on a side branch the Info node reports from
              "XDiTEngineInfo": {"engine": ["18", 0] if "XDiTCFGNorm" in nodes else ["10", 0], "after": ["12", 0]},
              "XDiTGuider": {"engine": ["10", 0], "positive": ["4", 0], "negative": ["3", 0]},
-             "XDiTModelSampling": {"engine": ["10", 0]}, "XDiTCFGNorm": {"engine": ["17", 0]}}
+             "XDiTModelSampling": {"engine": ["10", 0]}, "XDiTCFGNorm": {"engine": ["17", 0]},
+             "XDiTSaveConditioning": {"positive": ["4", 0]}}
     ids = {"XDiTEngine": "10", "XDiTLoRA": "11", "XDiTSampler": "12", "XDiTEngineInfo": "13", "XDiTGuider": "14",
-           "XDiTModelSampling": "17", "XDiTCFGNorm": "18"}
+           "XDiTModelSampling": "17", "XDiTCFGNorm": "18", "XDiTSaveConditioning": "19"}
     for node_id, node in nodes.items():
         inputs = {}
         for name, entry in node["inputs"].items():
