@@ -24,18 +24,7 @@ import nodes  # noqa: E402
 folder_paths.add_model_folder_path("diffusion_models", os.path.join(models, "diffusion_models"))
 folder_paths.add_model_folder_path("custom_nodes", pack_parent)
 asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
-
-
-def call(name, **kw):
-    """Run a node as ComfyUI's executor would: V3 classes through EXECUTE_NORMALIZED, V1 through FUNCTION."""
-    cls = nodes.NODE_CLASS_MAPPINGS[name]
-    if hasattr(cls, "EXECUTE_NORMALIZED"):
-        return cls.EXECUTE_NORMALIZED(**kw).args
-    return getattr(cls(), cls.FUNCTION)(**kw)
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
+from comfyui_live_common import call, native_model, rel  # noqa: E402 (tests/, this file's folder)
 
 
 g = torch.Generator().manual_seed(0)
@@ -50,27 +39,6 @@ report = {"registered": "XDiTGuider" in nodes.NODE_CLASS_MAPPINGS, "graphs": [],
 def engine(file, gpus):
     return call("XDiTEngine", model_name=file, family="auto", weight_dtype="default", gpus=gpus, plan="auto",
                 ulysses=1, ring=1, cfg_parallel=False, dp=1, timeout_s=600)[0]   # its engine output
-
-
-def native_model(file):
-    """UNETLoader's model, except that ComfyUI's FLUX detection fixes FLUX.1's widths (3072, 24 heads): the tiny file's
-    widths are given to it; everything else (config class, weights, model sampling) is ComfyUI's own."""
-    import comfy.model_detection
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    import comfy.utils
-
-    sd = comfy.utils.load_torch_file(folder_paths.get_full_path("diffusion_models", file))
-    unet_config = comfy.model_detection.detect_unet_config(sd, "")
-    if unet_config.get("image_model") == "flux":
-        width = sd["img_in.weight"].shape[0]
-        unet_config.update(hidden_size=width, num_heads=width // 32, axes_dim=[4, 14, 14])
-    config = comfy.model_detection.model_config_from_unet_config(unet_config, sd)
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model(sd, "")
-    model.load_model_weights(sd, "")
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                            offload_device=mm.unet_offload_device())
 
 
 def last_job(eng):

@@ -28,51 +28,9 @@ for folder in ("diffusion_models", "loras"):
 folder_paths.add_model_folder_path("custom_nodes", pack_parent)
 asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
 import comfyui_version  # noqa: E402
+from comfyui_live_common import call, native_model, rel  # noqa: E402 (tests/, this file's folder)
 
 report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
-
-
-def call(name, **kw):
-    """Run a node as ComfyUI's executor would: V3 classes through EXECUTE_NORMALIZED, V1 through FUNCTION."""
-    cls = nodes.NODE_CLASS_MAPPINGS[name]
-    if hasattr(cls, "EXECUTE_NORMALIZED"):
-        return cls.EXECUTE_NORMALIZED(**kw).args
-    return getattr(cls(), cls.FUNCTION)(**kw)
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
-def native_model(file):
-    """UNETLoader's model, with the tiny file's widths given to ComfyUI's detection (which fixes the released models'
-    widths for FLUX.1 and Qwen-Image); everything else (config class, weights, model sampling) is ComfyUI's own."""
-    import comfy.model_detection
-    import comfy.model_patcher
-
-    path = folder_paths.get_full_path("diffusion_models", file)
-    sd = comfy.utils.load_torch_file(path)
-    with safe_open(path, "pt") as f:
-        dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
-    if any(k.endswith("scale_weight") or k == "scaled_fp8" for k in sd):   # as UNETLoader loads a scaled fp8 file
-        import comfy.sd
-        return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
-    unet_config = comfy.model_detection.detect_unet_config(sd, "")
-    if unet_config.get("image_model") in ("flux", "flux2"):
-        width = sd["img_in.weight"].shape[0]
-        unet_config.update(hidden_size=width, num_heads=dims["heads"], axes_dim=list(dims["axes_dim"]),
-                           context_in_dim=dims["context_in"])
-        if "vec_in" in dims:
-            unet_config["vec_in_dim"] = dims["vec_in"]
-    elif unet_config.get("image_model") == "qwen_image":
-        unet_config.update(attention_head_dim=dims["hidden"] // dims["heads"], num_attention_heads=dims["heads"],
-                           joint_attention_dim=dims["context_in"], axes_dims_rope=tuple(dims["axes_dim"]))
-    config = comfy.model_detection.model_config_from_unet_config(unet_config, sd)
-    config.set_inference_dtype(torch.float32, None)
-    model = config.get_model(sd, "")
-    model.load_model_weights(sd, "")
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                            offload_device=mm.unet_offload_device())
 
 
 def engine(file, gpus, **kw):
@@ -89,13 +47,6 @@ def last_job(eng):
     return plan[len("last job: plan "):].split(";")[0], route[len("last job ran: "):], text
 
 
-g = torch.Generator().manual_seed(0)
-FLUX_COND = [[torch.randn(1, 24, 64, generator=g), {"pooled_output": torch.randn(1, 32, generator=g),
-                                                    "guidance": 3.5}]]
-SD3_POS = [[torch.randn(1, 30, 64, generator=g), {"pooled_output": torch.randn(1, 64, generator=g)}]]
-SD3_NEG = [[torch.randn(1, 30, 64, generator=g), {"pooled_output": torch.randn(1, 64, generator=g)}]]
-QWEN_POS = [[torch.randn(1, 12, 64, generator=g), {"pooled_output": None}]]
-QWEN_NEG = [[torch.randn(1, 7, 64, generator=g), {"pooled_output": None}]]
 LATENT = {"samples": torch.zeros(1, 16, 16, 16)}
 
 

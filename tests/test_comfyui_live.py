@@ -49,12 +49,7 @@ def setup(tmp_path_factory):
 
 @pytest.mark.timeout(700)
 def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_folders(setup):
-    out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_check.py"), COMFYUI, str(setup["packs"]),
-                          str(setup["models"])], capture_output=True, text=True, timeout=600, env=setup["env"])
-    line = next((x for x in out.stdout.splitlines() if x.startswith("REPORT ")), None)
-    assert line, out.stdout[-2000:] + out.stderr[-4000:]
-    report = json.loads(line[len("REPORT "):])
-    print(json.dumps(report, indent=1))
+    report = run_check("comfyui_live_check.py", setup, 600)
     assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA", "XDiTGuider": "xDiT Guider",
                                     "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info",
                                     "XDiTModelSampling": "xDiT Model Sampling", "XDiTCFGNorm": "xDiT CFGNorm",
@@ -78,6 +73,17 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     assert report["interrupt"]["flag_after"] is False and report["next_job_identical"]
     assert "2 conditioning entries" in report["bad_input_error"]
     assert "last job: plan ulysses2" in report["info"] and "LoRA:" in report["info"] and "unloaded: 1" in report["info"]
+
+
+def run_check(script: str, setup, timeout_s: int) -> dict:
+    """Run one of the check scripts in ComfyUI's Python and return the JSON report it prints (printed here too)."""
+    out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", script), COMFYUI, str(setup["packs"]),
+                          str(setup["models"])], capture_output=True, text=True, timeout=timeout_s, env=setup["env"])
+    line = next((x for x in out.stdout.splitlines() if x.startswith("REPORT ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    report = json.loads(line[len("REPORT "):])
+    print(json.dumps(report, indent=1))
+    return report
 
 
 def _free_port():
@@ -180,13 +186,7 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
                "lora_unet_single_blocks_1_linear1.lora_up.weight": torch.randn(128 * 3 + 512, 4, generator=g) * 0.1,
                "lora_unet_single_blocks_1_linear1.alpha": torch.tensor(2.0)},
               str(setup["models"] / "loras" / "tiny-flux-lora.safetensors"))
-    out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_model_check.py"), COMFYUI,
-                          str(setup["packs"]), str(setup["models"])], capture_output=True, text=True, timeout=840,
-                         env=setup["env"])
-    line = next((x for x in out.stdout.splitlines() if x.startswith("REPORT ")), None)
-    assert line, out.stdout[-2000:] + out.stderr[-4000:]
-    report = json.loads(line[len("REPORT "):])
-    print(json.dumps(report, indent=1))
+    report = run_check("comfyui_live_model_check.py", setup, 840)
     families = {"flux-dev", "flux-schnell", "flux-kontext (a ReferenceLatent)", "sd3.5-medium cfg4",
                 "sd3.5-medium fp8_scaled file", "qwen-image AuraFlow3.1", "qwen-image-edit (ReferenceLatent on both sides)"}
     if report["comfyui"] != "0.3.64":   # FLUX.2 needs ComfyUI 0.3.72 or later
@@ -213,13 +213,7 @@ def test_sampler_custom_advanced_with_the_xdit_guider_equals_comfyui_own_guiders
     CFGGuider (SD3) on ComfyUI's own model vs the xDiT Guider on 1 and 2 ranks; then every KSamplerSelect name."""
     shutil.copy(write_tiny("sd3", str(setup["dir"]), variant="sd3.5-medium"),
                 setup["models"] / "diffusion_models" / "tiny-sd3.5-medium.safetensors")
-    out = subprocess.run([PYTHON, os.path.join(ROOT, "tests", "comfyui_live_guider_check.py"), COMFYUI,
-                          str(setup["packs"]), str(setup["models"])], capture_output=True, text=True, timeout=1200,
-                         env=setup["env"])
-    line = next((x for x in out.stdout.splitlines() if x.startswith("REPORT ")), None)
-    assert line, out.stdout[-2000:] + out.stderr[-4000:]
-    report = json.loads(line[len("REPORT "):])
-    print(json.dumps(report, indent=1))
+    report = run_check("comfyui_live_guider_check.py", setup, 1200)
     assert report["registered"]
     assert {(g["family"], g["gpus"], g["plan"]) for g in report["graphs"]} == {
         ("flux", "0", "single rank"), ("flux", "0,1", "ulysses2"), ("sd3", "0", "single rank"), ("sd3", "0,1", "cfg2")}

@@ -1,0 +1,54 @@
+"""What the check scripts that run inside a real ComfyUI share (imported after ComfyUI's modules are on the path):
+running a node as ComfyUI's executor does, the relative difference they report, and the model ComfyUI's own loader
+makes of a tiny file."""
+import json
+
+import torch
+
+
+def call(name, **kw):
+    """Run a node as ComfyUI's executor would: V3 classes through EXECUTE_NORMALIZED, V1 through FUNCTION."""
+    import nodes
+    cls = nodes.NODE_CLASS_MAPPINGS[name]
+    if hasattr(cls, "EXECUTE_NORMALIZED"):
+        return cls.EXECUTE_NORMALIZED(**kw).args
+    return getattr(cls(), cls.FUNCTION)(**kw)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def native_model(file):
+    """UNETLoader's model, with the tiny file's widths given to ComfyUI's detection (which fixes the released models'
+    widths for FLUX.1, FLUX.2 and Qwen-Image); everything else (config class, weights, model sampling) is ComfyUI's
+    own. A scaled fp8 file is loaded as UNETLoader loads it."""
+    import comfy.model_detection
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.utils
+    import folder_paths
+    from safetensors import safe_open
+
+    path = folder_paths.get_full_path("diffusion_models", file)
+    sd = comfy.utils.load_torch_file(path)
+    with safe_open(path, "pt") as f:
+        dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
+    if any(k.endswith("scale_weight") or k == "scaled_fp8" for k in sd):
+        import comfy.sd
+        return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
+    unet_config = comfy.model_detection.detect_unet_config(sd, "")
+    if unet_config.get("image_model") in ("flux", "flux2"):
+        unet_config.update(hidden_size=sd["img_in.weight"].shape[0], num_heads=dims["heads"],
+                           axes_dim=list(dims["axes_dim"]), context_in_dim=dims["context_in"])
+        if "vec_in" in dims:
+            unet_config["vec_in_dim"] = dims["vec_in"]
+    elif unet_config.get("image_model") == "qwen_image":
+        unet_config.update(attention_head_dim=dims["hidden"] // dims["heads"], num_attention_heads=dims["heads"],
+                           joint_attention_dim=dims["context_in"], axes_dims_rope=tuple(dims["axes_dim"]))
+    config = comfy.model_detection.model_config_from_unet_config(unet_config, sd)
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model(sd, "")
+    model.load_model_weights(sd, "")
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
