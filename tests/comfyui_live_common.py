@@ -19,10 +19,21 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def native_model(file):
+def dequantized(sd):
+    """A scaled fp8 state dict's weights as float32 (fp8 x scale_weight), the scales dropped: the exact values."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(("scale_weight", "scale_input")) or k == "scaled_fp8":
+            continue
+        scale = sd.get(k[:-len("weight")] + "scale_weight") if k.endswith("weight") else None
+        out[k] = v.float() * scale.float() if scale is not None else v.float()
+    return out
+
+
+def native_model(file, dequantize=False):
     """UNETLoader's model, with the tiny file's widths given to ComfyUI's detection (which fixes the released models'
     widths for FLUX.1, FLUX.2 and Qwen-Image); everything else (config class, weights, model sampling) is ComfyUI's
-    own. A scaled fp8 file is loaded as UNETLoader loads it."""
+    own. A scaled fp8 file is loaded as UNETLoader loads it, or with dequantize its exact float32 values."""
     import comfy.model_detection
     import comfy.model_management as mm
     import comfy.model_patcher
@@ -36,7 +47,8 @@ def native_model(file):
         dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
     if any(k.endswith("scale_weight") or k == "scaled_fp8" for k in sd):
         import comfy.sd
-        return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
+        return comfy.sd.load_diffusion_model_state_dict(dequantized(sd) if dequantize else sd,
+                                                        model_options={"dtype": torch.float32})
     unet_config = comfy.model_detection.detect_unet_config(sd, "")
     if unet_config.get("image_model") in ("flux", "flux2"):
         unet_config.update(hidden_size=sd["img_in.weight"].shape[0], num_heads=dims["heads"],

@@ -119,6 +119,9 @@ for name, file, cfg, steps in GRAPHS:
     t0 = time.perf_counter()
     want = ksampler(chain(native_model(file), steps), pos, neg, cfg, latent=latent)
     entry = {"native_s": round(time.perf_counter() - t0, 2)}
+    if "fp8" in file:   # how far ComfyUI's own fp8 layers are from the file's exact values (ComfyUI 0.3.64: 2e-3)
+        exact = ksampler(chain(native_model(file, dequantize=True), steps), pos, neg, cfg, latent=latent)
+        entry["comfyui_fp8_vs_exact_rel_l2"] = rel(want, exact)
     for gpus in ("0", "0,1"):
         eng, model = engine(file, gpus)
         t0 = time.perf_counter()

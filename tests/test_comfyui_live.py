@@ -192,11 +192,14 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
     if report["comfyui"] != "0.3.64":   # FLUX.2 needs ComfyUI 0.3.72 or later
         families |= {"flux2-dev (two ReferenceLatents)", "flux2-klein-4b cfg3"}
     assert families <= set(report["graphs"])
-    # fp32 through different code paths: rounding only (measured 2e-7 to 5e-7 in 0.3.64 and 0.33)
+    # fp32 through different code paths: rounding only (measured 2e-7 to 5e-6 in 0.3.64 and 0.33); from a scaled
+    # fp8 file the engine computes the exact dequantized weights, which ComfyUI 0.3.64's own fp8 layers miss by about
+    # 2e-3 (0.33 by 1e-6): there the bound is that distance, measured in the same run
     for name, entry in report["graphs"].items():
         runs = {k: v for k, v in entry.items() if isinstance(v, dict)} or {"": entry}
+        bound = 1e-5 + 1.1 * entry.get("comfyui_fp8_vs_exact_rel_l2", 0.0)
         for key, run in runs.items():
-            assert run["rel_l2"] < 1e-5, (name, key, run)
+            assert run["rel_l2"] < bound, (name, key, run, bound)
     two = {k: v["plan"] for k, v in report["graphs"]["sd3.5-medium cfg4"].items() if isinstance(v, dict)}
     assert two["ksampler gpus=0,1"] == "cfg2" and two["xdit sampler gpus=0,1"] == "cfg2"   # the batched passes split
     routes = {v["route"] for e in report["graphs"].values() for v in e.values() if isinstance(v, dict) and "route" in v}
