@@ -152,21 +152,24 @@ report["graphs"]["flux-dev Q8_0 GGUF: KSampler on the MODEL vs xDiT Sampler"] = 
 pos, neg = conds_for("tiny-sd3.5-medium.safetensors")
 
 
-def advanced(model, start, end, add_noise, leftover, latent):
-    return call("KSamplerAdvanced", model=model, add_noise="enable" if add_noise else "disable", noise_seed=7, steps=4,
+def advanced(model, start, end, add_noise, leftover, latent, node="KSamplerAdvanced"):
+    return call(node, model=model, add_noise="enable" if add_noise else "disable", noise_seed=7, steps=4,
                 cfg=3.5, sampler_name="euler", scheduler="simple", positive=pos, negative=neg, latent_image=latent,
                 start_at_step=start, end_at_step=end,
                 return_with_leftover_noise="enable" if leftover else "disable")[0]
 
 
-def two_stage(model):
-    first = advanced(model, 0, 2, True, True, LATENT)
-    return advanced(model, 2, 10000, False, False, first)["samples"]
+def two_stage(model, node="KSamplerAdvanced"):
+    first = advanced(model, 0, 2, True, True, LATENT, node)
+    return advanced(model, 2, 10000, False, False, first, node)["samples"]
 
 
 want = two_stage(native_model("tiny-sd3.5-medium.safetensors"))
 eng, model = engine("tiny-sd3.5-medium.safetensors", "0,1")
 report["graphs"]["sd3.5 KSamplerAdvanced pair"] = {"rel_l2": rel(two_stage(model), want), "plan": last_job(eng)[0]}
+got = two_stage(chain(model, [("ModelSamplingSD3", dict(shift=3.0))]), "XDiTSamplerAdvanced")
+report["graphs"]["sd3.5 xDiT Sampler (Advanced) pair"] = {"rel_l2": rel(got, want), "plan": last_job(eng)[0],
+                                                           "route": last_job(eng)[1]}
 
 # SamplerCustomAdvanced with ComfyUI's BasicGuider on the engine's MODEL (the FLUX.2 templates' form)
 pos, _ = conds_for("tiny-flux-dev.safetensors")

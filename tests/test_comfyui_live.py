@@ -53,7 +53,8 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA", "XDiTGuider": "xDiT Guider",
                                     "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info",
                                     "XDiTModelSampling": "xDiT Model Sampling", "XDiTCFGNorm": "xDiT CFGNorm",
-                                    "XDiTSaveConditioning": "xDiT Save Conditioning"}
+                                    "XDiTSaveConditioning": "xDiT Save Conditioning",
+                                    "XDiTSamplerAdvanced": "xDiT Sampler (Advanced)"}
     assert report["sampler_inputs"] == ["seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
                                         "negative", "latent_image", "denoise"]
     # the first release's engine inputs are the required ones; every input added since is optional
@@ -122,7 +123,7 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
         listed = _get(f"{base}/object_info")
         assert {n for n in listed if n.startswith("XDiT")} == {"XDiTEngine", "XDiTLoRA", "XDiTSampler", "XDiTGuider",
                                                                 "XDiTEngineInfo", "XDiTModelSampling", "XDiTCFGNorm",
-                                                                "XDiTSaveConditioning"}
+                                                                "XDiTSaveConditioning", "XDiTSamplerAdvanced"}
         engine = listed["XDiTEngine"]["input"]
         assert "tiny-flux-dev.safetensors" in json.dumps(engine["required"]["model_name"])
         assert set(engine["optional"]) == {"cache_threshold", "compile", "attention", "pipefusion", "patches",

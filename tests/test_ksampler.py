@@ -267,3 +267,33 @@ def test_bad_latent_is_named(latent, pattern):
 def test_noise_of_the_wrong_shape_is_named():
     with pytest.raises(ValueError, match=r"noise has shape \[1, 16, 6, 4\].*\[2, 16, 6, 4\]"):
         ksample(ToyModel(), raw_latent(), noise=torch.zeros(1, 16, 6, 4), **GOOD)
+
+
+# ---- KSamplerAdvanced: a window of the schedule ------------------------------------------------------------------
+def test_a_window_takes_comfyuis_steps_of_the_schedule():
+    """comfy/samplers.py KSampler.sample: sigmas[:last_step + 1] with the last set to 0 when force_full_denoise and
+    the window ends early, then sigmas[start_step:]; a start at or past the last step leaves nothing to sample."""
+    from engine.sampling.ksampler import StepWindow
+    sigmas = compute_sigmas(FlowSampling.sd3(), "simple", 4, 1.0)   # 5 values ending in 0
+    assert torch.equal(StepWindow().apply(sigmas), sigmas)
+    assert torch.equal(StepWindow(0, 2).apply(sigmas), sigmas[:3])                       # leftover noise kept
+    assert torch.equal(StepWindow(0, 2, force_full_denoise=True).apply(sigmas), torch.cat([sigmas[:2], sigmas[4:]]))
+    assert torch.equal(StepWindow(2, 10000).apply(sigmas), sigmas[2:])
+    assert torch.equal(StepWindow(2, 10000, force_full_denoise=True).apply(sigmas), sigmas[2:])  # ends at 0 anyway
+    assert StepWindow(4, 10000).apply(sigmas) is None and StepWindow(7).apply(sigmas) is None
+
+
+def test_two_windows_with_leftover_noise_give_the_whole_run():
+    """Wan 2.2's two KSamplerAdvanced: steps 0-2 with noise added and the leftover noise returned, then 2-end on that
+    latent without adding noise, equal one run of all steps (CONST scaling: the second window starts where the first
+    stopped); a window past the end returns the latent as given."""
+    from engine.sampling.ksampler import StepWindow
+    model, latent = ToyModel(), raw_latent()
+    common = dict(**fam("sd3"), seed=5, steps=4, cfg=3.0, sampler="euler", scheduler="simple")
+    whole = ksample(model, latent, **common)
+    first = ksample(model, latent, **common, window=StepWindow(0, 2))
+    second = ksample(model, first, **common, window=StepWindow(2, 10000, force_full_denoise=True, add_noise=False))
+    diff = (second - whole).abs().max().item()
+    print(f"two windows vs one run: max abs diff {diff:.3g}")
+    assert not torch.equal(first, whole) and diff <= TOLERANCE
+    assert torch.equal(ksample(model, first, **common, window=StepWindow(4, 10000, add_noise=False)), first)

@@ -170,6 +170,39 @@ def test_the_sampler_has_ksamplers_widgets_names_defaults_and_order(node_specs):
     assert {"euler", "dpmpp_2m"} <= set(fields[3].options) and {"simple", "normal", "karras"} <= set(fields[4].options)
 
 
+def test_the_advanced_sampler_has_ksampler_advanceds_widgets_in_its_order(node_specs):
+    """nodes.py KSamplerAdvanced (ComfyUI 0.3.64): add_noise, noise_seed, steps, cfg, sampler_name, scheduler,
+    positive, negative, latent_image, start_at_step, end_at_step, return_with_leftover_noise; then the MODEL chain or
+    the engine, as xDiT Sampler takes them."""
+    spec = node_specs.SAMPLER_ADVANCED_SPEC
+    assert [(f.name, f.default) for f in spec.inputs] == [
+        ("add_noise", "enable"), ("noise_seed", 0), ("steps", 20), ("cfg", 8.0), ("sampler_name", "euler"),
+        ("scheduler", "simple"), ("positive", None), ("negative", None), ("latent_image", None), ("start_at_step", 0),
+        ("end_at_step", 10000), ("return_with_leftover_noise", "disable"), ("model", None), ("engine", None)]
+    assert [f.options for f in spec.inputs if f.name in ("add_noise", "return_with_leftover_noise")] == [
+        ("enable", "disable"), ("disable", "enable")]
+    assert spec.inputs[1].control_after_generate and all(f.optional for f in spec.inputs[-2:])
+
+
+def test_two_advanced_windows_on_the_engine_equal_one_run(core, models):
+    """KSamplerAdvanced's two-sampler form in the engine's own loop (steps 0-2 with leftover noise, then 2-end without
+    adding noise, on 2 ranks under cfg2) gives the one-run latent."""
+    from engine.sampling.ksampler import StepWindow
+    s = settings(core, models["sd3"], gpus=(0, 1))
+    common = dict(seed=4, steps=4, cfg=3.0, sampler_name="euler", scheduler="simple", denoise=1.0)
+    pos, neg = sd3_conditioning(1), sd3_conditioning(2)
+    whole = core.sample(s, pos, neg, empty_latent(width=64, height=64), **common)["samples"]
+    first = core.sample(s, pos, neg, empty_latent(width=64, height=64), **common, window=StepWindow(0, 2))
+    second = core.sample(s, pos, neg, first, **common,
+                         window=StepWindow(2, 10000, force_full_denoise=True, add_noise=False))["samples"]
+    # the same model calls; the hand-over between the windows rounds (x / (1 - sigma), process_out, process_in, the
+    # noise scaling), and the later steps carry that rounding like a model call's: the sampling bound covers it
+    from tolerance import fp32_bound, report, sampling_amplification
+    bound = fp32_bound(whole.abs().max(), reduction=4096, depth=8, amplification=sampling_amplification(2, 3.0))
+    assert report("two windows on the engine vs one run", (second - whole).abs().max(), bound)
+    assert "cfg2" in core.describe(s)
+
+
 def test_the_sampler_latent_equals_engine_generate_for_the_same_inputs(core, models, tmp_path):
     """xDiT Save Conditioning's file (core.conditioning_file) fed to the command line gives the node's latent."""
     positive, negative = sd3_conditioning(1), sd3_conditioning(2)

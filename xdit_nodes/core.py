@@ -19,6 +19,7 @@ from ..engine.models.speed import CUDA_ONLY
 from ..engine.parallel.devices import hardware_for
 from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
+from ..engine.sampling.ksampler import StepWindow
 from ..engine.sampling.schedules import FlowSampling
 from .model import EngineLink, model_request
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
@@ -229,9 +230,9 @@ def conditioning_file(positive, negative=None) -> tuple[dict[str, torch.Tensor],
 
 def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
                 seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
-                denoise: float = 1.0, batch_index=None) -> GenerateRequest:
+                denoise: float = 1.0, batch_index=None, window: StepWindow = StepWindow()) -> GenerateRequest:
     """The engine request for these settings and ComfyUI values (not yet validated). The negative is read when
-    cfg != 1."""
+    cfg != 1. window: KSamplerAdvanced's steps and noise."""
     cond, pooled, guidance = conditioning_tensors(positive, "positive")
     refs, method = conditioning_references(positive, "positive")
     neg_cond = neg_pooled = neg_refs = None
@@ -252,12 +253,15 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            warmup_steps=min(settings.warmup_steps, int(steps)),
                            reference_latents=refs, reference_latents_method=method,
                            neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method,
-                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm)
+                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm,
+                           start_step=window.start_step, last_step=window.last_step,
+                           force_full_denoise=window.force_full_denoise, add_noise=window.add_noise)
 
 
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
-           before_job=None, registry: EngineRegistry = REGISTRY, weight_patches=None) -> dict:
+           before_job=None, registry: EngineRegistry = REGISTRY, weight_patches=None,
+           window: StepWindow = StepWindow()) -> dict:
     """KSampler on the engine: returns the LATENT dict (other keys kept, as KSampler does). weight_patches: a MODEL
     chain's LoRA patches (models/lora.py WeightPatches), applied on the ranks with the engine's own LoRAs."""
     settings.validate()
@@ -270,7 +274,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                                latent.get("downscale_ratio_spacial"))
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
-                          batch_index=latent.get("batch_index"))
+                          batch_index=latent.get("batch_index"), window=window)
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
     request = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     choice = request.choice

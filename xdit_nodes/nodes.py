@@ -13,6 +13,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io, ui
 
 from ..engine.errors import JobCancelled
 from ..engine.models.gguf_file import find_gguf_files
+from ..engine.sampling.ksampler import StepWindow
 from . import core, model as engine_model_parts, specs
 
 EngineType = io.Custom(specs.ENGINE_TYPE)
@@ -124,36 +125,58 @@ class XDiTSampler(io.ComfyNode):
     @classmethod
     def execute(cls, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
                 engine=None, model=None):
-        settings, chain = _engine_and_chain(engine, model)
-        sampling, cfg_norm, reasons, weight_patches = None, 0.0, [], None
-        if chain is not None:
-            engine_model_parts.check_chain(chain)
-            sampling, cfg_norm, reasons = engine_model_parts.loop_settings(
-                chain, _sampling_classes(), core.inspect_model(settings.model_path).spec.sampling(
-                    core.inspect_model(settings.model_path).variant))
-            weight_patches = engine_model_parts.weight_patches(chain)
-        if isinstance(latent_image, dict) and latent_image.get("noise_mask") is not None:
-            reasons.append("the latent has a noise mask")   # ComfyUI's sampler masks the denoising itself
-        if reasons or not specs.engine_loop_runs(sampler_name, scheduler):
-            # ComfyUI's own KSampler on the engine's MODEL: one model call at a time, the same result
-            core.check_per_call(settings)
-            model_chain = _as_engine_model(settings, chain)
-            return io.NodeOutput(_comfy_ksampler(model_chain, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                 negative, latent_image, denoise))
-        if chain is not None:
-            settings = replace(settings, sampling=(sampling["kind"], sampling["shift"], sampling["multiplier"]),
-                               cfg_norm=cfg_norm)
-        progress = comfy.utils.ProgressBar(steps)  # its update also raises on interrupt, on this thread
-        try:
-            latent = core.sample(settings, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
-                                 sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
-                                 on_progress=lambda step, total: progress.update_absolute(step, total),
-                                 should_cancel=mm.processing_interrupted, before_job=lambda: _make_room(settings),
-                                 weight_patches=weight_patches)
-        except JobCancelled:
-            mm.throw_exception_if_processing_interrupted()  # ComfyUI's own interrupt exception, flag cleared
-            raise
-        return io.NodeOutput(latent)
+        return io.NodeOutput(_run_sampler(engine, model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                                          latent_image, denoise, StepWindow()))
+
+
+class XDiTSamplerAdvanced(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        import comfy.samplers
+        return _schema(specs.sampler_advanced_spec(comfy.samplers.KSampler.SAMPLERS,
+                                                   comfy.samplers.KSampler.SCHEDULERS))
+
+    @classmethod
+    def execute(cls, add_noise, noise_seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
+                start_at_step, end_at_step, return_with_leftover_noise, model=None, engine=None):
+        window = StepWindow(start_step=start_at_step, last_step=end_at_step,
+                            force_full_denoise=return_with_leftover_noise != "enable", add_noise=add_noise != "disable")
+        return io.NodeOutput(_run_sampler(engine, model, noise_seed, steps, cfg, sampler_name, scheduler, positive,
+                                          negative, latent_image, 1.0, window))
+
+
+def _run_sampler(engine, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                 window: StepWindow):
+    """KSampler (KSamplerAdvanced with a window) on the engine: its own loop when it runs the sampler, scheduler and
+    the MODEL chain's patches, else ComfyUI's own sampler on the engine's MODEL (the same result)."""
+    settings, chain = _engine_and_chain(engine, model)
+    sampling, cfg_norm, reasons, weight_patches = None, 0.0, [], None
+    if chain is not None:
+        engine_model_parts.check_chain(chain)
+        info = core.inspect_model(settings.model_path)
+        sampling, cfg_norm, reasons = engine_model_parts.loop_settings(chain, _sampling_classes(),
+                                                                       info.spec.sampling(info.variant))
+        weight_patches = engine_model_parts.weight_patches(chain)
+    if isinstance(latent_image, dict) and latent_image.get("noise_mask") is not None:
+        reasons.append("the latent has a noise mask")   # ComfyUI's sampler masks the denoising itself
+    if reasons or not specs.engine_loop_runs(sampler_name, scheduler):
+        # ComfyUI's own KSampler on the engine's MODEL: one model call at a time, the same result
+        core.check_per_call(settings)
+        return _comfy_ksampler(_as_engine_model(settings, chain), seed, steps, cfg, sampler_name, scheduler, positive,
+                               negative, latent_image, denoise, window)
+    if chain is not None:
+        settings = replace(settings, sampling=(sampling["kind"], sampling["shift"], sampling["multiplier"]),
+                           cfg_norm=cfg_norm)
+    progress = comfy.utils.ProgressBar(steps)  # its update also raises on interrupt, on this thread
+    try:
+        return core.sample(settings, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
+                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
+                           on_progress=lambda step, total: progress.update_absolute(step, total),
+                           should_cancel=mm.processing_interrupted, before_job=lambda: _make_room(settings),
+                           weight_patches=weight_patches, window=window)
+    except JobCancelled:
+        mm.throw_exception_if_processing_interrupted()  # ComfyUI's own interrupt exception, flag cleared
+        raise
 
 
 def _sampling_classes() -> engine_model_parts.SamplingClasses:
@@ -200,15 +223,19 @@ def _as_engine_model(settings: core.EngineSettings, chain):
     return m
 
 
-def _comfy_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise):
-    """ComfyUI's own KSampler (nodes.common_ksampler: its noise, schedule, sampler, progress and previews)."""
+def _comfy_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise,
+                    window: StepWindow):
+    """ComfyUI's own KSampler / KSamplerAdvanced (nodes.common_ksampler: its noise, schedule, sampler, progress and
+    previews)."""
     import nodes as comfy_nodes
 
     if not isinstance(latent_image, dict) or "samples" not in latent_image:
         raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
                          "VAEEncode to it")
     return comfy_nodes.common_ksampler(model, seed, steps, cfg, sampler_name, scheduler, positive, negative,
-                                       latent_image, denoise=denoise)[0]
+                                       latent_image, denoise=denoise, disable_noise=not window.add_noise,
+                                       start_step=window.start_step, last_step=window.last_step,
+                                       force_full_denoise=window.force_full_denoise)[0]
 
 
 class _Unavailable(torch.nn.Module):
@@ -416,5 +443,5 @@ class XDiTSaveConditioning(io.ComfyNode):
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTGuider, XDiTEngineInfo, XDiTModelSampling, XDiTCFGNorm,
-                XDiTSaveConditioning]
+        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTSamplerAdvanced, XDiTGuider, XDiTEngineInfo, XDiTModelSampling,
+                XDiTCFGNorm, XDiTSaveConditioning]

@@ -120,6 +120,34 @@ def sampler_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec
 SAMPLER_SPEC = sampler_spec()
 
 
+def sampler_advanced_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec:
+    """The xDiT Sampler (Advanced)'s spec: KSamplerAdvanced's widgets, in its order, on the engine's MODEL chain."""
+    return NodeSpec(
+        "XDiTSamplerAdvanced", "xDiT Sampler (Advanced)", CATEGORY,
+        "KSamplerAdvanced on the xDiT engine: the same inputs and the same latent, e.g. Wan 2.2's two experts (steps 0 "
+        "to k with leftover noise, then k to the end without adding noise). Connect the xDiT Engine's MODEL chain to "
+        "model, or its engine output to engine.",
+        (Field("add_noise", "COMBO", "enable", ("enable", "disable")),
+         Field("noise_seed", "INT", 0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+         Field("steps", "INT", 20, min=1, max=10000),
+         Field("cfg", "FLOAT", 8.0, min=0.0, max=100.0, step=0.1, round=0.01),
+         Field("sampler_name", "COMBO", sampler_names[0], tuple(sampler_names)),
+         Field("scheduler", "COMBO", scheduler_names[0], tuple(scheduler_names)),
+         Field("positive", "CONDITIONING"),
+         Field("negative", "CONDITIONING"),
+         Field("latent_image", "LATENT"),
+         Field("start_at_step", "INT", 0, min=0, max=10000),
+         Field("end_at_step", "INT", 10000, min=0, max=10000),
+         Field("return_with_leftover_noise", "COMBO", "disable", ("disable", "enable")),
+         Field("model", "MODEL", optional=True, tooltip=ENGINE_MODEL_TIP),
+         Field("engine", ENGINE_TYPE, optional=True,
+               tooltip="the xDiT Engine's engine output (or connect its MODEL to model instead)")),
+        (("LATENT", "LATENT"),))
+
+
+SAMPLER_ADVANCED_SPEC = sampler_advanced_spec()
+
+
 def engine_loop_runs(sampler_name: str, scheduler: str) -> bool:
     """Whether the engine's own loop has this sampler and scheduler (then it runs there, in one job)."""
     return sampler_name in SAMPLERS and scheduler in SCHEDULERS

@@ -19,6 +19,7 @@ from ..parallel.devices import Hardware
 from ..parallel.pipefusion.layout import layout_problems
 from ..parallel.plan import AUTO, GiB, ParallelPlan, PlanChoice, Workload
 from ..parallel.planner import resolve_plan
+from ..sampling.ksampler import StepWindow
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SCHEDULERS, FlowSampling
 from . import admission
@@ -73,6 +74,12 @@ class GenerateRequest:
     # variant. A sampling node (ModelSamplingAuraFlow, ModelSamplingFlux, ModelSamplingSD3) sets it.
     model_sampling: dict | None = None
     cfg_norm: float = 0.0                 # ComfyUI's CFGNorm node at this strength (0: not applied)
+    # KSamplerAdvanced: the steps of the full schedule to run (None: from the first, to the last), the last sigma set
+    # to 0 when the window ends early (return_with_leftover_noise off), and whether noise is added first
+    start_step: int | None = None
+    last_step: int | None = None
+    force_full_denoise: bool = False
+    add_noise: bool = True
     choice: PlanChoice | None = field(default=None, metadata=LOCAL)   # why this plan (set by validate)
 
     @classmethod
@@ -157,6 +164,10 @@ class GenerateRequest:
             return "reference latents do not combine with pipefusion yet:"
         return ""
 
+    def window(self) -> StepWindow:
+        """KSamplerAdvanced's window of the schedule (the whole schedule by default, as KSampler)."""
+        return StepWindow(self.start_step, self.last_step, self.force_full_denoise, self.add_noise)
+
     def sampling(self, info) -> FlowSampling:
         """The model sampling this job runs: the request's, else the family's default for the variant."""
         if self.model_sampling is not None:
@@ -215,6 +226,9 @@ class GenerateRequest:
 
     def _check_pipefusion(self, info, plan: ParallelPlan, latent_h: int, latent_w: int) -> None:
         """The PipeFusion settings against the plan and the job's shapes (parallel/pipefusion), before launch."""
+        if plan.pipefusion > 1 and self.window() != StepWindow():
+            raise PlanError(f"plan {plan.describe()} uses pipefusion, whose warmup counts the whole schedule; a "
+                            f"start/end step window (KSamplerAdvanced) runs with ulysses, ring, cfg or dp")
         if plan.pipefusion == 1:
             given = [f"{n}={getattr(self, n)!r}" for n in ("patches", "stage_blocks") if getattr(self, n) is not None]
             if given:
@@ -297,6 +311,13 @@ class GenerateRequest:
             raise ValueError(f"batch_index={self.batch_index!r} is invalid: use a list of non-negative integers")
         if self.model_sampling is not None:
             FlowSampling.from_dict(self.model_sampling)   # ValueError naming what is wrong
+        for name in ("start_step", "last_step"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10000):
+                raise ValueError(f"{name}={value!r} is invalid: use a step from 0 to 10000, or none")
+        for name in ("force_full_denoise", "add_noise"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use true or false")
         if isinstance(self.cfg_norm, bool) or not isinstance(self.cfg_norm, (int, float)) \
                 or not math.isfinite(self.cfg_norm) or not 0 <= self.cfg_norm <= 100:
             raise ValueError(f"cfg_norm={self.cfg_norm!r} is invalid: use a CFGNorm strength from 0 (off) to 100")

@@ -143,7 +143,7 @@ def run_generate(ctx, request: GenerateRequest, weight_patches=None) -> dict[str
                           sampling=request.sampling(info), latent=info.spec.latent, seed=request.seed,
                           steps=request.steps, cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
                           denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step,
-                          cfg_norm=request.cfg_norm)
+                          cfg_norm=request.cfg_norm, window=request.window())
     if parallel.cache is not None:
         ctx.info["step_cache"] = parallel.cache.stats.as_dict()
     return _finish(ctx, request, mesh, parallel.flow.loaded.info, samples)

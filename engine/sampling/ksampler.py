@@ -85,6 +85,31 @@ def _check_inputs(latent_raw: torch.Tensor, sampling: FlowSampling, latent: Late
         raise ValueError(f"noise has shape {shape}; use None or a tensor shaped like latent_raw {list(latent_raw.shape)}")
 
 
+@dataclass(frozen=True)
+class StepWindow:
+    """KSamplerAdvanced's part of the schedule and noise (comfy/samplers.py KSampler.sample, nodes.py common_ksampler):
+    sample from step start_step to last_step of the full schedule, with the last sigma set to 0 when the window ends
+    early and force_full_denoise (return_with_leftover_noise off), and no initial noise without add_noise. The
+    default window is KSampler's: the whole schedule, noise added."""
+    start_step: int | None = None
+    last_step: int | None = None
+    force_full_denoise: bool = False
+    add_noise: bool = True
+
+    def apply(self, sigmas: torch.Tensor) -> torch.Tensor | None:
+        """The window's sigmas, or None when it starts at or past the schedule's end (ComfyUI then returns the
+        latent as given)."""
+        if self.last_step is not None and self.last_step < len(sigmas) - 1:
+            sigmas = sigmas[:self.last_step + 1].clone()
+            if self.force_full_denoise:
+                sigmas[-1] = 0
+        if self.start_step is not None:
+            if self.start_step >= len(sigmas) - 1:
+                return None
+            sigmas = sigmas[self.start_step:]
+        return sigmas
+
+
 @dataclass
 class SamplingStart:
     """What a KSampler run starts from: x in model space at the first sigma, the schedule, and how to finish."""
@@ -105,18 +130,25 @@ class SamplingStart:
 
 def start_sampling(latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: LatentFormat, seed: int, steps: int,
                    cfg: float, sampler: str, scheduler: str, denoise: float = 1.0,
-                   batch_index: list[int] | None = None, noise: torch.Tensor | None = None) -> SamplingStart:
+                   batch_index: list[int] | None = None, noise: torch.Tensor | None = None,
+                   window: StepWindow = StepWindow()) -> SamplingStart | None:
     """Everything of ksample before the sampler loop: checks, noise, schedule, noise scaling. `sampling` is the
-    model's ComfyUI model sampling (its family's default, or what a sampling node set), `latent` its latent format."""
+    model's ComfyUI model sampling (its family's default, or what a sampling node set), `latent` its latent format.
+    None when the window leaves nothing to sample."""
     _check_inputs(latent_raw, sampling, latent, seed, steps, cfg, sampler, scheduler, denoise, batch_index, noise)
-    if noise is None:
+    if not window.add_noise:
+        noise = torch.zeros_like(latent_raw, dtype=torch.float32)   # prepare_empty_noise
+    elif noise is None:
         noise = prepare_noise(latent_raw, seed, None if batch_index is None else list(batch_index))
     device = latent_raw.device
     noise = noise.to(device=device, dtype=torch.float32)
     raw = latent_raw.to(dtype=torch.float32)
     # ComfyUI leaves an all-zero latent (an empty image) unshifted, so denoise < 1 from it starts at pure scaled noise.
     latent_model = latent.process_in(raw) if torch.count_nonzero(raw) > 0 else raw
-    sigmas = compute_sigmas(sampling, scheduler, steps, denoise).to(device)
+    sigmas = window.apply(compute_sigmas(sampling, scheduler, steps, denoise))
+    if sigmas is None:
+        return None
+    sigmas = sigmas.to(device)
     # CONST noise scaling: x at sigma is the straight line between the latent and the noise.
     x_model = sigmas[0] * noise + (1.0 - sigmas[0]) * latent_model
     return SamplingStart(x_model, sigmas, sampling, latent)
@@ -125,14 +157,19 @@ def start_sampling(latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: 
 def ksample(predict: Predict, latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: LatentFormat, seed: int,
             steps: int, cfg: float, sampler: str, scheduler: str, denoise: float = 1.0,
             batch_index: list[int] | None = None, noise: torch.Tensor | None = None,
-            callback: StepCallback | None = None, cfg_norm: float = 0.0) -> torch.Tensor:
-    """Sample like ComfyUI's KSampler node; returns the float32 latent in raw VAE space, shaped like latent_raw.
+            callback: StepCallback | None = None, cfg_norm: float = 0.0,
+            window: StepWindow = StepWindow()) -> torch.Tensor:
+    """Sample like ComfyUI's KSampler node (with `window`, its KSamplerAdvanced); returns the float32 latent in raw
+    VAE space, shaped like latent_raw.
 
     noise, when given, replaces the seeded initial noise (seed still drives the stochastic samplers' step noise).
     callback(step_index, total_steps) runs after every step; raising from it aborts sampling.
     """
     start = start_sampling(latent_raw, sampling=sampling, latent=latent, seed=seed, steps=steps, cfg=cfg,
-                           sampler=sampler, scheduler=scheduler, denoise=denoise, batch_index=batch_index, noise=noise)
+                           sampler=sampler, scheduler=scheduler, denoise=denoise, batch_index=batch_index, noise=noise,
+                           window=window)
+    if start is None:
+        return latent_raw.to(torch.float32)
     x_model = sample(sampler, guided_denoiser(predict, cfg, cfg_norm), start.x_model, start.sigmas, seed=seed,
                      callback=callback,
                      percent_to_sigma=start.percent_to_sigma)
