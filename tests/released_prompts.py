@@ -44,9 +44,12 @@ def release_prompt(release: dict, model: str, lora: str, custom_sampler: bool = 
              "XDiTEngineInfo": {"engine": ["18", 0] if "XDiTCFGNorm" in nodes else ["10", 0], "after": ["12", 0]},
              "XDiTGuider": {"engine": ["10", 0], "positive": ["4", 0], "negative": ["3", 0]},
              "XDiTModelSampling": {"engine": ["10", 0]}, "XDiTCFGNorm": {"engine": ["17", 0]},
-             "XDiTSaveConditioning": {"positive": ["4", 0]}}
+             "XDiTSaveConditioning": {"positive": ["4", 0]},
+             "XDiTSamplerAdvanced": {"engine": ["10", 0], "positive": ["4", 0], "negative": ["3", 0],
+                                     "latent_image": ["5", 0]}}
     ids = {"XDiTEngine": "10", "XDiTLoRA": "11", "XDiTSampler": "12", "XDiTEngineInfo": "13", "XDiTGuider": "14",
-           "XDiTModelSampling": "17", "XDiTCFGNorm": "18", "XDiTSaveConditioning": "19"}
+           "XDiTModelSampling": "17", "XDiTCFGNorm": "18", "XDiTSaveConditioning": "19",
+           "XDiTSamplerAdvanced": "30"}
     for node_id, node in nodes.items():
         inputs = {}
         for name, entry in node["inputs"].items():
@@ -57,6 +60,9 @@ def release_prompt(release: dict, model: str, lora: str, custom_sampler: bool = 
             elif entry.get("optional"):
                 continue   # an optional socket (a MODEL): left unconnected
         prompt[ids[node_id]] = {"class_type": node_id, "inputs": inputs}
+    if "XDiTSamplerAdvanced" in nodes:   # its own image, so that ComfyUI validates it too
+        prompt["31"] = {"class_type": "VAEDecode", "inputs": {"samples": ["30", 0], "vae": ["6", 0]}}
+        prompt["32"] = {"class_type": "SaveImage", "inputs": {"images": ["31", 0], "filename_prefix": "ComfyUI"}}
     prompt["15"] = {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["6", 0]}}
     prompt["16"] = {"class_type": "SaveImage", "inputs": {"images": ["15", 0], "filename_prefix": "ComfyUI"}}
     if custom_sampler and "XDiTGuider" in nodes:

@@ -28,7 +28,8 @@ def node_specs():
 def current_specs(node_specs) -> dict:
     """node id -> the current spec, as ComfyUI lists it with these files in the model and LoRA folders."""
     specs = (node_specs.engine_spec([MODEL]), node_specs.SAMPLER_SPEC, node_specs.lora_spec([LORA]), node_specs.GUIDER_SPEC,
-             node_specs.INFO_SPEC, node_specs.SAMPLING_SPEC, node_specs.CFG_NORM_SPEC, node_specs.SAVE_CONDITIONING_SPEC)
+             node_specs.INFO_SPEC, node_specs.SAMPLING_SPEC, node_specs.CFG_NORM_SPEC, node_specs.SAVE_CONDITIONING_SPEC,
+             node_specs.SAMPLER_ADVANCED_SPEC)
     return {s.node_id: s for s in specs}
 
 
