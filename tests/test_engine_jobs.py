@@ -1,5 +1,6 @@
 """Jobs through real rank groups (world 1, 2, 4): bit-exact tensor round trips through the shared-memory
 bridge, one identical job on every rank, progress, agreed cancel, and errors that leave the group sound."""
+import os
 import threading
 
 import pytest
@@ -191,3 +192,35 @@ def test_invalid_engine_arguments_are_rejected_before_any_rank_starts():
                             ({"ranks": 2, "gpus": [0, 1]}, "gpus=\\[0, 1\\] given with device='cpu'")]:
         with pytest.raises(ValueError, match=message):
             Engine(**kwargs)
+
+
+def test_two_models_alternate_on_the_ranks_without_reading_their_files_again(tmp_path):
+    """Two experts of one clip (two files) take turns on one engine: after each is loaded once, switching reads no
+    file (the ranks keep RESIDENT_MODELS models); a third model drops the least recently used; results are the same
+    as from a fresh load."""
+    from engine.generate.request import GenerateRequest
+    from engine.generate.run import RESIDENT_MODELS
+    from engine.models.tiny import write_tiny
+    files = [write_tiny("flux", str(tmp_path / name), seed=seed) for name, seed in (("a", 0), ("b", 1), ("c", 2))]
+    for f in files:
+        assert os.path.exists(f)
+    g = torch.Generator().manual_seed(3)
+    cond, pooled = torch.randn(1, 8, 4096, generator=g), torch.randn(1, 768, generator=g)
+
+    def run(engine, path):
+        r = GenerateRequest(model=path, cond=cond, pooled=pooled, latent_raw=torch.zeros(1, 16, 8, 8), steps=2)
+        result = r.validate(1).submit(engine)
+        return result.outputs["samples"], result.ranks[0]
+
+    with Engine(1, device="cpu", deadlines=FAST) as e:
+        sources = []
+        outs = {}
+        for path in (files[0], files[1], files[0], files[1], files[2], files[0]):
+            out, info = run(e, path)
+            sources.append(info["model_source"])
+            outs.setdefault(path, []).append(out)
+    print("model sources:", sources)
+    assert RESIDENT_MODELS == 2
+    assert sources == ["file", "file", "resident", "resident", "file", "file"]   # c dropped a; b dropped by a
+    for path, runs in outs.items():
+        assert all(torch.equal(runs[0], o) for o in runs[1:]), path

@@ -27,17 +27,53 @@ def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
     return (os.path.abspath(path), dtype, fp8_weights, st.st_mtime_ns, st.st_size)
 
 
+RESIDENT_MODELS = 2   # models a rank keeps loaded at once: a two-expert clip switches experts without reading a file
+
+
+def _weights_bytes(info, dtype: str, fp8_weights: bool) -> int:
+    """What a model's weights take on the device: quantized layers as stored, the rest in the compute dtype (or fp8)."""
+    per = 1 if fp8_weights else {"fp32": 4}.get(dtype, 2)
+    return info.quantized_bytes + (info.parameters - info.quantized_parameters) * per
+
+
+def _make_room(ctx, models: dict, request: GenerateRequest) -> None:
+    """Before a model is loaded: the least recently used models go beyond RESIDENT_MODELS - 1; on a GPU the others
+    are moved to host memory when the device cannot hold them and the new model (loading one back from host memory is
+    a copy, not a file read)."""
+    while len(models) >= RESIDENT_MODELS:
+        _drop(ctx, models, next(iter(models)))
+    if ctx.device.type != "cuda" or not models:
+        return
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    need = _weights_bytes(inspect_model(request.model), request.dtype, request.fp8_weights) + total // 6
+    for key, state in list(models.items()):
+        if free >= need:
+            break
+        if not state.get("offloaded"):
+            state["loaded"].model.to("cpu")
+            state.update(offloaded=True)
+            release_model_memory(ctx.device)
+            free = torch.cuda.mem_get_info(ctx.device)[0]
+
+
+def _drop(ctx, models: dict, key) -> None:
+    state = models.pop(key)
+    if state.get("parallel") is not None:
+        state["parallel"].close()
+    state.clear()
+    release_model_memory(ctx.device)  # its weights (and graphs compiled around them) go before the new come
+
+
 def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patches=None):
-    """The rank keeps one model (a new one replaces it) and its parallel form for the last mesh. stage: a PipeFusion
-    stage's (name, keep): the rank then holds only what `keep` accepts. weight_patches: a ComfyUI MODEL's LoRA patches
-    (models/lora.py WeightPatches), applied with the request's LoRA files."""
-    state = ctx.cache.setdefault("generate", {})
+    """The rank keeps up to RESIDENT_MODELS models (loaded, or moved to host memory on a GPU that cannot hold them
+    all) and each one's parallel form for its last mesh. stage: a PipeFusion stage's (name, keep): the rank then holds
+    only what `keep` accepts. weight_patches: a ComfyUI MODEL's LoRA patches (models/lora.py WeightPatches), applied
+    with the request's LoRA files."""
+    models = ctx.cache.setdefault("models", {})   # model key -> its state, least recently used first
     key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ())
-    if state.get("key") != key:
-        if state.get("parallel") is not None:
-            state["parallel"].close()
-        state.clear()
-        release_model_memory(ctx.device)  # the old weights (and graphs compiled around them) go before the new come
+    state = models.pop(key, None)
+    if state is None:
+        _make_room(ctx, models, request)
         inspect_model(request.model).spec.model_class()  # diffusers' modules imported before the baseline
         ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
         # the load's deadline grows with the file (Deadlines.load_s + load_s_per_gib per GiB)
@@ -45,8 +81,18 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
         loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights,
                             keep=stage[1] if stage else None)
         ctx.enter_phase("compute")
-        state.update(key=key, loaded=loaded, flow=FlowModel(loaded))
+        state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded)}
         ctx.info["loaded"] = loaded.stats
+        ctx.info["model_source"] = "file"
+    elif state.pop("offloaded", False):
+        _make_room(ctx, models, request)
+        state["loaded"].model.to(ctx.device)
+        state["flow"].device = ctx.device
+        ctx.info["model_source"] = "host memory"
+    else:
+        ctx.info["model_source"] = "resident"
+    models[key] = state
+    ctx.info["models_resident"] = len(models)
     if state.get("mesh") is not mesh:
         if state.get("parallel") is not None:
             state["parallel"].close()
