@@ -20,6 +20,7 @@ from ..engine.parallel.devices import hardware_for
 from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.schedules import FlowSampling
+from ..engine.wording import NODES, speaking
 from .guider import EngineGuider
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
 
@@ -47,6 +48,7 @@ class EngineSettings:
     sampling: tuple = ()              # xDiT Model Sampling: (kind, shift, multiplier); () the family's default
     cfg_norm: float = 0.0             # xDiT CFGNorm's strength; 0: none
 
+    @speaking(NODES)
     def validate(self) -> None:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
         if not self.gpus or len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
@@ -222,6 +224,7 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm)
 
 
+@speaking(NODES)   # the engine's errors name the nodes' inputs
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
            before_job=None, registry: EngineRegistry = REGISTRY) -> dict:
@@ -257,6 +260,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     return out
 
 
+@speaking(NODES)
 def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_patcher, sampling_function,
            before_job=None, registry: EngineRegistry = REGISTRY) -> EngineGuider:
     """The xDiT Guider's GUIDER. The request is built and validated when SamplerCustomAdvanced runs it, against the

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from ..engine.wording import NODES, speaking
+
 _POSITIVE = [{"xdit": "positive"}]   # stand-ins for ComfyUI's cond lists: sampling_function only passes them on
 _NEGATIVE = [{"xdit": "negative"}]
 
@@ -37,6 +39,7 @@ class EngineGuider:
         self.cfg = float(cfg)
 
     # ---- what SamplerCustomAdvanced calls ----------------------------------------------------------------------
+    @speaking(NODES)   # the engine's errors name the nodes' inputs
     def sample(self, noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None, disable_pbar=False,
                seed=None):
         if sigmas.shape[-1] == 0:

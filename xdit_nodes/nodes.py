@@ -153,8 +153,10 @@ def sampling_model(settings: core.EngineSettings):
     info = core.inspect_model(settings.model_path)
     class_name, unet = info.spec.comfy_model(info.config)
     if not hasattr(models, class_name):   # a family newer than this ComfyUI (e.g. FLUX.2 before 0.3.72)
-        raise ValueError(f"{settings.model_path} holds a {info.variant} transformer, and this ComfyUI has no "
-                         f"{class_name} model (comfy.supported_models): update ComfyUI to sample it")
+        since = info.spec.comfyui_since(info.variant)
+        raise ValueError(f"{settings.model_path} holds a {info.variant} transformer, and this ComfyUI "
+                         f"({_comfyui_version()}) has no {class_name} model: update ComfyUI to "
+                         f"{since + ' or newer' if since else 'a release that has it'} to sample it")
     config = getattr(models, class_name)(dict(unet, disable_unet_model_creation=True))
     model = config.get_model({})
     model.diffusion_model = _NoWeights()
@@ -165,6 +167,14 @@ def sampling_model(settings: core.EngineSettings):
     if settings.cfg_norm:   # xDiT CFGNorm: as ComfyUI's CFGNorm node patches a MODEL
         patcher.set_model_sampler_post_cfg_function(_cfg_norm(settings.cfg_norm))
     return patcher
+
+
+def _comfyui_version() -> str:
+    try:
+        from comfyui_version import __version__
+    except ImportError:   # a ComfyUI older than its version file
+        return "version unknown"
+    return __version__
 
 
 def _model_sampling(model, kind: str, shift: float, multiplier: float):

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .. import wording
 from ..errors import PlanError
 from ..models.speed import attention_kernels
 from .request import GenerateRequest
@@ -24,8 +25,9 @@ def check_guide(request: GenerateRequest) -> None:
     """What the engine's own loop runs but a driven model cannot: PipeFusion pipelines the steps of the engine's
     sampler, and the step cache counts the engine's steps."""
     if request.plan.pipefusion > 1:
-        raise PlanError(f"plan {request.plan.describe()} uses pipefusion, which pipelines the engine's own sampler "
-                        f"loop: with a guider (ComfyUI's sampler) use ulysses, ring, cfg or dp, or use xDiT Sampler")
+        raise PlanError(f"{wording.say('plan subject', plan=wording.plan(request.plan))} uses pipefusion, which "
+                        f"pipelines the engine's own sampler loop: with a guider (ComfyUI's sampler) use ulysses, ring, "
+                        f"cfg or dp, or use xDiT Sampler")
     if request.cache_threshold:
         raise PlanError("the step cache counts the engine's own steps: set cache_threshold 0 with a guider, "
                         "or use xDiT Sampler")
