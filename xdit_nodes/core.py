@@ -105,6 +105,11 @@ class EngineSettings:
         return (self.device, self.gpus)
 
     @property
+    def deadlines(self) -> Deadlines:
+        """Each job's deadlines: timeout_s bounds its compute (per job, so a changed timeout_s keeps the ranks)."""
+        return Deadlines(compute_s=float(self.timeout_s))
+
+    @property
     def compute_dtype(self) -> str:
         if self.weight_dtype in ("bf16", "fp16"):
             return self.weight_dtype
@@ -137,9 +142,9 @@ class EngineRegistry:
         with self._lock:
             record = self._records.get(settings.ranks_key)
             if record is None:
-                deadlines = Deadlines(compute_s=float(settings.timeout_s))
                 engine = Engine(len(settings.gpus), device=settings.device,
-                                gpus=list(settings.gpus) if settings.device == "cuda" else None, deadlines=deadlines)
+                                gpus=list(settings.gpus) if settings.device == "cuda" else None,
+                                deadlines=settings.deadlines)
                 record = self._records[settings.ranks_key] = EngineRecord(engine, settings)
             record.settings = settings
             return record
@@ -247,7 +252,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
         before_job()
     record = registry.get(settings)
     t0 = time.perf_counter()
-    result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel)
+    result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel,
+                            deadlines=settings.deadlines)
     record.last_plan = choice.plan.describe()
     record.last_plan_reason = choice.reason
     record.last_timings = dict(result.timings, wall_s=time.perf_counter() - t0)
@@ -283,7 +289,8 @@ def guider(settings: EngineSettings, positive, negative, cfg: float, *, model_pa
         return request
 
     return EngineGuider(model_patcher, sampling_function, cfg=cfg, has_negative=negative is not None,
-                        request_for=request_for, engine_for=lambda: registry.get(settings), before_job=before_job)
+                        request_for=request_for, engine_for=lambda: registry.get(settings), before_job=before_job,
+                        deadlines=settings.deadlines)
 
 
 def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> str:

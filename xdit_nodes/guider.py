@@ -21,10 +21,11 @@ _NEGATIVE = [{"xdit": "negative"}]
 
 class EngineGuider:
     """A GUIDER. `request_for(latent_raw, cfg)` builds and validates the engine request (core.guide_request);
-    `engine_for()` returns the running engine record; `before_job()` makes room on ComfyUI's GPU."""
+    `engine_for()` returns the running engine record; `before_job()` makes room on ComfyUI's GPU; `deadlines`: the
+    engine job's (None: the engine's own)."""
 
     def __init__(self, model_patcher, sampling_function, *, cfg: float, has_negative: bool, request_for, engine_for,
-                 before_job=None):
+                 before_job=None, deadlines=None):
         self.model_patcher = model_patcher
         self.model_options = getattr(model_patcher, "model_options", {}) or {}
         self.inner_model = model_patcher.model
@@ -32,6 +33,7 @@ class EngineGuider:
         self.cfg = float(cfg)
         self.has_negative = has_negative
         self.request_for, self.engine_for, self.before_job = request_for, engine_for, before_job
+        self.deadlines = deadlines
         self.session: GuideSession | None = None
         self.last_run: dict = {}
 
@@ -62,7 +64,7 @@ class EngineGuider:
         from ..engine.generate.guide import GuideSession  # rank-side code (the parallel stack): not at load
 
         t0 = time.perf_counter()
-        with GuideSession(record.engine, request) as session:
+        with GuideSession(record.engine, request, deadlines=self.deadlines) as session:
             self.session = session
             try:
                 samples = sampler.sample(self, sigmas.to(device), extra_args, callback, noise, latent_model,

@@ -37,16 +37,16 @@ class GuideSession:
     """Client side of a guide job: `with GuideSession(engine, request) as g: v = g.velocity(x_model, sigma, sides)`.
 
     request: validated (its plan resolved). When it has a negative, the negative travels even at cfg 1 (ComfyUI's
-    CFG++ samplers ask for it there)."""
+    CFG++ samplers ask for it there). deadlines: the job's (None: the engine's own)."""
 
-    def __init__(self, engine, request: GenerateRequest):
+    def __init__(self, engine, request: GenerateRequest, *, deadlines=None):
         check_guide(request)
         self.request = request
         spec, inputs = request.to_job()
         for name in ("neg_cond", "neg_pooled"):
             if getattr(request, name) is not None:
                 inputs[name] = getattr(request, name)
-        self._session = engine.session("guide", spec, inputs)
+        self._session = engine.session("guide", spec, inputs, deadlines=deadlines)
         self.calls = 0
 
     def __enter__(self) -> "GuideSession":
