@@ -2,7 +2,6 @@
 message that names the node and the input to change and a value that works, never a command-line flag. The same
 refusals keep the engine's own words outside the nodes (the engine's API, `python -m engine`)."""
 import importlib
-import os
 import pickle
 import sys
 import types
@@ -10,14 +9,15 @@ import types
 import pytest
 import torch
 
-from engine.errors import EngineError, PlanError
+from engine.errors import PlanError
 from engine.models.tiny import write_tiny
 
 import test_nodes
-from conftest import PACK_NAME, ROOT, load_pack
-from test_nodes import empty_latent, flux_conditioning, nodes_module, sd3_conditioning, settings  # noqa: F401
+from conftest import PACK_NAME, load_pack
+from test_nodes import empty_latent, flux_conditioning, sd3_conditioning, settings
 
-core = test_nodes.core   # fixture: the pack's core module, loaded by path as ComfyUI loads it
+# fixtures: the pack's core module (loaded by path as ComfyUI loads it), nodes.py against stand-ins for ComfyUI
+core, nodes_module = test_nodes.core, test_nodes.nodes_module
 
 
 def comfyui_type_name(cls) -> str:
