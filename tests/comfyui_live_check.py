@@ -50,6 +50,7 @@ def run(cls, **kw):
 first = {name: entry.get("default") for name, entry in RELEASED[0]["nodes"]["XDiTEngine"]["inputs"].items()}
 first.update(model_name="tiny-flux-dev.safetensors", gpus="0,1", timeout_s=600)
 report["first_release_engine_inputs"] = sorted(first)
+first_inputs = dict(first)
 g = torch.Generator().manual_seed(0)
 engine = run(E, **first)[0]
 engine = run(L, engine=engine, lora_name="tiny-lora.safetensors", strength_model=0.5)[0]
@@ -84,4 +85,8 @@ try:
 except ValueError as e:
     report["bad_input_error"] = str(e)
 report["info"] = run(I, engine=engine, unload=True, after={"samples": again})[0]
+try:   # an engine error as ComfyUI's history and page show it: its type by ComfyUI's own formula, and its message
+    run(E, **dict(first_inputs, gpus="0", plan="explicit", ulysses=2))
+except ValueError as e:
+    report["plan_error"] = [execution.full_type_name(type(e)), str(e)]
 print("REPORT " + json.dumps(report))

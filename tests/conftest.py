@@ -1,11 +1,26 @@
-"""Shared fixtures: real rank processes on CPU (gloo), reused across tests where a test leaves them sound."""
+"""Shared fixtures: real rank processes on CPU (gloo), reused across tests where a test leaves them sound; and the
+hypothesis profile of the property-based tests (tests/fuzz.py says how to replay a failure)."""
 import importlib.util
 import os
 import sys
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from engine.runtime.client import Deadlines, Engine
+
+# Property-based tests: in CI (CI set, as CI services set it) the same cases every run, derandomized, and no example
+# database; elsewhere random cases, a failing one kept in .hypothesis/ and replayed first on the next run. Each
+# profile has no per-case deadline (the machine is shared) and prints the failing case's reproduce_failure blob.
+# HYPOTHESIS_PROFILE overrides: ci, dev, or deep (ten times the cases, random, as tests/fuzz.py scales them).
+_QUIET = dict(deadline=None, print_blob=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+settings.register_profile("ci", derandomize=True, database=None, **_QUIET)
+settings.register_profile("dev", derandomize=False, **_QUIET)
+settings.register_profile("deep", derandomize=False, database=None, **_QUIET)
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if IN_CI else "dev")
+settings.load_profile(HYPOTHESIS_PROFILE)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK_NAME = "ComfyUI-xDiT"

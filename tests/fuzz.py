@@ -1,24 +1,26 @@
-"""The fuzz tests' hypothesis profile and case counting.
+"""The fuzz tests' case budgets, case counting and what a refusal must show. The hypothesis profile is chosen in
+tests/conftest.py: in CI (CI set) derandomized, the same cases every run of a commit, with no example database;
+elsewhere random draws, a failing case kept in .hypothesis/.
 
-Profile "ci" (the default): derandomized (the same cases every run), no per-case deadline (the box is shared), no
-example database; each fuzz test sets its own max_examples so that all of them together stay near a minute on two
-cores. HYPOTHESIS_PROFILE=deep runs ten times the cases with random draws."""
+Replaying a failure locally:
+- exactly: the failure's log shows the falsifying example and a line `You can reproduce this example by temporarily
+  adding @reproduce_failure('6.x.y', b'...')`; put that decorator on the test's inner function (the one under
+  @given) and run the test;
+- CI's cases: `CI=1 python -m pytest tests/test_fuzz_requests.py::test_...` runs the CI profile. Its draws are the
+  same as CI's for the same code and hypothesis version when the same modules are loaded (hypothesis also draws
+  constants it finds in the project's loaded modules), so run the same test files, or use the decorator;
+- a local run's failure: run the test again; hypothesis replays the case from .hypothesis/ first.
+HYPOTHESIS_PROFILE=deep runs ten times the cases, randomly drawn."""
 from __future__ import annotations
 
 import os
 import time
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                 HealthCheck.filter_too_much])
-settings.register_profile("deep", derandomize=False, deadline=None, database=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                 HealthCheck.filter_too_much])
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-settings.load_profile(PROFILE)
-SCALE = 10 if PROFILE == "deep" else 1
+from conftest import HYPOTHESIS_PROFILE
+
+SCALE = 10 if HYPOTHESIS_PROFILE == "deep" else 1
 
 
 def cases(n: int) -> settings:
@@ -48,3 +50,22 @@ class Tally:
 
 def one_line(message: str) -> bool:
     return bool(message) and "\n" not in message and "Traceback" not in message
+
+
+def shown(value) -> list[str]:
+    """How a refusal may show a value it was given: its repr or text (a path also by its file name), a tensor by its
+    shape or a size of it of two digits or more."""
+    if hasattr(value, "shape"):
+        return [str(list(value.shape))] + [str(n) for n in value.shape if n > 9]
+    forms = [repr(value)] + ([str(value)] if str(value) else [])
+    if isinstance(value, str) and os.sep in value and os.path.basename(value):
+        forms.append(os.path.basename(value))
+    return forms
+
+
+def names_any(message: str, names=(), values=()) -> bool:
+    """Whether a refusal names one of the inputs (`pooled_output` also as "pooled output") or shows one of the values
+    given. What every refusal promises: it says what it refuses, not only that something is wrong."""
+    text = message.lower()
+    return any(n.lower() in text or n.lower().replace("_", " ") in text for n in names if n) or \
+        any(s in message for v in values for s in shown(v) if s)

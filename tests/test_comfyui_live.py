@@ -74,6 +74,9 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     assert report["interrupt"]["flag_after"] is False and report["next_job_identical"]
     assert "2 conditioning entries" in report["bad_input_error"]
     assert "last job: plan ulysses2" in report["info"] and "LoRA:" in report["info"] and "unloaded: 1" in report["info"]
+    # the pack's own error names, and the node and input to change, not ".../custom_nodes/ComfyUI-xDiT.engine..."
+    assert report["plan_error"] == ["xDiT.PlanError", "xDiT Engine: plan explicit with ulysses 2 needs 2 GPUs but gpus "
+                                                      "lists 1: list 2 GPUs in gpus, or degrees whose product is 1"]
 
 
 def run_check(script: str, setup, timeout_s: int) -> dict:

@@ -321,14 +321,14 @@ def test_latent_keys_other_than_samples_pass_through_as_ksampler_keeps_them(core
 
 @pytest.mark.parametrize("change,message", [
     (dict(positive=flux_conditioning() + flux_conditioning()), "holds 2 conditioning entries"),
-    (dict(positive=[[torch.zeros(1, 8, 4096), {}]]), "pooled is missing: flux-dev takes a pooled conditioning"),
+    (dict(positive=[[torch.zeros(1, 8, 4096), {}]]), "positive's pooled_output is missing: flux-dev takes a pooled conditioning"),
     (dict(positive=[[torch.zeros(1, 8, 4096), {"pooled_output": torch.zeros(1, 768), "area": (8, 8, 0, 0)}]]),
      "carries area"),
     (dict(latent=dict(empty_latent(), noise_mask=torch.ones(1, 1, 16, 16))), "noise_mask"),
     (dict(latent={"not": "a latent"}), "latent_image is not a LATENT"),
     (dict(settings=dict(family="sd3")), "family='sd3' but .* holds a flux-dev"),
     (dict(settings=dict(gpus=(0, 0))), "gpus='0,0' is invalid"),
-    (dict(settings=dict(plan="explicit", ulysses=2)), "needs 2 ranks but the engine has 1"),
+    (dict(settings=dict(plan="explicit", ulysses=2)), "plan explicit with ulysses 2 needs 2 GPUs but gpus lists 1"),
     (dict(cfg=3.0, negative=None), "negative is not a CONDITIONING"),
 ])
 def test_bad_inputs_fail_before_any_rank_starts_naming_the_input(core, models, change, message):

@@ -21,6 +21,7 @@ from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.ksampler import StepWindow
 from ..engine.sampling.schedules import FlowSampling
+from ..engine.wording import NODES, speaking
 from .model import EngineLink, model_request
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
 
@@ -48,6 +49,7 @@ class EngineSettings:
     sampling: tuple = ()              # xDiT Model Sampling: (kind, shift, multiplier); () the family's default
     cfg_norm: float = 0.0             # xDiT CFGNorm's strength; 0: none
 
+    @speaking(NODES)
     def validate(self) -> None:
         """Checks that need no rank, with errors that name the input (shown as the node's error)."""
         if not self.gpus or len(set(self.gpus)) != len(self.gpus) or min(self.gpus) < 0:
@@ -104,6 +106,11 @@ class EngineSettings:
         return (self.device, self.gpus)
 
     @property
+    def deadlines(self) -> Deadlines:
+        """Each job's deadlines: timeout_s bounds its compute (per job, so a changed timeout_s keeps the ranks)."""
+        return Deadlines(compute_s=float(self.timeout_s))
+
+    @property
     def compute_dtype(self) -> str:
         if self.weight_dtype in ("bf16", "fp16"):
             return self.weight_dtype
@@ -145,9 +152,9 @@ class EngineRegistry:
         with self._lock:
             record = self._records.get(settings.ranks_key)
             if record is None:
-                deadlines = Deadlines(compute_s=float(settings.timeout_s))
                 engine = Engine(len(settings.gpus), device=settings.device,
-                                gpus=list(settings.gpus) if settings.device == "cuda" else None, deadlines=deadlines)
+                                gpus=list(settings.gpus) if settings.device == "cuda" else None,
+                                deadlines=settings.deadlines)
                 record = self._records[settings.ranks_key] = EngineRecord(engine, settings)
             record.close_session()
             record.settings = settings
@@ -258,6 +265,7 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            force_full_denoise=window.force_full_denoise, add_noise=window.add_noise)
 
 
+@speaking(NODES)   # the engine's errors name the nodes' inputs
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
            before_job=None, registry: EngineRegistry = REGISTRY, weight_patches=None,
@@ -283,7 +291,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record = registry.get(settings)
     t0 = time.perf_counter()
     result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel,
-                            weight_patches=weight_patches)
+                            weight_patches=weight_patches, deadlines=settings.deadlines)
     record.last_route = "xDiT Sampler: the whole sampling loop on the ranks"
     record.last_lora = result.ranks[0].get("lora_layers_touched")
     record.last_plan = choice.plan.describe()
@@ -298,6 +306,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     return out
 
 
+@speaking(NODES)
 def check_per_call(settings: EngineSettings) -> None:
     """What only the engine's own loop runs, refused (naming the xDiT Engine's input) before ComfyUI's sampler drives
     the engine one model call at a time."""
@@ -313,6 +322,7 @@ def check_per_call(settings: EngineSettings) -> None:
 def model_link(settings: EngineSettings, *, before_job=None, registry: EngineRegistry = REGISTRY) -> EngineLink:
     """The link of an xDiT Engine's MODEL to the engine (model.py): its sessions are planned and checked with the
     settings' plan on the engine's hardware."""
+    @speaking(NODES)
     def request_for(settings, x, timestep, conditioning, cond_or_uncond):
         info = inspect_model(settings.model_path)
         return model_request(settings, x, timestep, conditioning, cond_or_uncond,

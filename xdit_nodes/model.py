@@ -284,8 +284,7 @@ class EngineLink:
         if self.before_job is not None:
             self.before_job()
         record = self.registry.get(self.settings)   # closes a session an earlier run left open
-        deadlines = replace(record.engine.deadlines, compute_s=float(self.settings.timeout_s))
-        session = ModelSession(record.engine, request, patches, deadlines=deadlines)
+        session = ModelSession(record.engine, request, patches, deadlines=self.settings.deadlines)
         session.__enter__()
         self.session, self._opened, self._request, self._record = session, time.perf_counter(), request, record
         record.open_session = self

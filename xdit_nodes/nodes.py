@@ -278,8 +278,11 @@ def engine_model(settings: core.EngineSettings):
     device = torch.device("cpu")   # ComfyUI's side of the MODEL holds no weights: its sampler runs on the CPU
     if config is None:
         info = core.inspect_model(settings.model_path)
-        message = (f"this ComfyUI does not know {info.variant} ({info.spec.title}) models, so the xDiT Engine's "
-                   f"MODEL output cannot describe it: update ComfyUI, or use the engine output with xDiT Sampler")
+        since = info.spec.comfyui_since(info.variant)
+        message = (f"this ComfyUI ({_comfyui_version()}) does not know {info.variant} ({info.spec.title}) models, so "
+                   f"the xDiT Engine's MODEL output cannot describe it: update ComfyUI to "
+                   f"{since + ' or newer' if since else 'a release that has it'}, or use the xDiT Engine's engine "
+                   f"output with xDiT Sampler")
         return comfy.model_patcher.ModelPatcher(_Unavailable(message), load_device=device, offload_device=device,
                                                 size=1)
     config.set_inference_dtype(torch.float32, None)
@@ -299,6 +302,14 @@ def engine_model(settings: core.EngineSettings):
         _MODELS.clear()
     _MODELS[key] = patcher
     return patcher
+
+
+def _comfyui_version() -> str:
+    try:
+        from comfyui_version import __version__
+    except ImportError:   # a ComfyUI older than its version file
+        return "version unknown"
+    return __version__
 
 
 def _model_sampling(model, kind: str, shift: float, multiplier: float):

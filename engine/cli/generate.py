@@ -15,7 +15,7 @@ from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
 from ..parallel.devices import hardware_for
-from ..parallel.plan import AUTO, FASTEST, ParallelPlan
+from ..parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..runtime.client import Engine
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SAMPLING_NODES, SCHEDULERS, FlowSampling
@@ -217,6 +217,9 @@ def prepare(a):
                          "ranks leave it out (--fp8-weights alone works)")
     request = build_request(a)
     explicit = isinstance(request.plan, ParallelPlan)
+    if explicit and not a.ranks and request.plan.world_size > MAX_RANKS:   # the degree flags alone give the ranks
+        raise UsageError(f"the degree flags give plan {request.plan.describe()}, which needs "
+                         f"{request.plan.world_size} ranks: the engine runs 1 to {MAX_RANKS}; lower the degrees")
     ranks = a.ranks or (request.plan.world_size if explicit else len(a.gpus) if a.gpus else 1)
     if a.gpus and len(a.gpus) != ranks:
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs for {ranks} "

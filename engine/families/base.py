@@ -118,6 +118,11 @@ class Family:
     # ---- words for `demo`, `make-tiny` and the nodes
     describe_blocks: Callable[[dict], str] = lambda config: ""
     describe_conditioning: Callable[[dict], str] = lambda config: ""
+    # variant -> the text encoder its conditioning comes from, as a ComfyUI graph loads it (loader, type, file)
+    text_encoder: Callable[[str], str] = lambda variant: "its text encoder"
+    # variant -> the first ComfyUI release whose graphs sample it (its model class and text encoder); "": older than
+    # any ComfyUI the pack runs in
+    comfyui_since: Callable[[str], str] = lambda variant: ""
 
     def variant_dims(self, variant: str, size: str = "tiny"):
         return self.dims[size][variant]

@@ -345,4 +345,6 @@ FAMILY = Family(
     describe_conditioning=lambda c: (
         f"cond [B, N, {c['joint_attention_dim']}] (T5-XXL), pooled [B, {c['pooled_projection_dim']}] (CLIP-L)"
         + ("; guidance embedded (FluxGuidance)" if c.get("guidance_embeds") else "; no guidance input")),
+    text_encoder=lambda variant: "T5-XXL and CLIP-L (DualCLIPLoader type flux with t5xxl_fp16.safetensors and "
+                                 "clip_l.safetensors)",
 )

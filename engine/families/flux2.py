@@ -26,6 +26,9 @@ v0.12.1 (fe251146), the same in both unless said:
   Qwen3 4B / 8B [B, max(512, L), 7680 / 12288]; no pooled output.
 The unmodified diffusers Flux2Transformer2DModel computes all of this given the ids; its timestep embedding gets the
 float32 values through hooks.
+
+ComfyUI releases: the Flux2 model class and CLIPLoader type flux2 (Mistral-3) came with 6b573ae0, first released in
+0.3.72; [klein]'s Qwen3 text encoders with 3b832231 ("Flux2 Klein support"), first released in 0.9.2.
 """
 from __future__ import annotations
 
@@ -48,6 +51,12 @@ THETA = 2000
 TEXT_TOKENS = 512                                 # model_base.Flux2: the text padded to at least this
 SHIFT = 2.02                                      # supported_models.Flux2: sampling_settings
 HEAD_DIM_AXES = {128: (32, 32, 32, 32)}
+# what a ComfyUI graph loads for each variant's conditioning (CLIPLoader type flux2 reads all three)
+TEXT_ENCODERS = {
+    "flux2-dev": "Mistral-3 24B (CLIPLoader type flux2 with mistral_3_small_flux2_bf16.safetensors)",
+    "flux2-klein-4b": "Qwen3 4B (CLIPLoader type flux2 with qwen_3_4b.safetensors)",
+    "flux2-klein-9b": "Qwen3 8B (CLIPLoader type flux2 with the Qwen3 8B text encoder file)",
+}
 
 
 # ---- dimensions and the BFL single-file layout -----------------------------------------------------------------------
@@ -438,4 +447,6 @@ FAMILY = Family(
     full_extras=("vae.decoder.conv_in.weight", "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight"),
     describe_blocks=lambda c: f"{c['num_layers']} double + {c['num_single_layers']} single blocks",
     describe_conditioning=_describe_conditioning,
+    text_encoder=lambda variant: TEXT_ENCODERS[variant],
+    comfyui_since=lambda variant: "0.3.72" if variant == "flux2-dev" else "0.9.2",
 )

@@ -332,4 +332,7 @@ FAMILY = Family(
     describe_blocks=lambda c: f"{c['num_layers']} MMDiT blocks",
     describe_conditioning=lambda c: (f"cond [B, N, {c['joint_attention_dim']}] (Qwen2.5-VL), no pooled output, no "
                                      f"guidance; reference latents from the edit nodes"),
+    text_encoder=lambda variant: "Qwen2.5-VL 7B (CLIPLoader type qwen_image with "
+                                 "qwen_2.5_vl_7b_fp8_scaled.safetensors)",
+    comfyui_since=lambda variant: "0.3.49",   # its QwenImage model: c0124002, first released in 0.3.49
 )

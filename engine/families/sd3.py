@@ -290,4 +290,6 @@ FAMILY = Family(
     describe_conditioning=lambda c: (
         f"cond [B, {CLIP_TOKENS}+N, {c['joint_attention_dim']}] (CLIP-L+G padded to {c['joint_attention_dim']}, then "
         f"T5-XXL), pooled [B, {c['pooled_projection_dim']}] (CLIP-L+G)"),
+    text_encoder=lambda variant: "CLIP-G, CLIP-L and T5-XXL (TripleCLIPLoader with clip_g.safetensors, "
+                                 "clip_l.safetensors and t5xxl_fp16.safetensors, or the checkpoint's own CLIP)",
 )

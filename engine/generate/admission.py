@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from .. import wording
 from ..errors import PlanError
 from ..parallel.devices import Hardware, assumed_hardware
 from ..parallel.memory import fit_stages, memory_gib
@@ -56,8 +57,8 @@ def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardw
     if need <= have:
         return
     if parts["weights"] * (ranks if cpu else 1) >= have / 2:   # the model itself is the most of it
-        help = f"the weights alone need {parts['weights'] * (ranks if cpu else 1):,.1f} GiB: use fp8 weights, " \
-               f"bf16, fewer CPU ranks or a machine with more memory"
+        help = f"the weights alone need {parts['weights'] * (ranks if cpu else 1):,.1f} GiB: " \
+               f"{wording.say('lighter weights')}"
     else:
         help = "use a smaller image, batch or prompt"
     raise ValueError(f"{work.variant} with latent {size_px}, batch {work.batch}, {work.text_tokens} text tokens needs "
@@ -74,9 +75,9 @@ def fitted_stages(info, choice: PlanChoice, work: Workload, hardware: Hardware) 
     counts, gib, balanced = fit_stages(info, plan, work, hardware.memory_gib)
     per_stage = ", ".join(f"{g:.1f}" for g in gib)
     if counts is None:
-        raise PlanError(f"plan {plan.describe()} does not fit {work.variant} in {hardware.memory_gib:.0f} GiB per "
-                        f"GPU: its stages need {per_stage} GiB (weights, K/V buffers, activations) however the "
-                        f"blocks are split; use more stages, fp8 weights or a smaller image")
+        raise PlanError(f"{wording.say('plan subject', plan=wording.plan(plan))} does not fit {work.variant} in "
+                        f"{hardware.memory_gib:.0f} GiB per GPU: its stages need {per_stage} GiB (weights, K/V "
+                        f"buffers, activations) however the blocks are split; {wording.say('stages do not fit')}")
     if balanced:
         return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks need {per_stage} GiB"), None
     return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks (the compute-balanced split does not fit "
@@ -91,9 +92,9 @@ def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict |
     failed = estimate["total"]
     total = (memory or {}).get("device_total_gib")
     budget = total or failed
-    lighter = sorted((memory_gib(p, work)["total"], p.describe()) for p in feasible(ranks, work) if p != plan)
+    lighter = sorted((memory_gib(p, work)["total"], wording.plan(p)) for p in feasible(ranks, work) if p != plan)
     lighter = [(g, name) for g, name in lighter if g < min(failed, budget)]
-    advice = [f"the planner estimated {failed:.1f} GiB per rank for {plan.describe()} (weights "
+    advice = [f"the planner estimated {failed:.1f} GiB per rank for {wording.plan(plan)} (weights "
               f"{estimate['weights']:.1f}, activations {estimate['activations']:.1f}, runtime "
               f"{estimate['runtime']:.1f})" + (f" on a {total:.0f} GiB device" if total else "")]
     if lighter:

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from .. import wording
 from ..models.detect import CheckpointInfo
 from ..models.load import build_empty
 from ..models.lora import check_lora
@@ -95,29 +96,39 @@ def check_latent(info: CheckpointInfo, lat) -> tuple[int, int]:
 
 
 def check_side(name: str, cond, pooled, info: CheckpointInfo, batch: int) -> None:
-    """One side's conditioning: cond [B|1, N, width] and, where the family has one, pooled [B|1, D]."""
-    family = info.spec
+    """One side's conditioning: cond [B|1, N, width] and, where the family has one, pooled [B|1, D]. Conditioning
+    of another width is another model's text encoder's: the refusal names the one this model takes."""
+    family, v = info.spec, info.variant
     width, pooled_dim = family.cond_width(info.config), family.pooled_width(info.config)
     pooled_name = name.replace("cond", "pooled")
+    shown, shown_pooled = wording.say(name), wording.say(pooled_name)   # "cond", or the node's input
     rows = "1" if batch == 1 else f"1 or {batch}"
-    if pooled_dim is None and pooled is not None:
-        raise ValueError(f"{pooled_name} is given but {info.variant} takes no pooled conditioning: leave it out")
-    if pooled_dim is not None and pooled is None:
-        raise ValueError(f"{pooled_name} is missing: {info.variant} takes a pooled conditioning [batch, {pooled_dim}] "
-                         f"(pooled_output of its text encoder)")
+    encoder = f"{v}'s text encoder, {family.text_encoder(v)}"
     for t, what in ((cond, name), (pooled, pooled_name)):
         if (t is not None or what == name) and (not isinstance(t, torch.Tensor) or not t.is_floating_point()):
-            raise ValueError(f"{what} is {type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}: "
-                             f"give a floating-point tensor")
-    if cond.ndim != 3 or cond.shape[2] != width or cond.shape[1] < 1:
-        raise ValueError(f"{name} of shape {list(cond.shape)} is invalid: {info.variant} takes [batch, tokens, "
-                         f"{width}]")
+            raise ValueError(f"{wording.say(what)} is "
+                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}: give a "
+                             f"floating-point tensor")
+    if cond.ndim == 3 and cond.shape[2] != width:
+        given = f" and a pooled output {list(pooled.shape)}" if pooled is not None else ""
+        wanted = f"a pooled output [batch, {pooled_dim}]" if pooled_dim else "no pooled output"
+        raise ValueError(f"{shown} of shape {list(cond.shape)}{given} is another model's conditioning: {v} takes "
+                         f"[batch, tokens, {width}] and {wanted}; encode the prompt with {encoder}")
+    if pooled_dim is None and pooled is not None:
+        raise ValueError(f"{shown_pooled} is given but {v} takes no pooled conditioning: leave it out")
+    if pooled_dim is not None and pooled is None:
+        raise ValueError(f"{shown_pooled} is missing: {v} takes a pooled conditioning [batch, {pooled_dim}] "
+                         f"(the pooled output of {encoder})")
+    if cond.ndim != 3 or cond.shape[1] < 1:
+        raise ValueError(f"{shown} of shape {list(cond.shape)} is invalid: {v} takes [batch, tokens, {width}]")
     if pooled is not None and (pooled.ndim != 2 or pooled.shape[1] != pooled_dim):
-        raise ValueError(f"{pooled_name} of shape {list(pooled.shape)} is invalid: {info.variant} takes "
-                         f"[batch, {pooled_dim}]")
+        other = "; it is another model's: encode the prompt with " + encoder if pooled.ndim == 2 else ""
+        raise ValueError(f"{shown_pooled} of shape {list(pooled.shape)} is invalid: {v} takes [batch, {pooled_dim}]"
+                         f"{other}")
     for t, what in ((cond, name), (pooled, pooled_name)):
         if t is not None and t.shape[0] not in (1, batch):
-            raise ValueError(f"{what} has batch {t.shape[0]} but the latent has {batch}: give {what} a batch of {rows}")
+            raise ValueError(f"{wording.say(what)} has batch {t.shape[0]} but the latent has {batch}: give "
+                             f"{wording.say(what)} a batch of {rows}")
 
 
 def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 
 import torch
 
-from .. import families
+from .. import families, wording
 from ..errors import EngineError, PlanError
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.speed import ATTENTION
@@ -232,8 +232,8 @@ class GenerateRequest:
         if plan.pipefusion == 1:
             given = [f"{n}={getattr(self, n)!r}" for n in ("patches", "stage_blocks") if getattr(self, n) is not None]
             if given:
-                raise PlanError(f"{', '.join(given)} only apply with pipefusion >= 2; the plan is {plan.describe()}: "
-                                f"set pipefusion or leave them unset")
+                raise PlanError(f"{', '.join(given)} only apply with pipefusion >= 2; the plan is "
+                                f"{wording.plan(plan)}: set pipefusion or leave them unset")
             return
         problems = layout_problems(info, plan, latent_h, latent_w, self.patches, self.warmup_steps, self.steps,
                                    self.stage_blocks)
@@ -243,7 +243,8 @@ class GenerateRequest:
                             f"{latent_w}x{latent_h}: use an image whose sides are multiples of "
                             f"{p * info.spec.latent.downscale} px")
         if problems:
-            raise PlanError(f"plan {plan.describe()} cannot run this job: " + "; ".join(problems))
+            raise PlanError(f"{wording.say('plan subject', plan=wording.plan(plan))} cannot run this job: "
+                            + "; ".join(problems))
 
     @property
     def negative_pass(self) -> bool:

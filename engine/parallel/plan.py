@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import dataclass, asdict
 
+from .. import wording
 from ..errors import PlanError
 from ..models.synthetic import synthetic_info
 from .pipefusion.layout import pipefusion_problems
@@ -53,8 +54,8 @@ class ParallelPlan:
     def check_world(self, ranks: int) -> None:
         if self.world_size != ranks:
             factors = " x ".join(f"{n}={getattr(self, n)}" for n in DEGREES)
-            raise PlanError(f"plan {factors} needs {self.world_size} ranks but the engine has {ranks}: "
-                            f"make the product of the degrees equal the number of ranks")
+            raise PlanError(wording.say("plan needs ranks", factors=factors, plan=wording.plan(self),
+                                        need=self.world_size, ranks=ranks))
 
     def check_engine(self, ranks: int) -> None:
         """A plan runs on the first world_size ranks of an engine with at least that many (the others idle)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .. import wording
 from ..errors import PlanError
 from ..models.synthetic import synthetic_info
 from . import cost
@@ -48,7 +49,7 @@ def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
         light = Workload(**{**asdict(work), "weight_bytes": work.weight_bytes // per,
                             "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
         if min(memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= gib:
-            helps.append(f"fp8 weights would fit ({light.weight_bytes / GiB:.1f} GiB of weights)")
+            helps.append(wording.say("fp8 would fit", gib=light.weight_bytes / GiB))
     if ranks > 1:
         info = synthetic_info(f"synthetic:{work.variant}")
         for p in range(2, min(ranks, work.layers) + 1):
@@ -57,13 +58,13 @@ def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
                 continue
             counts, stage_gib, _ = fit_stages(info, plan, work, gib)
             if counts:
-                helps.append(f"explicit {plan.describe()} fits (stages of {counts} blocks need "
-                             f"{', '.join(f'{g:.1f}' for g in stage_gib)} GiB)")
+                helps.append(wording.say("plan would fit", plan=wording.plan(plan), detail=f"stages of {counts} "
+                                         f"blocks need {', '.join(f'{g:.1f}' for g in stage_gib)} GiB"))
                 break
     more = next((n for n in range(ranks + 1, MAX_RANKS + 1)
                  if any(memory_gib(p, work)["total"] <= gib for p in feasible(n, work))), None)
     if more:
-        helps.append(f"{more} GPUs would fit (sequence parallel splits the activations)")
+        helps.append(wording.say("more gpus would fit", n=more))
     return helps
 
 
@@ -74,7 +75,7 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
     helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
                  "GPUs with more memory")
     return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
-            f"needs {m['total']:.1f} GiB ({best.plan.describe()}: weights {m['weights']:.1f}, activations "
+            f"needs {m['total']:.1f} GiB ({wording.plan(best.plan)}: weights {m['weights']:.1f}, activations "
             f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; sequence, CFG and data parallel keep a full copy of "
             f"the weights on every GPU, and no PipeFusion split of the blocks fits either); " + "; ".join(helps))
 
@@ -148,7 +149,7 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         if not plans:
             raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
                             f"{work.image_tokens} image tokens, batch {work.batch}"
-                            f"{', cfg 1.0' if not work.negative_pass else ''}): change the rank count or the size")
+                            f"{', cfg 1.0' if not work.negative_pass else ''}): {wording.say('change ranks or size')}")
         plan = min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
         return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
     found = survey(ranks, work, hw, approximate)
@@ -210,12 +211,13 @@ def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload, hard
     if problems:
         plans = feasible(ranks, work)
         if not plans:
-            hint = f"; no plan for this job fits {ranks} ranks: change the rank count"
+            hint = f"; {wording.say('no plan fits the ranks', ranks=ranks)}"
         elif hw.device == "cpu":
-            hint = f"; try {_auto(ranks, work, hw).plan.describe()}"
+            hint = f"; try {wording.plan(_auto(ranks, work, hw).plan)}"
         else:
-            hint = f"; try {rank_plans(ranks, work, hw)[0].plan.describe()}"
-        raise PlanError(f"plan {requested.describe()} cannot run this job: " + "; ".join(problems) + hint)
+            hint = f"; try {wording.plan(rank_plans(ranks, work, hw)[0].plan)}"
+        raise PlanError(f"{wording.say('plan subject', plan=wording.plan(requested))} cannot run this job: "
+                        + "; ".join(problems) + hint)
     reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
     if hw.device != "cpu":
         reason += f"; {_fmt_estimate(cost.estimate(requested, work, hw))} on {hw.describe()}"

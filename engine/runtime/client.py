@@ -14,6 +14,7 @@ import time
 import torch
 
 from . import bridge
+from .. import wording
 from ..errors import EngineError, JobCancelled
 from .group import RankGroup
 from .protocol import ChannelClosed, ProtocolError
@@ -261,7 +262,8 @@ class Engine(RankGroup):
                 name = "broadcast" if phase[rank] == "sent" else phase[rank]
                 self._fail(f"rank {rank} exceeded the {name} deadline")
                 detail = (f"{deadlines.load_s:g} s + {deadlines.load_s_per_gib:g} s/GiB, deadlines load_s and "
-                          f"load_s_per_gib" if name == "load" else f"deadline {name}_s")
+                          f"load_s_per_gib" if name == "load" else wording.say("compute deadline")
+                          if name == "compute" else f"deadline {name}_s")
                 raise EngineError(f"job {job_id}: rank {rank} exceeded the {name} deadline during "
                                   f"{watch.where(rank)} ({limit:g} s, {detail}); the ranks will be replaced",
                                   rank=rank, phase=name)
