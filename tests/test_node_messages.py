@@ -130,17 +130,28 @@ def test_the_same_refusals_keep_the_engines_words_outside_the_nodes(tiny):
 @pytest.mark.parametrize("variant,version", [("flux2-dev", "0.3.72"), ("flux2-klein-4b", "0.9.2")])
 def test_a_comfyui_without_the_familys_model_names_the_release_that_has_it(nodes_module, tiny, monkeypatch, variant,
                                                                           version):
-    """The xDiT Guider (and the sampler's ComfyUI-driven samplers) need ComfyUI's model class for the family: a
-    ComfyUI older than it is told which release to update to."""
-    older = types.ModuleType("comfy.supported_models")   # a ComfyUI that defines no Flux2 model
-    monkeypatch.setitem(sys.modules, "comfy.supported_models", older)
-    monkeypatch.setattr(sys.modules["comfy"], "supported_models", older, raising=False)
-    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.ModuleType("comfy.model_patcher"))
+    """The xDiT Engine's MODEL is ComfyUI's own model class for the family: on a ComfyUI older than that class (its
+    model detection knows no such file) any use of the MODEL says which release to update to, and that the engine
+    output with xDiT Sampler works meanwhile."""
+    detection = types.ModuleType("comfy.model_detection")   # a ComfyUI whose detection knows no FLUX.2
+    detection.unet_prefix_from_state_dict = lambda sd: ""
+    detection.model_config_from_unet = lambda sd, prefix: None
+    detection.convert_diffusers_mmdit = lambda sd, prefix: None
+    patcher_module = types.ModuleType("comfy.model_patcher")
+    patcher_module.ModelPatcher = lambda model, **kw: types.SimpleNamespace(model=model)
+    extension = types.ModuleType("comfy.patcher_extension")
+    extension.CallbacksMP = types.SimpleNamespace(ON_CLEANUP="on_cleanup")
+    for name, module in (("comfy.model_detection", detection), ("comfy.model_patcher", patcher_module),
+                         ("comfy.patcher_extension", extension)):
+        monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setattr(sys.modules["comfy"], name.split(".")[1], module, raising=False)
     monkeypatch.setitem(sys.modules, "comfyui_version", types.SimpleNamespace(__version__="0.3.64"))
     path = tiny["dev" if variant == "flux2-dev" else "klein"]
     s = nodes_module.core.EngineSettings(model_path=path, gpus=(0,), device="cpu")
-    with pytest.raises(ValueError) as info:
-        nodes_module.sampling_model(s)
+    model = nodes_module.engine_model(s)
+    with pytest.raises(AttributeError) as info:
+        model.model.latent_format   # what KSampler reads first
     print(info.value)
-    assert str(info.value) == (f"{path} holds a {variant} transformer, and this ComfyUI (0.3.64) has no Flux2 model: "
-                               f"update ComfyUI to {version} or newer to sample it")
+    assert str(info.value) == (f"this ComfyUI (0.3.64) does not know {variant} (FLUX.2) models, so the xDiT Engine's "
+                               f"MODEL output cannot describe it: update ComfyUI to {version} or newer, or use the xDiT "
+                               f"Engine's engine output with xDiT Sampler")
