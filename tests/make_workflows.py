@@ -20,7 +20,7 @@ for path in (ROOT, HERE):
 
 import node_layout  # noqa: E402
 import workflow_graphs  # noqa: E402
-from workflow_nodes import definitions, sockets, widgets  # noqa: E402
+from workflow_nodes import current_title, definitions, sockets, widgets  # noqa: E402
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 API_DIR = os.path.join(WORKFLOW_DIR, "api")   # ComfyUI's template list reads workflows/*.json only
@@ -145,7 +145,7 @@ def api_workflow(ui, defs) -> dict:
                 _, src, slot, _, _, _ = links[socket["link"]]
                 inputs[socket["name"]] = [str(src), slot]
         api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs,
-                                "_meta": {"title": node.get("title") or d["display_name"]}}
+                                "_meta": {"title": node.get("title") or current_title(node["type"], d)}}
     return api
 
 

@@ -14,7 +14,7 @@ import comfyui_stock_nodes as stock
 import make_workflows
 import node_layout
 from conftest import ROOT
-from workflow_nodes import definitions as node_definitions, sockets, widgets
+from workflow_nodes import current_title, definitions as node_definitions, sockets, widgets
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
@@ -73,7 +73,7 @@ def widget_values(node, definition):
 def ui_to_api(ui, definitions):
     """What ComfyUI's frontend queues (File > Export (API)) for a UI workflow with no muted, bypassed, converted
     or primitive-fed widgets: every node but the frontend's own (virtual) ones by its id, widget values by name,
-    links as [source id, source slot]."""
+    links as [source id, source slot], the title the newest frontend shows."""
     links = {link[0]: link for link in ui["links"]}
     api = {}
     for node in ui["nodes"]:
@@ -87,7 +87,7 @@ def ui_to_api(ui, definitions):
                 _, src, src_slot, _, _, _ = links[socket["link"]]
                 inputs[socket["name"]] = [str(src), src_slot]
         api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs,
-                                "_meta": {"title": node.get("title") or definition["display_name"]}}
+                                "_meta": {"title": node.get("title") or current_title(node["type"], definition)}}
     return api
 
 

@@ -8,6 +8,7 @@ import comfyui_stock_nodes as stock
 from conftest import PACK_NAME, load_pack
 
 WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
+NEWEST_FRONTEND = "1.49.6"
 SEED_CONTROL = {"name": "control_after_generate", "values": ("fixed", "increment", "decrement", "randomize")}
 _KINDS = {"COMBO": "combo", "INT": "number", "FLOAT": "number", "STRING": "text", "BOOLEAN": "toggle"}
 
@@ -58,6 +59,12 @@ def widgets(definition):
 def titles(node_type, definition) -> set:
     """Every title a frontend shows for a node of this type that has no title of its own."""
     return {definition["display_name"]} | {t[node_type] for t in stock.FRONTEND_TITLES.values() if node_type in t}
+
+
+def current_title(node_type, definition) -> str:
+    """The title the newest frontend checked shows for a node of this type that has no title of its own (and puts in
+    the API prompt's _meta)."""
+    return stock.FRONTEND_TITLES[NEWEST_FRONTEND].get(node_type, definition["display_name"])
 
 
 def drawn_outputs(node_type, definition):
