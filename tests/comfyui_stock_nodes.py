@@ -9,7 +9,7 @@ Comfy-Org/ComfyUI (formerly comfyanonymous/ComfyUI), commit a125cd84b054a57729b5
 - comfy_extras/nodes_edit_model.py: ReferenceLatent (V3 io.Schema);
 - comfy_extras/nodes_sd3.py: TripleCLIPLoader, EmptySD3LatentImage (V3 io.Schema);
 - nodes.py CLIPLoader; comfy_extras/nodes_qwen.py TextEncodeQwenImageEdit; comfy_extras/nodes_post_processing.py
-  ImageScaleToTotalPixels (V3 io.Schema): what the Qwen-Image templates (comfyui-workflow-templates 0.1.95, the
+  ImageScaleToTotalPixels (V3 io.Schema): what the Qwen-Image templates (comfyui-workflow-templates 0.1.94, the
   version 0.3.64 pins: image_qwen_image.json, image_qwen_image_edit.json) use.
 The FLUX.2 workflows' nodes come from a later ComfyUI, the first with FLUX.2 being 0.3.72 (commit 6b573ae0, "Flux 2"):
 - nodes.py: CLIPLoader's type list as of v0.12.1 (fe2511468d6b3f7a1581a711ae480f3313f2b39d): 0.3.64's list plus
@@ -30,6 +30,22 @@ In the API format (POST /prompt, ComfyUI's script_examples/basic_api_example.py)
 widget values as values, links as [source node id (string), source output slot]; the UI-only values
 (control_after_generate's mode, the upload button) have no entry.
 
+The sampling side of ComfyUI's own templates (comfyui-workflow-templates 0.1.94, which 0.3.64's frontend pins, and
+comfyui-workflow-templates-json 0.1.50: image_qwen_image.json, image_qwen_image_edit.json,
+image_flux2_text_to_image.json, image_flux2_klein_text_to_image.json), added for the workflows that keep it:
+- comfy_extras/nodes_model_advanced.py ModelSamplingAuraFlow; comfy_extras/nodes_cfg.py CFGNorm (V3);
+- comfy_extras/nodes_custom_sampler.py RandomNoise, KSamplerSelect, BasicGuider, CFGGuider, SamplerCustomAdvanced;
+  nodes.py ConditioningZeroOut (all in 0.3.64);
+- comfy_extras/nodes_flux.py Flux2Scheduler (V3, 0.3.72 on; as in 0.33.0).
+Inputs a later ComfyUI added carry "since" (as ComfyUI 0.33.0 defines them, comfyui_version.py "0.33.0"): the
+workflows save them too, because 0.33.0 refuses an API prompt without a required one ("Required input is missing")
+while 0.3.64 ignores inputs its node does not declare (both checked by POST /prompt) and its frontend ignores
+widgets_values past the widgets a node has. LATER_OUTPUTS lists outputs a later ComfyUI added (not saved: an
+output slot 0.3.64's node lacks would show on it; they count only for the node's drawn size).
+
+How the frontends show these nodes (titles from their en locale, src/locales/en/nodeDefs.json, read from the page):
+FRONTEND_TITLES; the frontend's own nodes (no server definition, never sent to the server): FRONTEND_NODES.
+
 This module is data only. Each input is a dict:
   name, type: the input's name and type as ComfyUI declares it (a socket type such as "CLIP", or a widget type:
               "COMBO", "INT", "FLOAT", "STRING", "BOOLEAN");
@@ -38,15 +54,29 @@ This module is data only. Each input is a dict:
                             ComfyUI lists the options from at run time;
                 "number"    INT/FLOAT with "default", "min", "max", "step";
                 "text"      a single-line STRING; "multiline" a multi-line STRING (with "dynamicPrompts");
+                "toggle"    a BOOLEAN; "markdown" the Markdown Note's text;
   optional:   True for inputs declared under "optional" (they still get a widget and a widgets_values entry);
   advanced:   True for inputs ComfyUI marks advanced;
-  ui_extra:   a UI-only widget the frontend adds right after this one, saved in widgets_values only.
-Outputs are (type, name) pairs in slot order.
+  ui_extra:   a UI-only widget the frontend adds right after this one, saved in widgets_values only;
+  since:      a ComfyUI version that has the input and 0.3.64 lacks: "0.33.0" where it was added somewhere between
+              the two, the release that added it where known; absent: 0.3.64 has it. On a node, the release that
+              added the node.
+Outputs are (type, name) pairs in slot order. "image_preview": the frontend shows the node's image (the loaded or
+the saved one) below its widgets.
 """
 
 COMFYUI_VERSION = "0.3.64"
 COMFYUI_COMMIT = "a125cd84b054a57729b5eecab930ca9408719832"
 MAX_RESOLUTION = 16384  # nodes.py
+# comfy/samplers.py (0.3.64), SAMPLER_NAMES = KSAMPLER_NAMES + ["ddim", "uni_pc", "uni_pc_bh2"]
+SAMPLER_NAMES = ("euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_cfg_pp", "heun", "heunpp2", "dpm_2",
+                 "dpm_2_ancestral", "lms", "dpm_fast", "dpm_adaptive", "dpmpp_2s_ancestral",
+                 "dpmpp_2s_ancestral_cfg_pp", "dpmpp_sde", "dpmpp_sde_gpu", "dpmpp_2m", "dpmpp_2m_cfg_pp",
+                 "dpmpp_2m_sde", "dpmpp_2m_sde_gpu", "dpmpp_2m_sde_heun", "dpmpp_2m_sde_heun_gpu", "dpmpp_3m_sde",
+                 "dpmpp_3m_sde_gpu", "ddpm", "lcm", "ipndm", "ipndm_v", "deis", "res_multistep",
+                 "res_multistep_cfg_pp", "res_multistep_ancestral", "res_multistep_ancestral_cfg_pp",
+                 "gradient_estimation", "gradient_estimation_cfg_pp", "er_sde", "seeds_2", "seeds_3", "sa_solver",
+                 "sa_solver_pece", "ddim", "uni_pc", "uni_pc_bh2")
 
 STOCK_NODES = {
     # nodes.py, class CLIPTextEncode: "text": (IO.STRING, {"multiline": True, "dynamicPrompts": True}),
@@ -102,6 +132,7 @@ STOCK_NODES = {
     "EmptyFlux2LatentImage": {
         "display_name": "Empty Flux 2 Latent",
         "source": "comfy_extras/nodes_flux.py",
+        "since": "0.3.72",
         "inputs": (
             {"name": "width", "type": "INT", "widget": "number", "default": 1024, "min": 16, "max": MAX_RESOLUTION,
              "step": 16},
@@ -152,6 +183,9 @@ STOCK_NODES = {
              "options": ("nearest-exact", "bilinear", "area", "bicubic", "lanczos")},
             {"name": "megapixels", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.01, "max": 16.0,
              "step": 0.01},
+            # 0.33.0: io.Int.Input("resolution_steps", default=1, min=1, max=256, advanced=True), required
+            {"name": "resolution_steps", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 256,
+             "advanced": True, "since": "0.33.0"},
         ),
         "outputs": (("IMAGE", "IMAGE"),),
         "output_node": False,
@@ -247,6 +281,7 @@ STOCK_NODES = {
     "SaveImage": {
         "display_name": "Save Image",
         "source": "nodes.py",
+        "image_preview": True,
         "inputs": (
             {"name": "images", "type": "IMAGE"},
             {"name": "filename_prefix", "type": "STRING", "widget": "text", "default": "ComfyUI"},
@@ -259,6 +294,7 @@ STOCK_NODES = {
     "LoadImage": {
         "display_name": "Load Image",
         "source": "nodes.py",
+        "image_preview": True,
         "inputs": (
             {"name": "image", "type": "COMBO", "widget": "combo", "folder": "input", "image_upload": True,
              "ui_extra": {"name": "upload", "value": "image"}},
@@ -266,8 +302,161 @@ STOCK_NODES = {
         "outputs": (("IMAGE", "IMAGE"), ("MASK", "MASK")),
         "output_node": False,
     },
+    # comfy_extras/nodes_model_advanced.py, ModelSamplingAuraFlow: "model": ("MODEL",), "shift": ("FLOAT",
+    # {"default": 1.73, "min": 0.0, "max": 100.0, "step": 0.01}); RETURN_TYPES = ("MODEL",)
+    "ModelSamplingAuraFlow": {
+        "display_name": "ModelSamplingAuraFlow",
+        "source": "comfy_extras/nodes_model_advanced.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "shift", "type": "FLOAT", "widget": "number", "default": 1.73, "min": 0.0, "max": 100.0,
+             "step": 0.01},
+        ),
+        "outputs": (("MODEL", "MODEL"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_cfg.py, CFGNorm: io.Model.Input("model"), io.Float.Input("strength", default=1.0, min=0.0,
+    # max=100.0, step=0.01); io.Model.Output(display_name="patched_model"); 0.33.0 adds
+    # io.Boolean.Input("pre_cfg", default=False, optional=True)
+    "CFGNorm": {
+        "display_name": "CFGNorm",
+        "source": "comfy_extras/nodes_cfg.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "strength", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 100.0,
+             "step": 0.01},
+            {"name": "pre_cfg", "type": "BOOLEAN", "widget": "toggle", "default": False, "optional": True,
+             "since": "0.33.0"},
+        ),
+        "outputs": (("MODEL", "patched_model"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, RandomNoise: "noise_seed": ("INT", {"default": 0, "min": 0,
+    # "max": 0xffffffffffffffff, "control_after_generate": True}); RETURN_TYPES = ("NOISE",)
+    "RandomNoise": {
+        "display_name": "RandomNoise",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "noise_seed", "type": "INT", "widget": "number", "default": 0, "min": 0,
+             "max": 0xffffffffffffffff,
+             "ui_extra": {"name": "control_after_generate", "values": ("fixed", "increment", "decrement",
+                                                                       "randomize")}},
+        ),
+        "outputs": (("NOISE", "NOISE"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, KSamplerSelect: "sampler_name": (comfy.samplers.SAMPLER_NAMES,);
+    # RETURN_TYPES = ("SAMPLER",)
+    "KSamplerSelect": {
+        "display_name": "KSamplerSelect",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "sampler_name", "type": "COMBO", "widget": "combo", "options": SAMPLER_NAMES},
+        ),
+        "outputs": (("SAMPLER", "SAMPLER"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, BasicGuider: "model": ("MODEL",), "conditioning": ("CONDITIONING",);
+    # RETURN_TYPES = ("GUIDER",)
+    "BasicGuider": {
+        "display_name": "BasicGuider",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "conditioning", "type": "CONDITIONING"},
+        ),
+        "outputs": (("GUIDER", "GUIDER"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, CFGGuider: "model", "positive", "negative", "cfg": ("FLOAT",
+    # {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}); RETURN_TYPES = ("GUIDER",)
+    "CFGGuider": {
+        "display_name": "CFGGuider",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "cfg", "type": "FLOAT", "widget": "number", "default": 8.0, "min": 0.0, "max": 100.0,
+             "step": 0.1},
+        ),
+        "outputs": (("GUIDER", "GUIDER"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, SamplerCustomAdvanced: "noise": ("NOISE",), "guider": ("GUIDER",),
+    # "sampler": ("SAMPLER",), "sigmas": ("SIGMAS",), "latent_image": ("LATENT",); RETURN_TYPES = ("LATENT",
+    # "LATENT"), RETURN_NAMES = ("output", "denoised_output")
+    "SamplerCustomAdvanced": {
+        "display_name": "SamplerCustomAdvanced",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "noise", "type": "NOISE"},
+            {"name": "guider", "type": "GUIDER"},
+            {"name": "sampler", "type": "SAMPLER"},
+            {"name": "sigmas", "type": "SIGMAS"},
+            {"name": "latent_image", "type": "LATENT"},
+        ),
+        "outputs": (("LATENT", "output"), ("LATENT", "denoised_output")),
+        "output_node": False,
+    },
+    # nodes.py, class ConditioningZeroOut: "conditioning": ("CONDITIONING",); RETURN_TYPES = ("CONDITIONING",)
+    "ConditioningZeroOut": {
+        "display_name": "ConditioningZeroOut",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "conditioning", "type": "CONDITIONING"},
+        ),
+        "outputs": (("CONDITIONING", "CONDITIONING"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_flux.py (0.3.72 on), Flux2Scheduler: io.Int.Input("steps", default=20, min=1, max=4096),
+    # io.Int.Input("width", default=1024, min=16, max=nodes.MAX_RESOLUTION, step=1), height likewise;
+    # io.Sigmas.Output() (FLUX.2's resolution-dependent schedule)
+    "Flux2Scheduler": {
+        "display_name": "Flux2Scheduler",
+        "source": "comfy_extras/nodes_flux.py",
+        "since": "0.3.72",
+        "inputs": (
+            {"name": "steps", "type": "INT", "widget": "number", "default": 20, "min": 1, "max": 4096},
+            {"name": "width", "type": "INT", "widget": "number", "default": 1024, "min": 16, "max": MAX_RESOLUTION,
+             "step": 1},
+            {"name": "height", "type": "INT", "widget": "number", "default": 1024, "min": 16,
+             "max": MAX_RESOLUTION, "step": 1},
+        ),
+        "outputs": (("SIGMAS", "SIGMAS"),),
+        "output_node": False,
+    },
 }
 
-# The stock nodes the pack's nodes replace (the sampler, and the loader of the diffusion model, which the engine
-# loads itself); none of the example workflows uses them.
-REPLACED_BY_XDIT = ("KSampler", "KSamplerAdvanced", "UNETLoader")
+# Outputs a later ComfyUI added to a node: nodes.py (0.33.0), class SaveImage: RETURN_TYPES = ("IMAGE",),
+# RETURN_NAMES = ("images",).
+LATER_OUTPUTS = {"SaveImage": (("IMAGE", "images"),)}
+
+# The frontend's own nodes (src/extensions/core/noteNode.ts in 1.27.10 and 1.49.6): virtual, never sent to the
+# server. MarkdownNote holds one Markdown "text" widget (ComfyWidgets.MARKDOWN), saved in widgets_values.
+FRONTEND_NODES = {
+    "MarkdownNote": {
+        "display_name": "Markdown Note",
+        "source": "src/extensions/core/noteNode.ts",
+        "inputs": (
+            {"name": "text", "type": "STRING", "widget": "markdown"},
+        ),
+        "outputs": (),
+        "output_node": False,
+        "virtual": True,
+    },
+}
+
+# Node titles the frontends show where they differ from the display name above: each frontend's en locale names
+# some stock nodes itself (src/locales/en/nodeDefs.json, display_name), whatever the server says.
+FRONTEND_TITLES = {
+    "1.27.10": {"ImageScaleToTotalPixels": "Scale Image to Total Pixels"},
+    "1.49.6": {"DualCLIPLoader": "Load CLIP (Dual)", "TripleCLIPLoader": "Load CLIP (Triple)",
+               "ImageScaleToTotalPixels": "Scale Image to Total Pixels", "ReferenceLatent": "Set Reference Latent",
+               "BasicGuider": "Basic Guider", "CFGGuider": "CFG Guider",
+               "ConditioningZeroOut": "Conditioning Zero Out"},
+}
+
+# The stock nodes the pack's nodes replace in the example workflows (KSampler, where a template has it, and the
+# loader of the diffusion model, which the engine loads itself); none of them uses these.
+REPLACED_BY_XDIT = ("KSampler", "KSamplerAdvanced", "UNETLoader", "CheckpointLoaderSimple")

@@ -1,17 +1,20 @@
 """The example workflows in workflows/: each UI (drag-and-drop) file is a well-formed ComfyUI graph of known nodes
-(the pack's, from xdit_nodes/specs.py; the stock ones, from tests/comfyui_stock_nodes.py), its links join outputs to inputs
-of the same type, its widget values fit their widgets, and its .api.json twin is exactly its translation to the
-API prompt format. Pure JSON checks: no engine starts."""
-import importlib
+(the pack's, from xdit_nodes/specs.py; the stock and the frontend's own ones, from tests/comfyui_stock_nodes.py), its
+links join outputs to inputs of the same type, its widget values fit their widgets, its nodes are drawn without
+overlapping or cutting a text short, and its api/ twin is exactly its translation to the API prompt format. The files
+are what tests/make_workflows.py writes from tests/workflow_graphs.py. Pure JSON checks: no engine starts."""
+import glob
 import json
 import math
 import os
-import sys
 
 import pytest
 
 import comfyui_stock_nodes as stock
-from conftest import PACK_NAME, ROOT, load_pack
+import make_workflows
+import node_layout
+from conftest import ROOT
+from workflow_nodes import current_title, definitions as node_definitions, sockets, widgets
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
@@ -24,58 +27,28 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "flux2-dev": "flux2_dev_fp8mixed.safetensors",
                "flux2-dev-multi-reference": "flux2_dev_fp8mixed.safetensors",
                "flux2-klein-4b": "flux-2-klein-4b.safetensors"}
-ENGINE_PATCHES = ("XDiTModelSampling", "XDiTCFGNorm", "XDiTLoRA")   # engine -> engine nodes
-WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
+# The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2.
+NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2"}
+MODEL_PATCHES = ("ModelSamplingAuraFlow", "CFGNorm")        # stock MODEL -> MODEL nodes the templates use
+SAMPLERS = ("XDiTSampler", "SamplerCustomAdvanced")
+# model-file widgets and the models/ folders their files belong in
+MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints"),
+                 ("VAELoader", "vae_name"): ("vae",), ("CLIPLoader", "clip_name"): ("text_encoders",),
+                 **{(t, f"clip_name{i}"): ("text_encoders",)
+                    for t, n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3)) for i in range(1, n + 1)}}
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
 
 
 @pytest.fixture(scope="module")
-def node_specs():
-    load_pack()
-    return importlib.import_module(PACK_NAME + ".xdit_nodes.specs")
-
-
-# ---- node definitions, ours and stock, in one shape ------------------------------------------------------------
-def _from_spec(spec):
-    inputs = []
-    for f in spec.inputs:
-        entry = {"name": f.name, "type": f.type}
-        if f.type in WIDGET_TYPES:
-            entry.update(widget=f.type.lower(), options=tuple(f.options), min=f.min, max=f.max)
-            if f.control_after_generate:
-                entry["ui_extra"] = {"name": "control_after_generate",
-                                     "values": ("fixed", "increment", "decrement", "randomize")}
-        inputs.append(entry)
-    return {"display_name": spec.display_name, "inputs": tuple(inputs),
-            "outputs": tuple((t, n) for t, n in spec.outputs), "output_node": spec.output_node, "ours": True}
-
-
-@pytest.fixture(scope="module")
-def definitions(node_specs):
-    """Node type -> definition. Our engine's model_name options are ComfyUI's model folders at run time: here they
-    are the files the example workflows name."""
-    ours = [node_specs.engine_spec(sorted(set(MODEL_FILES.values()))), node_specs.SAMPLER_SPEC, node_specs.INFO_SPEC, node_specs.SAMPLING_SPEC,
-            node_specs.CFG_NORM_SPEC]
-    defs = {spec.node_id: _from_spec(spec) for spec in ours}
-    for node_type, d in stock.STOCK_NODES.items():
-        defs[node_type] = dict(d, ours=False)
-    assert not set(o.node_id for o in ours) & set(stock.STOCK_NODES)
-    return defs
-
-
-def sockets(definition):
-    return [i for i in definition["inputs"] if "widget" not in i]
-
-
-def widgets(definition):
-    return [i for i in definition["inputs"] if "widget" in i]
+def definitions():
+    return node_definitions(MODEL_FILES.values())
 
 
 def load(name):
     with open(os.path.join(WORKFLOW_DIR, f"{name}.json")) as f:
         ui = json.load(f)
-    with open(os.path.join(WORKFLOW_DIR, f"{name}.api.json")) as f:
+    with open(os.path.join(WORKFLOW_DIR, "api", f"{name}.api.json")) as f:
         api = json.load(f)
     return ui, api
 
@@ -99,19 +72,22 @@ def widget_values(node, definition):
 
 def ui_to_api(ui, definitions):
     """What ComfyUI's frontend queues (File > Export (API)) for a UI workflow with no muted, bypassed, converted
-    or primitive-fed widgets: every node by its id, widget values by name, links as [source id, source slot]."""
+    or primitive-fed widgets: every node but the frontend's own (virtual) ones by its id, widget values by name,
+    links as [source id, source slot], the title the newest frontend shows."""
     links = {link[0]: link for link in ui["links"]}
     api = {}
     for node in ui["nodes"]:
         assert node["mode"] == 0, f"node {node['id']} is muted or bypassed"
         definition = definitions[node["type"]]
+        if definition.get("virtual"):
+            continue
         inputs, _ = widget_values(node, definition)
         for socket in node["inputs"]:
             if socket["link"] is not None:
                 _, src, src_slot, _, _, _ = links[socket["link"]]
                 inputs[socket["name"]] = [str(src), src_slot]
         api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs,
-                                "_meta": {"title": node.get("title") or definition["display_name"]}}
+                                "_meta": {"title": node.get("title") or current_title(node["type"], definition)}}
     return api
 
 
@@ -121,18 +97,79 @@ def source(api, node_id, input_name):
     return src, api[src]
 
 
-def engine_of(api, node_id):
-    """The XDiTEngine node behind node_id's engine input, through engine -> engine nodes (sampling, CFGNorm, LoRA)."""
-    src_id, src = source(api, node_id, "engine")
-    while src["class_type"] in ENGINE_PATCHES:
-        src_id, src = source(api, src_id, "engine")
-    return src_id, src
-
-
 def only(api, class_type):
     ids = [i for i, n in api.items() if n["class_type"] == class_type]
     assert len(ids) == 1, f"{len(ids)} {class_type} nodes"
     return ids[0], api[ids[0]]
+
+
+def sampler_of(api):
+    ids = [i for i, n in api.items() if n["class_type"] in SAMPLERS]
+    assert len(ids) == 1, f"{len(ids)} samplers"
+    return ids[0], api[ids[0]]
+
+
+def model_chain(api, node_id, input_name="model"):
+    """The MODEL nodes from node_id's input back to the xDiT Engine: [(id, node), ...], the engine last."""
+    chain, (src_id, src) = [], source(api, node_id, input_name)
+    while src["class_type"] in MODEL_PATCHES:
+        chain.append((src_id, src))
+        src_id, src = source(api, src_id, "model")
+    return chain + [(src_id, src)]
+
+
+def box(node):
+    """The node as drawn: its body and the title bar above it (x, y, w, h)."""
+    x, y = node["pos"]
+    w, h = node["size"]
+    return x, y - node_layout.TITLE_HEIGHT, w, h + node_layout.TITLE_HEIGHT
+
+
+def overlaps(ui):
+    """Pairs of node ids whose drawn boxes intersect."""
+    found, nodes = [], ui["nodes"]
+    for i, a in enumerate(nodes):
+        ax, ay, aw, ah = box(a)
+        for b in nodes[i + 1:]:
+            bx, by, bw, bh = box(b)
+            if ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah:
+                found.append((a["id"], b["id"]))
+    return found
+
+
+def undersized(ui, definitions):
+    """Nodes saved smaller than a frontend draws them (so drawn larger than saved) or cutting a text short."""
+    found = []
+    for n in ui["nodes"]:
+        need = node_layout.min_size(n["type"], definitions[n["type"]], n["widgets_values"], n.get("title"))
+        if n["size"][0] < need[0] or n["size"][1] < need[1]:
+            found.append((n["id"], n["type"], n["size"], need))
+    return found
+
+
+# ---- the files ----------------------------------------------------------------------------------------------------
+def test_the_workflow_files_are_what_make_workflows_writes():
+    """Regenerate with `python tests/make_workflows.py` after changing a graph or a node's inputs: the sizes follow
+    the widgets."""
+    wanted = make_workflows.files()
+    assert sorted(wanted) == sorted([f"workflows/{n}.json" for n in WORKFLOWS] +
+                                    [f"workflows/api/{n}.api.json" for n in WORKFLOWS])
+    for path, text in wanted.items():
+        with open(os.path.join(ROOT, path)) as f:
+            assert f.read() == text, f"{path} is not what tests/make_workflows.py writes: run it"
+
+
+def test_the_template_list_holds_the_ui_workflows_only_each_with_a_thumbnail():
+    """ComfyUI lists a pack's templates as custom_node_manager.py does (glob <pack>/workflows/*.json, no subfolder,
+    in 0.3.64 and 0.33.0 alike) and both frontends fetch each card's picture as <name>.jpg beside it."""
+    listed = sorted(os.path.basename(p)[:-len(".json")] for p in glob.glob(os.path.join(WORKFLOW_DIR, "*.json")))
+    assert listed == sorted(WORKFLOWS)
+    for name in WORKFLOWS:
+        with open(os.path.join(WORKFLOW_DIR, f"{name}.jpg"), "rb") as f:
+            picture = f.read()
+        assert picture[:3] == b"\xff\xd8\xff" and 2_000 < len(picture) < 200_000, name
+    assert sorted(glob.glob(os.path.join(WORKFLOW_DIR, "*.jpg"))) == \
+        sorted(os.path.join(WORKFLOW_DIR, f"{n}.jpg") for n in WORKFLOWS)
 
 
 # ---- every workflow ---------------------------------------------------------------------------------------------
@@ -143,8 +180,11 @@ def test_every_node_is_ours_or_stock_and_none_is_replaced_by_the_pack(name, defi
     assert set(types) <= set(definitions), set(types) - set(definitions)
     assert not set(types) & set(stock.REPLACED_BY_XDIT)
     assert not {n["class_type"] for n in api.values()} & set(stock.REPLACED_BY_XDIT)
-    for t in ("XDiTEngine", "XDiTSampler", "XDiTEngineInfo", "VAEDecode", "SaveImage"):
+    # the engine's own sampling nodes stay for saved workflows; shipped ones patch the MODEL with ComfyUI's nodes
+    assert not set(types) & {"XDiTModelSampling", "XDiTCFGNorm", "XDiTGuider"}
+    for t in ("XDiTEngine", "XDiTEngineInfo", "VAEDecode", "SaveImage"):
         assert types.count(t) == 1, (t, types.count(t))
+    assert sum(types.count(t) for t in SAMPLERS) == 1
     for node in ui["nodes"]:
         assert node["properties"]["Node name for S&R"] == node["type"]
     assert ui["version"] == 0.4 and ui["groups"] == [] and isinstance(ui["config"], dict)
@@ -159,7 +199,7 @@ def test_ui_links_join_outputs_to_inputs_of_the_same_type_and_agree_with_the_nod
     assert len(set(link_ids)) == len(link_ids), "duplicate link ids"
     assert ui["last_node_id"] >= max(nodes) and ui["last_link_id"] >= max(link_ids)
 
-    # each node's sockets are its type's, in order, and every required input is connected
+    # each node's sockets are its type's, in the frontend's order, and every required input is connected
     for node in ui["nodes"]:
         definition = definitions[node["type"]]
         assert [(s["name"], s["type"]) for s in node["inputs"]] == \
@@ -247,28 +287,86 @@ def test_the_api_file_is_the_translation_of_the_ui_file(name, definitions):
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
-def test_the_pack_replaces_the_sampler_and_the_model_loader_only(name):
+def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sampler(name):
+    """The template's graph with its loader swapped: the engine's MODEL (slot 1), through the template's own MODEL
+    nodes, into the xDiT Sampler's model input (its engine input unconnected) or the stock guider; Info on the
+    engine's engine output (slot 0), run after the sampler's LATENT; text encoders, VAE decode and save stock."""
     _, api = load(name)
-    sampler_id, sampler = only(api, "XDiTSampler")
     engine_id, engine = only(api, "XDiTEngine")
-    info_id, info = only(api, "XDiTEngineInfo")
-    assert engine_of(api, sampler_id)[0] == engine_id and info["inputs"]["engine"] == sampler["inputs"]["engine"]
+    sampler_id, sampler = sampler_of(api)
+    if sampler["class_type"] == "XDiTSampler":
+        assert "engine" not in sampler["inputs"]
+        consumer = (sampler_id, sampler)
+    else:
+        consumer = source(api, sampler_id, "guider")
+    chain = [consumer] + model_chain(api, consumer[0])
+    assert chain[-1][0] == engine_id and chain[-2][1]["inputs"]["model"] == [engine_id, 1]
+    _, info = only(api, "XDiTEngineInfo")
+    assert info["inputs"]["engine"] == [engine_id, 0]
     assert info["inputs"]["after"] == [sampler_id, 0]   # Info runs after the sampler (workflows/README.md)
+    assert info["inputs"]["unload"] is False
     assert engine["inputs"]["model_name"] == MODEL_FILES[name]
     assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
-    assert info["inputs"]["unload"] is False
-    # text encoders, VAE decode and save stay ComfyUI's own
     decode_id, decode = only(api, "VAEDecode")
     assert decode["inputs"]["samples"] == [sampler_id, 0]
     assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
     _, save = only(api, "SaveImage")
-    assert save["inputs"]["images"] == [decode_id, 0]
-    for side in ("positive", "negative"):
-        src_id, src = source(api, sampler_id, side)
-        while src["class_type"] in ("FluxGuidance", "ReferenceLatent"):
-            src_id, src = source(api, src_id, "conditioning")
-        assert src["class_type"] in ("CLIPTextEncode", "TextEncodeQwenImageEdit"), side
-        assert source(api, src_id, "clip")[1]["class_type"] in ("DualCLIPLoader", "TripleCLIPLoader", "CLIPLoader")
+    assert save["inputs"]["images"] == [decode_id, 0] and save["inputs"]["filename_prefix"] == f"xDiT/{name}"
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_no_two_nodes_overlap_and_every_link_runs_rightwards_or_down(name):
+    ui, _ = load(name)
+    assert overlaps(ui) == []
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    for link_id, src, _, dst, _, _ in ui["links"]:
+        (sx, sy), (dx, dy) = nodes[src]["pos"], nodes[dst]["pos"]
+        assert dx > sx or (dx == sx and dy > sy), (name, link_id, nodes[src]["type"], nodes[dst]["type"])
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_node_is_saved_as_large_as_both_frontends_draw_it(name, definitions):
+    """Saved at least at computeSize, a node is drawn at its saved size (no larger, so no overlap), with its title
+    and every widget's label and value whole ("model_name", not "mod...")."""
+    ui, _ = load(name)
+    assert undersized(ui, definitions) == []
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_model_file_names_its_download_and_its_folder(name):
+    """properties.models as ComfyUI's own templates carry it: the frontend's missing-models panel names the folder
+    and offers the download from it."""
+    ui, _ = load(name)
+    for node in ui["nodes"]:
+        files = {k[1]: v for k, v in MODEL_WIDGETS.items() if k[0] == node["type"]}
+        if not files:
+            assert "models" not in node["properties"], node["type"]
+            continue
+        values = [v for v in node["widgets_values"] if isinstance(v, str) and v.endswith(".safetensors")]
+        models = node["properties"]["models"]
+        assert [m["name"] for m in models] == values, node["type"]
+        for m in models:
+            assert set(m) == {"name", "url", "directory"}
+            assert m["url"].startswith("https://huggingface.co/") and "/resolve/main/" in m["url"], m
+            assert m["directory"] in {f for folders in files.values() for f in folders}, m
+            assert m["url"].endswith("/" + m["name"]) or m["name"] == "sd3.5_vae.safetensors", m
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_a_workflow_that_needs_a_newer_comfyui_says_which_in_a_note_and_the_readme(name, definitions):
+    ui, _ = load(name)
+    needs = NEEDS_COMFYUI.get(name)
+    notes = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "MarkdownNote"]
+    newest = max((definitions[n["type"]].get("since", "0.3.64") for n in ui["nodes"]),
+                 key=lambda v: tuple(map(int, v.split("."))))
+    if needs is None:
+        assert notes == [] and newest == "0.3.64"
+        return
+    assert len(notes) == 1 and f"Needs ComfyUI {needs} or later" in notes[0]
+    assert tuple(map(int, needs.split("."))) >= tuple(map(int, newest.split(".")))
+    with open(os.path.join(WORKFLOW_DIR, "README.md")) as f:
+        rows = [line for line in f if line.startswith(f"| `{name}` |")]
+    assert len(rows) == 1 and f"ComfyUI {needs}" in rows[0]
 
 
 # ---- what each workflow is for ------------------------------------------------------------------------------------
@@ -276,8 +374,9 @@ def test_flux1_dev_uses_flux_guidance_at_cfg_1():
     _, api = load("flux1-dev")
     sampler_id, sampler = only(api, "XDiTSampler")
     s = sampler["inputs"]
-    assert s["cfg"] == 1.0 and s["steps"] == 28 and s["denoise"] == 1.0
+    assert s["cfg"] == 1.0 and s["steps"] == 28 and s["denoise"] == 1.0 and s["seed"] == 42
     assert (s["sampler_name"], s["scheduler"]) == ("euler", "simple")
+    assert s["model"] == [only(api, "XDiTEngine")[0], 1]   # the template has no MODEL node for FLUX.1
     guidance_id, guidance = source(api, sampler_id, "positive")
     assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 3.5
     assert source(api, guidance_id, "conditioning")[1]["inputs"]["text"].strip()
@@ -356,16 +455,16 @@ def test_flux1_kontext_dev_edits_a_reference_image_as_comfyuis_kontext_example()
 
 
 def test_qwen_image_is_comfyuis_template_with_the_engine_for_the_model():
-    """ComfyUI's Qwen-Image template (comfyui-workflow-templates 0.1.95, image_qwen_image.json): the Qwen2.5-VL text
-    encoder (CLIPLoader type qwen_image), an empty prompt as the negative, ModelSamplingAuraFlow 3.1 (here xDiT Model
-    Sampling on the engine), EmptySD3LatentImage 1328x1328, 20 euler/simple steps at cfg 2.5."""
+    """ComfyUI's Qwen-Image template (comfyui-workflow-templates 0.1.94, image_qwen_image.json): the Qwen2.5-VL text
+    encoder (CLIPLoader type qwen_image), an empty prompt as the negative, ModelSamplingAuraFlow 3.1 on the model,
+    EmptySD3LatentImage 1328x1328, 20 euler/simple steps at cfg 2.5."""
     _, api = load("qwen-image")
     sampler_id, sampler = only(api, "XDiTSampler")
     s = sampler["inputs"]
     assert (s["cfg"], s["steps"], s["denoise"], s["sampler_name"], s["scheduler"]) == (2.5, 20, 1.0, "euler", "simple")
-    sampling_id, sampling = source(api, sampler_id, "engine")
-    assert sampling["class_type"] == "XDiTModelSampling" and sampling["inputs"]["method"] == "aura_flow"
-    assert sampling["inputs"]["shift"] == 3.1
+    (_, sampling), (_, engine) = model_chain(api, sampler_id)
+    assert sampling["class_type"] == "ModelSamplingAuraFlow" and sampling["inputs"]["shift"] == 3.1
+    assert engine["class_type"] == "XDiTEngine"
     assert source(api, sampler_id, "latent_image")[1]["inputs"] == {"width": 1328, "height": 1328, "batch_size": 1}
     assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""
     clip_id = source(api, source(api, sampler_id, "positive")[0], "clip")[0]
@@ -375,20 +474,20 @@ def test_qwen_image_is_comfyuis_template_with_the_engine_for_the_model():
 def test_qwen_image_edit_is_comfyuis_edit_template_with_the_engine_for_the_model():
     """ComfyUI's Qwen-Image-Edit template (image_qwen_image_edit.json): the image scaled to 1 megapixel (lanczos), its
     latent both the latent to sample and, through TextEncodeQwenImageEdit on both sides, the reference latents;
-    ModelSamplingAuraFlow 3.0 and CFGNorm 1 (here on the engine), 20 euler/simple steps at cfg 2.5."""
+    ModelSamplingAuraFlow 3.0 then CFGNorm 1 on the model, 20 euler/simple steps at cfg 2.5."""
     _, api = load("qwen-image-edit")
     sampler_id, sampler = only(api, "XDiTSampler")
     s = sampler["inputs"]
     assert (s["cfg"], s["steps"], s["sampler_name"], s["scheduler"]) == (2.5, 20, "euler", "simple")
-    norm_id, norm = source(api, sampler_id, "engine")
-    assert norm["class_type"] == "XDiTCFGNorm" and norm["inputs"]["strength"] == 1.0
-    sampling = source(api, norm_id, "engine")[1]
-    assert (sampling["class_type"], sampling["inputs"]["method"], sampling["inputs"]["shift"]) == \
-        ("XDiTModelSampling", "aura_flow", 3.0)
+    (_, norm), (_, sampling), (_, engine) = model_chain(api, sampler_id)
+    assert norm["class_type"] == "CFGNorm" and norm["inputs"]["strength"] == 1.0
+    assert (sampling["class_type"], sampling["inputs"]["shift"]) == ("ModelSamplingAuraFlow", 3.0)
+    assert engine["class_type"] == "XDiTEngine"
     encode_id, encode = source(api, sampler_id, "latent_image")
     scale_id, scale = source(api, encode_id, "pixels")
     assert (scale["class_type"], scale["inputs"]["upscale_method"], scale["inputs"]["megapixels"]) == \
         ("ImageScaleToTotalPixels", "lanczos", 1.0)
+    assert scale["inputs"]["resolution_steps"] == 1   # required by ComfyUI 0.33.0, ignored by 0.3.64
     for side in ("positive", "negative"):
         side_id, node = source(api, sampler_id, side)
         assert node["class_type"] == "TextEncodeQwenImageEdit"
@@ -396,31 +495,45 @@ def test_qwen_image_edit_is_comfyuis_edit_template_with_the_engine_for_the_model
     assert source(api, sampler_id, "negative")[1]["inputs"]["prompt"] == ""
 
 
-def test_flux2_dev_uses_flux_guidance_on_an_empty_flux2_latent_at_cfg_1():
+def _flux2_sampling(api, steps):
+    """The FLUX.2 templates' SamplerCustomAdvanced: seed 42, euler, Flux2Scheduler for 1024x1024, an empty FLUX.2
+    latent of that size."""
+    sampler_id, sampler = only(api, "SamplerCustomAdvanced")
+    assert source(api, sampler_id, "noise")[1]["inputs"]["noise_seed"] == 42
+    assert source(api, sampler_id, "sampler")[1]["inputs"] == {"sampler_name": "euler"}
+    sigmas = source(api, sampler_id, "sigmas")[1]
+    assert sigmas["class_type"] == "Flux2Scheduler"
+    assert sigmas["inputs"] == {"steps": steps, "width": 1024, "height": 1024}
+    latent = source(api, sampler_id, "latent_image")[1]
+    assert latent["class_type"] == "EmptyFlux2LatentImage"
+    assert latent["inputs"] == {"width": 1024, "height": 1024, "batch_size": 1}
+    return sampler_id, source(api, sampler_id, "guider")
+
+
+def test_flux2_dev_is_comfyuis_template_with_basic_guider_on_the_engines_model():
     """ComfyUI's FLUX.2 [dev] template: the Mistral-3 text encoder through CLIPLoader type flux2, FluxGuidance 4,
-    EmptyFlux2LatentImage, cfg 1 (the negative unused), euler; the VAE is FLUX.2's."""
+    BasicGuider on the model, RandomNoise, KSamplerSelect euler, Flux2Scheduler 20 steps, SamplerCustomAdvanced;
+    the VAE is FLUX.2's."""
     _, api = load("flux2-dev")
-    sampler_id, sampler = only(api, "XDiTSampler")
-    s = sampler["inputs"]
-    assert (s["cfg"], s["steps"], s["denoise"], s["sampler_name"], s["scheduler"]) == (1.0, 20, 1.0, "euler", "simple")
-    guidance_id, guidance = source(api, sampler_id, "positive")
+    _, (guider_id, guider) = _flux2_sampling(api, 20)
+    assert guider["class_type"] == "BasicGuider"
+    assert guider["inputs"]["model"] == [only(api, "XDiTEngine")[0], 1]
+    guidance_id, guidance = source(api, guider_id, "conditioning")
     assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 4.0
     assert source(api, guidance_id, "conditioning")[1]["inputs"]["text"].strip()
-    assert source(api, sampler_id, "negative")[1]["inputs"]["text"] == ""
     assert only(api, "CLIPLoader")[1]["inputs"] == {"clip_name": "mistral_3_small_flux2_bf16.safetensors",
                                                     "type": "flux2", "device": "default"}
-    assert source(api, sampler_id, "latent_image")[1] == dict(only(api, "EmptyFlux2LatentImage")[1])
-    assert only(api, "EmptyFlux2LatentImage")[1]["inputs"] == {"width": 1024, "height": 1024, "batch_size": 1}
     assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == "flux2-vae.safetensors"
 
 
 def test_flux2_dev_multi_reference_chains_two_reference_latents_on_the_prompt():
     """Two images, each LoadImage -> FluxKontextImageScale -> VAEEncode (the FLUX.2 VAE), chained ReferenceLatent
-    nodes on the prompt (FLUX.2 places them at index 10 and 20), FluxGuidance 4, an empty 1024x1024 FLUX.2 latent."""
+    nodes on the prompt (FLUX.2 places them at index 10 and 20), FluxGuidance 4 -> BasicGuider, an empty 1024x1024
+    FLUX.2 latent."""
     _, api = load("flux2-dev-multi-reference")
-    sampler_id, sampler = only(api, "XDiTSampler")
-    assert sampler["inputs"]["cfg"] == 1.0 and sampler["inputs"]["denoise"] == 1.0
-    guidance_id, guidance = source(api, sampler_id, "positive")
+    _, (guider_id, guider) = _flux2_sampling(api, 20)
+    assert guider["class_type"] == "BasicGuider"
+    guidance_id, guidance = source(api, guider_id, "conditioning")
     assert guidance["class_type"] == "FluxGuidance" and guidance["inputs"]["guidance"] == 4.0
     node_id, node = source(api, guidance_id, "conditioning")
     images = []
@@ -434,22 +547,26 @@ def test_flux2_dev_multi_reference_chains_two_reference_latents_on_the_prompt():
         node_id, node = source(api, node_id, "conditioning")
     assert node["class_type"] == "CLIPTextEncode" and node["inputs"]["text"].strip()
     assert images == ["jacket.png", "person.png"]   # the chain read from the sampler back: reference 2 last
-    assert source(api, sampler_id, "latent_image")[1]["class_type"] == "EmptyFlux2LatentImage"
 
 
-def test_flux2_klein_4b_runs_4_steps_without_guidance():
-    """The distilled [klein] 4B: the Qwen3 4B text encoder through CLIPLoader type flux2, 4 steps at cfg 1, no
-    FluxGuidance (klein has no guidance embedding)."""
+def test_flux2_klein_4b_is_comfyuis_distilled_template_at_cfg_1():
+    """ComfyUI's FLUX.2 [klein] 4B distilled template: the Qwen3 4B text encoder through CLIPLoader type flux2,
+    CFGGuider at cfg 1 with the prompt zeroed out as the negative, no FluxGuidance (klein has no guidance
+    embedding), Flux2Scheduler 4 steps."""
     _, api = load("flux2-klein-4b")
-    sampler_id, sampler = only(api, "XDiTSampler")
-    assert sampler["inputs"]["steps"] == 4 and sampler["inputs"]["cfg"] == 1.0
+    _, (guider_id, guider) = _flux2_sampling(api, 4)
+    assert guider["class_type"] == "CFGGuider" and guider["inputs"]["cfg"] == 1.0
+    assert guider["inputs"]["model"] == [only(api, "XDiTEngine")[0], 1]
+    positive_id, positive = source(api, guider_id, "positive")
+    assert positive["class_type"] == "CLIPTextEncode" and positive["inputs"]["text"].strip()
+    zero = source(api, guider_id, "negative")[1]
+    assert zero["class_type"] == "ConditioningZeroOut" and zero["inputs"]["conditioning"] == [positive_id, 0]
     assert "FluxGuidance" not in {n["class_type"] for n in api.values()}
-    assert source(api, sampler_id, "positive")[1]["class_type"] == "CLIPTextEncode"
     assert only(api, "CLIPLoader")[1]["inputs"]["clip_name"] == "qwen_3_4b.safetensors"
     assert only(api, "CLIPLoader")[1]["inputs"]["type"] == "flux2"
-    assert source(api, sampler_id, "latent_image")[1]["class_type"] == "EmptyFlux2LatentImage"
 
 
+# ---- the checks themselves -----------------------------------------------------------------------------------------
 def test_the_test_catches_a_broken_workflow(definitions):
     """The translation and the checks reject what they should: a dropped link, a swapped widget, a stray input."""
     ui, api = load("flux1-dev")
@@ -464,3 +581,16 @@ def test_the_test_catches_a_broken_workflow(definitions):
     next(n for n in bad["nodes"] if n["type"] == "XDiTSampler")["widgets_values"].pop(1)  # the "fixed" mode
     with pytest.raises(AssertionError):
         ui_to_api(bad, definitions)
+
+
+def test_the_layout_checks_catch_an_overlap_and_a_node_too_small_for_its_texts(definitions):
+    ui, _ = load("qwen-image")
+    moved = json.loads(json.dumps(ui))
+    engine = next(n for n in moved["nodes"] if n["type"] == "XDiTEngine")
+    clip = next(n for n in moved["nodes"] if n["type"] == "CLIPLoader")
+    engine["pos"] = [clip["pos"][0] + 10, clip["pos"][1] + clip["size"][1] + 10]   # its title bar on the loader
+    assert (clip["id"], engine["id"]) in overlaps(moved)
+    narrow = json.loads(json.dumps(ui))
+    engine = next(n for n in narrow["nodes"] if n["type"] == "XDiTEngine")
+    engine["size"][0] = 270   # the frontend's default width: "qwen_image_fp8_e4m3fn.safetensors" would be cut
+    assert [n[0] for n in undersized(narrow, definitions)] == [engine["id"]]

@@ -1,0 +1,300 @@
+"""What each workflow in workflows/ is, compactly: its nodes (type, widget values, column, title), what feeds each
+input, and where its model files come from. tests/make_workflows.py turns these into the UI and API files.
+
+Each graph is ComfyUI's own template for its model with the diffusion-model loader (UNETLoader, Load Checkpoint)
+swapped for the xDiT Engine. Where the template samples with KSampler, the engine's MODEL goes through the
+template's own MODEL nodes into the xDiT Sampler's `model` input; where it samples with SamplerCustomAdvanced (the
+FLUX.2 templates), its guider takes the engine's MODEL. Every graph has an xDiT Engine Info node on the engine, run
+after the sampler."""
+from dataclasses import dataclass, field
+
+GPUS = "0,1,2,3"
+SEED = 42
+
+# Where each model file comes from (name -> download URL, ComfyUI models/ folder), as ComfyUI's own templates link
+# them (comfyui-workflow-templates 0.1.94 and comfyui-workflow-templates-json 0.1.50, each loader node's
+# properties.models) where a template names the file; the others from their publishers' repositories.
+HF = "https://huggingface.co/"
+MODEL_SOURCES = {
+    "flux1-dev.safetensors": (HF + "Comfy-Org/flux1-dev/resolve/main/flux1-dev.safetensors", "diffusion_models"),
+    "flux1-schnell.safetensors": (HF + "Comfy-Org/flux1-schnell/resolve/main/flux1-schnell.safetensors",
+                                  "diffusion_models"),
+    # Black Forest Labs' own file (gated: accept the licence on the model page first)
+    "flux1-kontext-dev.safetensors": (HF + "black-forest-labs/FLUX.1-Kontext-dev/resolve/main/"
+                                      "flux1-kontext-dev.safetensors", "diffusion_models"),
+    # Stability AI's own checkpoint (gated), which ComfyUI's SD3.5 examples load from checkpoints/
+    "sd3.5_large.safetensors": (HF + "stabilityai/stable-diffusion-3.5-large/resolve/main/sd3.5_large.safetensors",
+                                "checkpoints"),
+    "qwen_image_fp8_e4m3fn.safetensors": (HF + "Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/"
+                                          "diffusion_models/qwen_image_fp8_e4m3fn.safetensors", "diffusion_models"),
+    "qwen_image_edit_fp8_e4m3fn.safetensors": (HF + "Comfy-Org/Qwen-Image-Edit_ComfyUI/resolve/main/split_files/"
+                                               "diffusion_models/qwen_image_edit_fp8_e4m3fn.safetensors",
+                                               "diffusion_models"),
+    "flux2_dev_fp8mixed.safetensors": (HF + "Comfy-Org/flux2-dev/resolve/main/split_files/diffusion_models/"
+                                       "flux2_dev_fp8mixed.safetensors", "diffusion_models"),
+    "flux-2-klein-4b.safetensors": (HF + "Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/"
+                                    "flux-2-klein-4b.safetensors", "diffusion_models"),
+    "t5xxl_fp16.safetensors": (HF + "comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+                               "text_encoders"),
+    "clip_l.safetensors": (HF + "comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors", "text_encoders"),
+    "clip_g.safetensors": (HF + "Comfy-Org/stable-diffusion-3.5-fp8/resolve/main/text_encoders/clip_g.safetensors",
+                           "text_encoders"),
+    "qwen_2.5_vl_7b_fp8_scaled.safetensors": (HF + "Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/"
+                                              "text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors", "text_encoders"),
+    "mistral_3_small_flux2_bf16.safetensors": (HF + "Comfy-Org/flux2-dev/resolve/main/split_files/text_encoders/"
+                                               "mistral_3_small_flux2_bf16.safetensors", "text_encoders"),
+    "qwen_3_4b.safetensors": (HF + "Comfy-Org/flux2-klein/resolve/main/split_files/text_encoders/"
+                              "qwen_3_4b.safetensors", "text_encoders"),
+    "ae.safetensors": (HF + "Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors", "vae"),
+    # SD3.5's VAE as Stability AI publishes it (gated), vae/diffusion_pytorch_model.safetensors: saved under this
+    # name in vae/
+    "sd3.5_vae.safetensors": (HF + "stabilityai/stable-diffusion-3.5-large/resolve/main/vae/"
+                              "diffusion_pytorch_model.safetensors", "vae"),
+    "qwen_image_vae.safetensors": (HF + "Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/"
+                                   "qwen_image_vae.safetensors", "vae"),
+    "flux2-vae.safetensors": (HF + "Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors", "vae"),
+}
+
+
+@dataclass
+class Node:
+    type: str
+    values: list
+    column: int
+    title: str | None = None
+    links: dict = field(default_factory=dict)   # input name -> (node, output slot)
+    size: tuple = (0, 0)                        # at least this (w, h); the layout makes it no smaller than drawn
+    key: int = 0                                # its id: its place in the graph, from 1
+
+    def out(self, slot: int = 0):
+        return (self, slot)
+
+
+@dataclass
+class Graph:
+    name: str
+    needs_comfyui: str = "0.3.64"               # the oldest ComfyUI that has every node the graph uses
+    nodes: list = field(default_factory=list)
+
+    def add(self, type, values=(), column=0, title=None, size=(0, 0), **links) -> Node:
+        node = Node(type, list(values), column, title,
+                    {k: (v if isinstance(v, tuple) else v.out()) for k, v in links.items()}, size,
+                    key=len(self.nodes) + 1)
+        self.nodes.append(node)
+        return node
+
+
+PROMPT_BOX = (400, 200)      # the frontend gives a new text-prompt node this size (minNodeSize)
+EMPTY_PROMPT_BOX = (400, 120)
+SAVE_BOX = (440, 480)        # room for the saved image's preview
+LOAD_BOX = (320, 360)        # room for the loaded image's preview
+
+
+def _engine(g: Graph, model, column=0):
+    return g.add("XDiTEngine", [model, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0, False, "auto", 1,
+                                0, 1], column)
+
+
+def _xdit_sampler(g, column, model, positive, negative, latent, steps, cfg, denoise=1.0):
+    return g.add("XDiTSampler", [SEED, "fixed", steps, cfg, "euler", "simple", denoise], column, positive=positive,
+                 negative=negative, latent_image=latent, model=model)
+
+
+def _finish(g, column, engine, latent, vae):
+    """VAE Decode -> Save Image, and the Info node on the engine, run after the sampler."""
+    decode = g.add("VAEDecode", [], column, samples=latent, vae=vae)
+    g.add("XDiTEngineInfo", [False], column, engine=engine.out(0), after=latent)
+    g.add("SaveImage", [f"xDiT/{g.name}"], column + 1, size=SAVE_BOX, images=decode)
+
+
+def _prompt(g, column, clip, text, title=None, box=PROMPT_BOX):
+    return g.add("CLIPTextEncode", [text], column, title, box, clip=clip)
+
+
+def _flux1(name, model, steps, guidance=3.5, image=False, denoise=1.0) -> Graph:
+    """ComfyUI's FLUX.1 [dev] / [schnell] text-to-image template (flux_dev_full_text_to_image.json: the model's
+    MODEL straight into the sampler), or with image=True its image-to-image example (Load Image -> VAE Encode)."""
+    g = Graph(name)
+    clip = g.add("DualCLIPLoader", ["t5xxl_fp16.safetensors", "clip_l.safetensors", "flux", "default"], 0)
+    engine = _engine(g, model)
+    vae = g.add("VAELoader", ["ae.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS[name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, "", "CLIP Text Encode (Negative Prompt, unused at cfg 1.0)", EMPTY_PROMPT_BOX)
+    if guidance is not None:
+        positive = g.add("FluxGuidance", [guidance], 1, conditioning=positive)
+    if image:
+        pixels = g.add("LoadImage", ["example.png", "image"], 0, size=LOAD_BOX)
+        latent = g.add("VAEEncode", [], 1, pixels=pixels, vae=vae)
+    else:
+        latent = g.add("EmptySD3LatentImage", [1024, 1024, 1], 1)
+    sampler = _xdit_sampler(g, 2, engine.out(1), positive, negative, latent, steps, 1.0, denoise)
+    _finish(g, 3, engine, sampler, vae)
+    return g
+
+
+def _sd35() -> Graph:
+    """ComfyUI's SD3.5 example: the checkpoint's model into KSampler, a real negative prompt at cfg 4.5."""
+    g = Graph("sd3.5-large")
+    clip = g.add("TripleCLIPLoader", ["clip_g.safetensors", "clip_l.safetensors", "t5xxl_fp16.safetensors"], 0)
+    engine = _engine(g, "sd3.5_large.safetensors")
+    vae = g.add("VAELoader", ["sd3.5_vae.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS["sd3.5-large"], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, NEGATIVE_SD35, "CLIP Text Encode (Negative Prompt)")
+    latent = g.add("EmptySD3LatentImage", [1024, 1024, 1], 1)
+    sampler = _xdit_sampler(g, 2, engine.out(1), positive, negative, latent, 28, 4.5)
+    _finish(g, 3, engine, sampler, vae)
+    return g
+
+
+def _kontext() -> Graph:
+    """ComfyUI's FLUX.1 Kontext [dev] example: the reference image scaled (FluxKontextImageScale), VAE-encoded and
+    attached to the instruction by ReferenceLatent, FluxGuidance 2.5; an empty 1024x1024 latent, 20 steps."""
+    g = Graph("flux1-kontext-dev")
+    clip = g.add("DualCLIPLoader", ["t5xxl_fp16.safetensors", "clip_l.safetensors", "flux", "default"], 0)
+    engine = _engine(g, "flux1-kontext-dev.safetensors")
+    vae = g.add("VAELoader", ["ae.safetensors"], 0)
+    image = g.add("LoadImage", ["example.png", "image"], 0, size=LOAD_BOX)
+    instruction = _prompt(g, 1, clip, PROMPTS["flux1-kontext-dev"], "CLIP Text Encode (Edit Instruction)")
+    negative = _prompt(g, 1, clip, "", "CLIP Text Encode (Negative Prompt, unused at cfg 1.0)", EMPTY_PROMPT_BOX)
+    scaled = g.add("FluxKontextImageScale", [], 1, image=image)
+    encoded = g.add("VAEEncode", [], 1, pixels=scaled, vae=vae)
+    reference = g.add("ReferenceLatent", [], 2, conditioning=instruction, latent=encoded)
+    positive = g.add("FluxGuidance", [2.5], 2, conditioning=reference)
+    latent = g.add("EmptySD3LatentImage", [1024, 1024, 1], 2)
+    sampler = _xdit_sampler(g, 3, engine.out(1), positive, negative, latent, 20, 1.0)
+    _finish(g, 4, engine, sampler, vae)
+    return g
+
+
+def _qwen_image() -> Graph:
+    """ComfyUI's Qwen-Image template (image_qwen_image.json): ModelSamplingAuraFlow 3.1 on the model, an empty
+    negative prompt (real CFG 2.5), EmptySD3LatentImage 1328x1328, 20 euler/simple steps."""
+    g = Graph("qwen-image")
+    clip = g.add("CLIPLoader", ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"], 0)
+    engine = _engine(g, "qwen_image_fp8_e4m3fn.safetensors")
+    vae = g.add("VAELoader", ["qwen_image_vae.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS["qwen-image"], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, "", "CLIP Text Encode (Negative Prompt)", EMPTY_PROMPT_BOX)
+    shifted = g.add("ModelSamplingAuraFlow", [3.1], 1, model=engine.out(1))
+    latent = g.add("EmptySD3LatentImage", [1328, 1328, 1], 1)
+    sampler = _xdit_sampler(g, 2, shifted, positive, negative, latent, 20, 2.5)
+    _finish(g, 3, engine, sampler, vae)
+    return g
+
+
+def _qwen_image_edit() -> Graph:
+    """ComfyUI's Qwen-Image-Edit template (image_qwen_image_edit.json): the image scaled to 1 megapixel (lanczos),
+    TextEncodeQwenImageEdit (with the VAE: the reference latent) for the instruction and an empty negative, the
+    scaled image's latent to sample; ModelSamplingAuraFlow 3.0 then CFGNorm 1 on the model, 20 steps at cfg 2.5."""
+    g = Graph("qwen-image-edit")
+    clip = g.add("CLIPLoader", ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"], 0)
+    engine = _engine(g, "qwen_image_edit_fp8_e4m3fn.safetensors")
+    vae = g.add("VAELoader", ["qwen_image_vae.safetensors"], 0)
+    image = g.add("LoadImage", ["example.png", "image"], 0, size=LOAD_BOX)
+    scaled = g.add("ImageScaleToTotalPixels", ["lanczos", 1.0, 1], 1, image=image)
+    shifted = g.add("ModelSamplingAuraFlow", [3.0], 1, model=engine.out(1))
+    normed = g.add("CFGNorm", [1.0, False], 1, model=shifted)
+    positive = g.add("TextEncodeQwenImageEdit", [PROMPTS["qwen-image-edit"]], 2,
+                     "TextEncodeQwenImageEdit (Positive)", PROMPT_BOX, clip=clip, vae=vae, image=scaled)
+    negative = g.add("TextEncodeQwenImageEdit", [""], 2, "TextEncodeQwenImageEdit (Negative)", EMPTY_PROMPT_BOX,
+                     clip=clip, vae=vae, image=scaled)
+    latent = g.add("VAEEncode", [], 2, pixels=scaled, vae=vae)
+    sampler = _xdit_sampler(g, 3, normed, positive, negative, latent, 20, 2.5)
+    _finish(g, 4, engine, sampler, vae)
+    return g
+
+
+def _custom_sampling(g, column, steps, engine, vae, guider, size=1024):
+    """The FLUX.2 templates' sampling: an empty FLUX.2 latent, RandomNoise, KSamplerSelect euler, Flux2Scheduler
+    for the image size and the guider (`guider(column)` adds it under them), into SamplerCustomAdvanced."""
+    latent = g.add("EmptyFlux2LatentImage", [size, size, 1], column)
+    noise = g.add("RandomNoise", [SEED, "fixed"], column)
+    select = g.add("KSamplerSelect", ["euler"], column)
+    sigmas = g.add("Flux2Scheduler", [steps, size, size], column)
+    sampler = g.add("SamplerCustomAdvanced", [], column + 1, noise=noise, guider=guider(column), sampler=select,
+                    sigmas=sigmas, latent_image=latent)
+    decode = g.add("VAEDecode", [], column + 1, samples=sampler.out(0), vae=vae)
+    g.add("XDiTEngineInfo", [False], column + 1, engine=engine.out(0), after=sampler.out(0))
+    g.add("SaveImage", [f"xDiT/{g.name}"], column + 2, size=SAVE_BOX, images=decode)
+
+
+def _version_note(g, column, why):
+    g.add("MarkdownNote", [f"**Needs ComfyUI {g.needs_comfyui} or later** ({why}).\n\n"
+                           "Set the xDiT Engine's `gpus` to your GPUs."], column, size=(400, 120))
+
+
+def _flux2_dev(multi_reference=False) -> Graph:
+    """ComfyUI's FLUX.2 [dev] template (image_flux2_text_to_image.json): Mistral-3 through CLIPLoader type flux2,
+    FluxGuidance 4 -> BasicGuider on the model, EmptyFlux2LatentImage 1024x1024, 20 steps. multi_reference: two
+    images, each scaled (FluxKontextImageScale) and VAE-encoded, chained ReferenceLatent nodes on the instruction
+    (FLUX.2 places reference k at time index 10 k)."""
+    g = Graph("flux2-dev-multi-reference" if multi_reference else "flux2-dev", needs_comfyui="0.3.72")
+    _version_note(g, 0, "FLUX.2 [dev]: its text encoder type, EmptyFlux2LatentImage and Flux2Scheduler")
+    clip = g.add("CLIPLoader", ["mistral_3_small_flux2_bf16.safetensors", "flux2", "default"], 0)
+    engine = _engine(g, "flux2_dev_fp8mixed.safetensors")
+    vae = g.add("VAELoader", ["flux2-vae.safetensors"], 0)
+    if multi_reference:
+        encoded = []
+        for k, picture in enumerate(("person.png", "jacket.png"), 1):
+            image = g.add("LoadImage", [picture, "image"], 1, f"Load Image (Reference {k})", LOAD_BOX)
+            scaled = g.add("FluxKontextImageScale", [], 2, image=image)
+            encoded.append(g.add("VAEEncode", [], 2, pixels=scaled, vae=vae))
+        conditioning = _prompt(g, 3, clip, PROMPTS[g.name], "CLIP Text Encode (Edit Instruction)")
+        for latent in encoded:
+            conditioning = g.add("ReferenceLatent", [], 3, conditioning=conditioning, latent=latent)
+        column = 3
+    else:
+        conditioning = _prompt(g, 1, clip, PROMPTS[g.name])
+        column = 1
+    positive = g.add("FluxGuidance", [4.0], column, conditioning=conditioning)
+    _custom_sampling(g, column + 1, 20, engine, vae,
+                     lambda c: g.add("BasicGuider", [], c, model=engine.out(1), conditioning=positive))
+    return g
+
+
+def _flux2_klein() -> Graph:
+    """ComfyUI's FLUX.2 [klein] 4B (distilled) template (image_flux2_klein_text_to_image.json): Qwen3 4B through
+    CLIPLoader type flux2, CFGGuider at cfg 1 with the prompt zeroed out as the negative, no FluxGuidance (klein
+    has no guidance embedding), EmptyFlux2LatentImage 1024x1024, 4 steps."""
+    g = Graph("flux2-klein-4b", needs_comfyui="0.9.2")
+    _version_note(g, 0, "FLUX.2 [klein]: its Qwen3 text encoder under CLIPLoader type flux2, "
+                        "EmptyFlux2LatentImage and Flux2Scheduler")
+    clip = g.add("CLIPLoader", ["qwen_3_4b.safetensors", "flux2", "default"], 0)
+    engine = _engine(g, "flux-2-klein-4b.safetensors")
+    vae = g.add("VAELoader", ["flux2-vae.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS["flux2-klein-4b"])
+    negative = g.add("ConditioningZeroOut", [], 1, conditioning=positive)
+    _custom_sampling(g, 2, 4, engine, vae,
+                     lambda c: g.add("CFGGuider", [1.0], c, model=engine.out(1), positive=positive, negative=negative))
+    return g
+
+
+PROMPTS = {
+    "flux1-dev": "a red fox curled up asleep on a mossy stone in a misty pine forest at dawn, soft golden light, "
+                 "shallow depth of field, highly detailed photograph",
+    "flux1-dev-img2img": "the same scene repainted as a watercolor illustration, loose brush strokes, soft pastel "
+                         "palette, paper texture",
+    "flux1-kontext-dev": "change the weather to a snowy winter evening, keep the composition, the subject and the "
+                         "camera angle unchanged",
+    "sd3.5-large": "a cozy reading nook in a sunlit library, tall wooden bookshelves, a green velvet armchair, dust "
+                   "motes in the light, a hand-lettered sign that reads \"QUIET PLEASE\", cinematic photograph",
+    "qwen-image": "a tidy bookshop window at dusk, a hand-painted sign reading \"OPEN LATE\", warm light, rain on the "
+                  "glass, photographed with a 35mm lens",
+    "qwen-image-edit": "replace the sign's text with \"CLOSED\" and make it daytime; keep everything else unchanged",
+    "flux2-dev": "a red fox sitting in tall grass at golden hour, shallow depth of field, photographed on 35mm film, "
+                 "the words \"FLUX.2\" painted on a weathered wooden sign behind it",
+    "flux2-dev-multi-reference": "the woman from image 1 wearing the jacket from image 2, standing on a rainy city "
+                                 "street at night, neon reflections on the wet pavement",
+}
+PROMPTS["flux1-schnell"] = PROMPTS["flux1-dev"]
+PROMPTS["flux2-klein-4b"] = PROMPTS["flux2-dev"]
+NEGATIVE_SD35 = "blurry, low quality, jpeg artifacts, watermark, deformed, oversaturated"
+
+
+def graphs() -> list[Graph]:
+    return [_flux1("flux1-dev", "flux1-dev.safetensors", 28),
+            _flux1("flux1-schnell", "flux1-schnell.safetensors", 4, guidance=None),
+            _sd35(),
+            _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
+            _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
+            _flux2_klein()]
