@@ -27,7 +27,7 @@ def conditioning(info: CheckpointInfo) -> str:
 
 def latent_rule(info: CheckpointInfo) -> str:
     """The LATENT the model samples, and the image sizes it takes."""
-    fmt = info.spec.latent
+    fmt = info.latent
     rule = (f"{fmt.shape_rule()} for a W x H image, W and H multiples of {info.latent_patch * fmt.downscale} px "
             f"(raw VAE space)")
     side = info.spec.max_latent_side(info.config)

@@ -148,7 +148,7 @@ def _latent(a, info) -> torch.Tensor:
         raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor (it has {_some(names)}): give a "
                          f"ComfyUI LATENT file")
     if samples.ndim == 4:  # other shapes: request.validate names what the model takes
-        d = info.spec.latent.downscale   # image pixels per latent pixel: 8, or 16 for FLUX.2
+        d = info.latent.downscale   # image pixels per latent pixel: 8, or 16 for FLUX.2
         size = (samples.shape[3] * d, samples.shape[2] * d)
         if (a.width or size[0], a.height or size[1]) != size:
             raise UsageError(f"argument --latent: {a.latent} is {size[0]}x{size[1]} px but --width/--height say "
