@@ -421,7 +421,8 @@ def request(files, variant, j, plan=ParallelPlan(), **extra):
     if "image" in j:
         fields.update(concat_latent_image=j["image"][0], concat_mask=j["image"][1],
                       neg_concat_latent_image=j["image"][0], neg_concat_mask=j["image"][1])
-    return GenerateRequest(model=files[variant], latent_raw=j["latent_raw"], seed=j["seed"], steps=STEPS, cfg=j["cfg"],
+    extra.setdefault("steps", STEPS)
+    return GenerateRequest(model=files[variant], latent_raw=j["latent_raw"], seed=j["seed"], cfg=j["cfg"],
                            plan=plan, **fields, **extra).validate(plan.world_size)
 
 
@@ -488,6 +489,26 @@ def test_every_plan_equals_one_rank(files, engines, one_rank, variant, degrees, 
     one = one_rank(variant, spec)
     assert report(f"Wan {variant} {plan.describe()} {spec.get('shape', (3, 8, 8))} vs one rank",
                   (many - one).abs().max(), bound(one, STEPS, j["cfg"]))
+
+
+def test_the_step_cache_runs_wans_blocks_and_agrees_across_ranks(files, engines):
+    """Wan's blocks take their arguments in order and return the image tokens alone: a cache that skips nothing is
+    exact; one that skips (threshold 1) skips the same calls on one rank and on ulysses2, and lands on one rank's
+    latent."""
+    j, steps = job("wan2.1-1.3b", cfg=1.0), 6
+    plain = run(engines, request(files, "wan2.1-1.3b", j, ParallelPlan(ulysses=2), steps=steps))
+    never = run(engines, request(files, "wan2.1-1.3b", j, ParallelPlan(ulysses=2), steps=steps,
+                                 cache_threshold=1e-9))
+    assert torch.equal(never, plain)
+    results = {}
+    for plan in (ParallelPlan(), ParallelPlan(ulysses=2)):
+        r = request(files, "wan2.1-1.3b", j, plan, steps=steps, cache_threshold=1.0)
+        result = engines(plan.world_size).submit("generate", *r.to_job())
+        results[plan.describe()] = (result.outputs["samples"], [x["step_cache"]["skipped_at"] for x in result.ranks])
+    (one, skipped_one), (two, skipped_two) = results.values()
+    print(f"skipped calls: one rank {skipped_one}, ulysses2 {skipped_two}")
+    assert skipped_one[0] and all(s == skipped_one[0] for s in skipped_one + skipped_two)
+    assert report("Wan step cache, ulysses2 vs one rank", (two - one).abs().max(), bound(one, steps))
 
 
 # ---- files: a second expert, quantized formats, LoRAs ----------------------------------------------------------------
@@ -590,6 +611,41 @@ def test_a_lora_in_the_formats_people_share_equals_the_merged_checkpoint(files, 
     assert report(f"Wan {fmt} LoRA vs merged checkpoint", (got - want).abs().max(), bound(want, STEPS, 5.0))
 
 
+# ---- through the nodes ----------------------------------------------------------------------------------------------
+def test_the_sampler_node_takes_wans_conditioning_and_latents_as_comfyui_passes_them(files, references):
+    """What ComfyUI's nodes put out: WanImageToVideo's CONDITIONING (clip_vision_output as a CLIPVisionEncode output
+    object, concat_latent_image, concat_mask on both sides) with EmptyHunyuanLatentVideo's LATENT; and
+    Wan22ImageToVideoLatent's LATENT with its noise_mask for TI2V-5B. The sampler's latents equal the reference's."""
+    import importlib
+    from types import SimpleNamespace
+    from conftest import PACK_NAME, load_pack
+    load_pack()
+    core = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    i2v, ti2v = job("wan2.1-i2v-14b"), job("wan2.2-ti2v-5b", cfg=1.0)
+
+    def conditioning(j, side):
+        extras = {"pooled_output": None, "clip_vision_output": SimpleNamespace(penultimate_hidden_states=j[side]["clip"]),
+                  "concat_latent_image": j["image"][0], "concat_mask": j["image"][1]}
+        return [[j[side]["cond"], extras]]
+    kw = dict(seed=7, steps=STEPS, sampler_name="euler", scheduler="simple", denoise=1.0)
+    try:
+        got_i2v = core.sample(core.EngineSettings(model_path=files["wan2.1-i2v-14b"], gpus=(0,), device="cpu"),
+                              conditioning(i2v, "pos"), conditioning(i2v, "neg"),
+                              {"samples": torch.zeros(1, 16, 3, 8, 8), "downscale_ratio_spacial": 8}, cfg=5.0,
+                              **kw)["samples"]
+        got_ti2v = core.sample(core.EngineSettings(model_path=files["wan2.2-ti2v-5b"], gpus=(0,), device="cpu"),
+                               [[ti2v["pos"]["cond"], {"pooled_output": None}]], None,
+                               {"samples": ti2v["latent_raw"], "noise_mask": ti2v["noise_mask"]}, cfg=1.0,
+                               **kw)["samples"]
+    finally:
+        core.REGISTRY.unload()
+    for name, got, variant, j in (("image-to-video", got_i2v, "wan2.1-i2v-14b", i2v),
+                                  ("TI2V-5B with the noise mask", got_ti2v, "wan2.2-ti2v-5b", ti2v)):
+        want = reference_sample(references[variant], variant, j)
+        assert report(f"Wan {name} through the xDiT Sampler vs reference KSampler", (got - want).abs().max(),
+                      bound(want, STEPS, j["cfg"]))
+
+
 # ---- refusals before any rank starts ----------------------------------------------------------------------------------
 def refused(files, variant, j, words, **extra):
     with pytest.raises(ValueError) as e:
@@ -625,6 +681,48 @@ def test_pipefusion_is_refused_for_wan_naming_why(files):
     assert "Wan has no PipeFusion stage model yet" in str(e.value)
 
 
+# ---- the command line -------------------------------------------------------------------------------------------------
+def test_generate_samples_an_image_to_video_latent_from_the_command_line(files, references, tmp_path):
+    """`python -m engine generate --frames 9` with a cond file holding WanImageToVideo's tensors (cond, neg_cond,
+    clip_vision_output, concat_latent_image, concat_mask and their neg_ copies): the LATENT [1, 16, 3, H/8, W/8]
+    equals the reference's; a frame count ComfyUI's nodes do not make is refused in one line (exit 2)."""
+    j = job("wan2.1-i2v-14b")
+    cond = {"cond": j["pos"]["cond"], "neg_cond": j["neg"]["cond"]}
+    for prefix in ("", "neg_"):
+        cond.update({prefix + "clip_vision_output": j["pos"]["clip"].clone(),
+                     prefix + "concat_latent_image": j["image"][0].clone(), prefix + "concat_mask": j["image"][1].clone()})
+    save_file(cond, str(tmp_path / "c.safetensors"))
+    base = [sys.executable, "-m", "engine", "generate", "--model", files["wan2.1-i2v-14b"], "--cond",
+            str(tmp_path / "c.safetensors"), "--seed", "7", "--steps", str(STEPS), "--cfg", "5", "--width", "64",
+            "--height", "64", "--out", str(tmp_path / "o.safetensors")]
+    bad = subprocess.run(base + ["--frames", "10"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    print(bad.stderr)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "10 frames is not a count ComfyUI's video nodes make for wan2.1-i2v-14b" in bad.stderr
+    res = subprocess.run(base + ["--frames", "9"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = load_file(str(tmp_path / "o.safetensors"))["samples"]
+    want = reference_sample(references["wan2.1-i2v-14b"], "wan2.1-i2v-14b", j)
+    assert got.shape == (1, 16, 3, 8, 8)
+    assert report("Wan image-to-video via python -m engine generate vs reference KSampler", (got - want).abs().max(),
+                  bound(want, STEPS, 5.0))
+
+
+def test_plan_prices_a_video_and_make_tiny_writes_what_comfyui_detects(tmp_path, capsys):
+    from engine.cli import main
+    assert main(["plan", "--model", "wan2.1-14b", "--frames", "81", "--width", "1280", "--height", "720", "--gpus",
+                 "8", "--interconnect", "nvlink", "--cfg", "5"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "1280x720, 81 frames" in out and "75600 image + 512 text tokens" in out and "auto chose" in out
+    assert main(["plan", "--model", "flux-dev", "--frames", "5", "--gpus", "2", "--interconnect", "nvlink"]) == 2
+    assert "flux-dev makes still images" in capsys.readouterr().err
+    assert main(["make-tiny", "--kind", "wan", "--variant", "wan2.2-ti2v-5b", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "wan2.2-ti2v-5b, wan layout" in out and "[B, 48, F, H/16, W/16]" in out and "noise_mask" in out
+
+
 # ---- the planner: the video's tokens ---------------------------------------------------------------------------------
 def test_the_planner_prices_the_videos_tokens():
     """81 frames at 1280x720 are 21 latent frames of 45 x 80 patches: 75,600 tokens; TI2V-5B at 1280x704, 121 frames:
@@ -633,3 +731,31 @@ def test_the_planner_prices_the_videos_tokens():
     assert (work.image_tokens, work.heads, work.layers, work.text_tokens) == (75_600, 40, 40, 512)
     assert Workload.for_variant("wan2.2-ti2v-5b", 1280, 704, frames=121).image_tokens == 27_280
     assert Workload.for_variant("wan2.1-1.3b", 832, 480, frames=81).image_tokens == 21 * 30 * 52
+
+
+# ---- CUDA (skipped where torch sees none) ---------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", ["wan2.1-i2v-14b", "wan2.2-ti2v-5b"])
+def test_the_cuda_velocity_equals_the_cpu_one_in_fp32_and_stays_near_it_in_bf16(files, variant):
+    """The tiny image-to-video model (CLIP tokens, concatenated image) and TI2V-5B (per-frame timesteps) on CUDA: fp32
+    (no TF32) within the fp32 bound of the CPU's velocity; bf16 within a few percent relative L2."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    j = job(variant, shape=(5, 16, 12))
+    channels = j["latent_raw"].shape[1]
+    x = randn(1, 1, channels, 5, 16, 12)
+    side = Conditioning(j["pos"]["cond"], image_context=j["pos"].get("clip"),
+                        concat_latent=j.get("image", (None, None))[0], concat_mask=j.get("image", (None, None))[1])
+    mask = None
+    if variant == "wan2.2-ti2v-5b":
+        mask = torch.ones(1, channels, 5, 16, 12)
+        mask[:, :, 0] = 0.0
+
+    def velocity(dtype, device):
+        flow = FlowModel(load_model(files[variant], dtype=dtype, device=device))
+        return flow.velocity(x, torch.tensor(0.6), flow.prepare([side], 1, denoise_mask=mask)).cpu()
+    cpu, gpu, bf16 = velocity("fp32", "cpu"), velocity("fp32", "cuda"), velocity("bf16", "cuda")
+    assert report(f"{variant} CUDA vs CPU fp32 velocity", (gpu - cpu).abs().max(), bound(cpu))
+    rel = ((bf16 - cpu).norm() / cpu.norm()).item()
+    print(f"{variant} CUDA bf16 vs CPU fp32: relative L2 {rel:.3g} (bound {2 ** -8 * math.sqrt(DEPTH * 16):.3g})")
+    assert rel <= 2 ** -8 * math.sqrt(DEPTH * 16)

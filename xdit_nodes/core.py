@@ -194,18 +194,31 @@ def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor]
     return (list(refs) if refs is not None else None), extras.get("reference_latents_method") or ""
 
 
+def conditioning_images(conditioning, prefix: str = "") -> dict:
+    """An image-to-video CONDITIONING's keys (WanImageToVideo, WanFirstLastFrameToVideo): the CLIP-vision features
+    (clip_vision_output's penultimate_hidden_states), concat_latent_image and concat_mask, as the request's fields."""
+    extras = conditioning[0][1]
+    clip = extras.get("clip_vision_output")
+    return {prefix + "clip_vision_output": getattr(clip, "penultimate_hidden_states", clip),
+            prefix + "concat_latent_image": extras.get("concat_latent_image"),
+            prefix + "concat_mask": extras.get("concat_mask")}
+
+
 def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
                 seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
-                denoise: float = 1.0, batch_index=None, negative_always: bool = False) -> GenerateRequest:
+                denoise: float = 1.0, batch_index=None, negative_always: bool = False,
+                noise_mask=None) -> GenerateRequest:
     """The engine request for these settings and ComfyUI values (not yet validated). The negative is read when
     cfg != 1, or whenever it is given with negative_always (a guider: ComfyUI's CFG++ samplers use it at cfg 1)."""
     cond, pooled, guidance = conditioning_tensors(positive, "positive")
     refs, method = conditioning_references(positive, "positive")
     neg_cond = neg_pooled = neg_refs = None
     neg_method = ""
+    images = conditioning_images(positive)
     if cfg != 1.0 or (negative_always and negative is not None):
         neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
         neg_refs, neg_method = conditioning_references(negative, "negative")
+        images.update(conditioning_images(negative, "neg_"))
     return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
                            seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
                            scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
@@ -219,7 +232,8 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            warmup_steps=min(settings.warmup_steps, int(steps)),
                            reference_latents=refs, reference_latents_method=method,
                            neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method,
-                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm)
+                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm, noise_mask=noise_mask,
+                           **images)
 
 
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
@@ -230,13 +244,11 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
                          "VAEEncode to it")
-    if latent.get("noise_mask") is not None:
-        raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
     samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"],   # as KSampler does
                                latent.get("downscale_ratio_spacial"))
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
-                          batch_index=latent.get("batch_index"))
+                          batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"))
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
     request = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     choice = request.choice

@@ -168,6 +168,23 @@ def check_loras(model: str, loras, info: CheckpointInfo) -> None:
         check_lora(path, info, set(shapes), shapes)
 
 
+def check_frames(info: CheckpointInfo, frames: int) -> None:
+    """A video's frame count (as ComfyUI's video nodes count them: length) for this model: 1 for a model of still
+    images; for a family that takes frames, one its latent format makes whole latent frames of (4k + 1 for Wan)."""
+    fmt, step = info.latent, info.latent.temporal_downscale
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        raise ValueError(f"{frames!r} frames is invalid: give a count >= 1")
+    if not info.spec.frames:
+        if frames != 1:
+            raise ValueError(f"{frames} frames: {info.variant} makes still images; leave out the frame count (1)")
+        return
+    if (frames - 1) % step:
+        below = frames - (frames - 1) % step
+        raise ValueError(f"{frames} frames is not a count ComfyUI's video nodes make for {info.variant}: its "
+                         f"{fmt.name} latent holds {step}k + 1 frames (1, {1 + step}, {1 + 2 * step}, ...): use {below} "
+                         f"or {below + step}")
+
+
 def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, latent: torch.Tensor) -> None:
     """One side's image-to-video conditioning (ComfyUI's CONDITIONING keys clip_vision_output's features,
     concat_latent_image, concat_mask), where the model takes it: what it needs is required and shaped as it takes it.
