@@ -1,7 +1,7 @@
 """Wan 2.1 and 2.2: the engine's velocity and sampled latent equal an independent reference built here from ComfyUI's
-Wan formulas (ComfyUI 0.3.64 / 0.33.0: comfy/ldm/wan/model.py, comfy/model_base.py WAN21 / WAN22, comfy/latent_formats.py
-Wan21 / Wan22, comfy/supported_models.py WAN21_* / WAN22_T2V), text-to-video, image-to-video (CLIP-vision tokens and
-the concatenated mask + image latent), first-last-frame, Wan 2.2's A14B image-to-video expert and TI2V-5B (48-channel
+Wan formulas (ComfyUI 0.3.64 / 0.33.0: comfy/ldm/wan/model.py, comfy/model_base.py WAN21 / WAN22,
+comfy/latent_formats.py Wan21 / Wan22, comfy/supported_models.py WAN21_* / WAN22_T2V), text-to-video, image-to-video
+(CLIP-vision tokens and the concatenated mask + image latent), first-last-frame, Wan 2.2's A14B image-to-video expert and TI2V-5B (48-channel
 latent, the start image through the noise mask, one timestep per latent frame); every plan equals one rank; quantized
 files equal their plain copies; LoRAs in the formats people share equal the merged checkpoint; ComfyUI's own WanModel
 (when COMFYUI_PATH is set) equals the engine.
@@ -103,7 +103,7 @@ def latent_stats(variant):
     """Wan21's per-channel statistics, or Wan22's (TI2V-5B), from ComfyUI's latent_formats.py."""
     if variant != "wan2.2-ti2v-5b":
         return WAN21_MEAN, WAN21_STD
-    from engine.families.wan import WAN22_MEAN, WAN22_STD   # 48 numbers copied from ComfyUI; checked in the ComfyUI test
+    from engine.families.wan import WAN22_MEAN, WAN22_STD   # ComfyUI's 48 numbers (the ComfyUI test uses its own)
     return torch.tensor(WAN22_MEAN), torch.tensor(WAN22_STD)
 
 
@@ -221,7 +221,8 @@ def reference_sample(m, variant, j):
 
 
 def bound(want, steps=1, cfg=1.0):
-    return fp32_bound(want.abs().max(), reduction=TEXT_DIM, depth=DEPTH, amplification=sampling_amplification(steps, cfg))
+    return fp32_bound(want.abs().max(), reduction=TEXT_DIM, depth=DEPTH,
+                      amplification=sampling_amplification(steps, cfg))
 
 
 # ---- files, detection, the layout ------------------------------------------------------------------------------------
@@ -234,8 +235,8 @@ def meta_model(**config):
 @pytest.mark.parametrize("variant", ["wan2.1-1.3b", "wan2.1-14b", "wan2.1-i2v-14b", "wan2.2-i2v-a14b",
                                      "wan2.2-ti2v-5b"])
 def test_the_full_size_wan_layout_converts_exactly_into_the_diffusers_transformer(variant):
-    """The Wan-AI / ComfyUI key table at full size (meta) through diffusers' own converter is the diffusers model's state
-    dict exactly, and the engine's key map is that converter's; parameters as the released models have them."""
+    """The Wan-AI / ComfyUI key table at full size (meta) through diffusers' own converter is the diffusers model's
+    state dict exactly, and the engine's key map is that converter's; parameters as the released models have them."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     from engine.families.wan import DIMS, key_map, shapes
     info = inspect_model(f"synthetic:{variant}")
@@ -285,6 +286,27 @@ def test_other_wan_models_and_channel_counts_are_refused_in_one_line(tmp_path):
             inspect_model(path)
         print(e.value)
         assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_diffusers_folder_and_a_prefixed_full_checkpoint_give_the_wan_files_velocity(files, tmp_path):
+    """The same weights as a diffusers folder (config.json + diffusion_pytorch_model.safetensors) and as a ComfyUI
+    SaveCheckpoint file (model.diffusion_model. prefix, VAE and text-encoder tensors beside): the same model (to fp32
+    rounding: the folder's tensors lie differently in memory)."""
+    path = files["wan2.1-i2v-14b"]
+    native = load_model(path)
+    folder = tmp_path / "transformer"
+    native.model.save_pretrained(str(folder))
+    full = write_tiny("wan", str(tmp_path), variant="wan2.1-i2v-14b", full=True)
+    x, cond, clip = randn(1, 1, 16, 2, 6, 6), randn(2, 1, 9, TEXT_DIM), randn(3, 1, 257, 1280)
+    side = Conditioning(cond, image_context=clip, concat_latent=randn(4, 1, 16, 2, 6, 6))
+    want = FlowModel(native).velocity(x, torch.tensor(0.5), FlowModel(native).prepare([side], 1))
+    for source in (str(tmp_path), full):
+        info = inspect_model(source)
+        print(f"{source}: {info.variant}, {info.layout} layout, prefix {info.prefix!r}, {info.ignored} other tensors")
+        assert info.variant == "wan2.1-i2v-14b" and info.layout == ("diffusers" if source == str(tmp_path) else "wan")
+        flow = FlowModel(load_model(source))
+        got = flow.velocity(x, torch.tensor(0.5), flow.prepare([side], 1))
+        assert report(f"Wan {info.layout} layout vs the Wan file", (got - want).abs().max(), bound(want))
 
 
 # ---- one forward equals the reference --------------------------------------------------------------------------------
@@ -365,9 +387,10 @@ def test_diffusers_own_time_embedding_is_not_comfyuis(references):
 # ---- ComfyUI's own model (skipped without COMFYUI_PATH) -------------------------------------------------------------
 @pytest.mark.skipif(not os.environ.get("COMFYUI_PATH"), reason="needs COMFYUI_PATH (a ComfyUI checkout)")
 def test_comfyuis_own_detection_and_wan_model_equal_the_engine(files, tmp_path):
-    """ComfyUI's model_detection and supported_models pick the class each tiny file is (WAN21_T2V, WAN21_I2V, WAN22_T2V);
-    ComfyUI's extra_conds (c_concat from concat_latent_image / concat_mask, clip_fea, denoise_mask), _apply_model
-    (process_timestep, the concatenation) and WanModel give the engine's denoised output on an odd 7x9 latent of 3 frames."""
+    """ComfyUI's model_detection and supported_models pick the class each tiny file is (WAN21_T2V, WAN21_I2V,
+    WAN22_T2V); ComfyUI's extra_conds (c_concat from concat_latent_image / concat_mask, clip_fea, denoise_mask),
+    _apply_model (process_timestep, the concatenation) and WanModel give the engine's denoised output on an odd 7x9
+    latent of 3 frames."""
     folder = tmp_path / "files"
     folder.mkdir()
     for variant, path in files.items():
@@ -480,8 +503,8 @@ def one_rank(files, engines):
 
 
 @pytest.mark.parametrize("variant,degrees,spec", PLANS,
-                         ids=[f"{v}-{ParallelPlan(**d).describe().replace(' ', '')}-{'x'.join(map(str, s.get('shape', (3, 8, 8))))}"
-                              for v, d, s in PLANS])
+                         ids=[f"{v}-{ParallelPlan(**d).describe().replace(' ', '')}-"
+                              f"{'x'.join(map(str, s.get('shape', (3, 8, 8))))}" for v, d, s in PLANS])
 def test_every_plan_equals_one_rank(files, engines, one_rank, variant, degrees, spec):
     plan = ParallelPlan(**degrees)
     j = job(variant, **spec)
@@ -584,7 +607,8 @@ def test_a_lora_in_the_formats_people_share_equals_the_merged_checkpoint(files, 
     variant = "wan2.1-i2v-14b"
     weights = make_state_dict(variant)
     diffusers_name = {src[:-len(".weight")]: dst[:-len(".weight")]
-                      for dst, src, _ in key_map("wan", inspect_model(files[variant]).config) if src.endswith(".weight")}
+                      for dst, src, _ in key_map("wan", inspect_model(files[variant]).config)
+                      if src.endswith(".weight")}
     g = torch.Generator().manual_seed(9)
     lora, merged = {}, {k: v.clone() for k, v in weights.items()}
     for layer in LORA_LAYERS:
@@ -624,7 +648,8 @@ def test_the_sampler_node_takes_wans_conditioning_and_latents_as_comfyui_passes_
     i2v, ti2v = job("wan2.1-i2v-14b"), job("wan2.2-ti2v-5b", cfg=1.0)
 
     def conditioning(j, side):
-        extras = {"pooled_output": None, "clip_vision_output": SimpleNamespace(penultimate_hidden_states=j[side]["clip"]),
+        extras = {"pooled_output": None,
+                  "clip_vision_output": SimpleNamespace(penultimate_hidden_states=j[side]["clip"]),
                   "concat_latent_image": j["image"][0], "concat_mask": j["image"][1]}
         return [[j[side]["cond"], extras]]
     kw = dict(seed=7, steps=STEPS, sampler_name="euler", scheduler="simple", denoise=1.0)
@@ -646,7 +671,7 @@ def test_the_sampler_node_takes_wans_conditioning_and_latents_as_comfyui_passes_
                       bound(want, STEPS, j["cfg"]))
 
 
-# ---- refusals before any rank starts ----------------------------------------------------------------------------------
+# ---- refusals before any rank starts ---------------------------------------------------------------------------------
 def refused(files, variant, j, words, **extra):
     with pytest.raises(ValueError) as e:
         request(files, variant, j, **extra)
@@ -681,7 +706,7 @@ def test_pipefusion_is_refused_for_wan_naming_why(files):
     assert "Wan has no PipeFusion stage model yet" in str(e.value)
 
 
-# ---- the command line -------------------------------------------------------------------------------------------------
+# ---- the command line ------------------------------------------------------------------------------------------------
 def test_generate_samples_an_image_to_video_latent_from_the_command_line(files, references, tmp_path):
     """`python -m engine generate --frames 9` with a cond file holding WanImageToVideo's tensors (cond, neg_cond,
     clip_vision_output, concat_latent_image, concat_mask and their neg_ copies): the LATENT [1, 16, 3, H/8, W/8]
@@ -690,7 +715,8 @@ def test_generate_samples_an_image_to_video_latent_from_the_command_line(files, 
     cond = {"cond": j["pos"]["cond"], "neg_cond": j["neg"]["cond"]}
     for prefix in ("", "neg_"):
         cond.update({prefix + "clip_vision_output": j["pos"]["clip"].clone(),
-                     prefix + "concat_latent_image": j["image"][0].clone(), prefix + "concat_mask": j["image"][1].clone()})
+                     prefix + "concat_latent_image": j["image"][0].clone(),
+                     prefix + "concat_mask": j["image"][1].clone()})
     save_file(cond, str(tmp_path / "c.safetensors"))
     base = [sys.executable, "-m", "engine", "generate", "--model", files["wan2.1-i2v-14b"], "--cond",
             str(tmp_path / "c.safetensors"), "--seed", "7", "--steps", str(STEPS), "--cfg", "5", "--width", "64",

@@ -70,7 +70,8 @@ WAN22 = LatentFormat("Wan22", channels=48, mean=WAN22_MEAN, std=WAN22_STD, spati
 # comfy/model_detection.py: other Wan files ComfyUI knows, which the engine does not run
 OTHER_MODELS = {"vace_patch_embedding.weight": "VACE", "control_adapter.conv.weight": "Camera",
                 "casual_audio_encoder.encoder.final_linear.weight": "S2V",
-                "audio_proj.audio_proj_glob_1.layer.bias": "HuMo", "face_adapter.fuser_blocks.0.k_norm.weight": "Animate",
+                "audio_proj.audio_proj_glob_1.layer.bias": "HuMo",
+                "face_adapter.fuser_blocks.0.k_norm.weight": "Animate",
                 "ref_conv.weight": "Fun reference", "patch_embedding_pose.weight": "SCAIL",
                 "patch_embedding_mask.weight": "SCAIL-2", "patch_embedding_global.weight": "WanDancer"}
 

@@ -181,8 +181,8 @@ def check_frames(info: CheckpointInfo, frames: int) -> None:
     if (frames - 1) % step:
         below = frames - (frames - 1) % step
         raise ValueError(f"{frames} frames is not a count ComfyUI's video nodes make for {info.variant}: its "
-                         f"{fmt.name} latent holds {step}k + 1 frames (1, {1 + step}, {1 + 2 * step}, ...): use {below} "
-                         f"or {below + step}")
+                         f"{fmt.name} latent holds {step}k + 1 frames (1, {1 + step}, {1 + 2 * step}, ...): use "
+                         f"{below} or {below + step}")
 
 
 def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, latent: torch.Tensor) -> None:
@@ -199,7 +199,8 @@ def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, lat
             raise ValueError(f"{name} is missing: {info.variant} is an image-to-video model and takes CLIP-vision "
                              f"features [{rows}, 257, {width}] (CLIPVisionEncode into WanImageToVideo)")
         if not isinstance(clip, torch.Tensor) or not clip.is_floating_point() or clip.ndim != 3 \
-                or clip.shape[2] != width or clip.shape[0] not in (1, batch) or not 1 <= clip.shape[1] <= (limit or 4096):
+                or clip.shape[2] != width or clip.shape[0] not in (1, batch) \
+                or not 1 <= clip.shape[1] <= (limit or 4096):
             raise ValueError(f"{name} of shape {_shape(clip)} is invalid: {info.variant} takes [{rows}, "
                              f"{'257 or 514' if limit else 257}, {width}] floats (CLIPVisionEncode's penultimate "
                              f"hidden states)")

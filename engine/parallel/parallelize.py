@@ -189,7 +189,8 @@ class ParallelFlow:
             self._original_processors = None
 
     # ---- CFG and data parallel: the model call split, the velocities gathered ----------------------------------
-    def predictor(self, positive: Conditioning, negative: Conditioning | None, denoise_mask: torch.Tensor | None = None):
+    def predictor(self, positive: Conditioning, negative: Conditioning | None,
+                  denoise_mask: torch.Tensor | None = None):
         """A Predict for the sampler, bound to this job's conditioning (prepared once per batch share, not per
         step): predict(x_model, sigma, which) -> one velocity per entry of which ("pos", "neg"). denoise_mask: the
         job's noise mask fitted to the latent (the model's process_timestep and c_concat read it)."""
