@@ -207,3 +207,43 @@ def test_qwen_image_and_flux2_sync_no_more_than_flux1(newer_models, counting, fa
     r = newer_request(newer_models, family, plan, **settings)
     counts, _ = counted(counting, r)
     check(f"{family} {r.plan.describe()} {settings}", counts, STEPS)
+
+
+@pytest.fixture(scope="module")
+def wan_models(tmp_path_factory):
+    """A tiny Wan 2.1 image-to-video and Wan 2.2 TI2V-5B checkpoint."""
+    from engine.models.tiny import write_tiny
+    d = str(tmp_path_factory.mktemp("wan"))
+    return {v: write_tiny("wan", d, variant=v) for v in ("wan2.1-i2v-14b", "wan2.2-ti2v-5b")}
+
+
+def wan_request(models, variant, plan, **kw):
+    """Image-to-video at cfg 5 with WanImageToVideo's conditioning (CLIP tokens, mask + image latent), 3 frames of
+    8x8; or TI2V-5B from Wan22ImageToVideoLatent's LATENT (the first frame kept by the noise mask, one timestep per
+    latent frame), 3 frames of 6x10: 45 tokens, padded under sequence parallel."""
+    g = torch.Generator().manual_seed(3)
+    if variant == "wan2.1-i2v-14b":
+        mask = torch.ones(1, 1, 3, 8, 8)
+        mask[:, :, 0] = 0.0
+        image, clip = torch.randn(1, 16, 3, 8, 8, generator=g), torch.randn(1, 257, 1280, generator=g)
+        j = dict(latent_raw=torch.zeros(1, 16, 3, 8, 8), cfg=5.0, neg_cond=torch.randn(1, 7, 4096, generator=g),
+                 clip_vision_output=clip, neg_clip_vision_output=clip, concat_latent_image=image,
+                 neg_concat_latent_image=image, concat_mask=mask, neg_concat_mask=mask)
+    else:
+        mask = torch.ones(1, 1, 3, 6, 10)
+        mask[:, :, 0] = 0.0
+        j = dict(latent_raw=torch.cat([torch.randn(1, 48, 1, 6, 10, generator=g), torch.zeros(1, 48, 2, 6, 10)], 2),
+                 noise_mask=mask)
+    return GenerateRequest(model=models[variant], cond=torch.randn(1, 9, 4096, generator=g), seed=5, steps=STEPS,
+                           plan=ParallelPlan(**plan), **j, **kw).validate()
+
+
+@pytest.mark.parametrize("variant,plan,settings", [
+    ("wan2.1-i2v-14b", dict(ulysses=2), dict(cache_threshold=SKIPS)),
+    ("wan2.1-i2v-14b", dict(cfg=2, ring=2), {}),
+    ("wan2.2-ti2v-5b", dict(ulysses=2, ring=2), {}),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_wan_video_syncs_no_more_than_flux1(wan_models, counting, variant, plan, settings):
+    r = wan_request(wan_models, variant, plan, **settings)
+    counts, _ = counted(counting, r)
+    check(f"{variant} {r.plan.describe()} {settings}", counts, STEPS)

@@ -297,3 +297,34 @@ def test_two_windows_with_leftover_noise_give_the_whole_run():
     print(f"two windows vs one run: max abs diff {diff:.3g}")
     assert not torch.equal(first, whole) and diff <= TOLERANCE
     assert torch.equal(ksample(model, first, **common, window=StepWindow(4, 10000, add_noise=False)), first)
+
+
+@pytest.mark.parametrize("clean", [False, True], ids=["noised (BaseModel)", "clean (WAN22)"])
+def test_a_noise_mask_is_applied_as_ksamplerx0inpaint_applies_it(clean):
+    """comfy/samplers.py KSamplerX0Inpaint around the model: where the mask is 0 the model sees the latent noised to
+    sigma (BaseModel.scale_latent_inpaint) or as it is (WAN22's), and the denoised result is the latent there; the
+    mask is fitted to the latent as comfy.utils.reshape_mask does (a [1, 1, h, w] mask: repeated over channels and
+    batch). The kept region ends bitwise at the input latent."""
+    latent = raw_latent()
+    mask = torch.ones(1, 1, 6, 4)
+    mask[:, :, :3] = 0.0
+    kwargs = dict(seed=11, steps=4, cfg=2.0, sampler="euler", scheduler="simple")
+    got = ksample(ToyModel(), latent, denoise_mask=mask.expand(2, 16, 6, 4), masked_latent_clean=clean,
+                  **fam("flux"), **kwargs)
+    model, (scale, shift) = ToyModel(), (0.3611, 0.1159)
+    sigmas = compute_sigmas(FlowSampling.flux(), "simple", 4)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(11))
+    x0 = (latent - shift) * scale
+    x = sigmas[0] * noise + (1 - sigmas[0]) * x0
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        known = x0 if clean else s * noise + (1 - s) * x0
+        x_in = x * mask + known * (1 - mask)
+        pos, neg = (x_in - model.velocity(x_in, s, w) * s for w in ("pos", "neg"))
+        denoised = (neg + (pos - neg) * 2.0) * mask + x0 * (1 - mask)
+        x = x + (x - denoised) / s * (s_next - s)
+    want = x / scale + shift
+    diff = float((got - want).abs().max())
+    print(f"noise mask ({'clean' if clean else 'noised'} latent): max abs diff vs reference = {diff:.3g}")
+    assert diff <= TOLERANCE and torch.allclose(got[:, :, :3], latent[:, :, :3], atol=1e-6)
+    from engine.sampling.ksampler import reshape_mask
+    assert torch.equal(reshape_mask(mask, (2, 16, 6, 4)), mask.expand(2, 16, 6, 4))

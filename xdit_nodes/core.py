@@ -235,18 +235,31 @@ def conditioning_file(positive, negative=None) -> tuple[dict[str, torch.Tensor],
     return tensors, metadata
 
 
+def conditioning_images(conditioning, prefix: str = "") -> dict:
+    """An image-to-video CONDITIONING's keys (WanImageToVideo, WanFirstLastFrameToVideo): the CLIP-vision features
+    (clip_vision_output's penultimate_hidden_states), concat_latent_image and concat_mask, as the request's fields."""
+    extras = conditioning[0][1]
+    clip = extras.get("clip_vision_output")
+    return {prefix + "clip_vision_output": getattr(clip, "penultimate_hidden_states", clip),
+            prefix + "concat_latent_image": extras.get("concat_latent_image"),
+            prefix + "concat_mask": extras.get("concat_mask")}
+
+
 def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
                 seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
-                denoise: float = 1.0, batch_index=None, window: StepWindow = StepWindow()) -> GenerateRequest:
+                denoise: float = 1.0, batch_index=None, window: StepWindow = StepWindow(),
+                noise_mask=None) -> GenerateRequest:
     """The engine request for these settings and ComfyUI values (not yet validated). The negative is read when
     cfg != 1. window: KSamplerAdvanced's steps and noise."""
     cond, pooled, guidance = conditioning_tensors(positive, "positive")
     refs, method = conditioning_references(positive, "positive")
     neg_cond = neg_pooled = neg_refs = None
     neg_method = ""
+    images = conditioning_images(positive)
     if cfg != 1.0:
         neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
         neg_refs, neg_method = conditioning_references(negative, "negative")
+        images.update(conditioning_images(negative, "neg_"))
     return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
                            seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
                            scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
@@ -260,9 +273,9 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            warmup_steps=min(settings.warmup_steps, int(steps)),
                            reference_latents=refs, reference_latents_method=method,
                            neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method,
-                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm,
+                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm, noise_mask=noise_mask,
                            start_step=window.start_step, last_step=window.last_step,
-                           force_full_denoise=window.force_full_denoise, add_noise=window.add_noise)
+                           force_full_denoise=window.force_full_denoise, add_noise=window.add_noise, **images)
 
 
 @speaking(NODES)   # the engine's errors name the nodes' inputs
@@ -276,13 +289,11 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
                          "VAEEncode to it")
-    if latent.get("noise_mask") is not None:
-        raise ValueError("latent_image has a noise_mask (inpainting), which the xDiT Sampler does not support")
     samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"],   # as KSampler does
                                latent.get("downscale_ratio_spacial"))
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
-                          batch_index=latent.get("batch_index"), window=window)
+                          batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"), window=window)
     hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
     request = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     choice = request.choice
@@ -326,7 +337,7 @@ def model_link(settings: EngineSettings, *, before_job=None, registry: EngineReg
     def request_for(settings, x, timestep, conditioning, cond_or_uncond):
         info = inspect_model(settings.model_path)
         return model_request(settings, x, timestep, conditioning, cond_or_uncond,
-                             latent_channels=info.spec.latent.channels,
+                             latent_channels=info.latent.channels,
                              hardware=hardware_for(settings.device, len(settings.gpus), settings.gpus),
                              job_request=job_request)
     return EngineLink(settings, registry, request_for, before_job)

@@ -214,7 +214,8 @@ def loop_settings(patcher, classes: SamplingClasses, family_sampling) -> tuple[d
 
 
 # ---- the link: one engine session per sampling run ----------------------------------------------------------------
-CONDITIONING_KWARGS = ("y", "guidance", "ref_latents", "ref_latents_method")
+CONDITIONING_KWARGS = ("y", "guidance", "ref_latents", "ref_latents_method", "clip_fea")
+APPLIED_KWARGS = ("denoise_mask",)   # used by ComfyUI's model before the call (WAN22's per-frame timestep), not in it
 
 
 class EngineLink:
@@ -243,6 +244,8 @@ class EngineLink:
         conditioning = {"context": context}
         for name, value in kwargs.items():
             if value is None:
+                continue
+            if name in APPLIED_KWARGS:
                 continue
             if name == "attention_mask":
                 if torch.is_tensor(value) and bool((value != 0).all()):
@@ -344,4 +347,13 @@ def model_request(settings, x: torch.Tensor, timestep, conditioning: dict, cond_
     negative_pass = neg is not None
     request = job_request(replace(settings, plan="auto") if plan == AUTO else settings, side(pos),
                           side(neg) if negative_pass else None, latent, cfg=2.0 if negative_pass else 1.0)
+    if x.shape[1] > latent_channels:
+        # image-to-video: ComfyUI attached the image's channels to x already and passes its CLIP features per call;
+        # the request (whose image fields only the engine's own loop reads) gets stand-ins of their shapes
+        clip = conditioning.get("clip_fea")
+        image = torch.zeros(()).expand(b, latent_channels, *x.shape[2:])
+        stand_ins = {"concat_latent_image": image, "clip_vision_output": None if clip is None else clip[:b]}
+        if negative_pass:
+            stand_ins.update(neg_concat_latent_image=image, neg_clip_vision_output=None if clip is None else clip[:b])
+        request = replace(request, **stand_ins)
     return request.validate(len(settings.gpus), hardware)

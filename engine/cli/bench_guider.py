@@ -39,7 +39,7 @@ def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, re
     request = GenerateRequest.random_conditioning(model, width, height, text_tokens=16, seed=1, steps=steps,
                                                   cfg=info.spec.cfg).validate(ranks)
     spec, inputs = request.to_job()
-    start = start_sampling(request.latent_raw, sampling=request.sampling(info), latent=info.spec.latent, seed=1,
+    start = start_sampling(request.latent_raw, sampling=request.sampling(info), latent=info.latent, seed=1,
                            steps=steps, cfg=request.cfg, sampler="euler", scheduler="simple")
     loop_s, guide_s, call_s, diffs = [], [], [], []
     with Engine(ranks) as engine:

@@ -84,7 +84,7 @@ def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, 
     engine_total = statistics.median(r.timings["total_s"] for r in runs)
     engine_compute = statistics.median(r.timings["compute_s"] for r in runs)
     plain_s = statistics.median(t for _, t in loops)
-    diff = (runs[-1].outputs["samples"] - info.spec.latent.process_out(loops[-1][0])).abs().max().item()
+    diff = (runs[-1].outputs["samples"] - info.latent.process_out(loops[-1][0])).abs().max().item()
     params = first.ranks[0].get("loaded", {}).get("parameters", 0)
     print(markdown(("path", "per image", "per step", "vs plain"), [
         ("engine: generate job, 1 rank", f"{engine_total:.3f} s", f"{engine_total / steps * 1e3:.1f} ms",

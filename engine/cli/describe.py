@@ -27,9 +27,10 @@ def conditioning(info: CheckpointInfo) -> str:
 
 def latent_rule(info: CheckpointInfo) -> str:
     """The LATENT the model samples, and the image sizes it takes."""
-    fmt = info.spec.latent
-    rule = (f"{fmt.shape_rule()} for a W x H image, W and H multiples of {info.latent_patch * fmt.downscale} px "
-            f"(raw VAE space)")
+    fmt = info.latent
+    video = f", F = (frames - 1) // {fmt.temporal_downscale} + 1" if info.spec.frames else ""
+    rule = (f"{fmt.shape_rule(info.spec.frames)} for a W x H {'video' if video else 'image'}{video}, W and H "
+            f"multiples of {info.latent_patch * fmt.downscale} px (raw VAE space)")
     side = info.spec.max_latent_side(info.config)
     if side:  # the position embedding is cropped from a fixed grid
         rule += f", at most {side * fmt.downscale} px a side (position grid {side // info.latent_patch})"

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ..families import TITLES
+from ..generate.inputs import check_frames
 from ..generate.request import GenerateRequest, default_dtype, empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
@@ -24,19 +25,23 @@ from . import output
 from .args import UsageError
 
 DEGREES = ("dp", "pipefusion", "ulysses", "ring")  # integer degree flags; --cfg-parallel sets cfg=2
+IMAGE_KEYS = ("clip_vision_output", "concat_latent_image", "concat_mask")   # a cond file's image-to-video tensors
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="sample a LATENT with a model file, as ComfyUI's KSampler does",
                        description="Sample a ComfyUI LATENT (the model family's: [B,16,H/8,W/8]; [B,16,1,H/8,W/8] "
-                                   "for Qwen-Image; [B,128,H/16,W/16] for FLUX.2) on a group of rank processes. Every "
-                                   "input is checked before any rank starts.")
+                                   "for Qwen-Image; [B,128,H/16,W/16] for FLUX.2; [B,16,F,H/8,W/8] for Wan video, "
+                                   "[B,48,F,H/16,W/16] for Wan 2.2 TI2V-5B) on a group of rank processes. Every input "
+                                   "is checked before any rank starts.")
     p.add_argument("--model", required=True, type=types.model_source,
                    help=f"checkpoint file ({TITLES}), diffusers folder, or synthetic:<variant>[:tiny]")
     p.add_argument("--cond", required=True, type=types.existing_file,
                    help="safetensors with cond and pooled (a family without a pooled output: cond only), neg_cond "
-                        "and neg_pooled for cfg != 1, and reference latents ref_0, ref_1, ... (neg_ref_0, ...) as "
-                        "ReferenceLatent appends them")
+                        "and neg_pooled for cfg != 1, reference latents ref_0, ref_1, ... (neg_ref_0, ...) as "
+                        "ReferenceLatent appends them, and an image-to-video model's clip_vision_output (CLIP-vision "
+                        "penultimate hidden states), concat_latent_image and concat_mask (neg_... for the negative), "
+                        "as WanImageToVideo puts them in the CONDITIONING")
     p.add_argument("--out", required=True, type=types.output_file(".safetensors", "a LATENT"),
                    help="output LATENT safetensors ('samples'): a new name or a regular file, which is replaced")
     p.add_argument("--seed", type=types.seed, default=0, help="noise seed, 0 .. 2**64-1")
@@ -50,9 +55,14 @@ def register(sub) -> None:
     p.add_argument("--width", type=types.pixels, help="image width in pixels (default: 1024, or --latent's)")
     p.add_argument("--height", type=types.pixels, help="image height in pixels (default: 1024, or --latent's)")
     p.add_argument("--batch", type=types.positive_int, help="images per job (default: 1, or --latent's batch)")
+    p.add_argument("--frames", type=types.positive_int,
+                   help="video frames as ComfyUI's video nodes count them (Wan: 4k + 1, e.g. 81; latent frames "
+                        "(frames - 1) // 4 + 1; default: 1, or --latent's)")
     p.add_argument("--denoise", type=types.request_field("denoise", types.finite_float), default=1.0,
                    help="denoise strength; < 1 needs --latent (img2img)")
-    p.add_argument("--latent", type=types.existing_file, help="input LATENT safetensors ('samples') to denoise from")
+    p.add_argument("--latent", type=types.existing_file,
+                   help="input LATENT safetensors ('samples', and 'noise_mask' where the LATENT has one, e.g. "
+                        "Wan22ImageToVideoLatent's) to denoise from")
     p.add_argument("--guidance", type=types.request_field("guidance", types.finite_float), default=3.5,
                    help="FluxGuidance's value (FLUX.1 dev, FLUX.2 [dev]); a model without a guidance embedding "
                         "(SD3, FLUX.2 [klein], Qwen-Image) ignores it")
@@ -137,26 +147,37 @@ def _plan(a) -> ParallelPlan | str:
     return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
 
 
-def _latent(a, info) -> torch.Tensor:
+def _latent(a, info) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LATENT's samples and noise mask (None without one)."""
+    if a.frames is not None:
+        try:
+            check_frames(info, a.frames)
+        except ValueError as e:
+            raise UsageError(f"argument --frames: {e}") from None
     if a.latent is None:
         if a.denoise < 1:
             raise UsageError(f"argument --denoise: {a.denoise} needs an input --latent to denoise from (img2img)")
-        return empty_latent(info, a.width or 1024, a.height or 1024, a.batch or 1)
-    found, names = _read(a.latent, "--latent", ("samples",))
+        return empty_latent(info, a.width or 1024, a.height or 1024, a.batch or 1, a.frames or 1), None
+    found, names = _read(a.latent, "--latent", ("samples", "noise_mask"))
     samples = found.get("samples")
     if samples is None:
         raise UsageError(f"argument --latent: {a.latent} has no 'samples' tensor (it has {_some(names)}): give a "
                          f"ComfyUI LATENT file")
-    if samples.ndim == 4:  # other shapes: request.validate names what the model takes
-        d = info.spec.latent.downscale   # image pixels per latent pixel: 8, or 16 for FLUX.2
-        size = (samples.shape[3] * d, samples.shape[2] * d)
+    video = samples.ndim == 5 and info.spec.frames
+    if video and a.frames is not None and info.latent.latent_frames(a.frames) != samples.shape[2]:
+        raise UsageError(f"argument --frames: {a.frames} frames make {info.latent.latent_frames(a.frames)} latent "
+                         f"frames but --latent has {samples.shape[2]}: leave out --frames or match the latent")
+    if samples.ndim == 4 or video:  # other shapes: request.validate names what the model takes
+        d = info.latent.downscale   # image pixels per latent pixel: 8, or 16 for FLUX.2
+        size = (samples.shape[-1] * d, samples.shape[-2] * d)
         if (a.width or size[0], a.height or size[1]) != size:
             raise UsageError(f"argument --latent: {a.latent} is {size[0]}x{size[1]} px but --width/--height say "
                              f"{a.width or size[0]}x{a.height or size[1]}: leave them out or match the latent")
         if a.batch not in (None, samples.shape[0]):
             raise UsageError(f"argument --batch: {a.batch} does not match --latent's batch of {samples.shape[0]}: "
                              f"leave out --batch")
-    return samples.float()
+    mask = found.get("noise_mask")
+    return samples.float(), (mask.float() if mask is not None and mask.is_floating_point() else mask)
 
 
 def build_request(a) -> GenerateRequest:
@@ -165,7 +186,8 @@ def build_request(a) -> GenerateRequest:
         info = inspect_model(a.model)
     except ValueError as e:   # CheckpointError: the model file is not one the engine reads
         raise UsageError(f"argument --model: {e}") from None
-    cond, names = _read(a.cond, "--cond", ("cond", "pooled", "neg_cond", "neg_pooled"))
+    cond, names = _read(a.cond, "--cond", ("cond", "pooled", "neg_cond", "neg_pooled") + IMAGE_KEYS
+                        + tuple("neg_" + k for k in IMAGE_KEYS))
     refs = {side: [n for n in names if n.startswith(side) and n[len(side):].isdigit()] for side in ("ref_", "neg_ref_")}
     for listed in refs.values():
         listed.sort(key=lambda n: int(n.rsplit("_", 1)[1]))
@@ -176,7 +198,10 @@ def build_request(a) -> GenerateRequest:
         raise UsageError(f"argument --cond: {a.cond} has no {' or '.join(map(repr, missing))} tensor (it has "
                          f"{_some(names)}): it needs cond{' and pooled' if pooled else ''}, and neg_cond"
                          f"{' and neg_pooled' if pooled else ''} for cfg != 1")
-    return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond.get("pooled"), latent_raw=_latent(a, info),
+    latent, noise_mask = _latent(a, info)
+    images = {k: cond.get(k) for k in IMAGE_KEYS + tuple("neg_" + k for k in IMAGE_KEYS)}
+    return GenerateRequest(model=a.model, cond=cond["cond"], pooled=cond.get("pooled"), latent_raw=latent,
+                           noise_mask=noise_mask, **images,
                            seed=a.seed, steps=a.steps, cfg=a.cfg, sampler=a.sampler, scheduler=a.scheduler,
                            denoise=a.denoise, neg_cond=cond.get("neg_cond"), neg_pooled=cond.get("neg_pooled"),
                            guidance=a.guidance, dtype=a.dtype or default_dtype("cuda" if a.gpus else "cpu"),

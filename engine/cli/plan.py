@@ -8,7 +8,7 @@ from argparse import ArgumentTypeError
 
 from ..errors import PlanError
 from ..families import VARIANTS
-from ..generate.inputs import check_latent
+from ..generate.inputs import check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
@@ -58,6 +58,9 @@ def register(sub) -> None:
                                                                 "--validate)")
     p.add_argument("--width", type=types.pixels, default=1024, help="image width in pixels")
     p.add_argument("--height", type=types.pixels, default=1024, help="image height in pixels")
+    p.add_argument("--frames", type=types.positive_int, default=1,
+                   help="video frames as ComfyUI's video nodes count them (Wan: 4k + 1, e.g. 81 at 1280x720: 21 "
+                        "latent frames of 45x80 tokens)")
     p.add_argument("--cfg", type=types.request_field("cfg", types.finite_float), default=1.0,
                    help="CFG scale; != 1.0 adds the negative pass")
     p.add_argument("--batch", type=types.positive_int, default=1, help="images per job")
@@ -90,7 +93,8 @@ def _header(info, work: Workload, hw, a) -> list[str]:
     cfg = f"cfg {a.cfg:g}" + ("" if work.negative_pass else " (no negative pass)")
     link = hw.link
     lines = [f"model     {describe.summary(info)}",
-             f"job       {a.width}x{a.height}, batch {a.batch}, {cfg}, {work.steps} steps"
+             f"job       {a.width}x{a.height}{f', {a.frames} frames' if a.frames > 1 else ''}, batch {a.batch}, "
+             f"{cfg}, {work.steps} steps"
              f"{', compiled' if work.compiled else ', eager'}, {work.image_tokens} image + {work.text_tokens} text "
              f"tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / GiB:.1f} GiB): "
              f"{cost.step_tflop(work):.1f} TFLOP per step",
@@ -144,10 +148,16 @@ def run(a) -> int:
                          f"{a.steps} ({a.steps}: PipeFusion exact)")
     info = inspect_model(a.model)
     try:
-        latent_h, latent_w = check_latent(info, empty_latent(info, a.width, a.height))
+        check_frames(info, a.frames)
+    except ValueError as e:
+        raise UsageError(f"argument --frames: {e}") from None
+    latent = empty_latent(info, a.width, a.height, frames=a.frames)
+    try:
+        latent_h, latent_w = check_latent(info, latent)
     except ValueError as e:
         raise UsageError(f"argument --width/--height: {e}") from None
     work = Workload.from_info(info, latent_h, latent_w, batch=a.batch, negative_pass=a.cfg != 1.0,
+                              frames=latent.shape[2] if info.spec.frames else 1,
                               text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8,
                               compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps,
                               bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None)

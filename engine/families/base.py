@@ -37,7 +37,9 @@ class TokenTable:
 
     processor: type                                 # attention processor: (attention entry point) -> processor
     gather_after: str                               # module whose output (tokens on dim 1) is gathered
-    split_inputs: tuple[tuple[str, int], ...] = ()  # forward arguments holding image tokens: (name, token dim)
+    split_inputs: tuple[tuple[str, int], ...] = ()  # forward arguments holding image tokens: (name, token dim); one
+    #                                                 with no such dim this forward (e.g. a per-item, not per-token,
+    #                                                 timestep) or absent is left whole
     text_inputs: tuple[tuple[str, int], ...] = ()   # text arguments: split with the image tokens when their count
     #                                                 divides the degree, else held by every rank (joint); the
     #                                                 processor is told which through `joint_text_tokens`
@@ -46,6 +48,10 @@ class TokenTable:
     #                                                 grid), joint reference tokens kept whole
     text_after: tuple[tuple[str, int | None, int], ...] = ()   # the same for text-token outputs (e.g. text RoPE),
     #                                                 split exactly when the forward's text is split
+    split_grid_after: tuple[tuple[str, int], ...] = ()  # (module, first grid dim): a module whose output holds the
+    #                                                 image tokens as a grid on its trailing dims (a patch embedding's
+    #                                                 [n, C, F, h, w]): flattened from that dim and split, for a model
+    #                                                 that flattens them itself (a flatten of one dim is a no-op)
     blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
     reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
     #                                                 many per forward): split with them or joint
@@ -95,13 +101,29 @@ class Family:
     pads_to_patches: bool = False                           # ComfyUI pads a latent to whole patches (else refused)
     pad_text_to: int = 0                                    # ComfyUI's model prepends zero tokens to a shorter text
     #                                                         up to this count (0: the text as the encoder gave it)
+    latent_for: Callable[[dict], LatentFormat] | None = None   # a latent format that depends on the file (else
+    #                                                         `latent`); read it through latent_format(config)
+    frames: bool = False                                    # the forward takes video latents [N, C, F, h, w] of any F
+    #                                                         (else a one-frame video latent is handed as an image)
+    image_context_width: Callable[[dict], int | None] = lambda config: None   # CLIP-vision features the model takes
+    #                                                         (ComfyUI's clip_fea [B, T, width]); None: none
+    concat_channels: Callable[[dict], int] = lambda config: 0   # input channels ComfyUI concatenates to the latent
+    #                                                         (its c_concat) before the model
+    concat_cond: Callable | None = None                     # (flow, side Conditioning, denoise mask or None) ->
+    #                                                         ComfyUI's c_concat [B|1, extra, ...] in model space
+    process_timestep: Callable | None = None                # (config, timestep [n], denoise mask) -> the model's
+    #                                                         timestep under a noise mask (ComfyUI's process_timestep)
+    masked_latent_clean: Callable[[dict], bool] = lambda config: False   # under a noise mask the masked-out latent
+    #                                                         enters the model as it is, not noised to sigma (ComfyUI's
+    #                                                         scale_latent_inpaint)
 
     # ---- parallel methods and the planner
     tokens: TokenTable | None = None
     stage: type | None = None                               # PipeFusion's stage model (engine/parallel/stage.py)
     stage_params: StageParams | None = None
     text_splits: bool = False                               # text tokens may split with the image tokens
-    linear_width: int = 12                                  # block weights each token meets, in hidden^2 (planner)
+    linear_width: float | Callable[[dict], float] = 12      # block weights each token meets, in hidden^2 (planner;
+    #                                                         a callable: from the config)
     text_stream: tuple[str, ...] = ("context", "add_", "to_add_out")  # block parameter names of the text stream
     modulation: tuple[str, ...] = ("norm",)                 # block matrices that act once per image, not per token
 
@@ -126,6 +148,10 @@ class Family:
 
     def variant_dims(self, variant: str, size: str = "tiny"):
         return self.dims[size][variant]
+
+    def latent_format(self, config: dict) -> LatentFormat:
+        """The latent format of a file with this config."""
+        return self.latent_for(config) if self.latent_for is not None else self.latent
 
 
 # ---- key maps from single-file layouts ---------------------------------------------------------------------------

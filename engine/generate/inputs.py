@@ -11,6 +11,7 @@ from .. import wording
 from ..models.detect import CheckpointInfo
 from ..models.load import build_empty
 from ..models.lora import check_lora
+from ..sampling.ksampler import reshape_mask
 
 FINITE_CHUNK = 1 << 22      # elements checked for NaN/inf at a time (the check's own memory stays small)
 
@@ -45,7 +46,7 @@ def _first_nonfinite(t: torch.Tensor) -> list[int] | None:
 
 
 def _px(info: CheckpointInfo, latent_h: int, latent_w: int) -> str:
-    d = info.spec.latent.downscale
+    d = info.latent.downscale
     return f"{latent_w * d}x{latent_h * d} px"
 
 
@@ -57,7 +58,7 @@ def fix_empty_latent(info: CheckpointInfo, samples, downscale_ratio: int | None 
     made one frame [B, C, 1, H, W] for a video latent format. Anything else is left for check_latent to judge."""
     if not isinstance(samples, torch.Tensor) or samples.ndim not in (4, 5):
         return samples
-    fmt = info.spec.latent
+    fmt = info.latent
     if not torch.count_nonzero(samples):   # zeros tiled to the channels and resized (nearest-exact): zeros
         shape = list(samples.shape)
         shape[1] = fmt.channels
@@ -71,14 +72,16 @@ def fix_empty_latent(info: CheckpointInfo, samples, downscale_ratio: int | None 
 
 
 def check_latent(info: CheckpointInfo, lat) -> tuple[int, int]:
-    """The LATENT's samples as the family takes them ([B, C, H, W], or [B, C, 1, H, W] for a video format); returns
-    the latent's (height, width)."""
-    fmt = info.spec.latent
+    """The LATENT's samples as the family takes them ([B, C, H, W], or [B, C, 1, H, W] for a video format, [B, C, F,
+    H, W] for a family that takes frames); returns the latent's (height, width)."""
+    fmt, frames = info.latent, info.spec.frames
     if not isinstance(lat, torch.Tensor) or lat.ndim != fmt.ndim or lat.shape[1] != fmt.channels \
-            or not lat.is_floating_point() or (fmt.spatial_dims == 3 and lat.shape[2] != 1):
+            or not lat.is_floating_point() or (fmt.spatial_dims == 3 and not frames and lat.shape[2] != 1) \
+            or (frames and lat.shape[2] < 1):
         shape = list(lat.shape) if isinstance(lat, torch.Tensor) else type(lat).__name__
-        raise ValueError(f"latent of shape {shape} is invalid: {info.variant} takes {fmt.shape_rule()} floats "
-                         f"({'one frame: ' if fmt.spatial_dims == 3 else ''}the empty-latent node of its workflows)")
+        one = "one frame: " if fmt.spatial_dims == 3 and not frames else ""
+        raise ValueError(f"latent of shape {shape} is invalid: {info.variant} takes {fmt.shape_rule(frames)} floats "
+                         f"({one}the empty-latent node of its workflows)")
     if lat.shape[0] < 1:
         raise ValueError("latent has an empty batch: give at least one image")
     h, w = lat.shape[-2], lat.shape[-1]
@@ -135,7 +138,7 @@ def check_references(name: str, refs, method: str, info: CheckpointInfo, batch: 
     """Reference latents (ReferenceLatent) of one side, where the family takes them."""
     if refs is None:
         return
-    family, fmt = info.spec, info.spec.latent
+    family, fmt = info.spec, info.latent
     rows = "1" if batch == 1 else f"1 or {batch}"
     rule = fmt.shape_rule().replace("[B,", f"[{rows},").replace("H/", "h/").replace("W/", "w/")
     if not isinstance(refs, (list, tuple)):
@@ -174,3 +177,81 @@ def check_loras(model: str, loras, info: CheckpointInfo) -> None:
         if not os.path.isfile(path):
             raise ValueError(f"LoRA file {path!r} does not exist")
         check_lora(path, info, set(shapes), shapes)
+
+
+def check_frames(info: CheckpointInfo, frames: int) -> None:
+    """A video's frame count (as ComfyUI's video nodes count them: length) for this model: 1 for a model of still
+    images; for a family that takes frames, one its latent format makes whole latent frames of (4k + 1 for Wan)."""
+    fmt, step = info.latent, info.latent.temporal_downscale
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        raise ValueError(f"{frames!r} frames is invalid: give a count >= 1")
+    if not info.spec.frames:
+        if frames != 1:
+            raise ValueError(f"{frames} frames: {info.variant} makes still images; leave out the frame count (1)")
+        return
+    if (frames - 1) % step:
+        below = frames - (frames - 1) % step
+        raise ValueError(f"{frames} frames is not a count ComfyUI's video nodes make for {info.variant}: its "
+                         f"{fmt.name} latent holds {step}k + 1 frames (1, {1 + step}, {1 + 2 * step}, ...): use "
+                         f"{below} or {below + step}")
+
+
+def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, latent: torch.Tensor) -> None:
+    """One side's image-to-video conditioning (ComfyUI's CONDITIONING keys clip_vision_output's features,
+    concat_latent_image, concat_mask), where the model takes it: what it needs is required and shaped as it takes it.
+    A model that takes none ignores them, as ComfyUI's does."""
+    family, config = info.spec, info.config
+    batch, rows = latent.shape[0], "1" if latent.shape[0] == 1 else f"1 or {latent.shape[0]}"
+    width = family.image_context_width(config)
+    if width:
+        name = prefix + "clip_vision_output"
+        limit = config.get("pos_embed_seq_len")
+        if clip is None:
+            raise ValueError(f"{name} is missing: {info.variant} is an image-to-video model and takes CLIP-vision "
+                             f"features [{rows}, 257, {width}] (CLIPVisionEncode into WanImageToVideo)")
+        if not isinstance(clip, torch.Tensor) or not clip.is_floating_point() or clip.ndim != 3 \
+                or clip.shape[2] != width or clip.shape[0] not in (1, batch) \
+                or not 1 <= clip.shape[1] <= (limit or 4096):
+            raise ValueError(f"{name} of shape {_shape(clip)} is invalid: {info.variant} takes [{rows}, "
+                             f"{'257 or 514' if limit else 257}, {width}] floats (CLIPVisionEncode's penultimate "
+                             f"hidden states)")
+    extra = family.concat_channels(config)
+    if not extra:
+        return
+    fmt = info.latent
+    grid = tuple(latent.shape[2:])
+    name = prefix + "concat_latent_image"
+    if image is None:
+        raise ValueError(f"{name} is missing: {info.variant} is an image-to-video model and takes the image's latent "
+                         f"[{rows}, {fmt.channels}, {', '.join(map(str, grid))}] (WanImageToVideo's or "
+                         f"WanFirstLastFrameToVideo's conditioning)")
+    if not isinstance(image, torch.Tensor) or not image.is_floating_point() or image.ndim != latent.ndim \
+            or image.shape[1] != fmt.channels or tuple(image.shape[2:]) != grid or image.shape[0] not in (1, batch):
+        raise ValueError(f"{name} of shape {_shape(image)} is invalid: for this latent {info.variant} takes "
+                         f"[{rows}, {fmt.channels}, {', '.join(map(str, grid))}] floats (the VAE latent of the "
+                         f"video's frames, as WanImageToVideo encodes them at the latent's size)")
+    name = prefix + "concat_mask"
+    if mask is not None and (not isinstance(mask, torch.Tensor) or not mask.is_floating_point()
+                             or mask.ndim != latent.ndim or mask.shape[1] not in (1, extra - fmt.channels)
+                             or not 1 <= mask.shape[2] <= grid[0] or tuple(mask.shape[3:]) != grid[1:]
+                             or mask.shape[0] not in (1, batch)):
+        raise ValueError(f"{name} of shape {_shape(mask)} is invalid: for this latent {info.variant} takes "
+                         f"[{rows}, 1 or {extra - fmt.channels}, at most {grid[0]}, {grid[1]}, {grid[2]}] floats "
+                         f"(0 where the image is known)")
+
+
+def check_noise_mask(mask, latent: torch.Tensor) -> None:
+    """The LATENT's noise_mask: floats that ComfyUI's reshape_mask fits to the latent (any size, interpolated)."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not 2 <= mask.ndim <= latent.ndim \
+            or mask.numel() == 0:
+        raise ValueError(f"noise_mask of shape {_shape(mask)} is invalid: give floats [B|1, 1, ...] over the "
+                         f"latent's frames, rows and columns (SetLatentNoiseMask, Wan22ImageToVideoLatent)")
+    try:
+        reshape_mask(mask, tuple(latent.shape))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"noise_mask of shape {list(mask.shape)} does not fit the latent {list(latent.shape)} "
+                         f"({' '.join(str(e).split())[:120]}): give one channel, or the latent's") from None
+
+
+def _shape(t) -> str:
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__

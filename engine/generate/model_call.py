@@ -25,9 +25,11 @@ from .request import GenerateRequest
 from .run import _finish, _parallel_model
 
 # ComfyUI diffusion-model keyword inputs the engine's families take, and what they become: context -> the text
-# tokens, y -> the pooled vector, guidance -> the embedded guidance scale, ref_latents -> reference latents in model
-# space (ComfyUI's extra_conds ran process_in), ref_latents_method -> how they are placed.
-TENSORS = ("context", "y", "guidance")
+# tokens, y -> the pooled vector, guidance -> the embedded guidance scale, clip_fea -> the image tokens of the
+# cross-attention (Wan's CLIP-vision features), ref_latents -> reference latents in model space (ComfyUI's extra_conds
+# ran process_in), ref_latents_method -> how they are placed. Input channels ComfyUI concatenates (c_concat) arrive
+# attached to x, and a per-frame timestep ([N, frames]) as the model timestep itself.
+TENSORS = ("context", "y", "guidance", "clip_fea")
 LISTS = ("ref_latents",)
 STRINGS = ("ref_latents_method",)
 SLOTS = 4   # conditioning tensors the ranks hold per name (a positive and a negative, each alone or batched)
@@ -102,12 +104,12 @@ class ModelSession:
         {"context": [N, L, D], "y": [N, P], "guidance": [N], "ref_latents": [[N, C, h, w], ...],
         "ref_latents_method": str} (absent or None: not given)."""
         n = x.shape[0]
-        timestep = torch.as_tensor(timestep, dtype=torch.float32).detach().reshape(-1).cpu()
+        timestep = torch.as_tensor(timestep, dtype=torch.float32).detach().cpu()
         if timestep.numel() == 1:
-            timestep = timestep.expand(n)
-        if timestep.shape[0] != n or not torch.isfinite(timestep).all():
+            timestep = timestep.reshape(1).expand(n)
+        if timestep.ndim not in (1, 2) or timestep.shape[0] != n or not torch.isfinite(timestep).all():
             raise ValueError(f"timestep of shape {list(timestep.shape)} is invalid for {n} rows: give one finite value "
-                             f"per row")
+                             f"per row, or per row and frame")
         unknown = set(conditioning) - set(TENSORS + LISTS + STRINGS)
         if unknown:
             raise ValueError(f"the model call carries {sorted(unknown)}, which the engine does not take")
@@ -145,7 +147,7 @@ def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepar
                          f"{list(flow.family.reference_methods)}")
     return Prepared(conditioning["context"], conditioning.get("y"),
                     guidance if guidance is not None else torch.full((n,), 3.5, device=flow.device),
-                    tuple(frame(conditioning[k]) for k in refs), method)
+                    tuple(frame(conditioning[k]) for k in refs), method, image_context=conditioning.get("clip_fea"))
 
 
 def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str, torch.Tensor] | None:

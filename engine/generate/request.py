@@ -23,7 +23,8 @@ from ..sampling.ksampler import StepWindow
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SCHEDULERS, FlowSampling
 from . import admission
-from .inputs import check_finite, check_latent, check_loras, check_references, check_side
+from .inputs import (check_finite, check_image_inputs, check_latent, check_loras, check_noise_mask, check_references,
+                     check_side)
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
@@ -80,6 +81,18 @@ class GenerateRequest:
     last_step: int | None = None
     force_full_denoise: bool = False
     add_noise: bool = True
+    # image-to-video: the CONDITIONING keys WanImageToVideo / WanFirstLastFrameToVideo set, per side: the CLIP-vision
+    # features (clip_vision_output's penultimate_hidden_states) [B|1, T, width], the image's raw VAE latent
+    # (concat_latent_image) [B|1, C, F, H, W] and its mask (concat_mask) [B|1, 1|4, F, H, W]
+    clip_vision_output: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    concat_latent_image: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    concat_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    neg_clip_vision_output: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    neg_concat_latent_image: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    neg_concat_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    # the LATENT's noise_mask (SetLatentNoiseMask, Wan22ImageToVideoLatent): 1 denoises, 0 keeps the latent, as
+    # ComfyUI's KSampler applies it (resized to the latent as comfy.utils.reshape_mask does)
+    noise_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
     choice: PlanChoice | None = field(default=None, metadata=LOCAL)   # why this plan (set by validate)
 
     @classmethod
@@ -122,9 +135,15 @@ class GenerateRequest:
                                  f"use cfg 1.0")
             check_side("neg_cond", self.neg_cond, self.neg_pooled, info, batch)
         check_references("reference_latents", self.reference_latents, self.reference_latents_method, info, batch)
+        check_image_inputs("", self.clip_vision_output, self.concat_latent_image, self.concat_mask, info,
+                           self.latent_raw)
         if self.negative_pass:
             check_references("neg_reference_latents", self.neg_reference_latents, self.neg_reference_latents_method,
                              info, batch)
+            check_image_inputs("neg_", self.neg_clip_vision_output, self.neg_concat_latent_image, self.neg_concat_mask,
+                               info, self.latent_raw)
+        if self.noise_mask is not None:
+            check_noise_mask(self.noise_mask, self.latent_raw)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
         if self.model_sampling is not None:
@@ -136,7 +155,7 @@ class GenerateRequest:
         work = self.workload(info)
         inputs_gib = sum(t.numel() * t.element_size() for _, t in self.tensors_to_check()) / GiB
         admission.check_memory(self.plan, inputs_gib, work, ranks, hardware,
-                               f"{latent_w * info.spec.latent.downscale}x{latent_h * info.spec.latent.downscale} px")
+                               f"{latent_w * info.latent.downscale}x{latent_h * info.latent.downscale} px")
         choice = resolve_plan(self.plan, ranks, work, hardware)
         self._check_pipefusion(info, choice.plan, latent_h, latent_w)
         for name, t in self.tensors_to_check():   # sizes known to fit: now the values are read
@@ -150,6 +169,7 @@ class GenerateRequest:
         """What the planner and the cost model know of this job."""
         lat = self.latent_raw
         return Workload.from_info(info, lat.shape[-2], lat.shape[-1], batch=lat.shape[0],
+                                  frames=lat.shape[2] if info.spec.frames else 1,
                                   negative_pass=self.negative_pass, text_tokens=self._text_tokens(info),
                                   dtype=self.dtype,
                                   fp8_weights=self.fp8_weights, compiled=self.compile, steps=self.steps,
@@ -162,6 +182,8 @@ class GenerateRequest:
             return "the step cache does not combine with pipefusion yet: set cache_threshold 0 or"
         if self.reference_latents or (self.negative_pass and self.neg_reference_latents):
             return "reference latents do not combine with pipefusion yet:"
+        if self.noise_mask is not None:
+            return "a noise mask does not combine with pipefusion yet:"
         return ""
 
     def window(self) -> StepWindow:
@@ -223,6 +245,12 @@ class GenerateRequest:
         for name in ("reference_latents",) + (("neg_reference_latents",) if self.negative_pass else ()):
             for i, r in enumerate(getattr(self, name) or ()):
                 yield f"{name}[{i}]", r
+        for name in ("clip_vision_output", "concat_latent_image", "concat_mask"):
+            for side in ("",) + (("neg_",) if self.negative_pass else ()):
+                if getattr(self, side + name) is not None:
+                    yield side + name, getattr(self, side + name)
+        if self.noise_mask is not None:
+            yield "noise_mask", self.noise_mask
 
     def _check_pipefusion(self, info, plan: ParallelPlan, latent_h: int, latent_w: int) -> None:
         """The PipeFusion settings against the plan and the job's shapes (parallel/pipefusion), before launch."""
@@ -241,7 +269,7 @@ class GenerateRequest:
         if latent_h % p or latent_w % p:   # a family that pads to whole patches: its bands must be whole patches
             problems.append(f"pipefusion's row bands need a latent of whole {p}x{p} patches; this one is "
                             f"{latent_w}x{latent_h}: use an image whose sides are multiples of "
-                            f"{p * info.spec.latent.downscale} px")
+                            f"{p * info.latent.downscale} px")
         if problems:
             raise PlanError(f"{wording.say('plan subject', plan=wording.plan(plan))} cannot run this job: "
                             + "; ".join(problems))
@@ -348,8 +376,9 @@ class GenerateRequest:
         spec["batch_index"] = list(self.batch_index) if self.batch_index is not None else None
         spec["stage_blocks"] = list(self.stage_blocks) if self.stage_blocks is not None else None
         if not self.negative_pass:  # the sampler never runs the negative pass: its tensors stay home
-            inputs.pop("neg_cond", None)
-            inputs.pop("neg_pooled", None)
+            for name in ("neg_cond", "neg_pooled", "neg_clip_vision_output", "neg_concat_latent_image",
+                         "neg_concat_mask"):
+                inputs.pop(name, None)
             spec["neg_reference_latents"] = None
             inputs = {k: v for k, v in inputs.items() if not k.startswith("neg_reference_latents.")}
         return spec, inputs
@@ -395,10 +424,11 @@ class GenerateRequest:
         return request
 
 
-def empty_latent(info, width: int, height: int, batch: int = 1) -> torch.Tensor:
-    """The family's empty LATENT (zeros, as its empty-latent node gives) for a width x height image: one zero seen
-    through a broadcast view, so a request too large for the machine is refused before any memory is taken (the
-    bridge writes the zeros when the job is sent)."""
-    fmt = info.spec.latent
-    frames = (1,) if fmt.spatial_dims == 3 else ()
+def empty_latent(info, width: int, height: int, batch: int = 1, frames: int = 1) -> torch.Tensor:
+    """The family's empty LATENT (zeros, as its empty-latent node gives) for a width x height image, or a video of
+    `frames` frames (ComfyUI counts 4k + 1: (frames - 1) // 4 + 1 latent frames) for a family that takes frames: one
+    zero seen through a broadcast view, so a request too large for the machine is refused before any memory is taken
+    (the bridge writes the zeros when the job is sent)."""
+    fmt = info.latent
+    frames = ((fmt.latent_frames(frames) if info.spec.frames else 1),) if fmt.spatial_dims == 3 else ()
     return torch.zeros(()).expand(batch, fmt.channels, *frames, height // fmt.downscale, width // fmt.downscale)

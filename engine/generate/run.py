@@ -14,7 +14,7 @@ from ..parallel.parallelize import parallelize
 from ..parallel.pipefusion.layout import make_layout, stage_keep
 from ..parallel.pipefusion.pipeline import Pipeline
 from .. import syncs
-from ..sampling.ksampler import ksample, start_sampling
+from ..sampling.ksampler import ksample, reshape_mask, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
 
@@ -112,9 +112,11 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
 
 def _sides(request: GenerateRequest) -> tuple[Conditioning, Conditioning | None]:
     positive = Conditioning(request.cond, request.pooled, request.guidance, tuple(request.reference_latents or ()),
-                            request.reference_latents_method)
+                            request.reference_latents_method, request.clip_vision_output, request.concat_latent_image,
+                            request.concat_mask)
     negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance,
-                             tuple(request.neg_reference_latents or ()), request.neg_reference_latents_method)
+                             tuple(request.neg_reference_latents or ()), request.neg_reference_latents_method,
+                             request.neg_clip_vision_output, request.neg_concat_latent_image, request.neg_concat_mask)
                 if request.neg_cond is not None else None)
     return positive, negative
 
@@ -141,7 +143,7 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh, weight_patches=None) -> 
     pipeline = _parallel_model(ctx, request, mesh, stage=((layout.stages, layout.stage_blocks, stage), keep),
                                weight_patches=weight_patches)
     noise = frame(prepare_noise(request.latent_raw.float(), request.seed, request.batch_index))   # its shape's draw
-    start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.spec.latent.image(),
+    start = start_sampling(latent_raw.to(ctx.device), sampling=request.sampling(info), latent=info.latent.image(),
                            seed=request.seed, steps=request.steps, cfg=request.cfg, sampler=request.sampler,
                            scheduler=request.scheduler, denoise=request.denoise, noise=noise.to(ctx.device))
     positive, negative = _sides(request)
@@ -175,6 +177,9 @@ def run_generate(ctx, request: GenerateRequest, weight_patches=None) -> dict[str
     latent_raw = request.latent_raw.float()
     noise = prepare_noise(latent_raw, request.seed, request.batch_index)  # the whole batch's, as ComfyUI draws it
     positive, negative = _sides(request)
+    info = parallel.flow.loaded.info
+    mask = None if request.noise_mask is None else reshape_mask(request.noise_mask, tuple(latent_raw.shape)).to(
+        ctx.device)
 
     def on_step(step_index: int, total: int) -> None:
         ctx.progress(step_index + 1, total)
@@ -184,12 +189,12 @@ def run_generate(ctx, request: GenerateRequest, weight_patches=None) -> dict[str
     with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device,
                                                                          host=(request, latent_raw, noise)):
         syncs.start()
-        info = parallel.flow.loaded.info
-        samples = ksample(parallel.predictor(positive, negative), latent_raw.to(ctx.device),
-                          sampling=request.sampling(info), latent=info.spec.latent, seed=request.seed,
+        samples = ksample(parallel.predictor(positive, negative, mask), latent_raw.to(ctx.device),
+                          sampling=request.sampling(info), latent=info.latent, seed=request.seed,
                           steps=request.steps, cfg=request.cfg, sampler=request.sampler, scheduler=request.scheduler,
                           denoise=request.denoise, noise=noise.to(ctx.device), callback=on_step,
-                          cfg_norm=request.cfg_norm, window=request.window())
+                          cfg_norm=request.cfg_norm, denoise_mask=mask,
+                          masked_latent_clean=info.spec.masked_latent_clean(info.config), window=request.window())
     if parallel.cache is not None:
         ctx.info["step_cache"] = parallel.cache.stats.as_dict()
     return _finish(ctx, request, mesh, parallel.flow.loaded.info, samples)

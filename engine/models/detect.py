@@ -46,6 +46,11 @@ class CheckpointInfo:
         return self.spec.layers(self.config)
 
     @property
+    def latent(self):
+        """The latent format of this file (engine/sampling/latent_formats.py)."""
+        return self.spec.latent_format(self.config)
+
+    @property
     def latent_patch(self) -> int:
         """Latent pixels per token side."""
         return self.spec.latent_patch(self.config)

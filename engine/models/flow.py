@@ -1,8 +1,9 @@
 """An unmodified diffusers transformer seen the way ComfyUI's sampler sees a flow model: `velocity(x_model, sigma,
-prepared)` is one forward pass with the conventions of the model's family (engine/families: how latents become
-tokens and positions, what the model takes as its timestep, its reference latents), returning the velocity shaped
-like x_model in float32. Nothing here knows about ranks: parallel methods are applied around this class by
-engine/parallel.
+prepared)` is ComfyUI's _apply_model (the model timestep from sigma, processed under a noise mask where the family's
+ComfyUI model does so; c_concat attached to the latent's channels), `output(x, timestep, prepared)` ComfyUI's
+diffusion model call: one forward pass with the conventions of the model's family (engine/families: how latents become
+tokens and positions, what the model takes as its timestep, its reference latents and image context), in float32.
+Nothing here knows about ranks: parallel methods are applied around this class by engine/parallel.
 """
 from __future__ import annotations
 
@@ -25,12 +26,20 @@ class Conditioning:
     guidance: float | None = None
     references: tuple[torch.Tensor, ...] = ()
     reference_method: str = ""          # "": the family's default (ComfyUI's, when the conditioning names none)
+    # image-to-video (the CONDITIONING keys ComfyUI's WanImageToVideo & co. set): CLIP-vision features
+    # (clip_vision_output's penultimate_hidden_states) [B|1, T, width]; the image's raw VAE latent (concat_latent_image)
+    # [B|1, C, F, h, w] and its mask (concat_mask) [B|1, 1|4, F, h, w], 0 where the image is known
+    image_context: torch.Tensor | None = None
+    concat_latent: torch.Tensor | None = None
+    concat_mask: torch.Tensor | None = None
 
     @property
     def forward_shape(self) -> tuple:
-        """What must agree for two sides to share one forward: their token counts and reference positions."""
+        """What must agree for two sides to share one forward: their token counts, reference positions and image
+        context tokens."""
         refs = tuple(tuple(r.shape[1:]) for r in self.references)
-        return self.cond.shape[1], refs, self.reference_method if refs else None
+        image = None if self.image_context is None else self.image_context.shape[1]
+        return self.cond.shape[1], refs, self.reference_method if refs else None, image
 
 
 @dataclass(frozen=True)
@@ -41,11 +50,19 @@ class Prepared:
     guidance: torch.Tensor        # fp32, one value per batch row
     references: tuple[torch.Tensor, ...] = ()   # model space [rows, C, h, w], one row per batch row, like cond
     reference_method: str = ""
+    image_context: torch.Tensor | None = None   # ComfyUI's clip_fea [rows, T, width]
+    concat: torch.Tensor | None = None          # ComfyUI's c_concat [rows, extra, ...] (model space): attached to the
+    #                                             latent's channels by velocity (a MODEL call hands x with it attached)
+    denoise_mask: torch.Tensor | None = None    # ComfyUI's denoise_mask [rows, C, ...] (1: denoise), for the family's
+    #                                             process_timestep
 
     def rows(self, items: slice) -> "Prepared":
         """The conditioning of batch rows `items` (each row has its own)."""
-        return Prepared(self.cond[items], None if self.pooled is None else self.pooled[items], self.guidance[items],
-                        tuple(r[items] for r in self.references), self.reference_method)
+        def take(t):
+            return None if t is None else t[items]
+        return Prepared(self.cond[items], take(self.pooled), self.guidance[items],
+                        tuple(r[items] for r in self.references), self.reference_method, take(self.image_context),
+                        take(self.concat), take(self.denoise_mask))
 
 
 def rows(t: torch.Tensor, batch: int, items: slice, name: str = "conditioning") -> torch.Tensor:
@@ -71,8 +88,10 @@ class FlowModel:
         # reference tokens at the end of the current forward's image tokens: the parallel token hooks read it
         self.reference_tokens = 0
 
-    def prepare(self, sides: list[Conditioning], batch: int, items: slice = slice(None)) -> Prepared:
-        """The sides' conditioning for latent items `items` of a batch of `batch`, stacked side after side."""
+    def prepare(self, sides: list[Conditioning], batch: int, items: slice = slice(None),
+                denoise_mask: torch.Tensor | None = None) -> Prepared:
+        """The sides' conditioning for latent items `items` of a batch of `batch`, stacked side after side.
+        denoise_mask: the sampler's noise mask [batch, C, ...] (ComfyUI's denoise_mask), None without one."""
         cond = torch.cat([pad_text(rows(s.cond, batch, items), self.family.pad_text_to)
                           for s in sides]).to(self.device, self.dtype)
         pooled = None
@@ -82,32 +101,54 @@ class FlowModel:
         guidance = torch.tensor([3.5 if s.guidance is None else float(s.guidance) for s in sides],
                                 dtype=torch.float32, device=self.device).repeat_interleave(per_side)
         if len({s.forward_shape[1:] for s in sides}) > 1:
-            raise ValueError("sides with different reference latents cannot share one forward: run one per side")
+            raise ValueError("sides with different reference latents or image context cannot share one forward: run "
+                             "one per side")
         # as ComfyUI's extra_conds: each reference to model space in its own dtype, then to the compute dtype
-        fmt = self.family.latent
+        fmt = self.loaded.info.latent
         references = tuple(
             torch.cat([rows(frame(fmt.process_in(s.references[i])), batch, items, "reference latent") for s in sides])
             .to(self.device, self.dtype)
             for i in range(len(sides[0].references)))
         method = sides[0].reference_method or (self.family.reference_methods or ("",))[0]
-        return Prepared(cond, pooled, guidance, references, method)
+        image = None
+        if sides[0].image_context is not None:
+            image = torch.cat([rows(s.image_context, batch, items, "clip_vision_output") for s in sides]) \
+                .to(self.device, self.dtype)
+        whole = None if denoise_mask is None else denoise_mask.to(self.device)
+        mask = None if whole is None else rows(whole, batch, items, "noise mask")
+        concat = None
+        if self.family.concat_cond is not None and self.family.concat_channels(self.loaded.info.config):
+            concat = torch.cat([rows(self.family.concat_cond(self, s, whole), batch, items, "concat_latent_image")
+                                for s in sides]).to(self.device, self.dtype)
+        return Prepared(cond, pooled, guidance, references, method, image_context=image, concat=concat,
+                        denoise_mask=None if mask is None else mask.repeat(len(sides), *([1] * (mask.ndim - 1))))
 
     @torch.no_grad()
     def velocity(self, x_model: torch.Tensor, sigma: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        """v for latents x_model [n, C, h, w] or one-frame video latents [n, C, 1, h, w] (model space) at `sigma`,
-        float32, shaped like x_model."""
+        """v for latents x_model [n, C, h, w] or video latents [n, C, F, h, w] (model space; one frame unless the
+        family takes frames) at `sigma`, float32, shaped like x_model: ComfyUI's _apply_model. The model timestep is
+        sigma x the model sampling's multiplier, processed under a noise mask as the family's ComfyUI model does; the
+        conditioning's c_concat joins the latent's channels."""
         sigma32 = sigma.detach().to(torch.float32).reshape(-1).expand(x_model.shape[0]).to(self.device)
-        return self.output(x_model, sigma32 * self.timesteps_per_sigma, prepared)
+        timestep = sigma32 * self.timesteps_per_sigma
+        if prepared.denoise_mask is not None and self.family.process_timestep is not None:
+            timestep = self.family.process_timestep(self.loaded.info.config, timestep, prepared.denoise_mask)
+        if prepared.concat is not None:
+            x_model = torch.cat([x_model.to(self.device, self.dtype), prepared.concat], dim=1)
+        return self.output(x_model, timestep, prepared)
 
     @torch.no_grad()
     def output(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         """The model's output (for a flow model its velocity) at ComfyUI's model timestep: what ComfyUI's diffusion
-        model returns for (x_model, timestep), float32, shaped like x_model. timestep: one float32 value per item."""
+        model returns for (x_model, timestep), float32, shaped like x_model but for the channels (the model's output
+        channels: a c_concat attached to x_model is input only). timestep: one float32 value per item ([n]), or per
+        item and latent frame ([n, F]) where the family's ComfyUI model makes one (process_timestep)."""
         n = x_model.shape[0]
-        timestep32 = timestep.detach().to(torch.float32).reshape(-1).expand(n).to(self.device)
-        x = frame(x_model).to(self.device, self.dtype)
-        v = self.family.forward(self, x, timestep32, prepared).to(torch.float32)
-        return v.unsqueeze(2) if x_model.ndim == 5 else v
+        timestep32 = timestep.detach().to(torch.float32)
+        timestep32 = (timestep32.expand(n, -1) if timestep32.ndim == 2 else timestep32.reshape(-1).expand(n))
+        x = (x_model if self.family.frames else frame(x_model)).to(self.device, self.dtype)
+        v = self.family.forward(self, x, timestep32.to(self.device), prepared).to(torch.float32)
+        return v.unsqueeze(2) if x_model.ndim == 5 and not self.family.frames else v
 
 
 def frame(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .safetensors_file import CheckpointError, TensorInfo
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-MAX_DIMS = 4
+MAX_DIMS = 5       # ggml's 4, and ComfyUI-GGUF's 5-D video patch embeddings (tools/fix_5d_tensors.py)
 # value type id -> struct format of a scalar (8: string, 9: array)
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 TYPE_NAMES = {v[0]: k for k, v in {**BLOCKS, **FLOATS}.items()}

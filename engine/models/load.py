@@ -159,8 +159,9 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     del state
     quantized_layers = _install_quantized(model, quantized, compute)
     cast_layers = _wrap_fp8_linears(model, scales)
+    # tensors outside the state dict (non-persistent buffers, e.g. a RoPE table) are the family's rebuild_off_meta's
     leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers())
-                 if b.is_meta and (keep is None or keep(n))]
+                 if b.is_meta and n in expected and (keep is None or keep(n))]
     if leftovers:
         raise CheckpointError(f"{path}: model tensors left without weights: {_few(leftovers)}")
     info.spec.rebuild_off_meta(model)

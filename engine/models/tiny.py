@@ -114,7 +114,7 @@ def gguf_type(name: str, shape: tuple, quant: str) -> str:
     numel = 1
     for d in shape:
         numel *= d
-    if len(shape) == 1 or numel <= 1024:
+    if len(shape) == 1 or len(shape) > 4 or numel <= 1024:   # a 5-D conv kernel: F32, as ComfyUI-GGUF's 5-D fix
         return "F32"
     if quant not in BLOCKS:
         return quant

@@ -13,8 +13,9 @@ The blocks themselves are untouched (compiled blocks stay compiled, their weight
 block lists are replaced by lists of the same modules whose iteration yields thin call wrappers, and restored by
 `close`. A block is called as block(hidden_states=, encoder_hidden_states=, ...) and returns (encoder_hidden_states,
 hidden_states); a block called without an encoder stream (encoder_hidden_states None: FLUX.2's single blocks, which
-get text and image joined) returns the one joined stream, the image tokens at its end. Only the final image tokens
-are used after the last block.
+get text and image joined) returns the one joined stream, the image tokens at its end. A block called with its
+arguments in order, hidden states first, that returns one tensor (Wan's: the text enters only its cross-attention)
+returns the image tokens alone. Only the final image tokens are used after the last block.
 
 A threshold of 0 never skips, and then every block runs exactly as without the cache (the wrappers only read).
 """
@@ -121,9 +122,11 @@ class StepCache:
     def call(self, block: torch.nn.Module, args, kwargs):
         if block is self.first:
             return self._call_first(block, args, kwargs)
-        joined = kwargs.get("encoder_hidden_states") is None   # one stream in, one out
+        single = bool(args)   # hidden states first, one tensor back
+        joined = single or kwargs.get("encoder_hidden_states") is None   # one stream in, one out
         if self._skip:  # pass the cached result along unchanged
-            return kwargs["hidden_states"] if joined else (kwargs["encoder_hidden_states"], kwargs["hidden_states"])
+            hidden_in = args[0] if single else kwargs["hidden_states"]
+            return hidden_in if joined else (kwargs["encoder_hidden_states"], hidden_in)
         out = block(*args, **kwargs)
         if block is self.last:
             hidden = out if joined else out[1]
@@ -135,8 +138,10 @@ class StepCache:
     def _call_first(self, block, args, kwargs):
         stream = self.streams.setdefault(self.stream_key, _Stream())
         self.stats.calls += 1
-        hidden_in = kwargs["hidden_states"]
-        encoder, hidden = block(*args, **kwargs)
+        single = bool(args)   # hidden states first, one tensor back
+        hidden_in = args[0] if single else kwargs["hidden_states"]
+        out = block(*args, **kwargs)
+        encoder, hidden = (None, out) if single else out
         residual = hidden - hidden_in
         change = self._agreed(stream.measured) if stream.measured is not None else None
         stream.measured = self._measure(residual, stream)
@@ -145,10 +150,11 @@ class StepCache:
         if self._skip:
             self.stats.skipped += 1
             self.stats.skipped_at.append(self.stats.calls - 1)
-            return encoder, hidden + stream.rest_residual
+            hidden = hidden + stream.rest_residual
+            return hidden if single else (encoder, hidden)
         stream.first_residual = residual
         self._first_out = hidden
-        return encoder, hidden
+        return hidden if single else (encoder, hidden)
 
     def _measure(self, residual: torch.Tensor, stream: _Stream) -> Deferred:
         """This call's change against the stream's last fully computed call, summed over every rank's shard: |residual -

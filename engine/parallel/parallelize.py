@@ -69,6 +69,9 @@ class ParallelFlow:
         model.set_attn_processor(table.processor(self.attention))
         if table.split_inputs or table.text_inputs:
             self._hooks.append(model.register_forward_pre_hook(self._split_forward_inputs, with_kwargs=True))
+        for name, first in table.split_grid_after:
+            self._hooks.append(model.get_submodule(name).register_forward_hook(
+                lambda module, args, out, first=first, name=name: self._shard_image(out.flatten(first), first, name)))
         for name, item, dim in table.split_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(self._split_output(name, item, dim)))
         for name, item, dim in table.text_after:
@@ -146,7 +149,8 @@ class ParallelFlow:
             joint_refs = refs if kwargs[first].shape[dim] % self.mesh["sp"].size else 0
         self._joint_references = joint_refs
         for name, dim in table.split_inputs:
-            kwargs[name] = self._shard_image(kwargs[name], dim, name)
+            if kwargs.get(name) is not None and kwargs[name].ndim > dim:   # else no token axis this forward
+                kwargs[name] = self._shard_image(kwargs[name], dim, name)
         if table.reference_tokens:
             extra["joint_reference_tokens"] = joint_refs
         self._joint_text = False
@@ -185,16 +189,18 @@ class ParallelFlow:
             self._original_processors = None
 
     # ---- CFG and data parallel: the model call split, the velocities gathered ----------------------------------
-    def predictor(self, positive: Conditioning, negative: Conditioning | None):
+    def predictor(self, positive: Conditioning, negative: Conditioning | None,
+                  denoise_mask: torch.Tensor | None = None):
         """A Predict for the sampler, bound to this job's conditioning (prepared once per batch share, not per
-        step): predict(x_model, sigma, which) -> one velocity per entry of which ("pos", "neg")."""
+        step): predict(x_model, sigma, which) -> one velocity per entry of which ("pos", "neg"). denoise_mask: the
+        job's noise mask fitted to the latent (the model's process_timestep and c_concat read it)."""
         cfg, dp = self.mesh["cfg"], self.mesh["dp"]
         prepared: dict[tuple, object] = {}
 
         def prepare(sides: list[Conditioning], batch: int, items: slice):
             key = (tuple(id(s) for s in sides), batch, items.start)
             if key not in prepared:
-                prepared[key] = self.flow.prepare(sides, batch, items)
+                prepared[key] = self.flow.prepare(sides, batch, items, denoise_mask)
             return prepared[key]
 
         def predict(x_model: torch.Tensor, sigma: torch.Tensor, which: tuple[str, ...]) -> tuple[torch.Tensor, ...]:

@@ -99,7 +99,7 @@ class Workload:
     variant: str
     heads: int
     layers: int              # attention layers: FLUX double + single blocks, SD3 joint blocks
-    image_tokens: int        # per image, after patching (FLUX 2x2, SD3 patch_size)
+    image_tokens: int        # per image (a video: all its latent frames), after patching (FLUX 2x2, SD3 patch_size)
     batch: int
     negative_pass: bool      # cfg != 1: the sampler evaluates a negative prompt too
     head_dim: int = 128
@@ -131,39 +131,46 @@ class Workload:
     def from_info(cls, info, latent_h: int, latent_w: int, *, batch: int, negative_pass: bool, text_tokens: int,
                   dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
                   warmup_steps: int = 1, patches: int | None = None, pipefusion_conflict: str = "",
-                  bytes_per_weight: float | None = None) -> "Workload":
-        """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w.
-        bytes_per_weight: the weights are held quantized at this many bytes each (e.g. a GGUF block type's, for a
-        known variant priced as such a file); None: as the file holds them."""
+                  bytes_per_weight: float | None = None, frames: int = 1) -> "Workload":
+        """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w (and
+        `frames` latent frames, for a family that takes video). bytes_per_weight: the weights are held quantized at
+        this many bytes each (e.g. a GGUF block type's, for a known variant priced as such a file); None: as the file
+        holds them."""
         patch, family = info.latent_patch, info.spec
+        if family.stage is None:
+            pipefusion_conflict = pipefusion_conflict or f"{family.title} has no PipeFusion stage model yet:"
+        width = family.linear_width(info.config) if callable(family.linear_width) else family.linear_width
         fp8 = fp8_weights or info.stored_fp8 or bytes_per_weight is not None   # fp8/GGUF matrices stay so (load.py)
         if bytes_per_weight is None and info.quantized_parameters and not fp8_weights:
             bytes_per_weight = info.quantized_bytes / info.quantized_parameters   # the file's: 1 for fp8, ~0.56 Q4_K
         per_parameter = bytes_per_weight if bytes_per_weight is not None else 1 if fp8 else DTYPE_BYTES[dtype]
         return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
-                   image_tokens=(latent_h // patch) * (latent_w // patch), negative_pass=negative_pass,
+                   image_tokens=frames * (latent_h // patch) * (latent_w // patch), negative_pass=negative_pass,
                    head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=round(info.parameters * per_parameter),
                    block_weight_bytes=round(info.block_parameters * per_parameter),
                    dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=latent_h // patch, steps=steps,
                    warmup_steps=warmup_steps, patches=patches, pipefusion_conflict=pipefusion_conflict,
-                   text_splits=family.text_splits, linear_width=family.linear_width,
-                   out_features=family.latent.channels * patch * patch)
+                   text_splits=family.text_splits, linear_width=width,
+                   out_features=info.latent.channels * patch * patch)
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
                     negative_pass: bool = False, text_tokens: int | None = None, dtype: str = "bf16",
                     fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
-                    warmup_steps: int = 1, bytes_per_weight: float | None = None) -> "Workload":
-        """A known variant at full size (its family's dims) and width x height pixels; text tokens default to what
-        ComfyUI's encoders give (the family's usual count, e.g. 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3)."""
+                    warmup_steps: int = 1, bytes_per_weight: float | None = None, frames: int = 1) -> "Workload":
+        """A known variant at full size (its family's dims) and width x height pixels (a video family: `frames`
+        frames, as ComfyUI counts them); text tokens default to what ComfyUI's encoders give (the family's usual
+        count, e.g. 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3)."""
         info = synthetic_info(f"synthetic:{variant}")
-        down = info.spec.latent.downscale
+        fmt = info.latent
+        down = fmt.downscale
         return cls.from_info(info, height // down, width // down, batch=batch, negative_pass=negative_pass,
                              text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights,
                              compiled=compiled, steps=steps, warmup_steps=warmup_steps,
-                             bytes_per_weight=bytes_per_weight)
+                             bytes_per_weight=bytes_per_weight,
+                             frames=fmt.latent_frames(frames) if info.spec.frames else 1)
 
 
 

@@ -110,13 +110,49 @@ class StepWindow:
         return sigmas
 
 
+def reshape_mask(mask: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A noise mask fitted to a latent of `shape`, as ComfyUI's KSampler fits it (comfy.utils.reshape_mask):
+    interpolated to the latent's frames, rows and columns, its channels repeated, its batch repeated or cut."""
+    dims = len(shape) - 2
+    if dims == 2:
+        mask, mode = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1]), "bilinear"
+    else:
+        mask, mode = (mask if mask.ndim == 5 else mask.reshape(1, 1, -1, mask.shape[-2], mask.shape[-1])), "trilinear"
+    mask = torch.nn.functional.interpolate(mask.float(), size=tuple(shape[2:]), mode=mode)
+    if mask.shape[1] < shape[1]:
+        mask = mask.repeat((1, shape[1]) + (1,) * dims)[:, :shape[1]]
+    if mask.shape[0] > shape[0]:
+        mask = mask[:shape[0]]
+    elif mask.shape[0] < shape[0]:
+        mask = mask.repeat((math.ceil(shape[0] / mask.shape[0]),) + (1,) * (len(shape) - 1))[:shape[0]]
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"a mask of {mask.shape[1]} channels does not fit a latent of {shape[1]}")
+    return mask
+
+
+def masked_denoiser(denoise: Denoiser, mask: torch.Tensor, latent_model: torch.Tensor, noise: torch.Tensor,
+                    clean: bool) -> Denoiser:
+    """ComfyUI's KSamplerX0Inpaint: where the mask is 0 the model sees the latent (noised to sigma, or as it is for a
+    model whose ComfyUI scale_latent_inpaint keeps it: `clean`) and the result is the latent."""
+    keep = 1.0 - mask
+
+    def masked(x_model: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        known = latent_model if clean else sigma * noise + (1.0 - sigma) * latent_model
+        out = denoise(x_model * mask + known * keep, sigma)
+        return out * mask + latent_model * keep
+    return masked
+
+
 @dataclass
 class SamplingStart:
-    """What a KSampler run starts from: x in model space at the first sigma, the schedule, and how to finish."""
+    """What a KSampler run starts from: x in model space at the first sigma, the schedule, and how to finish; the
+    latent in model space and the noise, which a noise mask reads."""
     x_model: torch.Tensor
     sigmas: torch.Tensor
     sampling: FlowSampling
     latent: LatentFormat
+    latent_model: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
 
     @property
     def percent_to_sigma(self) -> PercentToSigma:
@@ -151,26 +187,32 @@ def start_sampling(latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: 
     sigmas = sigmas.to(device)
     # CONST noise scaling: x at sigma is the straight line between the latent and the noise.
     x_model = sigmas[0] * noise + (1.0 - sigmas[0]) * latent_model
-    return SamplingStart(x_model, sigmas, sampling, latent)
+    return SamplingStart(x_model, sigmas, sampling, latent, latent_model, noise)
 
 
 def ksample(predict: Predict, latent_raw: torch.Tensor, *, sampling: FlowSampling, latent: LatentFormat, seed: int,
             steps: int, cfg: float, sampler: str, scheduler: str, denoise: float = 1.0,
             batch_index: list[int] | None = None, noise: torch.Tensor | None = None,
-            callback: StepCallback | None = None, cfg_norm: float = 0.0,
-            window: StepWindow = StepWindow()) -> torch.Tensor:
+            callback: StepCallback | None = None, cfg_norm: float = 0.0, denoise_mask: torch.Tensor | None = None,
+            masked_latent_clean: bool = False, window: StepWindow = StepWindow()) -> torch.Tensor:
     """Sample like ComfyUI's KSampler node (with `window`, its KSamplerAdvanced); returns the float32 latent in raw
     VAE space, shaped like latent_raw.
 
     noise, when given, replaces the seeded initial noise (seed still drives the stochastic samplers' step noise).
-    callback(step_index, total_steps) runs after every step; raising from it aborts sampling.
+    callback(step_index, total_steps) runs after every step; raising from it aborts sampling. denoise_mask: the
+    LATENT's noise mask fitted to the latent (reshape_mask), applied as KSamplerX0Inpaint applies it;
+    masked_latent_clean: the model's ComfyUI scale_latent_inpaint keeps the latent unnoised.
     """
     start = start_sampling(latent_raw, sampling=sampling, latent=latent, seed=seed, steps=steps, cfg=cfg,
                            sampler=sampler, scheduler=scheduler, denoise=denoise, batch_index=batch_index, noise=noise,
                            window=window)
     if start is None:
         return latent_raw.to(torch.float32)
-    x_model = sample(sampler, guided_denoiser(predict, cfg, cfg_norm), start.x_model, start.sigmas, seed=seed,
+    denoiser = guided_denoiser(predict, cfg, cfg_norm)
+    if denoise_mask is not None:
+        denoiser = masked_denoiser(denoiser, denoise_mask.to(start.x_model), start.latent_model, start.noise,
+                                   masked_latent_clean)
+    x_model = sample(sampler, denoiser, start.x_model, start.sigmas, seed=seed,
                      callback=callback,
                      percent_to_sigma=start.percent_to_sigma)
     return start.finish(x_model)

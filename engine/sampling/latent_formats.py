@@ -24,6 +24,8 @@ class LatentFormat:
     std: tuple[float, ...] | None = None
     spatial_dims: int = 2
     downscale: int = 8                     # image pixels per latent pixel
+    temporal_downscale: int = 1            # video frames per latent frame after the first (ComfyUI's
+    #                                        temporal_downscale_ratio: a video of 4k + 1 frames has k + 1)
 
     def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (1, self.channels) + (1,) * (like.ndim - 2)
@@ -52,10 +54,16 @@ class LatentFormat:
         """Dimensions of the LATENT's samples: batch, channels and the spatial (and time) axes."""
         return 2 + self.spatial_dims
 
-    def shape_rule(self) -> str:
-        """The LATENT shape in words, e.g. "[B, 16, H/8, W/8]"."""
+    def shape_rule(self, frames: bool = False) -> str:
+        """The LATENT shape in words, e.g. "[B, 16, H/8, W/8]"; a 3-D format's time axis is one frame (a still
+        image) unless the model takes `frames`."""
         d = self.downscale
-        return f"[B, {self.channels}, {'1, ' if self.spatial_dims == 3 else ''}H/{d}, W/{d}]"
+        time = ("F, " if frames else "1, ") if self.spatial_dims == 3 else ""
+        return f"[B, {self.channels}, {time}H/{d}, W/{d}]"
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a video of `frames` frames (ComfyUI's empty video latents: (frames - 1) // 4 + 1)."""
+        return (frames - 1) // self.temporal_downscale + 1
 
 
 @functools.lru_cache(maxsize=32)

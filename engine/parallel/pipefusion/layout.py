@@ -182,7 +182,7 @@ def reference_costs(info) -> list[float]:
     model, costs = _meta(info)
     if "reference" not in costs:
         family = info.spec
-        tokens = (1024 // family.latent.downscale // info.latent_patch) ** 2
+        tokens = (1024 // info.latent.downscale // info.latent_patch) ** 2
         costs["reference"] = block_costs(model, block_lists(info), tokens, family.text_tokens, family.text_stream,
                                          family.modulation)
     return costs["reference"]
