@@ -56,7 +56,7 @@ def conds_for(file):
     with safe_open(path, "pt") as f:
         dims = json.loads((f.metadata() or {}).get("xdit.synthetic", "{}")).get("dims", {})
     gen = torch.Generator().manual_seed(1)
-    width = dims.get("context_in", 64)
+    width = dims.get("context_in") or dims.get("text_dim") or 64
     pooled = dims.get("vec_in") or dims.get("pooled_in")
     pos = [[torch.randn(1, 24, width, generator=gen),
             {"pooled_output": torch.randn(1, pooled, generator=gen) if pooled else None, "guidance": 3.5}]]
@@ -137,6 +137,87 @@ for name, file, cfg, steps in GRAPHS:
                                               "s": round(time.perf_counter() - t0, 2)}
     report["graphs"][name] = entry
     print(name, json.dumps(entry), flush=True)
+
+# Wan video as ComfyUI's Wan templates sample it: ModelSamplingSD3 shift 8 on the MODEL, a negative prompt
+def wan_ksampler(model, pos, neg, latent, cfg=5.0):
+    return call("KSampler", model=model, seed=3, steps=3, cfg=cfg, sampler_name="euler", scheduler="simple",
+                positive=pos, negative=neg, latent_image=latent, denoise=1.0)[0]["samples"]
+
+
+def shift8(model):
+    return chain(model, [("ModelSamplingSD3", dict(shift=8.0))])
+
+
+WAN_LATENT = {"samples": torch.zeros(1, 16, 3, 8, 8)}   # 9 frames of 64x64
+pos, neg = conds_for("tiny-wan2.1-1.3b.safetensors")
+want = wan_ksampler(shift8(native_model("tiny-wan2.1-1.3b.safetensors")), pos, neg, WAN_LATENT)
+entry = {}
+for gpus in ("0", "0,1"):
+    eng, model = engine("tiny-wan2.1-1.3b.safetensors", gpus)
+    entry[f"ksampler gpus={gpus}"] = {"rel_l2": rel(wan_ksampler(shift8(model), pos, neg, WAN_LATENT), want),
+                                      "plan": last_job(eng)[0], "route": last_job(eng)[1]}
+    fast = call("XDiTSampler", model=shift8(model), seed=3, steps=3, cfg=5.0, sampler_name="euler",
+                scheduler="simple", positive=pos, negative=neg, latent_image=WAN_LATENT, denoise=1.0)[0]["samples"]
+    entry[f"xdit sampler gpus={gpus}"] = {"rel_l2": rel(fast, want), "plan": last_job(eng)[0],
+                                          "route": last_job(eng)[1]}
+report["graphs"]["wan2.1 t2v, ModelSamplingSD3 8, cfg 5"] = entry
+print("wan2.1 t2v", json.dumps(entry), flush=True)
+
+# Wan 2.2 A14B's template: the high-noise expert from step 0 to 2 with leftover noise, the low-noise expert from 2 on
+def experts(high, low, node="KSamplerAdvanced"):
+    def run(model, start, end, add, leftover, latent):
+        return call(node, model=model, add_noise="enable" if add else "disable", noise_seed=7, steps=4, cfg=3.5,
+                    sampler_name="euler", scheduler="simple", positive=pos, negative=neg, latent_image=latent,
+                    start_at_step=start, end_at_step=end,
+                    return_with_leftover_noise="enable" if leftover else "disable")[0]
+    first = run(shift8(high), 0, 2, True, True, WAN_LATENT)
+    return run(shift8(low), 2, 10000, False, False, first)["samples"]
+
+
+want = experts(native_model("tiny-wan2.2-a14b.safetensors"), native_model("tiny-wan2.2-a14b-low.safetensors"))
+eng_high, high = engine("tiny-wan2.2-a14b.safetensors", "0,1")
+eng_low, low = engine("tiny-wan2.2-a14b-low.safetensors", "0,1")
+report["graphs"]["wan2.2 a14b two experts, KSamplerAdvanced"] = {"rel_l2": rel(experts(high, low), want),
+                                                                 "plan": last_job(eng_low)[0]}
+report["graphs"]["wan2.2 a14b two experts, xDiT Sampler (Advanced)"] = {
+    "rel_l2": rel(experts(high, low, "XDiTSamplerAdvanced"), want), "plan": last_job(eng_low)[0],
+    "route": last_job(eng_low)[1]}
+
+# TI2V-5B: the start image's latent in frame 0, kept by the noise mask (Wan22ImageToVideoLatent), one timestep a frame
+g = torch.Generator().manual_seed(4)
+start = torch.zeros(1, 48, 3, 8, 8)
+start[:, :, :1] = torch.randn(1, 48, 1, 8, 8, generator=g)
+mask = torch.ones(1, 1, 3, 8, 8)
+mask[:, :, 0] = 0.0
+ti2v_latent = {"samples": start, "noise_mask": mask}
+pos5, neg5 = conds_for("tiny-wan2.2-ti2v-5b.safetensors")
+want = wan_ksampler(chain(native_model("tiny-wan2.2-ti2v-5b.safetensors"), [("ModelSamplingSD3", dict(shift=8.0))]),
+                    pos5, neg5, ti2v_latent)
+eng, model = engine("tiny-wan2.2-ti2v-5b.safetensors", "0,1")
+report["graphs"]["wan2.2 ti2v-5b, start image through the noise mask"] = {
+    "rel_l2": rel(wan_ksampler(shift8(model), pos5, neg5, ti2v_latent), want), "plan": last_job(eng)[0]}
+
+# I2V 14B: WanImageToVideo's conditioning keys (the image's latent and mask concatenated, CLIP-vision features)
+import comfy.clip_vision  # noqa: E402
+import node_helpers  # noqa: E402
+clip = comfy.clip_vision.Output()
+clip.penultimate_hidden_states = torch.randn(1, 257, 1280, generator=g)
+image = torch.zeros(1, 16, 3, 8, 8)
+image[:, :, :1] = torch.randn(1, 16, 1, 8, 8, generator=g)
+concat_mask = torch.ones(1, 1, 3, 8, 8)
+concat_mask[:, :, 0] = 0.0
+posi, negi = conds_for("tiny-wan2.1-i2v-14b.safetensors")
+posi, negi = (node_helpers.conditioning_set_values(c, {"concat_latent_image": image, "concat_mask": concat_mask,
+                                                        "clip_vision_output": clip}) for c in (posi, negi))
+want = wan_ksampler(shift8(native_model("tiny-wan2.1-i2v-14b.safetensors")), posi, negi, WAN_LATENT)
+eng, model = engine("tiny-wan2.1-i2v-14b.safetensors", "0,1")
+report["graphs"]["wan2.1 i2v-14b, WanImageToVideo's conditioning"] = {
+    "rel_l2": rel(wan_ksampler(shift8(model), posi, negi, WAN_LATENT), want), "plan": last_job(eng)[0]}
+fast = call("XDiTSampler", model=shift8(model), seed=3, steps=3, cfg=5.0, sampler_name="euler", scheduler="simple",
+            positive=posi, negative=negi, latent_image=WAN_LATENT, denoise=1.0)[0]["samples"]
+report["graphs"]["wan2.1 i2v-14b, xDiT Sampler"] = {"rel_l2": rel(fast, want), "plan": last_job(eng)[0],
+                                                    "route": last_job(eng)[1]}
+print("wan", json.dumps({k: v for k, v in report["graphs"].items() if k.startswith("wan")}), flush=True)
 
 # a GGUF file (ComfyUI-GGUF's format; this ComfyUI has no loader for it): the engine's MODEL, built from the file's
 # header as ComfyUI detects models, against the engine's own loop on the same file
