@@ -42,14 +42,26 @@ class ModelPatchError(ValueError):
 class EngineTransformer(torch.nn.Module):
     """Stands where ComfyUI's model holds its diffusion model: no parameters, its forward a call on the engine. Its
     state dict lists ComfyUI's own parameter names and shapes as meta tensors (no memory), so ComfyUI's LoRA loaders
-    map a LoRA's layers onto it exactly as onto the real model."""
+    map a LoRA's layers onto it exactly as onto the real model. What ComfyUI's model code reads of its diffusion model
+    besides (e.g. Wan's patch_embedding.weight.shape, FLUX's patch_size) comes from `meta`, ComfyUI's own diffusion
+    model built on the meta device, which is kept out of the module tree (nothing to load or patch)."""
 
     dtype = torch.float32   # ComfyUI hands the inputs over in float32; the ranks cast to their compute dtype
 
-    def __init__(self, link: "EngineLink", keys: dict[str, tuple[tuple, torch.dtype]]):
+    def __init__(self, link: "EngineLink", keys: dict[str, tuple[tuple, torch.dtype]], meta=None):
         super().__init__()
         self.link = link
         self._keys = dict(keys)
+        self.__dict__["_meta"] = meta   # not a submodule: not in named_modules, parameters or state_dict
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None or name.startswith("__"):
+                raise
+            return getattr(meta, name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for key, (shape, dtype) in self._keys.items():

@@ -289,7 +289,7 @@ def engine_model(settings: core.EngineSettings):
     model = config.get_model(stripped, "", device=torch.device("meta"))
     keys = {k: (tuple(v.shape), v.dtype) for k, v in model.diffusion_model.state_dict().items()}
     link = core.model_link(settings, before_job=lambda: _make_room(settings))
-    model.diffusion_model = engine_model_parts.EngineTransformer(link, keys)
+    model.diffusion_model = engine_model_parts.EngineTransformer(link, keys, meta=model.diffusion_model)
     link.owner = weakref.ref(model)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
     link.base_patcher = weakref.ref(patcher)
