@@ -178,7 +178,12 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
             ("flux", "flux-schnell", "tiny-flux-schnell.safetensors", {}),
             ("flux", "flux-dev", "tiny-flux-dev-Q8_0.gguf", {"format": "gguf", "quant": "Q8_0"}),
             ("flux2", "flux2-dev", "tiny-flux2-dev.safetensors", {}),
-            ("flux2", "flux2-klein-4b", "tiny-flux2-klein-4b.safetensors", {})):
+            ("flux2", "flux2-klein-4b", "tiny-flux2-klein-4b.safetensors", {}),
+            ("wan", "wan2.1-1.3b", "tiny-wan2.1-1.3b.safetensors", {}),
+            ("wan", "wan2.1-i2v-14b", "tiny-wan2.1-i2v-14b.safetensors", {}),
+            ("wan", "wan2.2-a14b", "tiny-wan2.2-a14b.safetensors", {}),
+            ("wan", "wan2.2-a14b", "tiny-wan2.2-a14b-low.safetensors", {"seed": 1}),
+            ("wan", "wan2.2-ti2v-5b", "tiny-wan2.2-ti2v-5b.safetensors", {})):
         folder = setup["dir"] / name
         folder.mkdir(exist_ok=True)
         path = write_tiny(family, str(folder), **({"variant": variant} if variant else {}), **kw)
@@ -193,6 +198,9 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
     report = run_check("comfyui_live_model_check.py", setup, 840)
     families = {"flux-dev", "flux-schnell", "flux-kontext (a ReferenceLatent)", "sd3.5-medium cfg4",
                 "sd3.5-medium fp8_scaled file", "qwen-image AuraFlow3.1", "qwen-image-edit (ReferenceLatent on both sides)"}
+    families |= {"wan2.1 t2v, ModelSamplingSD3 8, cfg 5", "wan2.2 a14b two experts, KSamplerAdvanced",
+                 "wan2.2 a14b two experts, xDiT Sampler (Advanced)", "wan2.2 ti2v-5b, start image through the noise mask",
+                 "wan2.1 i2v-14b, WanImageToVideo's conditioning", "wan2.1 i2v-14b, xDiT Sampler"}
     if report["comfyui"] != "0.3.64":   # FLUX.2 needs ComfyUI 0.3.72 or later
         families |= {"flux2-dev (two ReferenceLatents)", "flux2-klein-4b cfg3"}
     assert families <= set(report["graphs"])
