@@ -447,3 +447,16 @@ def test_more_cpu_ranks_than_cores_get_a_note_and_gpus_or_enough_cores_none(monk
     print(note)
     assert note.startswith("note: 8 CPU ranks share 2 core(s)") and "\n" not in note
     assert oversubscribed(2, None) is None and oversubscribed(8, list(range(8))) is None
+
+
+def test_make_tiny_takes_the_wan_names_the_video_issue_uses_and_bench_takes_video_frames(tmp_path):
+    """make-tiny --kind wan --variant wan2.1-t2v | wan2.1-i2v (the names a user reads in ComfyUI's templates) write the
+    1.3B text-to-video and the 14B image-to-video files; bench overhead refuses a frame count ComfyUI would not make."""
+    from engine.models.load import inspect_model
+    for alias, variant in (("wan2.1-t2v", "wan2.1-1.3b"), ("wan2.1-i2v", "wan2.1-i2v-14b")):
+        out = run("make-tiny", "--kind", "wan", "--variant", alias, "--out", str(tmp_path / alias))
+        assert out.returncode == 0, out.stderr
+        assert inspect_model(str(tmp_path / alias / f"tiny-{variant}.safetensors")).variant == variant
+    refused = run("bench", "overhead", "--model", "wan2.1-1.3b", "--frames", "8")
+    print(refused.stderr)
+    assert refused.returncode == 2 and "8 frames is not a count" in refused.stderr and "use 5 or 9" in refused.stderr

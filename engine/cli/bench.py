@@ -67,6 +67,8 @@ def register(sub) -> None:
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype (default: bf16 with --gpus, fp32 on the CPU)")
     g.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each path (median)")
+    g.add_argument("--frames", type=types.positive_int, default=1,
+                   help="video frames as ComfyUI counts them (4k + 1) for a video model such as wan2.1-1.3b")
     g.set_defaults(run=_run_overhead, parser=g)
 
     c = bench.add_parser("comm", help="bytes sent per rank per step, per plan, measured vs analytic",
@@ -101,6 +103,9 @@ def _run_suite(a) -> int:
     steps = 4 if q else 28
     print("## overhead", flush=True)
     results["overhead"] = bench_overhead("flux-dev", "tiny", None, 256, 256, steps, "fp32", 3 if q else 5)
+    print("\n## overhead, video", flush=True)
+    results["overhead_video"] = bench_overhead("wan2.1-1.3b", "tiny", None, 128, 128, steps, "fp32", 3 if q else 5,
+                                               frames=9 if q else 33)
     print("\n## bridge", flush=True)
     results["bridge"] = bench_bridge([1, 16] if q else [1, 16, 64], 3 if q else 5, 1 if q else 2)
     print("\n## comm", flush=True)
@@ -137,7 +142,8 @@ def _run_overhead(a) -> int:
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs: bench {a.what} "
                          f"runs one rank, give one index")
     dtype = a.dtype or default_dtype("cuda" if a.gpus else "cpu")
-    return _emit(a, "overhead", bench_overhead(a.model, a.size, a.gpus, a.width, a.height, a.steps, dtype, a.repeats))
+    return _emit(a, "overhead", bench_overhead(a.model, a.size, a.gpus, a.width, a.height, a.steps, dtype, a.repeats,
+                                               frames=a.frames))
 
 
 def _bridge_times(engine: Engine, tensor: torch.Tensor, repeats: int, return_rank: int) -> float:

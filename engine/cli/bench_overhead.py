@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from ..generate.inputs import check_frames
 from ..generate.request import GenerateRequest
 from ..models.flow import Conditioning, FlowModel
 from ..models.load import inspect_model, load_model
@@ -43,22 +44,25 @@ def _plain_loop(flow, noise: torch.Tensor, sigmas: torch.Tensor, positive, negat
 
 
 def bench_overhead(variant: str, size: str, gpus: list[int] | None, width: int, height: int, steps: int,
-                   dtype: str, repeats: int, alongside=None) -> list[dict]:
+                   dtype: str, repeats: int, alongside=None, frames: int = 1) -> list[dict]:
     """One rank: the engine's generate job vs a plain in-process loop over the same forward, same weights and inputs,
     run alternately (engine, loop, engine, loop, ...) so that drift in the machine's speed hits both alike.
-    alongside: a third path timed in the same rounds, () -> seconds (`bench project`'s 1-rank share)."""
+    alongside: a third path timed in the same rounds, () -> seconds (`bench project`'s 1-rank share). frames: a
+    video's frames (ComfyUI's count) for a family that takes them."""
 
     device = "cuda" if gpus else "cpu"
     source = f"synthetic:{variant}" + (":tiny" if size == "tiny" else "")
     info = inspect_model(source)
     cfg = info.spec.cfg
     try:
+        if frames != 1:
+            check_frames(info, frames)
         request = GenerateRequest.random_conditioning(source, width, height, seed=0, steps=steps, cfg=cfg,
-                                                      dtype=dtype).validate(ranks=1)
+                                                      dtype=dtype, frames=frames).validate(ranks=1)
     except ValueError as e:
         raise UsageError(str(e)) from None
     spec, inputs = request.to_job()
-    print(f"{source} {width}x{height}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
+    print(f"{source} {width}x{height}{f' x {frames} frames' if frames > 1 else ''}, {steps} euler steps, cfg {cfg}, {dtype}, device {device}"
           f"{' ' + str(torch.cuda.get_device_name(gpus[0])) if gpus else ''}; a warm-up of each path, then "
           f"{repeats} alternating timed runs of each (median)")
     flow = FlowModel(load_model(source, dtype=dtype, device=device))

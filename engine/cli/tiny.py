@@ -18,8 +18,9 @@ def register(sub) -> None:
                                    "its released files have (e.g. FLUX.1: BFL, SD3/SD3.5: SAI MMDiT) with 4 heads and "
                                    "4 blocks of each kind, and print its dimensions and the conditioning it takes.")
     p.add_argument("--kind", choices=list(families.names()), required=True, help="model family")
-    p.add_argument("--variant", help="; ".join(f"{k}: {' | '.join(variants(k))}" for k in families.names())
-                                     + " (default: the first of the kind)")
+    p.add_argument("--variant", help="; ".join(
+        f"{k}: {' | '.join(variants(k) + tuple(families.get(k).variant_aliases))}" for k in families.names())
+        + " (default: the first of the kind)")
     p.add_argument("--out", type=types.output_dir, required=True, help="folder to write into (created if missing)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight dtype")
     p.add_argument("--seed", type=types.seed, default=0, help="weight seed")

@@ -137,6 +137,8 @@ class Family:
     # empty: built again, on the CPU, once the weights are loaded
     rebuild_off_meta: Callable[[torch.nn.Module], None] = lambda model: None
 
+    variant_aliases: dict = field(default_factory=dict)   # other names make-tiny takes for a variant
+
     # ---- words for `demo`, `make-tiny` and the nodes
     describe_blocks: Callable[[dict], str] = lambda config: ""
     describe_conditioning: Callable[[dict], str] = lambda config: ""

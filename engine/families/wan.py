@@ -473,6 +473,8 @@ def _describe_conditioning(c: dict) -> str:
 
 FAMILY = Family(
     name="wan", title="Wan", variants=tuple(DIMS["full"]),
+    variant_aliases={"wan2.1-t2v": "wan2.1-1.3b", "wan2.1-i2v": "wan2.1-i2v-14b", "wan2.1-flf2v": "wan2.1-flf2v-14b",
+                     "wan2.2-t2v": "wan2.2-a14b", "wan2.2-i2v": "wan2.2-i2v-a14b"},
     markers=(Marker("head.modulation", "wan"), Marker("condition_embedder.time_proj.weight", "diffusers")),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("wan",),
     layers=lambda config: config["num_layers"],

@@ -97,10 +97,10 @@ class GenerateRequest:
 
     @classmethod
     def random_conditioning(cls, model: str, width: int, height: int, *, text_tokens: int | None = None,
-                            batch: int = 1, draw_seed: int = 0, **fields) -> "GenerateRequest":
+                            batch: int = 1, draw_seed: int = 0, frames: int = 1, **fields) -> "GenerateRequest":
         """A request for `model` with random conditioning of the model's widths (cond, pooled, then the negative
         side, drawn in that order from torch.Generator(draw_seed)), the family's usual text length by default, and
-        an empty latent: what benchmarks run."""
+        an empty latent (a video of `frames` frames for a family that takes them): what benchmarks run."""
         info = inspect_model(model)
         family = info.spec
         tokens = text_tokens or family.text_tokens
@@ -110,7 +110,8 @@ class GenerateRequest:
         pooled_t = torch.randn(batch, pooled, generator=g) if pooled else None
         neg_cond = torch.randn(1, tokens, context, generator=g)
         neg_pooled = torch.randn(1, pooled, generator=g) if pooled else None
-        return cls(model=model, cond=cond, pooled=pooled_t, latent_raw=empty_latent(info, width, height, batch),
+        return cls(model=model, cond=cond, pooled=pooled_t,
+                   latent_raw=empty_latent(info, width, height, batch, frames),
                    neg_cond=neg_cond, neg_pooled=neg_pooled, **fields)
 
     # ---- client side -------------------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
     if kind not in families.names():
         raise ValueError(f"kind={kind!r} is invalid: use one of {', '.join(families.names())}")
     family = families.get(kind)
-    variant = variant or family.variants[0]
+    variant = family.variant_aliases.get(variant, variant) or family.variants[0]
     if variant not in variants(kind):
         raise ValueError(f"variant={variant!r} is not a {kind} variant: use one of {list(variants(kind))}")
     if format not in FORMATS:
