@@ -9,17 +9,16 @@ from hypothesis import HealthCheck, settings
 
 from engine.runtime.client import Deadlines, Engine
 
-# Property-based tests: in CI (CI set, as CI services set it) the same cases every run, derandomized, and no example
-# database; elsewhere random cases, a failing one kept in .hypothesis/ and replayed first on the next run. Each
-# profile has no per-case deadline (the machine is shared) and prints the failing case's reproduce_failure blob.
-# HYPOTHESIS_PROFILE overrides: ci, dev, or deep (ten times the cases, random, as tests/fuzz.py scales them).
+# Property-based tests: by default (CI included, whether or not it sets CI) the same cases every run of a commit,
+# derandomized, and no example database, so a sound commit cannot fail by an unlucky draw; HYPOTHESIS_PROFILE=dev
+# draws random cases (a failing one kept in .hypothesis/ and replayed first), deep ten times as many. Each profile has
+# no per-case deadline (the machine is shared) and prints the failing case's reproduce_failure blob.
 _QUIET = dict(deadline=None, print_blob=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 settings.register_profile("ci", derandomize=True, database=None, **_QUIET)
 settings.register_profile("dev", derandomize=False, **_QUIET)
 settings.register_profile("deep", derandomize=False, database=None, **_QUIET)
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if IN_CI else "dev")
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or "ci"
 settings.load_profile(HYPOTHESIS_PROFILE)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

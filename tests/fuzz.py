@@ -1,15 +1,15 @@
 """The fuzz tests' case budgets, case counting and what a refusal must show. The hypothesis profile is chosen in
-tests/conftest.py: in CI (CI set) derandomized, the same cases every run of a commit, with no example database;
-elsewhere random draws, a failing case kept in .hypothesis/.
+tests/conftest.py: by default (CI's run too) derandomized, the same cases every run of a commit, with no example
+database; HYPOTHESIS_PROFILE=dev draws randomly, a failing case kept in .hypothesis/.
 
 Replaying a failure locally:
 - exactly: the failure's log shows the falsifying example and a line `You can reproduce this example by temporarily
   adding @reproduce_failure('6.x.y', b'...')`; put that decorator on the test's inner function (the one under
   @given) and run the test;
-- CI's cases: `CI=1 python -m pytest tests/test_fuzz_requests.py::test_...` runs the CI profile. Its draws are the
+- CI's cases: `python -m pytest tests/test_fuzz_requests.py::test_...` runs the default profile. Its draws are the
   same as CI's for the same code and hypothesis version when the same modules are loaded (hypothesis also draws
   constants it finds in the project's loaded modules), so run the same test files, or use the decorator;
-- a local run's failure: run the test again; hypothesis replays the case from .hypothesis/ first.
+- a random run's failure (HYPOTHESIS_PROFILE=dev): run it again; hypothesis replays the case from .hypothesis/ first.
 HYPOTHESIS_PROFILE=deep runs ten times the cases, randomly drawn."""
 from __future__ import annotations
 
