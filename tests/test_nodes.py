@@ -202,6 +202,10 @@ def test_two_advanced_windows_on_the_engine_equal_one_run(core, models):
     bound = fp32_bound(whole.abs().max(), reduction=4096, depth=8, amplification=sampling_amplification(2, 3.0))
     assert report("two windows on the engine vs one run", (second - whole).abs().max(), bound)
     assert "cfg2" in core.describe(s)
+    assert first["xdit_model"] == "sd3.5-medium"
+    with pytest.raises(ValueError, match="latent_image was sampled by a sd3.5-medium model and this one is flux-dev"):
+        core.sample(settings(core, models["flux"], gpus=(0, 1)), flux_conditioning(), None, first, **common,
+                    window=StepWindow(2, 10000, add_noise=False))
     core.REGISTRY.unload(s)
 
 

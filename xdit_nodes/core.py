@@ -178,6 +178,7 @@ class EngineRegistry:
 
 
 REGISTRY = EngineRegistry()
+MODEL_KEY = "xdit_model"   # a LATENT's key: the variant of the model that sampled it
 
 
 # ---- ComfyUI values -> engine job ----------------------------------------------------------------------------
@@ -289,8 +290,13 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     if not isinstance(latent, dict) or "samples" not in latent:
         raise ValueError("latent_image is not a LATENT (a dict with 'samples'); connect EmptySD3LatentImage or "
                          "VAEEncode to it")
-    samples = fix_empty_latent(inspect_model(settings.model_path), latent["samples"],   # as KSampler does
-                               latent.get("downscale_ratio_spacial"))
+    info = inspect_model(settings.model_path)
+    previous = latent.get(MODEL_KEY)
+    if not window.add_noise and previous and previous != info.variant:
+        raise ValueError(f"latent_image was sampled by a {previous} model and this one is {info.variant}: a second "
+                         f"expert continues a clip only on the same model's other expert (the same family and size); "
+                         f"give both samplers a file of the same model")
+    samples = fix_empty_latent(info, latent["samples"], latent.get("downscale_ratio_spacial"))   # as KSampler does
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"), window=window)
@@ -314,6 +320,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_stages = [dict(r["pipefusion"], rank=r["rank"]) for r in result.ranks if r.get("pipefusion")]
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
+    out[MODEL_KEY] = info.variant   # a second expert (xDiT Sampler (Advanced) without added noise) checks it
     return out
 
 
