@@ -183,6 +183,26 @@ report["graphs"]["wan2.2 a14b two experts, xDiT Sampler (Advanced)"] = {
     "rel_l2": rel(experts(high, low, "XDiTSamplerAdvanced"), want), "plan": last_job(eng_low)[0],
     "route": last_job(eng_low)[1]}
 
+# the same two experts in SamplerCustomAdvanced's form: BasicScheduler's sigmas split at step 2 (SplitSigmas), each
+# half through ComfyUI's CFGGuider on its expert, the second half without added noise (DisableNoise)
+def experts_custom(high, low):
+    high, low = shift8(high), shift8(low)
+    sigmas = call("BasicScheduler", model=high, scheduler="simple", steps=4, denoise=1.0)[0]
+    first_half, second_half = call("SplitSigmas", sigmas=sigmas, step=2)
+    sampler = call("KSamplerSelect", sampler_name="euler")[0]
+
+    def run(model, noise, part, latent):
+        guider = call("CFGGuider", model=model, positive=pos, negative=neg, cfg=3.5)[0]
+        return call("SamplerCustomAdvanced", noise=noise, guider=guider, sampler=sampler, sigmas=part,
+                    latent_image=latent)[0]
+    first = run(high, call("RandomNoise", noise_seed=7)[0], first_half, WAN_LATENT)
+    return run(low, call("DisableNoise")[0], second_half, first)["samples"]
+
+
+want = experts_custom(native_model("tiny-wan2.2-a14b.safetensors"), native_model("tiny-wan2.2-a14b-low.safetensors"))
+report["graphs"]["wan2.2 a14b two experts, SamplerCustomAdvanced + SplitSigmas"] = {
+    "rel_l2": rel(experts_custom(high, low), want), "plan": last_job(eng_low)[0]}
+
 # TI2V-5B: the start image's latent in frame 0, kept by the noise mask (Wan22ImageToVideoLatent), one timestep a frame
 g = torch.Generator().manual_seed(4)
 start = torch.zeros(1, 48, 3, 8, 8)

@@ -199,7 +199,8 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
     families = {"flux-dev", "flux-schnell", "flux-kontext (a ReferenceLatent)", "sd3.5-medium cfg4",
                 "sd3.5-medium fp8_scaled file", "qwen-image AuraFlow3.1", "qwen-image-edit (ReferenceLatent on both sides)"}
     families |= {"wan2.1 t2v, ModelSamplingSD3 8, cfg 5", "wan2.2 a14b two experts, KSamplerAdvanced",
-                 "wan2.2 a14b two experts, xDiT Sampler (Advanced)", "wan2.2 ti2v-5b, start image through the noise mask",
+                 "wan2.2 a14b two experts, xDiT Sampler (Advanced)",
+                 "wan2.2 a14b two experts, SamplerCustomAdvanced + SplitSigmas", "wan2.2 ti2v-5b, start image through the noise mask",
                  "wan2.1 i2v-14b, WanImageToVideo's conditioning", "wan2.1 i2v-14b, xDiT Sampler"}
     if report["comfyui"] != "0.3.64":   # FLUX.2 needs ComfyUI 0.3.72 or later
         families |= {"flux2-dev (two ReferenceLatents)", "flux2-klein-4b cfg3"}
