@@ -17,7 +17,7 @@ from ..parallel import cost, fits, published, published_video
 from ..parallel.devices import GPUS, LINKS, find_gpu, host_link_gbs, stated_hardware
 from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
                              Workload, candidates, feasible, plan_problems)
-from ..parallel.planner import resolve_plan, survey
+from ..parallel.planner import pipefusion_refusal, resolve_plan, survey
 from . import args as types
 from . import describe
 from .args import UsageError
@@ -163,7 +163,7 @@ def _experts(work: Workload, hw, e: cost.Estimate) -> list[str]:
                      f"{one.s_per_image:.2f} s a clip{extra}")
     if work.pipefusion_conflict:
         lines.append(f"  PipeFusion stages (a share of each expert's blocks per GPU): refused, "
-                     f"{work.pipefusion_conflict.rstrip(':')}")
+                     f"{pipefusion_refusal(work)}")
     return lines
 
 

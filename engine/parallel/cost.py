@@ -7,7 +7,8 @@ Per rank and per step (one model call of the whole batch, both passes when cfg !
   host    = eager PyTorch launches every op from Python, so a step takes at least the launches (`host_ms`); with
             several ranks the GPU work shrinks and the launches do not;
   step    = max(host, compute + comm).
-A job = warmup steps + steady steps + PipeFusion's pipeline fill; / batch = seconds per image (transformer only).
+A job = warmup steps + steady steps + PipeFusion's pipeline fill (+ a clip's expert copies when the idle one of several
+experts waits in host memory); / batch = seconds per image (transformer only).
 
 The one-GPU rate is this engine's measured step (calibration.json) when the GPU has one, else rated x the efficiency
 table (devices.EFFICIENCY, with its sources); the validation against published runs gives the published one-GPU

@@ -9,7 +9,7 @@ from ..errors import PlanError
 from ..models.quantized import BLOCKS
 from . import cost
 from .devices import stated_hardware
-from .plan import HOST, RESIDENT, Workload
+from .plan import HOST, RESIDENT, Workload, feasible
 from .planner import resolve_plan
 
 
@@ -43,16 +43,12 @@ def cell(work: Workload, m: Machine) -> str:
     try:
         plan = resolve_plan("auto", m.gpus, work, hw).plan
     except PlanError:
-        least = min((cost.estimate(p, work, hw) for p in _plans(m.gpus, work)), key=lambda e: e.memory["total"])
+        plans = [p for k in range(1, m.gpus + 1) for p in feasible(k, work)]
+        least = min((cost.estimate(p, work, hw) for p in plans), key=lambda e: e.memory["total"])
         return f"no ({least.memory['total']:.1f})"
     e = cost.estimate(plan, work, hw)
     host = f", host {e.host_gib:.0f}" if e.placement == HOST else ""
     return f"{plan.describe()}: {e.memory['total']:.1f}, {e.s_per_image:.0f} s{host}"
-
-
-def _plans(gpus: int, work: Workload):
-    from .plan import feasible
-    return [p for k in range(1, gpus + 1) for p in feasible(k, work)]
 
 
 def header() -> list[str]:

@@ -40,6 +40,11 @@ def _fmt_estimate(e: cost.Estimate) -> str:
             f"{e.comm_ms:.0f}, host {e.host_ms:.0f})")
 
 
+def pipefusion_refusal(work: Workload) -> str:
+    """Why PipeFusion cannot run the job, as a clause (Workload.pipefusion_conflict leads into a remedy)."""
+    return work.pipefusion_conflict.rstrip(":").removesuffix(" or").rstrip(":")
+
+
 def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
     """Where a clip's idle expert waits under the estimate's plan, and why: both resident when they fit, else in host
     memory, with the copies' time and the host memory it takes; and that PipeFusion, which would divide each expert's
@@ -58,8 +63,8 @@ def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
                 f"{e.swap_ms / 1e3:.1f} s at {host_link_gbs(hw.gpu):g} GB/s; host memory {e.host_gib:.0f} GiB per "
                 f"machine ({e.ranks} rank(s) x {one:.1f} GiB)")
     if work.pipefusion_conflict:
-        note += (f"; PipeFusion, which would divide each expert's blocks between the GPUs, is refused: "
-                 f"{work.pipefusion_conflict.rstrip(':')}")
+        note += ("; PipeFusion, which would divide each expert's blocks between the GPUs, is refused: "
+                 + pipefusion_refusal(work))
     return note
 
 
@@ -97,12 +102,14 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
     helps = memory_helps(ranks, work, hw.memory_gib)
     helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
                  "GPUs with more memory")
+    pipefusion = (f"PipeFusion, which would divide the blocks, cannot run it ({pipefusion_refusal(work)})"
+                  if work.pipefusion_conflict else "no PipeFusion split of the blocks fits either")
     held = (f" (the idle one of its {work.experts} experts in host memory)" if work.experts > 1 and
             best.placement != RESIDENT else "")
     return (f"no parallel plan fits {work.variant}{held} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the "
             f"least needs {m['total']:.1f} GiB ({wording.plan(best.plan)}: weights {m['weights']:.1f}, activations "
             f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; sequence, CFG and data parallel keep a full copy of "
-            f"the weights on every GPU, and no PipeFusion split of the blocks fits either); " + "; ".join(helps))
+            f"the weights on every GPU, and {pipefusion}); " + "; ".join(helps))
 
 
 def rank_plans(ranks: int, work: Workload, hardware: Hardware, pipefusion: bool = False) -> list[cost.Estimate]:

@@ -146,10 +146,8 @@ VIDEO_SCENARIOS = (
 )
 
 
-def hardware(s: VideoScenario, gpus: int, a2a_exponent: float | None = None):
-    from dataclasses import replace
-    hw = stated_hardware(gpus, s.gpu, s.link)
-    return replace(hw, link=replace(hw.link, a2a_exponent=a2a_exponent)) if a2a_exponent is not None else hw
+def hardware(s: VideoScenario, gpus: int):
+    return stated_hardware(gpus, s.gpu, s.link)
 
 
 def predict(s: VideoScenario, plan: str, gpus: int) -> cost.Estimate:
