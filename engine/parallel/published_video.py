@@ -5,7 +5,8 @@ published dimensions (`Dims`, with its source), not a family. As for the image r
 takes its scenario's published one-GPU time as its base, so the rows check how the time scales with GPUs, not the
 absolute rate. Two facts of these runs the model is told:
 - `outside`: published times are whole-pipeline seconds; the text encoders and the VAE decode run once per video and
-  do not shrink with more GPUs in xDiT's HunyuanVideo runs (its H20 times fit T(n) = F + (T(1) - F) / n within 1%).
+  do not shrink with more GPUs in xDiT's HunyuanVideo runs (without them its 6- and 8-GPU speed-ups come out 7-35%
+  too high).
   One row sets F (role "fit: HUNYUANVIDEO_OUTSIDE_S"); it is the same F for xDiT's H100, H20 and L20 runs.
 - `computed_share`: ParaAttention's runs use its first-block cache, which skips whole steps; the share of steps
   computed is its own published pair (one L20: 2271.06 s cached against 3675.71 s uncached), the same on every GPU
