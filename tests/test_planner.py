@@ -12,11 +12,11 @@ import torch
 
 from engine.cli import main
 from engine.errors import PlanError
-from engine.parallel import calibration, cost, devices
+from engine.parallel import calibration, cost, devices, fits
 from engine.parallel.devices import cpu_hardware, stated_hardware
-from engine.parallel.memory import memory_gib
-from engine.parallel.plan import AUTO, FASTEST, GiB, ParallelPlan, Workload
-from engine.parallel.planner import rank_plans, resolve_plan
+from engine.parallel.memory import MEASURED_ACT_WIDTHS, memory_gib
+from engine.parallel.plan import AUTO, FASTEST, HOST, RESIDENT, GiB, ParallelPlan, Workload
+from engine.parallel.planner import rank_plans, resolve_plan, survey
 
 FLUX = Workload.for_variant("flux-dev", 1024, 1024)
 FLUX_COMPILED = Workload.for_variant("flux-dev", 1024, 1024, compiled=True)
@@ -422,7 +422,9 @@ def test_plan_validate_prints_published_against_predicted(capsys):
     out = capsys.readouterr().out
     print(out)
     assert "| FLUX.1-dev 1024^2 28 steps, L40 PCIe, eager | 18.36 | 8 | ulysses8 | 26.60 |" in out
-    assert out.count("| held out |") >= 20 and out.count("| fit: ") == 6
+    assert "| HunyuanVideo 1280x720 129 frames 50 steps, H100 SXM NVLink, Ulysses (xDiT) | 1904.08 | 8 | ulysses8 | " \
+           "337.58 |" in out and "| 1 -> 2 |" in out   # the video rows, and their speed-ups from one GPU count to the next
+    assert out.count("| held out |") >= 50 and out.count("| fit: ") == 7
 
 
 @pytest.mark.parametrize("name", ["A100", "A800", "H100 PCIe", "H100 SXM", "H100 NVL", "H20", "H200", "L4", "L20",
@@ -500,7 +502,7 @@ def test_plan_without_a_model_names_the_missing_flags_in_one_line(capsys):
     assert main(["plan", "--gpus", "2"]) == 2
     err = capsys.readouterr().err
     assert err == ("python -m engine plan: error: the following arguments are required: --model, --interconnect (or "
-                   "give --validate alone)\n")
+                   "give --validate or --fit-table alone)\n")
 
 
 def test_plan_help_shows_the_defaults(capsys):
@@ -523,3 +525,165 @@ def test_ring_overlap_hides_transfers_behind_attention_only_when_the_ring_can(mo
     assert hidden["ulysses"] == 0
     assert attention_ms * 3 / 4 < exposed["ring"]  # over PCIe the attention, not the transfer, caps what hides
     assert hidden["ring"] == pytest.approx(attention_ms * 3 / 4)
+
+
+# ---- Wan video: tokens, cross-attention text, activations, two experts ---------------------------------------------
+WAN14_720 = Workload.for_variant("wan2.1-14b", 1280, 720, frames=81, negative_pass=True, steps=20)
+
+
+def test_a_wan_clip_is_priced_by_its_video_tokens_and_its_text_enters_by_cross_attention():
+    """81 frames at 1280x720: 21 latent frames of 45 x 80 tokens a model call. Wan's text is cross-attention context:
+    it runs through no block as tokens and Ulysses exchanges nothing of it (SD3's 333 joint text tokens, which 4 does
+    not divide, it gathers)."""
+    assert WAN14_720.image_tokens == 21 * 45 * 80 == 75_600 and WAN14_720.text_cross
+    assert not FLUX.text_cross
+    u4 = ParallelPlan(ulysses=4)
+    wan = cost.comm_bytes(u4, WAN14_720)
+    width = 40 * 128 * 2
+    assert wan["ulysses_text_gather"] == 0 and cost.comm_bytes(u4, SD3_CFG)["ulysses_text_gather"] > 0
+    assert wan["ulysses_all_to_all"] == 2 * 4 * 75_600 * width * 3 // 16 * 40   # both passes, 40 layers
+    flops, attention = cost.rank_flops(ParallelPlan(), WAN14_720)
+    self_attention = 2 * 4 * 75_600 ** 2 * 5120 * 40
+    cross = 2 * 4 * 75_600 * 512 * 5120 * 40
+    print(f"Wan 2.1 14B 1280x720x81, cfg: {flops / 1e12:.0f} TFLOP a step, attention {attention / flops:.0%}")
+    assert attention == pytest.approx(self_attention + cross)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak of live tensor storage bytes created under it (ATen outputs, freed when their storage is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.sizes = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in self.sizes or not storage.nbytes():
+                    continue
+                self.sizes[key] = storage.nbytes()
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key):
+        self.live -= self.sizes.pop(key, 0)
+
+
+def test_wan_activations_per_token_are_the_measured_peak_of_the_engines_forward():
+    """The memory model's Wan 14B figure (activations per token, in hidden widths) against the peak of live tensors
+    over one forward of diffusers' WanTransformer3DModel with the engine's processor, bf16, measured here as the slope
+    between 2048 and 4096 tokens at the 14B's FFN ratio (13824 / 5120) on a 1024-wide block."""
+    from diffusers import WanTransformer3DModel
+    from engine.families.wan import WanProcessor
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(num_attention_heads=8, attention_head_dim=128, ffn_dim=round(1024 * 13824 / 5120),
+                                  num_layers=1, cross_attn_norm=True).to(torch.bfloat16).eval()
+    model.set_attn_processor(WanProcessor())
+    context = torch.randn(1, 512, 4096, dtype=torch.bfloat16)
+    peaks = {}
+    for rows in (32, 64):   # 4 latent frames of rows x 64: 2048 and 4096 tokens
+        tracker = _LiveBytes()
+        with torch.no_grad(), tracker:
+            model(hidden_states=torch.randn(1, 16, 4, rows, 64, dtype=torch.bfloat16), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=context, return_dict=False)
+        peaks[rows * 64] = tracker.peak
+    widths = (peaks[4096] - peaks[2048]) / (2048 * 1024 * 2)
+    print(f"measured {widths:.2f} hidden widths a token; the memory model: {MEASURED_ACT_WIDTHS['wan2.1-14b']}")
+    assert widths == pytest.approx(MEASURED_ACT_WIDTHS["wan2.1-14b"], rel=0.05)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_wan_14b_bf16_at_1280x720x81_is_no_fit_on_24_gb_cards(gpus):
+    """Its 26.6 GiB of weights alone exceed what a 24 GB card gives (24 GiB less the 1.5 GiB runtime)."""
+    with pytest.raises(PlanError, match=r"^no parallel plan fits wan2.1-14b in 24 GiB per GPU on .*: the least needs "
+                                        r"\d+\.\d GiB \(\S.*: weights 26\.6, ") as refused:
+        choose(WAN14_720, gpus, "RTX 4090", "pcie-no-peer")
+    print(refused.value)
+    least = float(re.search(r"the least needs (\d+\.\d) GiB", str(refused.value)).group(1))
+    assert least > 24 and (gpus == 1 or "fp8 weights would fit" in str(refused.value))
+
+
+A14B = [Workload.for_variant("wan2.2-a14b", w, h, frames=81, negative_pass=True, steps=20, **kw)
+        for w, h in ((832, 480), (1280, 720)) for kw in ({}, {"fp8_weights": True}, {"bytes_per_weight": 144 / 256})]
+
+
+@pytest.mark.parametrize("machine", fits.MACHINES, ids=[m.label for m in fits.MACHINES])
+def test_auto_never_calls_a_two_expert_plan_a_fit_that_does_not_fit(machine):
+    """Wan 2.2 A14B (two experts, each a 14B model): every plan auto weighs is called a fit only if the experts it
+    keeps on the GPU fit, both resident only if both fit; on 24 GB cards the two never fit together in bf16 or fp8, so
+    whatever auto picks there keeps the idle expert in host memory."""
+    hw = stated_hardware(machine.gpus, machine.gpu, machine.link)
+    for work in A14B:
+        assert work.experts == 2
+        found = survey(machine.gpus, work, hw)
+        for e in found.estimates:
+            both = memory_gib(e.plan, work, RESIDENT)["total"]
+            assert e.fits == (memory_gib(e.plan, work, e.placement)["total"] <= hw.memory_gib)
+            assert (e.placement == RESIDENT) == (both <= hw.memory_gib), (e.plan, both)
+        if machine.gpu == "RTX 4090" and work.weight_bytes >= 13 * GiB:
+            assert all(e.placement == HOST for e in found.estimates)
+        if found.chosen is not None:
+            assert found.chosen.fits
+
+
+def test_the_idle_expert_in_host_memory_costs_its_copies_each_clip_and_host_memory_per_machine():
+    """Each expert goes to the GPU and back once a clip (4 copies of 13.3 GiB at the RTX 4090's PCIe 4.0 rate of 20
+    GB/s), and each of the 4 ranks keeps its own idle copy in host memory."""
+    work = A14B[4]   # 1280x720, fp8
+    hw = stated_hardware(4, "RTX 4090", "pcie-no-peer")
+    plan = ParallelPlan(cfg=2, ring=2)
+    host = cost.estimate(plan, Workload(**{**work.__dict__, "placement": HOST}), hw)
+    resident = cost.estimate(plan, Workload(**{**work.__dict__, "placement": RESIDENT}), hw)
+    print(f"host: {host.memory['total']:.1f} GiB per GPU, copies {host.swap_ms / 1e3:.2f} s a clip, "
+          f"{host.host_gib:.1f} GiB host memory; resident: {resident.memory['total']:.1f} GiB per GPU")
+    assert host.swap_ms == pytest.approx(4 * work.weight_bytes / 20e9 * 1e3)
+    assert host.job_ms - resident.job_ms == pytest.approx(host.swap_ms)
+    assert host.host_gib == pytest.approx(4 * work.weight_bytes / GiB)
+    assert resident.memory["total"] - host.memory["total"] == pytest.approx(work.weight_bytes / GiB)
+    assert host.fits and not resident.fits
+
+
+@pytest.mark.parametrize("gpus,gpu,link,weights,placed", [
+    ("4", "RTX 4090", "pcie-no-peer", ["--fp8"],
+     "the idle expert in host memory (both need 32.2 GiB per GPU, more than 24): each expert copied to the GPU and "
+     "back once per clip"),
+    ("8", "H100 SXM", "nvlink", [], "the 2 experts both resident on every GPU (2 x 26.6 GiB"),
+])
+def test_plan_wan22_a14b_names_the_expert_placement_it_assumed(capsys, gpus, gpu, link, weights, placed):
+    assert main(["plan", "--model", "wan2.2-a14b", "--frames", "81", "--width", "1280", "--height", "720", "--cfg",
+                 "3.5", "--steps", "20", "--gpus", gpus, "--gpu-name", gpu, "--interconnect", link] + weights) == 0
+    out = capsys.readouterr().out
+    print(out)
+    reason = out.splitlines()[-1]
+    assert reason.startswith("auto chose ") and placed in reason
+    assert reason.endswith("PipeFusion, which would divide each expert's blocks between the GPUs, is refused: Wan has "
+                           "no PipeFusion stage model yet")
+    assert "experts   2 per clip" in out and "  all resident: " in out and "  idle in host memory: " in out
+
+
+def test_plan_refuses_both_experts_resident_on_24_gb_cards_in_one_line(capsys):
+    code = main(["plan", "--model", "wan2.2-a14b", "--frames", "81", "--width", "1280", "--height", "720", "--cfg",
+                 "3.5", "--gpus", "4", "--gpu-name", "RTX 4090", "--interconnect", "pcie-no-peer", "--fp8",
+                 "--placement", "resident"])
+    err = capsys.readouterr().err
+    print(err)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("python -m engine plan: error: no parallel plan fits wan2.2-a14b in 24 GiB per GPU")
+
+
+def test_plan_fit_table_prints_every_model_weights_and_size_and_the_readme_holds_it(capsys):
+    import os
+    assert main(["plan", "--fit-table"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Wan")]
+    assert len(rows) == len(fits.MODELS) * len(fits.WEIGHTS) * len(fits.SIZES) == 30
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        readme = f.read()
+    missing = [r for r in rows if r not in readme]
+    assert not missing, "README's fit table differs from `python -m engine plan --fit-table`: " + missing[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from argparse import ArgumentTypeError
+from dataclasses import replace
 
 from ..errors import PlanError
 from ..families import VARIANTS
@@ -12,10 +13,11 @@ from ..generate.inputs import check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
-from ..parallel import cost, published
-from ..parallel.devices import GPUS, LINKS, find_gpu, stated_hardware
-from ..parallel.plan import AUTO, FASTEST, GiB, ParallelPlan, Workload, candidates, feasible, plan_problems
-from ..parallel.planner import resolve_plan, survey
+from ..parallel import cost, fits, published, published_video
+from ..parallel.devices import GPUS, LINKS, find_gpu, host_link_gbs, stated_hardware
+from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
+                             Workload, candidates, feasible, plan_problems)
+from ..parallel.planner import pipefusion_refusal, resolve_plan, survey
 from . import args as types
 from . import describe
 from .args import UsageError
@@ -77,6 +79,12 @@ def register(sub) -> None:
     p.add_argument("--warmup-steps", type=types.positive_int, default=1,
                    help="PipeFusion: steps run whole before patches use stale activations (= --steps: exact)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    p.add_argument("--experts", type=types.positive_int,
+                   help=f"transformers a clip runs one after the other, each of the model's size (default: 2 for "
+                        f"{', '.join(TWO_EXPERTS)}, whose clips run a high-noise and a low-noise expert; else 1)")
+    p.add_argument("--placement", choices=EXPERT_PLACEMENTS, default="auto",
+                   help="with several experts: where the idle one waits; resident: every expert on every GPU; host: "
+                        "the idle one in host memory, copied back once per clip; auto: resident where it fits")
     p.add_argument("--plan", type=types.plan_choice, default=AUTO, metavar="auto|fastest|DEGREES",
                    help="auto: the fastest exact plan (the result equals one GPU's); fastest: approximate plans "
                         "(PipeFusion) too; DEGREES: price that one plan, e.g. ulysses4,ring2 or cfg2,pipefusion2")
@@ -84,6 +92,9 @@ def register(sub) -> None:
                                                        "instead of the tables")
     p.add_argument("--validate", action="store_true", help="print the cost model against published multi-GPU runs "
                                                            "(residuals; which rows set its constants) and exit")
+    p.add_argument("--fit-table", action="store_true",
+                   help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
+                        "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")
     p.set_defaults(run=run, parser=p)
 
 
@@ -110,38 +121,70 @@ def _header(info, work: Workload, hw, a) -> list[str]:
 
 
 def entry(e: cost.Estimate) -> dict:
-    """One plan's estimate as `--json` gives it."""
-    return {"plan": e.plan.describe(), "gpus": e.ranks, "s_per_image": round(e.s_per_image, 4),
-            "ms_per_step": round(e.step_ms, 3), "compute_ms": round(e.compute_ms, 3), "comm_ms": round(e.comm_ms, 3),
-            "host_ms": round(e.host_ms, 3), "comm_gb_per_step": round(e.comm_bytes / 1e9, 4),
-            "memory_gib": round(e.memory["total"], 3), "fits": e.fits, "exact": e.exact}
+    """One plan's estimate as `--json` gives it (with several experts: where the idle one waits, its copies' seconds
+    per clip and the host memory per machine)."""
+    out = {"plan": e.plan.describe(), "gpus": e.ranks, "s_per_image": round(e.s_per_image, 4),
+           "ms_per_step": round(e.step_ms, 3), "compute_ms": round(e.compute_ms, 3), "comm_ms": round(e.comm_ms, 3),
+           "host_ms": round(e.host_ms, 3), "comm_gb_per_step": round(e.comm_bytes / 1e9, 4),
+           "memory_gib": round(e.memory["total"], 3), "fits": e.fits, "exact": e.exact}
+    if e.placement:
+        out.update(placement=e.placement, swap_s=round(e.swap_ms / 1e3, 3), host_gib=round(e.host_gib, 3))
+    return out
 
 
 def _table(ranked: list[cost.Estimate]) -> list[str]:
+    experts = any(e.placement for e in ranked)
     rows = [("#", "plan", "GPUs", "s/image", "ms/step", "compute ms", "comm ms", "host ms", "comm GB/step per GPU",
-             "memory GiB per GPU", "fits", "exact")]
+             "memory GiB per GPU") + (("experts",) if experts else ()) + ("fits", "exact")]
     for i, e in enumerate(ranked, 1):
         rows.append((str(i), e.plan.describe(), str(e.ranks), f"{e.s_per_image:.2f}", f"{e.step_ms:.1f}",
                      f"{e.compute_ms:.1f}", f"{e.comm_ms:.1f}", f"{e.host_ms:.1f}", f"{e.comm_bytes / 1e9:.3f}",
-                     f"{e.memory['total']:.1f}", "yes" if e.fits else "no", "yes" if e.exact else "no"))
+                     f"{e.memory['total']:.1f}") + ((PLACED[e.placement],) if experts else ())
+                    + ("yes" if e.fits else "no", "yes" if e.exact else "no"))
     return ["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(rows[0])] + \
         ["| " + " | ".join(r) + " |" for r in rows[1:]]
+
+
+PLACED = {RESIDENT: "all resident", HOST: "idle in host memory"}
+
+
+def _experts(work: Workload, hw, e: cost.Estimate) -> list[str]:
+    """Each placement of a clip's experts under the chosen plan, priced in memory and time."""
+    plan = e.plan
+    lines = [f"experts   {work.experts} per clip, one after the other, {work.weight_bytes / GiB:.1f} GiB each; "
+             f"under {plan.describe()}:"]
+    for placement in (RESIDENT, HOST):
+        one = cost.estimate(plan, replace(work, placement=placement), hw)
+        fits = "fits" if one.fits else f"does not fit {hw.memory_gib:g} GiB"
+        extra = (f"; + {one.swap_ms / 1e3:.1f} s a clip copying each expert to the GPU and back "
+                 f"({host_link_gbs(hw.gpu):g} GB/s), host memory {one.host_gib:.0f} GiB per machine"
+                 if placement == HOST else "; no copies between clips")
+        lines.append(f"  {PLACED[placement]}: {one.memory['total']:.1f} GiB per GPU ({fits}), est. "
+                     f"{one.s_per_image:.2f} s a clip{extra}")
+    if work.pipefusion_conflict:
+        lines.append(f"  PipeFusion stages (a share of each expert's blocks per GPU): refused, "
+                     f"{pipefusion_refusal(work)}")
+    return lines
 
 
 def _required(a) -> None:
     missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
     if missing:
-        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate alone)")
+        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate or "
+                         f"--fit-table alone)")
 
 
 def _validate() -> int:
-    print("\n".join(published.validation_table()))
+    print("\n".join(published.validation_table() + [""] + published_video.validation_table()))
     return 0
 
 
 def run(a) -> int:
     if a.validate:
         return _validate()
+    if a.fit_table:
+        print("\n".join(fits.header() + fits.fit_table()))
+        return 0
     _required(a)
     if a.warmup_steps > a.steps:
         raise UsageError(f"argument --warmup-steps: {a.warmup_steps} is more than --steps {a.steps}: use 1 to "
@@ -160,7 +203,8 @@ def run(a) -> int:
                               frames=latent.shape[2] if info.spec.frames else 1,
                               text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8,
                               compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps,
-                              bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None)
+                              bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None,
+                              experts=a.experts or (2 if info.variant in TWO_EXPERTS else 1), placement=a.placement)
     hw = stated_hardware(a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect,
                          a.gpu_memory_gb)
     one = cost.estimate(ParallelPlan(), work, hw)
@@ -197,6 +241,8 @@ def run(a) -> int:
                   f"ms/step, {best.memory['total']:.1f} GiB")
     if not one.fits:
         print(f"1 GPU does not fit: it needs {one.memory['total']:.1f} GiB")
+    if work.experts > 1:
+        print("\n".join(_experts(work, hw, found.chosen or min(found.estimates, key=lambda e: e.memory["total"]))))
     print()
     if isinstance(choice, PlanError):
         raise UsageError(str(choice)) from None
@@ -219,6 +265,8 @@ def _price(a, info, work: Workload, hw, one: cost.Estimate) -> int:
         return 0
     print("\n".join(_header(info, work, hw, a)) + "\n")
     print("\n".join(_table([e] + ([one] if plan.world_size > 1 else []))))
+    if work.experts > 1:
+        print("\n".join(_experts(work, hw, e)))
     print()
     print(f"{plan.describe()} on {plan.world_size} of {a.gpus} GPU(s): est. {e.s_per_image:.2f} s/image "
           f"({one.s_per_image / e.s_per_image:.2f}x one GPU's {one.s_per_image:.2f})"

@@ -7,7 +7,8 @@ Per rank and per step (one model call of the whole batch, both passes when cfg !
   host    = eager PyTorch launches every op from Python, so a step takes at least the launches (`host_ms`); with
             several ranks the GPU work shrinks and the launches do not;
   step    = max(host, compute + comm).
-A job = warmup steps + steady steps + PipeFusion's pipeline fill; / batch = seconds per image (transformer only).
+A job = warmup steps + steady steps + PipeFusion's pipeline fill (+ a clip's expert copies when the idle one of several
+experts waits in host memory); / batch = seconds per image (transformer only).
 
 The one-GPU rate is this engine's measured step (calibration.json) when the GPU has one, else rated x the efficiency
 table (devices.EFFICIENCY, with its sources); the validation against published runs gives the published one-GPU
@@ -23,10 +24,11 @@ import math
 from dataclasses import dataclass
 
 from . import calibration
-from .devices import Hardware, Interconnect, efficiency
-from .memory import memory_gib, stage_memory_gib
+from .devices import Hardware, Interconnect, efficiency, host_link_gbs
+from .memory import host_gib_per_machine, memory_gib, stage_memory_gib
 from .pipefusion.layout import analytic_p2p_bytes
-from .plan import DTYPE_BYTES, ParallelPlan, Workload, items_per_rank, shard_tokens, text_split
+from .plan import (DTYPE_BYTES, HOST, RESIDENT, ParallelPlan, Workload, items_per_rank, joint_text, shard_tokens,
+                   text_split)
 
 FP32_SLOWDOWN = 8        # fp32 matmuls leave the bf16 tensor path: 1/15 of bf16 on H100, 1/2 on GeForce cards
 TIE = 0.10               # estimates within 10% of the fastest are a tie: the plan that sends less wins, then the
@@ -129,7 +131,7 @@ def pipefusion_step_bytes(plan, work) -> int:
 def comm_bytes(plan, work) -> dict[str, int]:
     """Bytes one rank sends per step, per collective kind."""
     items, elem = items_per_rank(plan, work), DTYPE_BYTES[work.dtype]
-    kinds = attention_bytes(work.image_tokens, work.text_tokens, work.heads, work.head_dim, work.layers,
+    kinds = attention_bytes(work.image_tokens, joint_text(work), work.heads, work.head_dim, work.layers,
                             work.text_splits and plan.pipefusion == 1, plan, items, elem)
     if work.dual_layers:  # SD3.5-medium's image-only attention goes through the same entry point
         dual = attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, False, plan, items,
@@ -155,7 +157,7 @@ def rank_flops(plan, work) -> tuple[float, float]:
     u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
     hidden = work.heads * work.head_dim
     split = text_split(plan, work)
-    n_img, n_txt = work.image_tokens, work.text_tokens
+    n_img, n_txt = work.image_tokens, joint_text(work)
     n_pad = shard_tokens(n_img, p) * p   # image tokens padded
     tokens = n_pad / p + (n_txt / p if split else n_txt)
     queries = n_pad / r + (n_txt / r if split else n_txt)   # after Ulysses' exchange: S/R tokens, H/U heads
@@ -163,6 +165,9 @@ def rank_flops(plan, work) -> tuple[float, float]:
     attention += 4 * (n_pad / r) * n_img * hidden / u * work.dual_layers
     linear = 2 * hidden * hidden * (work.linear_width * tokens * work.layers
                                     + DUAL_WIDTH * n_pad / p * work.dual_layers)
+    if work.text_cross:   # the rank's queries, every head, against the whole text; the text's K and V per block
+        attention += 4 * (n_pad / p) * work.text_tokens * hidden * work.layers
+        linear += 2 * hidden * hidden * 2 * work.text_tokens * work.layers
     items = items_per_rank(plan, work)
     stages = plan.pipefusion   # each stage runs its share of the blocks; pipelined, the stages work at once
     return items * (linear + attention) / stages, items * attention / stages
@@ -172,7 +177,7 @@ def gemm_work(plan, work) -> float:
     """Rows x hidden width of one rank's matrix products per model call (per patch under PipeFusion)."""
     p = plan.ulysses * plan.ring
     split = text_split(plan, work)
-    tokens = shard_tokens(work.image_tokens, p) + (work.text_tokens / p if split else work.text_tokens)
+    tokens = shard_tokens(work.image_tokens, p) + (joint_text(work) / p if split else joint_text(work))
     return items_per_rank(plan, work) * tokens / patches(plan, work) * work.heads * work.head_dim
 
 
@@ -264,7 +269,7 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
         ms += over(kinds["ulysses_all_to_all"], link.all_to_all_gbs(u)) + over(kinds["ulysses_text_gather"],
                                                                               link.bandwidth_gbs)
         calls = code.ulysses_calls_per_layer * attention_layers
-        calls += 0 if text_split(plan, work) else work.layers / plan.pipefusion * m
+        calls += 0 if text_split(plan, work) or work.text_cross else work.layers / plan.pipefusion * m
         ms += calls * latency
     if r > 1:
         ring = over(kinds["ring_p2p"], link.bandwidth_gbs)
@@ -290,9 +295,13 @@ class Estimate:
     fits: bool
     host_ms: float = 0.0     # the host's launch time of a step
     exact: bool = True       # the result equals one GPU's (PipeFusion: only with warmup = steps)
-    job_ms: float = 0.0      # the whole job: warmup steps, steady steps, pipeline fill
+    job_ms: float = 0.0      # the whole job: warmup steps, steady steps, pipeline fill, expert copies
     steps: int = 1
     batch: int = 1
+    placement: str = ""      # a clip of several experts: RESIDENT (all on every GPU) or HOST (the idle one in host
+    #                          memory); "" for one model
+    swap_ms: float = 0.0     # HOST: the experts' copies between host and GPU memory per clip
+    host_gib: float = 0.0    # HOST: host memory the idle experts take per machine
 
     @property
     def step_ms(self) -> float:
@@ -322,9 +331,10 @@ def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: 
     compute, comm, host = _steady(plan, work, hw, rate, code)
     step = max(host, compute + comm)
     steps = max(1, work.steps)
-    memory = memory_gib(plan, work)
+    placement, memory = expert_placement(plan, work, hw.memory_gib)
     fits = hw.memory_gib is None or memory["total"] <= hw.memory_gib
     exact, job = True, steps * step
+    swap = swap_ms(work, hw) if placement == HOST else 0.0
     if plan.pipefusion > 1:
         stage_gib, fits = stage_memory_gib(plan, work, hw.memory_gib)
         memory = dict(memory, total=max(stage_gib), stages=stage_gib)
@@ -339,7 +349,31 @@ def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: 
         fill = (plan.pipefusion - 1) / patches(plan, work) * step if steps > warm else 0.0
         job = warm * warm_ms + (steps - warm) * step + fill
     return Estimate(plan=plan, compute_ms=compute, comm_ms=comm, comm_bytes=sum(comm_bytes(plan, work).values()),
-                    memory=memory, fits=fits, host_ms=host, exact=exact, job_ms=job, steps=steps, batch=work.batch)
+                    memory=memory, fits=fits, host_ms=host, exact=exact, job_ms=job + swap, steps=steps,
+                    batch=work.batch, placement=placement, swap_ms=swap,
+                    host_gib=host_gib_per_machine(plan, work) if placement == HOST else 0.0)
+
+
+# ---- a clip of several experts ------------------------------------------------------------------------------------
+def expert_placement(plan, work, memory_gib_limit: float | None) -> tuple[str, dict]:
+    """Where a clip's idle expert waits under `plan`, and the memory per GPU that takes: the workload's placement when
+    it names one; else both resident when they fit `memory_gib_limit` (no copies), else the idle one in host memory.
+    ("", the model's memory) for one model."""
+    if work.experts < 2:
+        return "", memory_gib(plan, work)
+    if work.placement != "auto":
+        return work.placement, memory_gib(plan, work, work.placement)
+    resident = memory_gib(plan, work, RESIDENT)
+    if memory_gib_limit is None or resident["total"] <= memory_gib_limit:
+        return RESIDENT, resident
+    return HOST, memory_gib(plan, work, HOST)
+
+
+def swap_ms(work, hw: Hardware) -> float:
+    """HOST placement, per clip after the first (which reads the files): each expert is copied to the GPU once and
+    back out once (the first expert returns at the clip's start while the last one leaves, the second replaces the
+    first at the switch), every rank over its own link at the host-to-device rate (devices.host_link_gbs)."""
+    return work.experts * 2 * work.weight_bytes / (host_link_gbs(hw.gpu) * 1e9) * 1e3
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:

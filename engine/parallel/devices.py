@@ -144,6 +144,13 @@ NVLINK_SHARE = 300 / 450   # of the datasheet per-direction rate, as the H100's 
 PCIE_GBS = {4: 20.0, 5: 40.0}  # per GPU with peer access, x16: about 62% of 32 / 64 GB/s per direction
 
 
+def host_link_gbs(gpu: GPU | None) -> float:
+    """GB/s of one GPU's copies to and from host memory: its PCIe generation's rate above (assumed: the engine moves a
+    model with `module.to`, from and to pageable memory, which for large tensors runs near it; every rank over its own
+    x16 link)."""
+    return PCIE_GBS[gpu.pcie_gen if gpu else 4]
+
+
 def link_for(kind: str, gpu: GPU | None) -> Interconnect:
     """The link `kind` between GPUs of this kind: NVLink at the GPU's own rate (a GPU without NVLink, stated over
     NVLink anyway, gets the reference rate), PCIe at its generation's."""

@@ -8,25 +8,55 @@ import math
 
 from ..models.synthetic import synthetic_info
 from .pipefusion.layout import balanced_split, block_lists, meta_model, reference_costs
-from .plan import DTYPE_BYTES, GiB, items_per_rank, shard_tokens, text_split
+from .plan import DTYPE_BYTES, RESIDENT, GiB, items_per_rank, joint_text, shard_tokens, text_split
 
 ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidden widths (input, fused projections,
-                         # mlp, attention buffers)
-RUNTIME_GIB = 1.5        # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+                         # mlp, attention buffers): an upper bound for the image families, whose activations at their
+                         # usual sizes are small next to their weights
+# Measured: the peak of live tensor bytes over one forward of diffusers' WanTransformer3DModel with the engine's
+# attention processor (bf16, the fused attention kernels: memory linear in the tokens), per token and hidden width
+# (2 bytes), as the slope between two token counts (weights and their temporaries drop out), at the variants' FFN
+# width over hidden width: 11.3 at 2.70 (the 14B models and the A14B experts), 15.9 at 5.83 (1.3B), 32.6 at 4.67
+# (TI2V-5B with a per-frame timestep, which it has whenever a start image sets a noise mask: one modulation of 6
+# widths in float32 per token). The peak is in the FFN (its up projection and GELU output, 2 x FFN/hidden widths)
+# with the residual stream's float32 copies. `tests/test_planner.py` measures the 14B figure again.
+MEASURED_ACT_WIDTHS = {"wan2.1-14b": 11.3, "wan2.1-i2v-14b": 11.3, "wan2.1-flf2v-14b": 11.3, "wan2.2-a14b": 11.3,
+                       "wan2.2-i2v-a14b": 11.3, "wan2.1-1.3b": 15.9, "wan2.2-ti2v-5b": 32.6}
+# What a GPU's memory gives less than its size: the rank's CUDA context, cuBLAS and NCCL workspaces (a few hundred
+# MiB) and allocator slack, about the 1.2 GiB ComfyUI itself keeps free on Linux beside a model and its activations
+# (comfy/model_management.py: 0.8 GiB minimum inference memory + 0.4 GiB reserve) plus a context; so a "24 GB" card
+# (24 GiB) gives 22.5 GiB to weights and activations.
+RUNTIME_GIB = 1.5
+
+
+def act_widths(work) -> float:
+    """Live activation bytes per token at the model call's peak, in hidden widths of the compute dtype."""
+    return MEASURED_ACT_WIDTHS.get(work.variant, ACT_WIDTHS)
 
 
 # ---- one GPU's share ---------------------------------------------------------------------------------------------------
-def memory_gib(plan, work) -> dict[str, float]:
+def memory_gib(plan, work, placement: str | None = None) -> dict[str, float]:
     """GiB one GPU holds: weights (every method but PipeFusion keeps a full copy; a stage holds its share of the
     blocks), the peak activations of its model call (sequence parallel splits them), the runtime. PipeFusion's
-    per-stage totals, with their K/V buffers, are `stage_memory_gib`'s."""
-    weights = work.weight_bytes - work.block_weight_bytes + work.block_weight_bytes / plan.pipefusion
+    per-stage totals, with their K/V buffers, are `stage_memory_gib`'s. A clip of several experts (Workload.experts)
+    holds all of them with `placement` RESIDENT, one with HOST (the idle one in host memory); None: the workload's,
+    its "auto" taken as HOST (the least a GPU must hold; cost.estimate decides which fits)."""
+    placement = placement or work.placement
+    held = work.experts if placement == RESIDENT else 1
+    weights = held * (work.weight_bytes - work.block_weight_bytes + work.block_weight_bytes / plan.pipefusion)
     p = plan.ulysses * plan.ring
-    tokens = shard_tokens(work.image_tokens, p) + (work.text_tokens / p if text_split(plan, work) else work.text_tokens)
+    text = joint_text(work)
+    tokens = shard_tokens(work.image_tokens, p) + (text / p if text_split(plan, work) else text)
     hidden = work.heads * work.head_dim
-    activations = items_per_rank(plan, work) * tokens * hidden * ACT_WIDTHS * DTYPE_BYTES[work.dtype]
+    activations = items_per_rank(plan, work) * tokens * hidden * act_widths(work) * DTYPE_BYTES[work.dtype]
     parts = {"weights": weights / GiB, "activations": activations / GiB, "runtime": RUNTIME_GIB}
     return dict(parts, total=sum(parts.values()))
+
+
+def host_gib_per_machine(plan, work) -> float:
+    """Host memory the idle experts take on the machine (HOST placement): one expert per rank, as each rank moves its
+    own copy out."""
+    return plan.world_size * (work.experts - 1) * work.weight_bytes / GiB
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,6 +16,10 @@ DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
 MAX_RANKS = 8
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2 ** 30
+# variants whose clip runs two experts (ComfyUI's stock Wan 2.2 A14B graphs: one KSamplerAdvanced per expert file)
+TWO_EXPERTS = ("wan2.2-a14b", "wan2.2-i2v-a14b")
+RESIDENT, HOST = "resident", "host"
+EXPERT_PLACEMENTS = ("auto", RESIDENT, HOST)   # auto: both resident where they fit, else the idle one in host memory
 AUTO = "auto"          # the fastest exact plan on up to the engine's ranks
 FASTEST = "fastest"    # the fastest plan, approximate ones (PipeFusion) included
 PLAN_MODES = (AUTO, FASTEST)
@@ -121,6 +125,13 @@ class Workload:
     warmup_steps: int = 1
     patches: int | None = None    # PipeFusion patches per model call (None: one per stage)
     pipefusion_conflict: str = ""  # why PipeFusion cannot run the job, e.g. its step cache ("": it can)
+    # the text enters each block by cross-attention (Wan): no text queries, no text through the blocks' layers, only
+    # its K/V, which every rank computes for its own queries; nothing about the text is exchanged
+    text_cross: bool = False
+    # a clip runs `experts` transformers of these dims one after the other (Wan 2.2 A14B: high-noise, then
+    # low-noise), each of weight_bytes; `placement` says where the idle one waits (EXPERT_PLACEMENTS)
+    experts: int = 1
+    placement: str = "auto"
 
     @property
     def rows(self) -> int:
@@ -131,11 +142,12 @@ class Workload:
     def from_info(cls, info, latent_h: int, latent_w: int, *, batch: int, negative_pass: bool, text_tokens: int,
                   dtype: str = "bf16", fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
                   warmup_steps: int = 1, patches: int | None = None, pipefusion_conflict: str = "",
-                  bytes_per_weight: float | None = None, frames: int = 1) -> "Workload":
+                  bytes_per_weight: float | None = None, frames: int = 1, experts: int = 1,
+                  placement: str = "auto") -> "Workload":
         """From a checkpoint's header info (models.detect.CheckpointInfo) and a latent of latent_h x latent_w (and
         `frames` latent frames, for a family that takes video). bytes_per_weight: the weights are held quantized at
         this many bytes each (e.g. a GGUF block type's, for a known variant priced as such a file); None: as the file
-        holds them."""
+        holds them. experts, placement: a clip of `experts` transformers of this file's dims (Workload.experts)."""
         patch, family = info.latent_patch, info.spec
         if family.stage is None:
             pipefusion_conflict = pipefusion_conflict or f"{family.title} has no PipeFusion stage model yet:"
@@ -153,16 +165,21 @@ class Workload:
                    dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=latent_h // patch, steps=steps,
                    warmup_steps=warmup_steps, patches=patches, pipefusion_conflict=pipefusion_conflict,
                    text_splits=family.text_splits, linear_width=width,
-                   out_features=info.latent.channels * patch * patch)
+                   out_features=info.latent.channels * patch * patch,
+                   # diffusers names a joint-attention transformer's text width `joint_attention_dim`; one without it
+                   # (Wan: `text_dim`) attends to the text by cross-attention
+                   text_cross="joint_attention_dim" not in info.config, experts=experts, placement=placement)
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
                     negative_pass: bool = False, text_tokens: int | None = None, dtype: str = "bf16",
                     fp8_weights: bool = False, compiled: bool = False, steps: int = 28,
-                    warmup_steps: int = 1, bytes_per_weight: float | None = None, frames: int = 1) -> "Workload":
+                    warmup_steps: int = 1, bytes_per_weight: float | None = None, frames: int = 1,
+                    experts: int | None = None, placement: str = "auto") -> "Workload":
         """A known variant at full size (its family's dims) and width x height pixels (a video family: `frames`
         frames, as ComfyUI counts them); text tokens default to what ComfyUI's encoders give (the family's usual
-        count, e.g. 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3)."""
+        count, e.g. 512 T5 tokens for FLUX, 77 CLIP + 256 T5 for SD3); experts default to the variant's (TWO_EXPERTS:
+        2)."""
         info = synthetic_info(f"synthetic:{variant}")
         fmt = info.latent
         down = fmt.downscale
@@ -170,7 +187,8 @@ class Workload:
                              text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights,
                              compiled=compiled, steps=steps, warmup_steps=warmup_steps,
                              bytes_per_weight=bytes_per_weight,
-                             frames=fmt.latent_frames(frames) if info.spec.frames else 1)
+                             frames=fmt.latent_frames(frames) if info.spec.frames else 1,
+                             experts=experts or (2 if variant in TWO_EXPERTS else 1), placement=placement)
 
 
 
@@ -248,3 +266,8 @@ def text_split(plan: ParallelPlan, work: Workload) -> bool:
     """The text splits with the image when the model does so (Workload.text_splits) and the degree divides it;
     PipeFusion keeps it joint (it travels with patch 0)."""
     return work.text_splits and plan.pipefusion == 1 and work.text_tokens % (plan.ulysses * plan.ring) == 0
+
+
+def joint_text(work: Workload) -> int:
+    """Text tokens that run through the blocks beside the image tokens (0 when the text enters by cross-attention)."""
+    return 0 if work.text_cross else work.text_tokens

@@ -14,10 +14,10 @@ from .. import wording
 from ..errors import PlanError
 from ..models.synthetic import synthetic_info
 from . import cost
-from .devices import Hardware, assumed_hardware
+from .devices import Hardware, assumed_hardware, host_link_gbs
 from .memory import fit_stages, memory_gib
-from .plan import (DTYPE_BYTES, FASTEST, MAX_RANKS, PLAN_MODES, GiB, ParallelPlan, PlanChoice, Workload, feasible,
-                   plan_problems)
+from .plan import (DTYPE_BYTES, FASTEST, MAX_RANKS, PLAN_MODES, RESIDENT, GiB, ParallelPlan, PlanChoice, Workload,
+                   feasible, plan_problems)
 
 
 def _why(plan: ParallelPlan, work: Workload) -> str:
@@ -38,6 +38,34 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
 def _fmt_estimate(e: cost.Estimate) -> str:
     return (f"est. {e.step_ms:.0f} ms/step, {e.s_per_image:.2f} s/image (compute {e.compute_ms:.0f}, comm "
             f"{e.comm_ms:.0f}, host {e.host_ms:.0f})")
+
+
+def pipefusion_refusal(work: Workload) -> str:
+    """Why PipeFusion cannot run the job, as a clause (Workload.pipefusion_conflict leads into a remedy)."""
+    return work.pipefusion_conflict.rstrip(":").removesuffix(" or").rstrip(":")
+
+
+def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
+    """Where a clip's idle expert waits under the estimate's plan, and why: both resident when they fit, else in host
+    memory, with the copies' time and the host memory it takes; and that PipeFusion, which would divide each expert's
+    blocks between the GPUs, cannot run the model when it cannot. "" for one model."""
+    if work.experts < 2:
+        return ""
+    one = work.weight_bytes / GiB
+    both = memory_gib(e.plan, work, RESIDENT)["total"]
+    if e.placement == RESIDENT:
+        note = (f"the {work.experts} experts both resident on every GPU ({work.experts} x {one:.1f} GiB, "
+                f"{both:.1f} GiB per GPU with the activations): no copies between clips")
+    else:
+        why = (f"both need {both:.1f} GiB per GPU, more than {hw.memory_gib:g}" if hw.memory_gib is not None
+               and both > hw.memory_gib else "as asked")
+        note = (f"the idle expert in host memory ({why}): each expert copied to the GPU and back once per clip, "
+                f"{e.swap_ms / 1e3:.1f} s at {host_link_gbs(hw.gpu):g} GB/s; host memory {e.host_gib:.0f} GiB per "
+                f"machine ({e.ranks} rank(s) x {one:.1f} GiB)")
+    if work.pipefusion_conflict:
+        note += ("; PipeFusion, which would divide each expert's blocks between the GPUs, is refused: "
+                 + pipefusion_refusal(work))
+    return note
 
 
 def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
@@ -74,10 +102,14 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
     helps = memory_helps(ranks, work, hw.memory_gib)
     helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
                  "GPUs with more memory")
-    return (f"no parallel plan fits {work.variant} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the least "
-            f"needs {m['total']:.1f} GiB ({wording.plan(best.plan)}: weights {m['weights']:.1f}, activations "
+    pipefusion = (f"PipeFusion, which would divide the blocks, cannot run it ({pipefusion_refusal(work)})"
+                  if work.pipefusion_conflict else "no PipeFusion split of the blocks fits either")
+    held = (f" (the idle one of its {work.experts} experts in host memory)" if work.experts > 1 and
+            best.placement != RESIDENT else "")
+    return (f"no parallel plan fits {work.variant}{held} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the "
+            f"least needs {m['total']:.1f} GiB ({wording.plan(best.plan)}: weights {m['weights']:.1f}, activations "
             f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; sequence, CFG and data parallel keep a full copy of "
-            f"the weights on every GPU, and no PipeFusion split of the blocks fits either); " + "; ".join(helps))
+            f"the weights on every GPU, and {pipefusion}); " + "; ".join(helps))
 
 
 def rank_plans(ranks: int, work: Workload, hardware: Hardware, pipefusion: bool = False) -> list[cost.Estimate]:
@@ -181,6 +213,8 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         if fewer:
             near = min(fewer, key=lambda e: e.job_ms)
             reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
+    if work.experts > 1:
+        reason += f"; {experts_note(best, work, hw)}"
     if not best.exact:
         warm = min(work.warmup_steps, work.steps)
         reason += (f"; PipeFusion is approximate (after {warm} warmup step(s) its patches see the previous step's "
@@ -220,5 +254,8 @@ def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload, hard
                         + "; ".join(problems) + hint)
     reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
     if hw.device != "cpu":
-        reason += f"; {_fmt_estimate(cost.estimate(requested, work, hw))} on {hw.describe()}"
+        e = cost.estimate(requested, work, hw)
+        reason += f"; {_fmt_estimate(e)} on {hw.describe()}"
+        if work.experts > 1:
+            reason += f"; {experts_note(e, work, hw)}"
     return PlanChoice(requested, reason)

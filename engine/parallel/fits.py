@@ -1,0 +1,75 @@
+"""The video fit table: on the usual machines, the plan `auto` picks for a Wan clip, the memory per GPU it needs and
+its estimated time, for each model, weight format and video size; Wan 2.2 A14B once with both experts resident and
+once with the idle one in host memory. Every figure is the planner's (resolve_plan, cost.estimate), none by hand."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..models.quantized import BLOCKS
+from . import cost
+from .devices import stated_hardware
+from .plan import HOST, RESIDENT, Workload, feasible
+from .planner import resolve_plan
+
+
+@dataclass(frozen=True)
+class Machine:
+    label: str
+    gpus: int
+    gpu: str
+    link: str
+
+
+# 24 GB: GeForce cards, which have no peer access; 48 GB: a PCIe server card; 80 GB: SXM over NVLink
+MACHINES = (Machine("2x24 GB", 2, "RTX 4090", "pcie-no-peer"), Machine("4x24 GB", 4, "RTX 4090", "pcie-no-peer"),
+            Machine("8x48 GB", 8, "L40S", "pcie"), Machine("1x80 GB", 1, "H100 SXM", "nvlink"),
+            Machine("2x80 GB", 2, "H100 SXM", "nvlink"), Machine("4x80 GB", 4, "H100 SXM", "nvlink"),
+            Machine("8x80 GB", 8, "H100 SXM", "nvlink"))
+WEIGHTS = (("bf16", {}), ("fp8", {"fp8_weights": True}),
+           ("GGUF Q4_K", {"bytes_per_weight": BLOCKS["Q4_K"][2] / BLOCKS["Q4_K"][1]}))
+SIZES = ((832, 480, 81), (1280, 720, 81))
+MODELS = (("Wan 2.1 1.3B", "wan2.1-1.3b", "auto"), ("Wan 2.1 14B", "wan2.1-14b", "auto"),
+          ("Wan 2.2 A14B, both experts resident", "wan2.2-a14b", RESIDENT),
+          ("Wan 2.2 A14B, idle expert in host memory", "wan2.2-a14b", HOST),
+          ("Wan 2.2 TI2V-5B", "wan2.2-ti2v-5b", "auto"))
+STEPS = 20
+
+
+def cell(work: Workload, m: Machine) -> str:
+    """What auto picks for `work` on machine `m`: plan, GiB per GPU, est. seconds a clip (with the host memory per
+    machine when the idle expert waits there), or "no" with the least a GPU would need."""
+    hw = stated_hardware(m.gpus, m.gpu, m.link)
+    try:
+        plan = resolve_plan("auto", m.gpus, work, hw).plan
+    except PlanError:
+        plans = [p for k in range(1, m.gpus + 1) for p in feasible(k, work)]
+        least = min((cost.estimate(p, work, hw) for p in plans), key=lambda e: e.memory["total"])
+        return f"no ({least.memory['total']:.1f})"
+    e = cost.estimate(plan, work, hw)
+    host = f", host {e.host_gib:.0f}" if e.placement == HOST else ""
+    return f"{plan.describe()}: {e.memory['total']:.1f}, {e.s_per_image:.0f} s{host}"
+
+
+def header() -> list[str]:
+    """What the table assumes, in words."""
+    return [f"Each cell: the plan auto picks (it may leave GPUs idle), GiB per GPU, est. seconds a clip ({STEPS} "
+            f"steps, cfg > 1, eager, bf16 compute; transformer only), and for the idle expert in host memory the host "
+            f"GiB per machine; \"no (X)\": no plan fits, the least needs X GiB per GPU. 24 GB: RTX 4090 (PCIe, no "
+            f"peer access), 48 GB: L40S (PCIe), 80 GB: H100 SXM (NVLink).", ""]
+
+
+def fit_table() -> list[str]:
+    """Markdown, one row per model, weights and size, one column per machine."""
+    head = ("| model | weights | video | " + " | ".join(m.label for m in MACHINES) + " |",
+            "|---|---|---|" + "---|" * len(MACHINES))
+    lines = list(head)
+    for title, variant, placement in MODELS:
+        for weights, kw in WEIGHTS:
+            for w, h, frames in SIZES:
+                work = Workload.for_variant(variant, w, h, frames=frames, negative_pass=True, steps=STEPS,
+                                            placement=placement, **kw)
+                cells = " | ".join(cell(work, m) for m in MACHINES)
+                lines.append(f"| {title} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {w}x{h}x{frames} | "
+                             f"{cells} |")
+    return lines
