@@ -7,7 +7,9 @@ import os
 import torch
 
 from ..models.flow import Conditioning, FlowModel, frame
-from ..models.load import inspect_model, load_model
+from ..models.load import held_bytes, inspect_model, load_model
+from ..parallel.memory import memory_gib
+from ..parallel.plan import GiB
 from ..models.lora import apply_loras
 from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
 from ..parallel.parallelize import parallelize
@@ -30,30 +32,25 @@ def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
 RESIDENT_MODELS = 2   # models a rank keeps loaded at once: a two-expert clip switches experts without reading a file
 
 
-def _weights_bytes(info, dtype: str, fp8_weights: bool) -> int:
-    """What a model's weights take on the device: quantized layers as stored, the rest in the compute dtype (or fp8)."""
-    per = 1 if fp8_weights else {"fp32": 4}.get(dtype, 2)
-    return info.quantized_bytes + (info.parameters - info.quantized_parameters) * per
-
-
 def _make_room(ctx, models: dict, request: GenerateRequest) -> None:
-    """Before a model is loaded: the least recently used models go beyond RESIDENT_MODELS - 1; on a GPU the others
-    are moved to host memory when the device cannot hold them and the new model (loading one back from host memory is
-    a copy, not a file read)."""
+    """Before a model is loaded (or brought back): the least recently used models go beyond RESIDENT_MODELS - 1; on a
+    GPU the others move to host memory while they and this job would not fit together, as the planner's memory model
+    counts this job (weights, its activations, the runtime: parallel/memory.py), so the engine and the planner agree
+    on when two experts stay resident (loading one back from host memory is a copy, not a file read)."""
     while len(models) >= RESIDENT_MODELS:
         _drop(ctx, models, next(iter(models)))
     if ctx.device.type != "cuda" or not models:
         return
-    free, total = torch.cuda.mem_get_info(ctx.device)
-    need = _weights_bytes(inspect_model(request.model), request.dtype, request.fp8_weights) + total // 6
-    for key, state in list(models.items()):
-        if free >= need:
+    need = memory_gib(request.plan, request.workload(inspect_model(request.model)))["total"] * GiB
+    total = torch.cuda.mem_get_info(ctx.device)[1]
+    held = {key: held_bytes(state["loaded"].model) for key, state in models.items() if not state.get("offloaded")}
+    for key in list(held):
+        if sum(held.values()) + need <= total:
             break
-        if not state.get("offloaded"):
-            state["loaded"].model.to("cpu")
-            state.update(offloaded=True)
-            release_model_memory(ctx.device)
-            free = torch.cuda.mem_get_info(ctx.device)[0]
+        models[key]["loaded"].model.to("cpu")
+        models[key]["offloaded"] = True
+        del held[key]
+        release_model_memory(ctx.device)
 
 
 def _drop(ctx, models: dict, key) -> None:
