@@ -31,13 +31,16 @@ def ui_workflows() -> list[str]:
 
 
 def named_files(workflow: dict) -> dict[str, set[str]]:
-    """{folder: file names} a workflow's widgets name: a stock loader's own folder where tests/comfyui_stock_nodes.py
-    knows the node, else every model folder (an empty stand-in in a folder its loader does not read costs nothing)."""
+    """{folder: file names} a workflow's widgets name: the folder the node's properties.models gives the file (where
+    the frontend looks for it: the engine's checkpoint in checkpoints/), else a stock loader's own folder where
+    tests/comfyui_stock_nodes.py knows the node, else every model folder (an empty stand-in in a folder its loader
+    does not read costs nothing)."""
     found: dict[str, set[str]] = {}
     for node in workflow.get("nodes", []):
         folders = {i["folder"] for i in stock.STOCK_NODES.get(node["type"], {}).get("inputs", ()) if "folder" in i}
         if node["type"] in OUR_FOLDERS:
             folders = {OUR_FOLDERS[node["type"]]}
+        listed = {m["name"]: m["directory"] for m in (node.get("properties") or {}).get("models", [])}
         for value in node.get("widgets_values") or []:
             if not isinstance(value, str):
                 continue
@@ -45,7 +48,7 @@ def named_files(workflow: dict) -> dict[str, set[str]]:
             if name.endswith(IMAGE_EXTENSIONS):
                 found.setdefault("input", set()).add(value)
             elif name.endswith(MODEL_EXTENSIONS):
-                for folder in (folders - {"input"}) or MODEL_FOLDERS:
+                for folder in ({listed[value]} if value in listed else (folders - {"input"}) or MODEL_FOLDERS):
                     found.setdefault(folder, set()).add(value)
     return found
 

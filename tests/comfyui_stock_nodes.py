@@ -37,6 +37,12 @@ image_flux2_text_to_image.json, image_flux2_klein_text_to_image.json), added for
 - comfy_extras/nodes_custom_sampler.py RandomNoise, KSamplerSelect, BasicGuider, CFGGuider, SamplerCustomAdvanced;
   nodes.py ConditioningZeroOut (all in 0.3.64);
 - comfy_extras/nodes_flux.py Flux2Scheduler (V3, 0.3.72 on; as in 0.33.0).
+The Wan workflows' nodes, from ComfyUI's Wan templates (comfyui-workflow-templates 0.1.94 and
+comfyui-workflow-templates-json 0.1.50: text_to_video_wan.json, video_wan2_2_14B_t2v.json, video_wan2_2_14B_i2v.json,
+video_wan2_2_5B_ti2v.json), all in 0.3.64 (Wan 2.2's nodes arrived in 0.3.46: commit a88788dc, "Wan 2.2 support."):
+- comfy_extras/nodes_model_advanced.py ModelSamplingSD3; comfy_extras/nodes_hunyuan.py EmptyHunyuanLatentVideo (V1);
+- comfy_extras/nodes_wan.py WanImageToVideo, Wan22ImageToVideoLatent (V3);
+- comfy_extras/nodes_video.py CreateVideo, SaveVideo (V3).
 Inputs a later ComfyUI added carry "since" (as ComfyUI 0.33.0 defines them, comfyui_version.py "0.33.0"): the
 workflows save them too, because 0.33.0 refuses an API prompt without a required one ("Required input is missing")
 while 0.3.64 ignores inputs its node does not declare (both checked by POST /prompt) and its frontend ignores
@@ -58,11 +64,12 @@ This module is data only. Each input is a dict:
   optional:   True for inputs declared under "optional" (they still get a widget and a widgets_values entry);
   advanced:   True for inputs ComfyUI marks advanced;
   ui_extra:   a UI-only widget the frontend adds right after this one, saved in widgets_values only;
+  api_alias:  another name the newest frontend checked also sends the widget's value under in the API prompt;
   since:      a ComfyUI version that has the input and 0.3.64 lacks: "0.33.0" where it was added somewhere between
               the two, the release that added it where known; absent: 0.3.64 has it. On a node, the release that
               added the node.
 Outputs are (type, name) pairs in slot order. "image_preview": the frontend shows the node's image (the loaded or
-the saved one) below its widgets.
+the saved one) below its widgets. "experimental": ComfyUI marks the node experimental (is_experimental).
 """
 
 COMFYUI_VERSION = "0.3.64"
@@ -77,6 +84,9 @@ SAMPLER_NAMES = ("euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_cf
                  "res_multistep_cfg_pp", "res_multistep_ancestral", "res_multistep_ancestral_cfg_pp",
                  "gradient_estimation", "gradient_estimation_cfg_pp", "er_sde", "seeds_2", "seeds_3", "sa_solver",
                  "sa_solver_pece", "ddim", "uni_pc", "uni_pc_bh2")
+# comfy/samplers.py (0.3.64), SCHEDULER_NAMES = list(SCHEDULER_HANDLERS)
+SCHEDULER_NAMES = ("simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal",
+                   "linear_quadratic", "kl_optimal")
 
 STOCK_NODES = {
     # nodes.py, class CLIPTextEncode: "text": (IO.STRING, {"multiline": True, "dynamicPrompts": True}),
@@ -321,6 +331,7 @@ STOCK_NODES = {
     "CFGNorm": {
         "display_name": "CFGNorm",
         "source": "comfy_extras/nodes_cfg.py",
+        "experimental": True,   # is_experimental=True (0.3.64 and 0.33.0): the frontend badges it
         "inputs": (
             {"name": "model", "type": "MODEL"},
             {"name": "strength", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 100.0,
@@ -426,11 +437,131 @@ STOCK_NODES = {
         "outputs": (("SIGMAS", "SIGMAS"),),
         "output_node": False,
     },
+    # comfy_extras/nodes_model_advanced.py, ModelSamplingSD3: "model": ("MODEL",), "shift": ("FLOAT",
+    # {"default": 3.0, "min": 0.0, "max": 100.0, "step": 0.01}); RETURN_TYPES = ("MODEL",)
+    "ModelSamplingSD3": {
+        "display_name": "ModelSamplingSD3",
+        "source": "comfy_extras/nodes_model_advanced.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "shift", "type": "FLOAT", "widget": "number", "default": 3.0, "min": 0.0, "max": 100.0,
+             "step": 0.01},
+        ),
+        "outputs": (("MODEL", "MODEL"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_hunyuan.py, EmptyHunyuanLatentVideo (V1 in 0.3.64, no display-name mapping; V3 with
+    # display_name "Empty HunyuanVideo 1.0 Latent" in 0.33.0, the same inputs): "width": ("INT", {"default": 848,
+    # "min": 16, "max": nodes.MAX_RESOLUTION, "step": 16}), "height" (default 480) likewise, "length": ("INT",
+    # {"default": 25, "min": 1, "max": nodes.MAX_RESOLUTION, "step": 4}), "batch_size": ("INT", {"default": 1,
+    # "min": 1, "max": 4096}); RETURN_TYPES = ("LATENT",) (zeros [B, 16, (length - 1) // 4 + 1, H/8, W/8])
+    "EmptyHunyuanLatentVideo": {
+        "display_name": "EmptyHunyuanLatentVideo",
+        "source": "comfy_extras/nodes_hunyuan.py",
+        "inputs": (
+            {"name": "width", "type": "INT", "widget": "number", "default": 848, "min": 16, "max": MAX_RESOLUTION,
+             "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 480, "min": 16, "max": MAX_RESOLUTION,
+             "step": 16},
+            {"name": "length", "type": "INT", "widget": "number", "default": 25, "min": 1, "max": MAX_RESOLUTION,
+             "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_wan.py, WanImageToVideo: io.Conditioning.Input("positive"), io.Conditioning.Input("negative"),
+    # io.Vae.Input("vae"), io.Int.Input("width", default=832, min=16, max=nodes.MAX_RESOLUTION, step=16), "height"
+    # (default 480) likewise, io.Int.Input("length", default=81, min=1, max=nodes.MAX_RESOLUTION, step=4),
+    # io.Int.Input("batch_size", default=1, min=1, max=4096), io.ClipVisionOutput.Input("clip_vision_output",
+    # optional=True), io.Image.Input("start_image", optional=True); outputs io.Conditioning.Output(display_name=
+    # "positive"), io.Conditioning.Output(display_name="negative"), io.Latent.Output(display_name="latent")
+    "WanImageToVideo": {
+        "display_name": "WanImageToVideo",
+        "source": "comfy_extras/nodes_wan.py",
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "width", "type": "INT", "widget": "number", "default": 832, "min": 16, "max": MAX_RESOLUTION,
+             "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 480, "min": 16, "max": MAX_RESOLUTION,
+             "step": 16},
+            {"name": "length", "type": "INT", "widget": "number", "default": 81, "min": 1, "max": MAX_RESOLUTION,
+             "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+            {"name": "clip_vision_output", "type": "CLIP_VISION_OUTPUT", "optional": True},
+            {"name": "start_image", "type": "IMAGE", "optional": True},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative"), ("LATENT", "latent")),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_wan.py, Wan22ImageToVideoLatent: io.Vae.Input("vae"), io.Int.Input("width", default=1280,
+    # min=32, max=nodes.MAX_RESOLUTION, step=32), io.Int.Input("height", default=704, ...) likewise,
+    # io.Int.Input("length", default=49, min=1, max=nodes.MAX_RESOLUTION, step=4), io.Int.Input("batch_size",
+    # default=1, min=1, max=4096), io.Image.Input("start_image", optional=True); io.Latent.Output() (48 channels at
+    # 16x, the encoded start image with a noise_mask 0 on its frames)
+    "Wan22ImageToVideoLatent": {
+        "display_name": "Wan22ImageToVideoLatent",
+        "source": "comfy_extras/nodes_wan.py",
+        "inputs": (
+            {"name": "vae", "type": "VAE"},
+            {"name": "width", "type": "INT", "widget": "number", "default": 1280, "min": 32, "max": MAX_RESOLUTION,
+             "step": 32},
+            {"name": "height", "type": "INT", "widget": "number", "default": 704, "min": 32, "max": MAX_RESOLUTION,
+             "step": 32},
+            {"name": "length", "type": "INT", "widget": "number", "default": 49, "min": 1, "max": MAX_RESOLUTION,
+             "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+            {"name": "start_image", "type": "IMAGE", "optional": True},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_video.py, CreateVideo: display_name "Create Video"; io.Image.Input("images"),
+    # io.Float.Input("fps", default=30.0, min=1.0, max=120.0, step=1.0), io.Audio.Input("audio", optional=True);
+    # io.Video.Output(). 0.33.0 adds io.Int.Input("bit_depth", min=8, max=10, default=8, step=2, optional=True)
+    "CreateVideo": {
+        "display_name": "Create Video",
+        "source": "comfy_extras/nodes_video.py",
+        "inputs": (
+            {"name": "images", "type": "IMAGE"},
+            {"name": "fps", "type": "FLOAT", "widget": "number", "default": 30.0, "min": 1.0, "max": 120.0,
+             "step": 1.0},
+            {"name": "audio", "type": "AUDIO", "optional": True},
+            {"name": "bit_depth", "type": "INT", "widget": "number", "default": 8, "min": 8, "max": 10, "step": 2,
+             "optional": True, "since": "0.33.0"},
+        ),
+        "outputs": (("VIDEO", "VIDEO"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_video.py, SaveVideo: display_name "Save Video"; io.Video.Input("video"),
+    # io.String.Input("filename_prefix", default="video/ComfyUI"), io.Combo.Input("format",
+    # options=VideoContainer.as_input(), default="auto") (["auto", "mp4"]), io.Combo.Input("codec",
+    # options=VideoCodec.as_input(), default="auto") (["auto", "h264"]); no outputs; is_output_node=True.
+    # 0.33.0: format is a DynamicCombo ("auto", "mp4", "mkv", "webm") whose options each hold a "codec" DynamicCombo
+    # ("auto", "h264", "av1"; webm without h264), plus a hidden optional "codec" for prompts saved before. The UI saves
+    # [filename_prefix, format, codec] in both (0.33.0's template too: its frontend draws the third as the format's
+    # "codec", named "format.codec"); 1.49.6's Export (API) sends that value as "format.codec" and again as "codec".
+    # POST /prompt with {"format": "auto", "codec": "auto"}, with or without "format.codec", runs in both
+    "SaveVideo": {
+        "display_name": "Save Video",
+        "source": "comfy_extras/nodes_video.py",
+        "inputs": (
+            {"name": "video", "type": "VIDEO"},
+            {"name": "filename_prefix", "type": "STRING", "widget": "text", "default": "video/ComfyUI"},
+            {"name": "format", "type": "COMBO", "widget": "combo", "options": ("auto", "mp4"), "default": "auto"},
+            {"name": "codec", "type": "COMBO", "widget": "combo", "options": ("auto", "h264"), "default": "auto",
+             "api_alias": "format.codec"},
+        ),
+        "outputs": (),
+        "output_node": True,
+    },
 }
 
 # Outputs a later ComfyUI added to a node: nodes.py (0.33.0), class SaveImage: RETURN_TYPES = ("IMAGE",),
-# RETURN_NAMES = ("images",).
-LATER_OUTPUTS = {"SaveImage": (("IMAGE", "images"),)}
+# RETURN_NAMES = ("images",); comfy_extras/nodes_video.py (0.33.0), SaveVideo: io.Video.Output("video").
+LATER_OUTPUTS = {"SaveImage": (("IMAGE", "images"),), "SaveVideo": (("VIDEO", "video"),)}
 
 # The frontend's own nodes (src/extensions/core/noteNode.ts in 1.27.10 and 1.49.6): virtual, never sent to the
 # server. MarkdownNote holds one Markdown "text" widget (ComfyWidgets.MARKDOWN), saved in widgets_values.
@@ -448,13 +579,15 @@ FRONTEND_NODES = {
 }
 
 # Node titles the frontends show where they differ from the display name above: each frontend's en locale names
-# some stock nodes itself (src/locales/en/nodeDefs.json, display_name), whatever the server says.
+# some stock nodes itself (src/locales/en/nodeDefs.json, display_name), whatever the server says; 1.49.6 also shows
+# 0.33.0's own display names where 0.3.64 had none (EmptyHunyuanLatentVideo).
 FRONTEND_TITLES = {
     "1.27.10": {"ImageScaleToTotalPixels": "Scale Image to Total Pixels"},
     "1.49.6": {"DualCLIPLoader": "Load CLIP (Dual)", "TripleCLIPLoader": "Load CLIP (Triple)",
                "ImageScaleToTotalPixels": "Scale Image to Total Pixels", "ReferenceLatent": "Set Reference Latent",
                "BasicGuider": "Basic Guider", "CFGGuider": "CFG Guider",
-               "ConditioningZeroOut": "Conditioning Zero Out"},
+               "ConditioningZeroOut": "Conditioning Zero Out",
+               "EmptyHunyuanLatentVideo": "Empty HunyuanVideo 1.0 Latent"},
 }
 
 # The stock nodes the pack's nodes replace in the example workflows (KSampler, where a template has it, and the

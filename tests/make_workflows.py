@@ -27,6 +27,7 @@ API_DIR = os.path.join(WORKFLOW_DIR, "api")   # ComfyUI's template list reads wo
 GRID = 10          # sizes and places are whole multiples of it
 GAP_X = 70         # between columns
 GAP_Y = 50         # between a node's bottom and the next one's title bar: room for the badges drawn above a title
+VUE_CLEARANCE = 10  # Nodes 2.0 draws nodes larger and no badge above a title: it may fill a gap but this much
 ORIGIN = (0, 0)    # the first column's left edge, the top of its first title bar
 VIEW = (1920, 960)  # the page (a full-HD browser window) extra.ds fits the graph into on opening ...
 VIEW_MARGINS = (80, 110, 40, 40)  # ... clear of the frontends' side bar and top bars (left, top, right, bottom)
@@ -48,8 +49,18 @@ def sizes(graph, defs) -> dict:
     return out
 
 
-def places(graph, size) -> dict:
-    """Columns left to right, each as wide as its widest node; nodes top to bottom in the order they were added."""
+def footprint(node, size, defs) -> tuple[int, int]:
+    """The (w, h) the layout keeps for a node's body: its size, the room it may grow to later (the Info node after a
+    run), and the box Nodes 2.0 draws it in (node_layout.vue_size), less the gaps after it but VUE_CLEARANCE."""
+    w, h = size[node.key]
+    vue_w, vue_h = node_layout.vue_size(node.type, defs[node.type], (w, h))
+    return (max(w, _up(node.room[0]), _up(vue_w - GAP_X + VUE_CLEARANCE)),
+            max(h, _up(node.room[1]), _up(vue_h - node_layout.TITLE_HEIGHT - GAP_Y + VUE_CLEARANCE)))
+
+
+def places(graph, size, defs) -> dict:
+    """Columns left to right, each as wide as its widest node; nodes top to bottom in the order they were added, each
+    keeping its footprint free."""
     columns = sorted({n.column for n in graph.nodes})
     x, pos = ORIGIN[0], {}
     for c in columns:
@@ -57,8 +68,8 @@ def places(graph, size) -> dict:
         members = [n for n in graph.nodes if n.column == c]
         for n in members:
             pos[n.key] = [x, y + node_layout.TITLE_HEIGHT]
-            y += node_layout.TITLE_HEIGHT + size[n.key][1] + GAP_Y
-        x += max(size[n.key][0] for n in members) + GAP_X
+            y += node_layout.TITLE_HEIGHT + footprint(n, size, defs)[1] + GAP_Y
+        x += max(footprint(n, size, defs)[0] for n in members) + GAP_X
     return pos
 
 
@@ -85,7 +96,7 @@ def models_of(node) -> list:
 
 def ui_workflow(graph, defs) -> dict:
     size = sizes(graph, defs)
-    pos, order = places(graph, size), execution_order(graph)
+    pos, order = places(graph, size, defs), execution_order(graph)
     links, feeds = [], {}
     for node in graph.nodes:
         names = [s["name"] for s in sockets(defs[node.type])]
@@ -128,7 +139,7 @@ def view(nodes) -> dict:
 
 def api_workflow(ui, defs) -> dict:
     """What the frontend queues for the UI workflow (File > Export (API)): every node but the frontend's own
-    (virtual) ones by its id, widget values by name, links as [source id, source slot]."""
+    (virtual) ones by its id, widget values by name (and by their api_alias), links as [source id, source slot]."""
     links = {link[0]: link for link in ui["links"]}
     api = {}
     for node in ui["nodes"]:
@@ -138,6 +149,8 @@ def api_workflow(ui, defs) -> dict:
         inputs, values = {}, iter(node["widgets_values"])
         for w in widgets(d):
             inputs[w["name"]] = next(values)
+            if "api_alias" in w:
+                inputs[w["api_alias"]] = inputs[w["name"]]
             if "ui_extra" in w:
                 next(values)
         for socket in node["inputs"]:

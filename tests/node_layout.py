@@ -144,6 +144,42 @@ def uncut_width(node_type, definition, values, font, title=None) -> float:
     return max(need)
 
 
+# Nodes 2.0, the Vue node display (a setting in frontend 1.49.6): each node is a DOM box of a header, the socket rows,
+# a grid of widget rows and, under the pack's nodes (its source) and experimental ones, a badge row; it is at least
+# its saved size. Measured from the page's DOM (element heights in graph units, 1.49.6 with ComfyUI 0.33.0): the
+# rule below gives the drawn size of every node in the workflows, except Save Video's, which 0.33.0's frontend redraws
+# at its content's height (its format widget is a DynamicCombo) and so smaller than saved.
+VUE_HEADER = 28
+VUE_PADDING = 4            # above the socket rows, and between the blocks
+VUE_SLOT_ROW = 20
+VUE_WIDGET = 24            # a combo, number or toggle; a seed's control_after_generate is drawn inside its widget
+VUE_TEXT_WIDGET = 32       # a single-line text
+VUE_TEXT_BOX = 64          # the least height of a multi-line text box (a prompt, a Markdown note)
+VUE_WIDGET_GAP = 4
+VUE_BADGE = 20
+VUE_ADVANCED_BUTTON = 24   # "Show advanced inputs", in place of the advanced widgets, which it hides
+VUE_BOTTOM = 12
+VUE_MIN_WIDTH = 225
+
+
+def vue_size(node_type, definition, saved) -> tuple[int, int]:
+    """The (width, height), title bar included, Nodes 2.0 draws a node saved at `saved` (its body) at."""
+    sockets = [i for i in definition["inputs"] if "widget" not in i]
+    rows = max(len(sockets), len(drawn_outputs(node_type, definition)))
+    shown = [w for w in widgets(definition) if not w.get("advanced")]
+    height = VUE_HEADER + VUE_PADDING + rows * VUE_SLOT_ROW
+    if shown:
+        tall = {"text": VUE_TEXT_WIDGET, "multiline": VUE_TEXT_BOX, "markdown": VUE_TEXT_BOX}
+        height += VUE_PADDING + sum(tall.get(w["widget"], VUE_WIDGET) for w in shown)
+        height += VUE_WIDGET_GAP * (len(shown) - 1)
+    if definition.get("ours") or definition.get("experimental"):
+        height += VUE_PADDING + VUE_BADGE
+    height += VUE_BOTTOM
+    if len(shown) < len(widgets(definition)):
+        height += VUE_ADVANCED_BUTTON
+    return max(saved[0], VUE_MIN_WIDTH), max(saved[1] + TITLE_HEIGHT, height)
+
+
 def min_size(node_type, definition, values, title=None) -> tuple[int, int]:
     """The smallest (width, height) at which both frontends draw the node as computed and uncut, in whole pixels:
     the larger of the two, with the inputs and outputs of the newest ComfyUI checked (a superset of older ones)."""

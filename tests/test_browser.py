@@ -93,12 +93,14 @@ def overlapping(boxes: dict[str, tuple[str, list[float]]]) -> list[str]:
 
 def moved_values(saved: dict, loaded: dict) -> list[str]:
     """Nodes whose saved widgets_values do not read back in the same places after loading (a newer node may add
-    widgets after them, with their defaults)."""
+    widgets after them, with their defaults; an older node may lack widgets a newer one added last, whose saved values
+    it drops)."""
     now = {str(n["id"]): n.get("widgets_values") or [] for n in loaded["nodes"]}
     moved = []
     for node in saved["nodes"]:
         want, got = node.get("widgets_values") or [], now.get(str(node["id"]), [])
-        if isinstance(want, dict) or got[:len(want)] != want:
+        common = min(len(want), len(got))
+        if isinstance(want, dict) or isinstance(got, dict) or got[:common] != want[:common]:
             moved.append(f"{node['type']} ({node['id']}): saved {want}, loaded {got}")
     return moved
 

@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -18,7 +19,9 @@ from workflow_nodes import current_title, definitions as node_definitions, socke
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
-             "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b")
+             "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "wan2.1-t2v-1.3b",
+             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
+VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
                "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
                "flux1-kontext-dev": "flux1-kontext-dev.safetensors", "qwen-image": "qwen_image_fp8_e4m3fn.safetensors",
@@ -26,11 +29,16 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                # Comfy-Org's repackaged FLUX.2 files (split_files/diffusion_models)
                "flux2-dev": "flux2_dev_fp8mixed.safetensors",
                "flux2-dev-multi-reference": "flux2_dev_fp8mixed.safetensors",
-               "flux2-klein-4b": "flux-2-klein-4b.safetensors"}
+               "flux2-klein-4b": "flux-2-klein-4b.safetensors",
+               # Comfy-Org's repackaged Wan files (split_files/diffusion_models)
+               "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors"}
+# Two-expert models: an engine per expert, (high noise, low noise), each with its own sampler
+EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
+                                             for noise in ("high", "low")) for kind in ("t2v", "i2v")}
 # The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2"}
-MODEL_PATCHES = ("ModelSamplingAuraFlow", "CFGNorm")        # stock MODEL -> MODEL nodes the templates use
-SAMPLERS = ("XDiTSampler", "SamplerCustomAdvanced")
+MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm")   # stock MODEL -> MODEL nodes the templates use
+SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced")
 # model-file widgets and the models/ folders their files belong in
 MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints"),
                  ("VAELoader", "vae_name"): ("vae",), ("CLIPLoader", "clip_name"): ("text_encoders",),
@@ -42,7 +50,7 @@ FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",
 
 @pytest.fixture(scope="module")
 def definitions():
-    return node_definitions(MODEL_FILES.values())
+    return node_definitions(list(MODEL_FILES.values()) + [f for pair in EXPERT_FILES.values() for f in pair])
 
 
 def load(name):
@@ -72,8 +80,9 @@ def widget_values(node, definition):
 
 def ui_to_api(ui, definitions):
     """What ComfyUI's frontend queues (File > Export (API)) for a UI workflow with no muted, bypassed, converted
-    or primitive-fed widgets: every node but the frontend's own (virtual) ones by its id, widget values by name,
-    links as [source id, source slot], the title the newest frontend shows."""
+    or primitive-fed widgets: every node but the frontend's own (virtual) ones by its id, widget values by name (and
+    by the other name the newest frontend also sends one under), links as [source id, source slot], the title the
+    newest frontend shows."""
     links = {link[0]: link for link in ui["links"]}
     api = {}
     for node in ui["nodes"]:
@@ -82,6 +91,7 @@ def ui_to_api(ui, definitions):
         if definition.get("virtual"):
             continue
         inputs, _ = widget_values(node, definition)
+        inputs.update({w["api_alias"]: inputs[w["name"]] for w in widgets(definition) if "api_alias" in w})
         for socket in node["inputs"]:
             if socket["link"] is not None:
                 _, src, src_slot, _, _, _ = links[socket["link"]]
@@ -103,10 +113,13 @@ def only(api, class_type):
     return ids[0], api[ids[0]]
 
 
-def sampler_of(api):
-    ids = [i for i, n in api.items() if n["class_type"] in SAMPLERS]
-    assert len(ids) == 1, f"{len(ids)} samplers"
-    return ids[0], api[ids[0]]
+def all_of(api, class_types):
+    """[(id, node), ...] of these types, in id order."""
+    return sorted(((i, n) for i, n in api.items() if n["class_type"] in class_types), key=lambda item: int(item[0]))
+
+
+def model_files(name):
+    return EXPERT_FILES.get(name) or (MODEL_FILES[name],)
 
 
 def model_chain(api, node_id, input_name="model"):
@@ -182,9 +195,12 @@ def test_every_node_is_ours_or_stock_and_none_is_replaced_by_the_pack(name, defi
     assert not {n["class_type"] for n in api.values()} & set(stock.REPLACED_BY_XDIT)
     # the engine's own sampling nodes stay for saved workflows; shipped ones patch the MODEL with ComfyUI's nodes
     assert not set(types) & {"XDiTModelSampling", "XDiTCFGNorm", "XDiTGuider"}
-    for t in ("XDiTEngine", "XDiTEngineInfo", "VAEDecode", "SaveImage"):
+    saves = ("CreateVideo", "SaveVideo") if name in VIDEO_WORKFLOWS else ("SaveImage",)
+    for t in ("XDiTEngineInfo", "VAEDecode") + saves:
         assert types.count(t) == 1, (t, types.count(t))
-    assert sum(types.count(t) for t in SAMPLERS) == 1
+    assert not {"SaveImage", "CreateVideo", "SaveVideo"} - set(saves) & set(types)
+    # one engine and one sampler per model file: two for a two-expert model
+    assert types.count("XDiTEngine") == sum(types.count(t) for t in SAMPLERS) == len(model_files(name))
     for node in ui["nodes"]:
         assert node["properties"]["Node name for S&R"] == node["type"]
     assert ui["version"] == 0.4 and ui["groups"] == [] and isinstance(ui["config"], dict)
@@ -279,7 +295,8 @@ def test_the_api_file_is_the_translation_of_the_ui_file(name, definitions):
     for node_id, node in api.items():
         definition = definitions[node["class_type"]]
         required = {i["name"] for i in definition["inputs"] if not i.get("optional")}
-        assert required <= set(node["inputs"]) <= {i["name"] for i in definition["inputs"]}, node_id
+        known = {n for i in definition["inputs"] for n in (i["name"], i.get("api_alias")) if n}
+        assert required <= set(node["inputs"]) <= known, node_id
         for value in node["inputs"].values():
             if isinstance(value, list):
                 src, slot = value
@@ -288,30 +305,40 @@ def test_the_api_file_is_the_translation_of_the_ui_file(name, definitions):
 
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sampler(name):
-    """The template's graph with its loader swapped: the engine's MODEL (slot 1), through the template's own MODEL
-    nodes, into the xDiT Sampler's model input (its engine input unconnected) or the stock guider; Info on the
-    engine's engine output (slot 0), run after the sampler's LATENT; text encoders, VAE decode and save stock."""
+    """The template's graph with its loader swapped: each engine's MODEL (slot 1), through the template's own MODEL
+    nodes, into its xDiT Sampler's model input (its engine input unconnected) or the stock guider (a two-expert model:
+    an engine and a sampler per expert, on the same GPUs); Info on the last engine's engine output (slot 0), run after
+    the last sampler's LATENT; text encoders, VAE decode and save stock."""
     _, api = load(name)
-    engine_id, engine = only(api, "XDiTEngine")
-    sampler_id, sampler = sampler_of(api)
-    if sampler["class_type"] == "XDiTSampler":
-        assert "engine" not in sampler["inputs"]
-        consumer = (sampler_id, sampler)
-    else:
-        consumer = source(api, sampler_id, "guider")
-    chain = [consumer] + model_chain(api, consumer[0])
-    assert chain[-1][0] == engine_id and chain[-2][1]["inputs"]["model"] == [engine_id, 1]
+    engines, samplers = all_of(api, ("XDiTEngine",)), all_of(api, SAMPLERS)
+    assert [e["inputs"]["model_name"] for _, e in engines] == list(model_files(name))
+    assert len(samplers) == len(engines)
+    for (engine_id, engine), (sampler_id, sampler) in zip(engines, samplers):
+        if sampler["class_type"] in ("XDiTSampler", "XDiTSamplerAdvanced"):
+            assert "engine" not in sampler["inputs"]
+            consumer = (sampler_id, sampler)
+        else:
+            consumer = source(api, sampler_id, "guider")
+        chain = [consumer] + model_chain(api, consumer[0])
+        assert chain[-1][0] == engine_id and chain[-2][1]["inputs"]["model"] == [engine_id, 1]
+        assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
+    last_engine_id, last_id = engines[-1][0], samplers[-1][0]
     _, info = only(api, "XDiTEngineInfo")
-    assert info["inputs"]["engine"] == [engine_id, 0]
-    assert info["inputs"]["after"] == [sampler_id, 0]   # Info runs after the sampler (workflows/README.md)
+    assert info["inputs"]["engine"] == [last_engine_id, 0]
+    assert info["inputs"]["after"] == [last_id, 0]   # Info runs after the sampler (workflows/README.md)
     assert info["inputs"]["unload"] is False
-    assert engine["inputs"]["model_name"] == MODEL_FILES[name]
-    assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
     decode_id, decode = only(api, "VAEDecode")
-    assert decode["inputs"]["samples"] == [sampler_id, 0]
+    assert decode["inputs"]["samples"] == [last_id, 0]
     assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
-    _, save = only(api, "SaveImage")
-    assert save["inputs"]["images"] == [decode_id, 0] and save["inputs"]["filename_prefix"] == f"xDiT/{name}"
+    if name in VIDEO_WORKFLOWS:
+        video_id, video = only(api, "CreateVideo")
+        assert video["inputs"]["images"] == [decode_id, 0]
+        _, save = only(api, "SaveVideo")
+        assert save["inputs"]["video"] == [video_id, 0] and save["inputs"]["filename_prefix"] == f"xDiT/{name}"
+        assert (save["inputs"]["format"], save["inputs"]["codec"]) == ("auto", "auto")
+    else:
+        _, save = only(api, "SaveImage")
+        assert save["inputs"]["images"] == [decode_id, 0] and save["inputs"]["filename_prefix"] == f"xDiT/{name}"
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
@@ -330,6 +357,42 @@ def test_every_node_is_saved_as_large_as_both_frontends_draw_it(name, definition
     and every widget's label and value whole ("model_name", not "mod...")."""
     ui, _ = load(name)
     assert undersized(ui, definitions) == []
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_no_two_nodes_overlap_as_nodes_2_0_draws_them(name, definitions):
+    """The Vue node display (frontend 1.49.6's "Nodes 2.0" setting) draws most nodes wider and taller than the classic
+    one (tests/node_layout.py, vue_size): the layout leaves room for that too."""
+    ui, _ = load(name)
+    drawn = json.loads(json.dumps(ui))
+    for n in drawn["nodes"]:
+        w, h = node_layout.vue_size(n["type"], definitions[n["type"]], n["size"])
+        n["size"] = [w, h - node_layout.TITLE_HEIGHT]
+    assert overlaps(drawn) == []
+
+
+def grown_info_size():
+    """The largest (w, h) the Info node takes after a run, from the pack's frontend extension
+    (xdit_nodes/web/engine_info.js): WIDTH wide, and computeSize with the report's box at MAX_LINES lines: two
+    socket rows, the unload toggle, the box (lines x LINE_PX + 12), each widget 4 apart, 8 + 6 below."""
+    with open(os.path.join(ROOT, "xdit_nodes", "web", "engine_info.js")) as f:
+        script = f.read()
+    number = {k: int(re.search(rf"\b{k} = (\d+)", script).group(1)) for k in ("WIDTH", "LINE_PX", "MAX_LINES")}
+    box = number["MAX_LINES"] * number["LINE_PX"] + 12
+    rows = 2 * node_layout.SLOT_HEIGHT
+    return number["WIDTH"], rows + (node_layout.WIDGET_HEIGHT + 4) + (box + 4) + 8 + 6
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_the_info_node_can_grow_to_its_report_without_covering_a_node(name):
+    """After a run the Info node draws its report and grows (never shrinks) to grown_info_size(): the layout keeps
+    that room free below and beside it."""
+    ui, _ = load(name)
+    width, height = grown_info_size()
+    grown = json.loads(json.dumps(ui))
+    info = next(n for n in grown["nodes"] if n["type"] == "XDiTEngineInfo")
+    info["size"] = [max(info["size"][0], width), max(info["size"][1], height)]
+    assert [pair for pair in overlaps(grown) if info["id"] in pair] == [], (width, height)
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
@@ -564,6 +627,103 @@ def test_flux2_klein_4b_is_comfyuis_distilled_template_at_cfg_1():
     assert "FluxGuidance" not in {n["class_type"] for n in api.values()}
     assert only(api, "CLIPLoader")[1]["inputs"]["clip_name"] == "qwen_3_4b.safetensors"
     assert only(api, "CLIPLoader")[1]["inputs"]["type"] == "flux2"
+
+
+NEGATIVE_WAN_START = "色调艳丽，过曝，静态"   # the Wan templates' negative prompt begins so
+
+
+def _wan_common(api, sampler_id, vae_file):
+    """What every Wan template shares: umT5 through CLIPLoader type wan for the positive and the templates' Chinese
+    negative prompt, the VAE that decodes."""
+    positive_id, positive = source(api, sampler_id, "positive")
+    negative_id, negative = source(api, sampler_id, "negative")
+    if positive["class_type"] == "WanImageToVideo":    # both come through it
+        positive_id, positive = source(api, positive_id, "positive")
+        negative_id, negative = source(api, negative_id, "negative")
+    assert positive["class_type"] == negative["class_type"] == "CLIPTextEncode"
+    assert positive["inputs"]["text"].strip() and negative["inputs"]["text"].startswith(NEGATIVE_WAN_START)
+    clip = source(api, positive_id, "clip")[1]
+    assert clip["inputs"] == {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan",
+                              "device": "default"}
+    assert positive["inputs"]["clip"] == negative["inputs"]["clip"]
+    assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == vae_file
+
+
+def _shift(api, sampler_id):
+    (_, sampling), (_, engine) = model_chain(api, sampler_id)
+    assert sampling["class_type"] == "ModelSamplingSD3" and engine["class_type"] == "XDiTEngine"
+    return sampling["inputs"]["shift"]
+
+
+def test_wan21_t2v_is_comfyuis_template_with_the_engine_for_the_model():
+    """ComfyUI's Wan 2.1 text-to-video template (text_to_video_wan.json, 1.3B): ModelSamplingSD3 8 on the model,
+    EmptyHunyuanLatentVideo 832x480 with 33 frames, 30 uni_pc/simple steps at cfg 6, Create Video at 16 fps."""
+    _, api = load("wan2.1-t2v-1.3b")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert (s["steps"], s["cfg"], s["sampler_name"], s["scheduler"], s["denoise"]) == (30, 6.0, "uni_pc", "simple", 1.0)
+    assert _shift(api, sampler_id) == 8.0
+    latent = source(api, sampler_id, "latent_image")[1]
+    assert latent["class_type"] == "EmptyHunyuanLatentVideo"
+    assert latent["inputs"] == {"width": 832, "height": 480, "length": 33, "batch_size": 1}
+    _wan_common(api, sampler_id, "wan_2.1_vae.safetensors")
+    assert only(api, "CreateVideo")[1]["inputs"]["fps"] == 16.0
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_wan22_a14b_runs_the_high_noise_expert_then_the_low_noise_expert_on_its_leftover_noise(kind):
+    """ComfyUI's Wan 2.2 A14B templates (their fp8_scaled group): two KSamplerAdvanced over one 20-step euler/simple
+    schedule at cfg 3.5, each on its expert's model through ModelSamplingSD3 8: the high-noise expert adds the noise
+    and runs steps 0 to 10, returning the leftover noise; the low-noise expert continues its latent from step 10 to
+    the end without adding noise. Both xDiT Engines on the same GPUs; 640x640, 81 frames, 16 fps."""
+    name = f"wan2.2-{kind}-a14b"
+    _, api = load(name)
+    (high_id, high), (low_id, low) = all_of(api, ("XDiTSamplerAdvanced",))
+    h, l = high["inputs"], low["inputs"]
+    assert (h["add_noise"], h["noise_seed"], h["start_at_step"], h["end_at_step"], h["return_with_leftover_noise"]) \
+        == ("enable", 42, 0, 10, "enable")
+    assert (l["add_noise"], l["start_at_step"], l["end_at_step"], l["return_with_leftover_noise"]) == \
+        ("disable", 10, 10000, "disable")
+    for s in (h, l):
+        assert (s["steps"], s["cfg"], s["sampler_name"], s["scheduler"]) == (20, 3.5, "euler", "simple")
+    assert l["latent_image"] == [high_id, 0]
+    assert (l["positive"], l["negative"]) == (h["positive"], h["negative"])
+    assert _shift(api, high_id) == _shift(api, low_id) == 8.0
+    experts = [model_chain(api, i)[-1][1]["inputs"] for i in (high_id, low_id)]
+    assert [e["model_name"] for e in experts] == list(EXPERT_FILES[name])
+    assert experts[0]["gpus"] == experts[1]["gpus"]   # one rank group keeps both experts loaded
+    _wan_common(api, high_id, "wan_2.1_vae.safetensors")
+    start_id, start = source(api, high_id, "latent_image")
+    if kind == "t2v":
+        assert start["class_type"] == "EmptyHunyuanLatentVideo"
+        assert source(api, high_id, "positive")[1]["class_type"] == "CLIPTextEncode"
+        assert source(api, high_id, "negative")[1]["inputs"]["text"].endswith("，裸露，NSFW")
+    else:   # WanImageToVideo's three outputs; Wan 2.2 takes no CLIP vision
+        assert start["class_type"] == "WanImageToVideo" and "clip_vision_output" not in start["inputs"]
+        assert (h["positive"], h["negative"], h["latent_image"]) == ([start_id, 0], [start_id, 1], [start_id, 2])
+        assert source(api, start_id, "start_image")[1]["class_type"] == "LoadImage"
+        assert start["inputs"]["vae"] == only(api, "VAEDecode")[1]["inputs"]["vae"]
+    assert {k: start["inputs"][k] for k in ("width", "height", "length", "batch_size")} == \
+        {"width": 640, "height": 640, "length": 81, "batch_size": 1}
+    assert only(api, "CreateVideo")[1]["inputs"]["fps"] == 16.0
+
+
+def test_wan22_ti2v_5b_starts_from_the_image_latent_with_its_noise_mask():
+    """ComfyUI's Wan 2.2 TI2V-5B template with its start image: Wan22ImageToVideoLatent 1280x704, 121 frames, on the
+    Wan 2.2 VAE (the one that decodes), ModelSamplingSD3 8, 20 uni_pc/simple steps at cfg 5, Create Video at 24 fps."""
+    _, api = load("wan2.2-ti2v-5b")
+    sampler_id, sampler = only(api, "XDiTSampler")
+    s = sampler["inputs"]
+    assert (s["steps"], s["cfg"], s["sampler_name"], s["scheduler"], s["denoise"]) == (20, 5.0, "uni_pc", "simple", 1.0)
+    assert _shift(api, sampler_id) == 8.0
+    latent_id, latent = source(api, sampler_id, "latent_image")
+    assert latent["class_type"] == "Wan22ImageToVideoLatent"
+    assert {k: latent["inputs"][k] for k in ("width", "height", "length", "batch_size")} == \
+        {"width": 1280, "height": 704, "length": 121, "batch_size": 1}
+    assert source(api, latent_id, "start_image")[1]["class_type"] == "LoadImage"
+    assert latent["inputs"]["vae"] == only(api, "VAEDecode")[1]["inputs"]["vae"]
+    _wan_common(api, sampler_id, "wan2.2_vae.safetensors")
+    assert only(api, "CreateVideo")[1]["inputs"]["fps"] == 24.0
 
 
 # ---- the checks themselves -----------------------------------------------------------------------------------------

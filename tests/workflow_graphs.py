@@ -4,8 +4,10 @@ input, and where its model files come from. tests/make_workflows.py turns these 
 Each graph is ComfyUI's own template for its model with the diffusion-model loader (UNETLoader, Load Checkpoint)
 swapped for the xDiT Engine. Where the template samples with KSampler, the engine's MODEL goes through the
 template's own MODEL nodes into the xDiT Sampler's `model` input; where it samples with SamplerCustomAdvanced (the
-FLUX.2 templates), its guider takes the engine's MODEL. Every graph has an xDiT Engine Info node on the engine, run
-after the sampler."""
+FLUX.2 templates), its guider takes the engine's MODEL; where it samples with a KSamplerAdvanced pair (Wan 2.2 A14B's
+high-noise and low-noise experts), each expert has an xDiT Engine on the same GPUs and an xDiT Sampler (Advanced).
+Every graph has an xDiT Engine Info node on an engine, run after the last sampler, with room below and beside it for
+the report it draws after a run."""
 from dataclasses import dataclass, field
 
 GPUS = "0,1,2,3"
@@ -53,6 +55,19 @@ MODEL_SOURCES = {
     "qwen_image_vae.safetensors": (HF + "Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/"
                                    "qwen_image_vae.safetensors", "vae"),
     "flux2-vae.safetensors": (HF + "Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors", "vae"),
+    # Wan: Comfy-Org's repackaged files, as ComfyUI's Wan templates link them (text_to_video_wan.json,
+    # video_wan2_2_14B_t2v.json, video_wan2_2_14B_i2v.json, video_wan2_2_5B_ti2v.json; the 2.2 templates link
+    # wan_2.1_vae from Wan_2.2_ComfyUI_Repackaged, the same file)
+    **{name: (HF + f"Comfy-Org/{repo}/resolve/main/split_files/{folder}/{name}", folder) for repo, folder, name in (
+        ("Wan_2.1_ComfyUI_repackaged", "diffusion_models", "wan2.1_t2v_1.3B_fp16.safetensors"),
+        ("Wan_2.2_ComfyUI_Repackaged", "diffusion_models", "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors"),
+        ("Wan_2.2_ComfyUI_Repackaged", "diffusion_models", "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"),
+        ("Wan_2.2_ComfyUI_Repackaged", "diffusion_models", "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors"),
+        ("Wan_2.2_ComfyUI_Repackaged", "diffusion_models", "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors"),
+        ("Wan_2.2_ComfyUI_Repackaged", "diffusion_models", "wan2.2_ti2v_5B_fp16.safetensors"),
+        ("Wan_2.1_ComfyUI_repackaged", "text_encoders", "umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
+        ("Wan_2.1_ComfyUI_repackaged", "vae", "wan_2.1_vae.safetensors"),
+        ("Wan_2.2_ComfyUI_Repackaged", "vae", "wan2.2_vae.safetensors"))},
 }
 
 
@@ -64,6 +79,7 @@ class Node:
     title: str | None = None
     links: dict = field(default_factory=dict)   # input name -> (node, output slot)
     size: tuple = (0, 0)                        # at least this (w, h); the layout makes it no smaller than drawn
+    room: tuple = (0, 0)                        # the (w, h) it may grow to later: the layout keeps it free
     key: int = 0                                # its id: its place in the graph, from 1
 
     def out(self, slot: int = 0):
@@ -76,9 +92,9 @@ class Graph:
     needs_comfyui: str = "0.3.64"               # the oldest ComfyUI that has every node the graph uses
     nodes: list = field(default_factory=list)
 
-    def add(self, type, values=(), column=0, title=None, size=(0, 0), **links) -> Node:
+    def add(self, type, values=(), column=0, title=None, size=(0, 0), room=(0, 0), **links) -> Node:
         node = Node(type, list(values), column, title,
-                    {k: (v if isinstance(v, tuple) else v.out()) for k, v in links.items()}, size,
+                    {k: (v if isinstance(v, tuple) else v.out()) for k, v in links.items()}, size, room,
                     key=len(self.nodes) + 1)
         self.nodes.append(node)
         return node
@@ -88,6 +104,9 @@ PROMPT_BOX = (400, 200)      # the frontend gives a new text-prompt node this si
 EMPTY_PROMPT_BOX = (400, 120)
 SAVE_BOX = (440, 480)        # room for the saved image's preview
 LOAD_BOX = (320, 360)        # room for the loaded image's preview
+# The Info node after a run (xdit_nodes/web/engine_info.js): 420 wide, and as tall as computeSize with the report's
+# box at its most, 18 lines of 15 px + 12: two socket rows (40) + unload (20 + 4) + the box (282 + 4) + 8 + 6 = 364
+INFO_REPORT_BOX = (420, 364)
 
 
 def _engine(g: Graph, model, column=0):
@@ -95,15 +114,20 @@ def _engine(g: Graph, model, column=0):
                                 0, 1], column)
 
 
-def _xdit_sampler(g, column, model, positive, negative, latent, steps, cfg, denoise=1.0):
-    return g.add("XDiTSampler", [SEED, "fixed", steps, cfg, "euler", "simple", denoise], column, positive=positive,
+def _xdit_sampler(g, column, model, positive, negative, latent, steps, cfg, denoise=1.0, sampler="euler"):
+    return g.add("XDiTSampler", [SEED, "fixed", steps, cfg, sampler, "simple", denoise], column, positive=positive,
                  negative=negative, latent_image=latent, model=model)
+
+
+def _info(g, column, engine, latent):
+    """The Info node on the engine, run after the sampler's LATENT, with room for its report."""
+    return g.add("XDiTEngineInfo", [False], column, room=INFO_REPORT_BOX, engine=engine.out(0), after=latent)
 
 
 def _finish(g, column, engine, latent, vae):
     """VAE Decode -> Save Image, and the Info node on the engine, run after the sampler."""
     decode = g.add("VAEDecode", [], column, samples=latent, vae=vae)
-    g.add("XDiTEngineInfo", [False], column, engine=engine.out(0), after=latent)
+    _info(g, column, engine, latent)
     g.add("SaveImage", [f"xDiT/{g.name}"], column + 1, size=SAVE_BOX, images=decode)
 
 
@@ -214,7 +238,7 @@ def _custom_sampling(g, column, steps, engine, vae, guider, size=1024):
     sampler = g.add("SamplerCustomAdvanced", [], column + 1, noise=noise, guider=guider(column), sampler=select,
                     sigmas=sigmas, latent_image=latent)
     decode = g.add("VAEDecode", [], column + 1, samples=sampler.out(0), vae=vae)
-    g.add("XDiTEngineInfo", [False], column + 1, engine=engine.out(0), after=sampler.out(0))
+    _info(g, column + 1, engine, sampler.out(0))
     g.add("SaveImage", [f"xDiT/{g.name}"], column + 2, size=SAVE_BOX, images=decode)
 
 
@@ -269,6 +293,93 @@ def _flux2_klein() -> Graph:
     return g
 
 
+def _video_finish(g, column, engine, latent, vae, fps):
+    """The Wan templates' end: VAE Decode -> Create Video at the template's fps -> Save Video; the Info node on the
+    engine, run after the (last) sampler."""
+    decode = g.add("VAEDecode", [], column, samples=latent, vae=vae)
+    video = g.add("CreateVideo", [fps, 8], column, images=decode)
+    _info(g, column, engine, latent)
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], column + 1, size=SAVE_BOX, video=video)
+
+
+def _umt5(g):
+    return g.add("CLIPLoader", ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"], 0)
+
+
+def _wan_prompts(g, clip, negative=None):
+    positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    return positive, _prompt(g, 1, clip, negative or NEGATIVE_WAN, "CLIP Text Encode (Negative Prompt)")
+
+
+def _wan21_t2v() -> Graph:
+    """ComfyUI's Wan 2.1 text-to-video template (text_to_video_wan.json, the 1.3B model): umT5 through CLIPLoader type
+    wan, ModelSamplingSD3 8 on the model, EmptyHunyuanLatentVideo 832x480, 33 frames, 30 uni_pc/simple steps at cfg
+    6, Create Video at 16 fps -> Save Video."""
+    g = Graph("wan2.1-t2v-1.3b")
+    clip = _umt5(g)
+    engine = _engine(g, "wan2.1_t2v_1.3B_fp16.safetensors")
+    vae = g.add("VAELoader", ["wan_2.1_vae.safetensors"], 0)
+    positive, negative = _wan_prompts(g, clip)
+    shifted = g.add("ModelSamplingSD3", [8.0], 1, model=engine.out(1))
+    latent = g.add("EmptyHunyuanLatentVideo", [832, 480, 33, 1], 1)
+    sampler = _xdit_sampler(g, 2, shifted, positive, negative, latent, 30, 6.0, sampler="uni_pc")
+    _video_finish(g, 3, engine, sampler, vae, 16.0)
+    return g
+
+
+NOISE = ("high", "low")   # the Wan 2.2 A14B experts, in the order they sample
+
+
+def _wan22_a14b(image: bool) -> Graph:
+    """ComfyUI's Wan 2.2 A14B templates (video_wan2_2_14B_t2v.json, video_wan2_2_14B_i2v.json; their fp8_scaled
+    group, without the 4-step LoRAs): each expert's model through ModelSamplingSD3 8 into a KSamplerAdvanced, 20
+    euler/simple steps at cfg 3.5, the high-noise expert from step 0 to 10 adding noise and returning the leftover
+    noise, the low-noise expert from 10 to the end on its latent without adding noise; 640x640, 81 frames, Create
+    Video at 16 fps. Text to video starts from EmptyHunyuanLatentVideo; image to video from WanImageToVideo's latent
+    and conditioning on the start image (Wan 2.2 takes no CLIP vision). Here both experts are xDiT Engines on the
+    same GPUs: one rank group keeps both loaded."""
+    kind = "i2v" if image else "t2v"
+    g = Graph(f"wan2.2-{kind}-a14b")
+    clip = _umt5(g)
+    experts = {noise: _engine(g, f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors") for noise in NOISE}
+    for noise, engine in experts.items():
+        engine.title = f"xDiT Engine ({noise} noise expert)"
+    vae = g.add("VAELoader", ["wan_2.1_vae.safetensors"], 0)
+    positive, negative = _wan_prompts(g, clip, None if image else NEGATIVE_WAN + "，裸露，NSFW")
+    shifted = {noise: g.add("ModelSamplingSD3", [8.0], 1, model=engine.out(1)) for noise, engine in experts.items()}
+    if image:
+        picture = g.add("LoadImage", ["example.png", "image"], 1, size=LOAD_BOX)
+        start = g.add("WanImageToVideo", [640, 640, 81, 1], 2, positive=positive, negative=negative, vae=vae,
+                      start_image=picture)
+        positive, negative, latent, column = start.out(0), start.out(1), start.out(2), 3
+    else:
+        latent, column = g.add("EmptyHunyuanLatentVideo", [640, 640, 81, 1], 1), 2
+    steps = {"high": ["enable", SEED, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"],
+             "low": ["disable", 0, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"]}
+    for noise in NOISE:   # the low-noise expert continues the high-noise one's latent
+        latent = g.add("XDiTSamplerAdvanced", steps[noise], column, f"xDiT Sampler (Advanced, {noise} noise)",
+                       positive=positive, negative=negative, latent_image=latent, model=shifted[noise])
+    _video_finish(g, column + 1, experts["low"], latent, vae, 16.0)
+    return g
+
+
+def _wan22_ti2v_5b() -> Graph:
+    """ComfyUI's Wan 2.2 TI2V-5B template (video_wan2_2_5B_ti2v.json) with its start image: Wan22ImageToVideoLatent
+    1280x704, 121 frames (the image's latent and a noise mask on its frames; the Wan 2.2 VAE), ModelSamplingSD3 8, 20
+    uni_pc/simple steps at cfg 5, Create Video at 24 fps."""
+    g = Graph("wan2.2-ti2v-5b")
+    clip = _umt5(g)
+    engine = _engine(g, "wan2.2_ti2v_5B_fp16.safetensors")
+    vae = g.add("VAELoader", ["wan2.2_vae.safetensors"], 0)
+    picture = g.add("LoadImage", ["example.png", "image"], 0, size=LOAD_BOX)
+    positive, negative = _wan_prompts(g, clip)
+    shifted = g.add("ModelSamplingSD3", [8.0], 1, model=engine.out(1))
+    latent = g.add("Wan22ImageToVideoLatent", [1280, 704, 121, 1], 1, vae=vae, start_image=picture)
+    sampler = _xdit_sampler(g, 2, shifted, positive, negative, latent, 20, 5.0, sampler="uni_pc")
+    _video_finish(g, 3, engine, sampler, vae, 24.0)
+    return g
+
+
 PROMPTS = {
     "flux1-dev": "a red fox curled up asleep on a mossy stone in a misty pine forest at dawn, soft golden light, "
                  "shallow depth of field, highly detailed photograph",
@@ -285,10 +396,27 @@ PROMPTS = {
                  "the words \"FLUX.2\" painted on a weathered wooden sign behind it",
     "flux2-dev-multi-reference": "the woman from image 1 wearing the jacket from image 2, standing on a rainy city "
                                  "street at night, neon reflections on the wet pavement",
+    # the Wan templates' own prompts
+    "wan2.1-t2v-1.3b": "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking "
+                       "camera",
+    "wan2.2-t2v-a14b": "Beautiful young European woman with honey blonde hair gracefully turning her head back over "
+                       "shoulder, gentle smile, bright eyes looking at camera. Hair flowing in slow motion as she "
+                       "turns. Soft natural lighting, clean background, cinematic slow-motion portrait.",
+    "wan2.2-i2v-a14b": "The white dragon warrior stands still, eyes full of determination and strength. The camera "
+                       "slowly moves closer or circles around the warrior, highlighting the powerful presence and "
+                       "heroic spirit of the character.",
+    "wan2.2-ti2v-5b": "Low contrast. In a retro 1970s-style subway station, a street musician plays in dim colors and "
+                      "rough textures. He wears an old jacket, playing guitar with focus. Commuters hurry by, and a "
+                      "small crowd gathers to listen. The camera slowly moves right, capturing the blend of music and "
+                      "city noise, with old subway signs and mottled walls in the background.",
 }
 PROMPTS["flux1-schnell"] = PROMPTS["flux1-dev"]
 PROMPTS["flux2-klein-4b"] = PROMPTS["flux2-dev"]
 NEGATIVE_SD35 = "blurry, low quality, jpeg artifacts, watermark, deformed, oversaturated"
+# The Wan templates' negative prompt (the Wan 2.2 A14B text-to-video one adds "，裸露，NSFW")
+NEGATIVE_WAN = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"
+                "残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，"
+                "背景人很多，倒着走")
 
 
 def graphs() -> list[Graph]:
@@ -297,4 +425,4 @@ def graphs() -> list[Graph]:
             _sd35(),
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
-            _flux2_klein()]
+            _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b()]

@@ -37,10 +37,13 @@ def _from_spec(spec):
 
 def definitions(model_names) -> dict:
     """Node type -> definition. The engine's model_name options are ComfyUI's model folders at run time: here they
-    are `model_names`, the files the workflows name."""
+    are `model_names`, the files the workflows name. The samplers offer ComfyUI's sampler and scheduler lists, as
+    they do inside ComfyUI."""
     specs = specs_module()
-    ours = [specs.engine_spec(sorted(set(model_names))), specs.SAMPLER_SPEC, specs.INFO_SPEC, specs.GUIDER_SPEC,
-            specs.SAMPLING_SPEC, specs.CFG_NORM_SPEC]
+    lists = (stock.SAMPLER_NAMES, stock.SCHEDULER_NAMES)
+    ours = [specs.engine_spec(sorted(set(model_names))), specs.sampler_spec(*lists),
+            specs.sampler_advanced_spec(*lists), specs.INFO_SPEC, specs.GUIDER_SPEC, specs.SAMPLING_SPEC,
+            specs.CFG_NORM_SPEC]
     defs = {spec.node_id: _from_spec(spec) for spec in ours}
     assert not set(defs) & set(stock.STOCK_NODES) and not set(defs) & set(stock.FRONTEND_NODES)
     for node_type, d in list(stock.STOCK_NODES.items()) + list(stock.FRONTEND_NODES.items()):
