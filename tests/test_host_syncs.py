@@ -168,6 +168,31 @@ def test_the_instrument_sees_each_kind_of_sync(monkeypatch):
     assert [b["wait"] for b in per_step] == [1, 1, 0]
 
 
+def test_the_instrument_counts_library_made_host_tensors_copied_to_the_device(monkeypatch):
+    """torchsde (dpmpp_2m_sde's Brownian tree) makes its tensors naming the CPU: host memory, where they live on a GPU
+    rank too, however they were made. A plain .to(device) of a step's increment is a blocking upload from pageable
+    memory, counted each step; the same increment sent through pinned memory without blocking is not."""
+    import torchsde
+    from engine.sampling.noise import to_device_async
+    monkeypatch.setenv(syncs.ENV, "count")
+    info, device = {}, torch.device("cpu")
+    with syncs.loop(info, device):
+        tree = torchsde.BrownianTree(torch.tensor(0.0), torch.zeros(4, 4), torch.tensor(1.0), entropy=3)
+        syncs.start()
+        copies = []
+        for step in range(2):
+            a, b = torch.tensor(0.25 * step), torch.tensor(0.25 * step + 0.2)
+            copies.append((tree(a, b).to(device), to_device_async(tree(a, b), device)))   # blocking, staged
+            syncs.step(step + 1)
+    per_step, where = info["host_syncs"]["per_step"], info["host_syncs"]["where"]
+    print(per_step, where)
+    assert all(torch.equal(blocking, staged) for blocking, staged in copies)
+    assert [b["upload"] for b in per_step] == [1, 1, 0]
+    line = test_the_instrument_counts_library_made_host_tensors_copied_to_the_device.__code__.co_firstlineno + 14
+    assert where["upload"] == {f".to(device) of a host tensor at tests/test_host_syncs.py:{line}": 2}
+    assert sum(b["read"] + b["wait"] for b in per_step) == 0
+
+
 @pytest.fixture(scope="module")
 def newer_models(tmp_path_factory):
     """A tiny Qwen-Image and FLUX.2 [dev] checkpoint."""

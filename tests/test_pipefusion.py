@@ -187,6 +187,18 @@ def test_warmup_over_every_step_equals_the_single_rank_latent(tiny_models, engin
     assert info["held_bytes"] < result.ranks[0]["loaded"]["bytes_read"] * 2   # a stage, not the whole model
 
 
+def test_the_patches_share_one_draw_of_each_steps_brownian_noise(tiny_models, engines):
+    """dpmpp_2m_sde's step noise comes from one Brownian tree for the whole latent, drawn once a step (prepared a step
+    ahead) and shared by the patches' samplers, each taking its rows: with the warmup over every step the latent
+    equals one rank's."""
+    reference, _ = run(engines, request(tiny_models, "flux", sampler="dpmpp_2m_sde"))
+    r = request(tiny_models, "flux", plan=ParallelPlan(pipefusion=2), sampler="dpmpp_2m_sde", patches=3,
+                warmup_steps=3)
+    out, _ = run(engines, r)
+    assert report(f"flux {r.plan.describe()} dpmpp_2m_sde W=steps", (out - reference).abs().max(),
+                  min(1e-4, bound(reference, "flux", 3, 1.0)))
+
+
 @pytest.mark.parametrize("family,plan,cfg,text,sampler", [
     ("flux", dict(pipefusion=2), 1.0, 24, "euler"),
     ("sd3", dict(pipefusion=2, cfg=2), 4.5, 30, "dpmpp_2m"),

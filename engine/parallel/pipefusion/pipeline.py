@@ -339,12 +339,13 @@ class Pipeline:
         self._start = start
         x_all = start.x_model
         self._gens, self._finals = [], [None] * layout.patches
+        shared_noise: dict = {}   # one draw of the whole latent's step noise, each patch taking its rows
         for m in range(layout.patches):
             rows = self.model.latent_rows(m)
             region = (slice(None), slice(None), rows, slice(None))
             self._gens.append(sampler_steps(sampler, x_all[region], start.sigmas, seed=seed,
                                             percent_to_sigma=start.percent_to_sigma, whole=x_all, region=region,
-                                            host_sigmas=self._sigmas_host))
+                                            host_sigmas=self._sigmas_host, shared_noise=shared_noise))
         self._next = [next(g) for g in self._gens]          # each patch's next request: (x, sigma)
         for m in range(layout.patches):
             self._request(0, m)
