@@ -100,6 +100,33 @@ def test_no_plan_syncs_per_layer_patch_or_call(tiny_models, counting, family, pl
     check(f"{family} {r.plan.describe()} {settings}", counts, STEPS)
 
 
+@pytest.fixture(scope="module")
+def quantized_models(tmp_path_factory):
+    """Tiny FLUX.1-dev files as GGUF (the K-quants on the matrices whose rows are whole blocks of 256, Q8_0 on the
+    rest) and as fp8_scaled (fp8 matrices and their scale_weight)."""
+    from engine.models.tiny import write_tiny
+    d = str(tmp_path_factory.mktemp("quantized"))
+    out = {q: write_tiny("flux", d, format="gguf", quant=q) for q in ("Q4_K", "Q6_K", "Q8_0")}
+    out["fp8_scaled"] = write_tiny("flux", d, format="fp8_scaled")
+    return out
+
+
+@pytest.mark.parametrize("quant,plan,settings", [
+    ("Q6_K", {}, dict(sampler="euler")),
+    ("Q4_K", dict(ulysses=2), dict(sampler="dpmpp_2m_sde")),
+    ("Q6_K", dict(ring=2), dict(sampler="euler_ancestral")),
+    ("Q8_0", dict(pipefusion=2), dict(sampler="heun", patches=2, warmup_steps=1)),
+    ("fp8_scaled", dict(ulysses=2), dict(sampler="dpmpp_2m")),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_quantized_files_sync_no_more_than_safetensors(tiny_models, quantized_models, counting, quant, plan,
+                                                       settings):
+    """GGUF layers dequantize and fp8_scaled layers scale their weights per call, every layer: none of it waits for
+    the device or uploads a constant, under each sampler of the engine's loop."""
+    r = request({"flux": quantized_models[quant]}, "flux", plan, **settings)
+    counts, _ = counted(counting, r)
+    check(f"flux {quant} {r.plan.describe()} {settings}", counts, STEPS)
+
+
 # a threshold at which the tiny FLUX model skips some calls (its first block's residual changes 0.5 to 0.93 per step)
 SKIPS = 0.9
 
