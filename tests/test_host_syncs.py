@@ -127,6 +127,33 @@ def test_quantized_files_sync_no_more_than_safetensors(tiny_models, quantized_mo
     check(f"flux {quant} {r.plan.describe()} {settings}", counts, STEPS)
 
 
+@pytest.mark.parametrize("family,plan,settings", [
+    ("flux", {}, {}),
+    ("flux", dict(ulysses=2), {}),
+    ("sd3", dict(cfg=2), dict(cfg=4.5)),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_a_model_session_syncs_only_for_each_calls_upload_and_download(tiny_models, counting, family, plan, settings):
+    """The per-call route (ComfyUI's sampler on the engine's MODEL) under the loops' rule, a call for a step: after
+    the first call (which brings the conditioning the ranks hold), a call makes one upload on every rank (the call's
+    tensors, in one copy from the segment each rank maps itself) and rank 0 one read (the output, copied once into
+    the answer's segment), and nothing else: no broadcast through the device, no wait."""
+    from engine.generate.model_call import ModelSession, request_conditioning
+    r = request(tiny_models, family, plan, **settings)
+    sides = ("pos", "neg") if r.cfg != 1.0 else ("pos",)
+    x = torch.randn(len(sides), 16, 16, 16, generator=torch.Generator().manual_seed(2))
+    calls = 4
+    with ModelSession(counting(r.plan.world_size), r) as s:
+        for k in range(calls):
+            s.call(x, torch.full((len(sides),), 0.8 - 0.1 * k), request_conditioning(r, sides, 1))
+    for rank in s.result.ranks:
+        c = rank["host_syncs"]
+        print(f"{family} {r.plan.describe()} rank {rank['rank']}: per call {c['per_step']}; where {c['where']}")
+        assert len(c["per_step"]) == calls + 1   # every call, and the session's end
+        download = int(rank["rank"] == 0)
+        assert c["per_step"][1:calls] == [dict(read=download, upload=1, wait=0, deferred=0)] * (calls - 1), c["where"]
+        assert c["per_step"][calls] == dict(read=0, upload=0, wait=0, deferred=0)
+
+
 # a threshold at which the tiny FLUX model skips some calls (its first block's residual changes 0.5 to 0.93 per step)
 SKIPS = 0.9
 

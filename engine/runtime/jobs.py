@@ -114,12 +114,13 @@ class JobContext:
         """How long any one wait for another rank may take (the process group's collective timeout)."""
         return float(self._rt._init.get("collective_timeout_s", 1800.0))
 
-    def calls(self):
+    def calls(self, device: torch.device | None = None, read: bool = True):
         """Serve a session (client: Engine.session): yields (call, meta, tensors) on every rank, in the same order,
-        until the client ends it; answer each with answer(). Rank 0 waits at most the collective timeout for the
-        next call, the other ranks wait in the broadcast that brings it."""
+        until the client ends it; answer each with answer(). Each rank waits at most the collective timeout for the
+        next call. device: the call's tensors arrive there, in one copy; read False: a rank that takes no part in the
+        calls gets none."""
         while True:
-            received = self._rt.next_call(self.job_id, self.deadline_s)
+            received = self._rt.next_call(self.job_id, self.deadline_s, device, read)
             if received is None:
                 return
             yield received
