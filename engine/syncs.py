@@ -25,6 +25,10 @@ whatever device it names, so what it makes is host memory: that is where it live
 exists only beside a GPU; on CPU ranks `in_pinned_memory` marks it. On CUDA ranks a host tensor is a CPU tensor.
 Tensors in host memory reduced over the host's own control group (the cancel flag) are free to read.
 
+It also records, per process group, the point-to-point operations a rank posts on it (sends, receives; batched ones
+apart): on one NCCL communicator a rank's operations run in the order posted, so unbatched receives posted ahead and
+sends on the same communicator can block each other (PipeFusion's links each carry one direction).
+
 Mode "error" instead runs the loop's steps after the first under torch.cuda.set_sync_debug_mode("error") on a CUDA
 rank: any synchronising CUDA call raises. Steps are marked by JobContext.progress: step k's bucket holds what happened
 after step k was reported (bucket 0: the first step, with what a job builds once).
@@ -128,6 +132,8 @@ class Counter(TorchFunctionMode):
         self.step = 0
         self.counting = False   # host tensors are marked from the loop's set-up on, counted from `start`
         self._deferred = 0
+        self._batched = 0
+        self.p2p: dict[str, dict[str, int]] = {}   # process group -> {"send", "recv", "batched send", ...: count}
         self.host_block = 0   # inside `on_host`: every tensor made is host memory
         self._thread = threading.get_ident()
 
@@ -149,6 +155,18 @@ class Counter(TorchFunctionMode):
         site = what + " at " + _caller()
         self.where.setdefault(kind, {})
         self.where[kind][site] = self.where[kind].get(site, 0) + 1
+
+    def note_p2p(self, pg, op: str) -> None:
+        if not self.counting or threading.get_ident() != self._thread:
+            return
+        try:
+            ranks = dist.get_process_group_ranks(pg)
+        except (RuntimeError, ValueError):
+            ranks = "?"
+        key = f"group {pg.group_name} {ranks}"
+        op = ("batched " if self._batched else "") + op
+        self.p2p.setdefault(key, {})
+        self.p2p[key][op] = self.p2p[key].get(op, 0) + 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -241,9 +259,25 @@ def _caller() -> str:
 # ---- waits: patched for the duration of a counted loop ------------------------------------------------------------
 @contextlib.contextmanager
 def _patched_waits(counter: Counter):
-    work = dist.Work
+    work, pg = dist.Work, dist.ProcessGroup
     original = {"wait": work.wait, "is_completed": work.is_completed}
     barrier, synchronize = dist.barrier, torch.cuda.synchronize
+    send, recv, batch = pg.send, pg.recv, dist.batch_isend_irecv
+
+    def counted_send(self, *args, **kwargs):
+        counter.note_p2p(self, "send")
+        return send(self, *args, **kwargs)
+
+    def counted_recv(self, *args, **kwargs):
+        counter.note_p2p(self, "recv")
+        return recv(self, *args, **kwargs)
+
+    def counted_batch(*args, **kwargs):
+        counter._batched += 1
+        try:
+            return batch(*args, **kwargs)
+        finally:
+            counter._batched -= 1
 
     def wait(self, timeout=None):
         if timeout is not None:
@@ -267,11 +301,13 @@ def _patched_waits(counter: Counter):
 
     work.wait, work.is_completed = wait, is_completed
     dist.barrier, torch.cuda.synchronize = counted_barrier, counted_synchronize
+    pg.send, pg.recv, dist.batch_isend_irecv = counted_send, counted_recv, counted_batch
     try:
         yield
     finally:
         work.wait, work.is_completed = original["wait"], original["is_completed"]
         dist.barrier, torch.cuda.synchronize = barrier, synchronize
+        pg.send, pg.recv, dist.batch_isend_irecv = send, recv, batch
 
 
 @contextlib.contextmanager
@@ -308,7 +344,7 @@ def loop(info: dict, device: torch.device, host=()):
         steps = max([counter.step] + list(counter.steps)) + 1
         info["host_syncs"] = {"mode": "count",
                               "per_step": [counter.steps.get(s, dict.fromkeys(KINDS, 0)) for s in range(steps)],
-                              "where": counter.where}
+                              "where": counter.where, "p2p": counter.p2p}
 
 
 def start() -> None:

@@ -72,6 +72,14 @@ def check(name: str, counts: list[dict], steps: int, per_job: int = 2) -> None:
         for kind in SYNCS:
             for site, n in c["where"].get(kind, {}).items():
                 assert n <= per_job, f"{kind} at {site}: {n} times in one job of {steps} steps"
+        check_p2p(c)
+
+
+def check_p2p(c: dict) -> None:
+    """No communicator carries both unbatched sends and unbatched receives of one rank: on NCCL a rank's operations on
+    a communicator run in the order posted, so receives posted ahead would hold back its own sends there."""
+    for group, ops in c.get("p2p", {}).items():
+        assert not ("send" in ops and "recv" in ops), f"{group} carries this rank's sends and receives: {ops}"
 
 
 PLANS = [

@@ -199,6 +199,32 @@ def test_the_patches_share_one_draw_of_each_steps_brownian_noise(tiny_models, en
                   min(1e-4, bound(reference, "flux", 3, 1.0)))
 
 
+@pytest.mark.parametrize("stages", [3, 4])
+def test_three_and_four_stages_post_receives_ahead_on_links_that_each_carry_one_direction(tiny_models, engines,
+                                                                                         stages):
+    """Every stage posts its receives a step ahead; on NCCL a rank's operations on one communicator run in the order
+    posted, so a stage that received and sent over one communicator (the middle stages, with three or more) would
+    queue its own sends behind receives waiting for the pipeline to come round. Each link has its own communicator:
+    the ranks' instrument (engine/syncs.py) records every point-to-point operation per process group, and no group
+    carries both a rank's sends and its receives. The job runs to the end near the single-rank latent (W = 1)."""
+    from engine import syncs
+    from engine.runtime.client import Engine
+    from conftest import FAST
+    reference, _ = run(engines, request(tiny_models, "flux"))
+    r = request(tiny_models, "flux", plan=ParallelPlan(pipefusion=stages), patches=stages, warmup_steps=1)
+    with Engine(stages, device="cpu", deadlines=FAST, env={syncs.ENV: "count"}) as engine:
+        result = engine.submit("generate", *r.to_job())
+    rel = float((result.outputs["samples"] - reference).norm() / reference.norm())
+    print(f"flux {r.plan.describe()} W=1, 3 steps: relative L2 {rel:.4f}")
+    assert rel <= 0.15
+    for rank in result.ranks:
+        p2p = rank["host_syncs"]["p2p"]
+        print(f"rank {rank['rank']} (stage {rank['pipefusion']['stage']}): most receives posted ahead "
+              f"{rank['pipefusion']['receives_ahead']}; point-to-point per group {p2p}")
+        assert rank["pipefusion"]["receives_ahead"] > 1
+        assert sorted(tuple(ops) for ops in p2p.values()) == [("recv",), ("send",)]
+
+
 @pytest.mark.parametrize("family,plan,cfg,text,sampler", [
     ("flux", dict(pipefusion=2), 1.0, 24, "euler"),
     ("sd3", dict(pipefusion=2, cfg=2), 4.5, 30, "dpmpp_2m"),

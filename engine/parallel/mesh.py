@@ -54,16 +54,14 @@ class Mesh:
         self.stats = CommStats()
         self.groups: dict[str, Group] = {}
         # dist.new_group is collective over the world: every rank creates every group, in the same order
-        # "stage": every rank of one PipeFusion stage (all but the pipefusion coordinate vary); "pipefusion_back": the
-        # pipefusion group again, its own communicator for the last stage -> first stage direction, so NCCL never
-        # queues a send to the first stage behind a send from it (two stages would deadlock on one communicator)
-        extra = [("sp", ("ring", "ulysses")), ("stage", ("dp", "cfg", "ring", "ulysses")),
-                 ("pipefusion_back", ("pipefusion",))]
-        for name, dims in [(n, (n,)) for n in ORDER] + extra:
+        # "stage": every rank of one PipeFusion stage (all but the pipefusion coordinate vary)
+        extra = [("sp", ("ring", "ulysses")), ("stage", ("dp", "cfg", "ring", "ulysses"))]
+        for name, dims in [(n, (n,)) for n in ORDER if n != "pipefusion"] + extra:
             for members in self._partition(dims):
                 pg = dist.new_group(members) if len(members) > 1 and world > 1 else None
                 if rank in members:
                     self.groups[name] = Group(name, members, members.index(rank), pg)
+        self._pipefusion_links(rank, world)
         # the ranks that run the job agree on its per-step decisions (cancel) among themselves: the whole world's
         # group when the plan uses every rank, else a group of the first world_size ranks (None: one rank)
         job = plan.world_size
@@ -73,6 +71,27 @@ class Mesh:
         self.control_pg = dist.new_group(list(range(job)), backend="gloo") if 1 < job < world else None
         if not self.active:
             self.job_pg = self.control_pg = None
+
+    def _pipefusion_links(self, rank: int, world: int) -> None:
+        """PipeFusion's stages pass messages round a ring (stage s -> s+1, the last -> the first). Each link gets a
+        communicator of its own that carries that one direction only, and "pipefusion" itself none (it names the
+        stages; nothing is sent over it). A stage's receives, posted a step ahead, then never share a communicator
+        with its own sends: on one communicator NCCL runs a rank's operations in the order they were posted, so a
+        send queued behind receives that wait for the pipeline to come round would never start (with three or more
+        stages, the middle ones would deadlock). Group "pipefusion_in": this stage's link from the previous stage;
+        "pipefusion_out": its link to the next."""
+        for members in self._partition(("pipefusion",)):
+            if rank in members:
+                self.groups["pipefusion"] = Group("pipefusion", members, members.index(rank), None)
+            if len(members) < 2:
+                continue
+            for s, sender in enumerate(members):
+                receiver = members[(s + 1) % len(members)]
+                pg = dist.new_group([sender, receiver]) if world > 1 else None
+                if rank == sender:
+                    self.groups["pipefusion_out"] = Group("pipefusion_out", [sender, receiver], 0, pg)
+                if rank == receiver:
+                    self.groups["pipefusion_in"] = Group("pipefusion_in", [sender, receiver], 1, pg)
 
     def _unravel(self, rank: int) -> tuple[int, ...]:
         coords = []
@@ -113,6 +132,8 @@ class Mesh:
         g = self.groups[group]
         if g.size == 1:
             return t
+        if g.pg is None:
+            raise RuntimeError(f"mesh group {group!r} has no communicator: nothing is gathered over it")
         t = t.contiguous()
         out = torch.empty((g.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         dist.all_gather_into_tensor(out, t, group=g.pg)
