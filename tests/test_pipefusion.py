@@ -304,20 +304,41 @@ def test_a_cancelled_pipeline_drains_and_the_engine_runs_the_next_job(tiny_model
     assert report("flux pipefusion2 after a cancel", (out - reference).abs().max(), 1e-4)
 
 
-def test_bytes_between_stages_equal_the_analytic_volume(tiny_models, engines):
-    """Per call a stage sends each patch's activations (text with patch 0) and the last stage each patch's next
-    input; counted at the send, per rank, against the closed form."""
-    from engine.parallel.pipefusion.layout import analytic_p2p_bytes
-    steps, text = 3, 24
-    r = request(tiny_models, "flux", plan=ParallelPlan(pipefusion=2), steps=steps, text=text, patches=4)
+@pytest.mark.parametrize("family,plan,settings", [
+    ("flux", dict(pipefusion=2), dict(patches=4)),
+    ("flux", dict(pipefusion=2, ulysses=2), dict(patches=2)),
+    ("flux", dict(pipefusion=2, ring=2), dict(patches=2)),
+    ("flux", dict(pipefusion=2, dp=2), dict(patches=2, batch=2)),
+    ("sd3", dict(pipefusion=2, cfg=2), dict(patches=2, cfg=4.5, text=30)),
+    ("sd3", dict(pipefusion=2), dict(patches=2, cfg=4.5, text=30)),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_every_kind_of_bytes_each_rank_sends_equals_the_planners_closed_form(tiny_models, engines, family, plan,
+                                                                             settings):
+    """Counted at the send on every rank of a real job (a warmup call, then patches), per collective kind, against
+    the closed forms the planner prices with (cost.pipefusion_attention_bytes, comm.pipefusion_job_bytes): a stage's
+    attention layers (Ring's hops carrying the whole stale K/V share for every patch), the last stage's velocity
+    gathers, the messages between stages."""
+    from engine.parallel.comm import pipefusion_job_bytes
+    steps = 3
+    settings = dict(settings)
+    text, batch = settings.pop("text", 24), settings.get("batch", 1)
+    r = request(tiny_models, family, plan=ParallelPlan(**plan), steps=steps, text=text, warmup_steps=1, **settings)
     _, result = run(engines, r)
-    hidden = inspect_model(tiny_models["flux"]).config["num_attention_heads"] * 32
+    config = inspect_model(tiny_models[family]).config
+    dual = set(config.get("dual_attention_layers") or ())
+    passes = 2 if r.cfg != 1.0 else 1
+    passes_mine = passes // r.plan.cfg
     for rank in result.ranks:
-        stage = rank["pipefusion"]["stage"]
-        counted = rank["bytes_sent_per_step"]["pipefusion_p2p"] * steps
-        expected = analytic_p2p_bytes(stage, 2, calls=steps, image_tokens=64, text_tokens=text, hidden=hidden,
-                                      batch=1, latent=(16, 16, 16), patches=4, act_bytes=4)
-        print(f"stage {stage}: counted {counted:.0f} bytes, analytic {expected}")
+        blocks = rank["pipefusion"]["blocks"]
+        expected = pipefusion_job_bytes(
+            r.plan, stage=rank["pipefusion"]["stage"], layers=len(blocks), dual_layers=len(dual & set(blocks)),
+            image_tokens=64, text_tokens=text, heads=config["num_attention_heads"],
+            head_dim=config["attention_head_dim"], out_features=64, rows=passes_mine * batch // r.plan.dp,
+            passes_mine=passes_mine, passes=passes, images=batch, latent=(16, 16, 16), patches=r.patches,
+            calls=steps, warm_calls=1, elem_bytes=4)
+        counted = {k: round(v * steps) for k, v in rank["bytes_sent_per_step"].items() if v}
+        print(f"{r.plan.describe()} rank {rank['rank']} (stage {rank['pipefusion']['stage']}, blocks {blocks}): "
+              f"counted {counted}; closed form {expected}")
         assert counted == expected
 
 
