@@ -61,6 +61,7 @@ _DEVICE_LIBRARIES = tuple(f"{os.sep}{name}{os.sep}" for name in ("torch", "diffu
 _SELF = os.path.join("engine", "syncs.py")
 _ACTIVE: "Counter | None" = None
 _ERROR_FROM = None   # "error" mode: the sync debug mode to restore after the loop
+_ERROR_ON = False    # "error" mode: the steps after the first are running under it
 
 
 def mode() -> str | None:
@@ -316,7 +317,7 @@ def loop(info: dict, device: torch.device, host=()):
     info["host_syncs"], or runs its steps after the first under CUDA's sync debug mode "error" (mode "error", CUDA
     ranks). host: what the job holds in host memory from before the loop (its inputs as the bridge delivered them;
     tensors, lists, dataclasses). A no-op unless the rank's environment arms it."""
-    global _ACTIVE, _ERROR_FROM
+    global _ACTIVE, _ERROR_FROM, _ERROR_ON
     how = mode()
     if how is None:
         yield
@@ -330,7 +331,7 @@ def loop(info: dict, device: torch.device, host=()):
             yield
         finally:
             torch.cuda.set_sync_debug_mode(_ERROR_FROM)
-            _ERROR_FROM = None
+            _ERROR_FROM, _ERROR_ON = None, False
         info["host_syncs"] = {"mode": "error"}
         return
     counter = Counter(device)
@@ -356,9 +357,25 @@ def start() -> None:
 def step(index: int) -> None:
     """Step `index` was reported: what follows is counted in its bucket. In "error" mode the steps after the first
     run under CUDA's sync debug mode (the first step builds what a job builds once)."""
+    global _ERROR_ON
     if _ACTIVE is not None:
         _ACTIVE.step = index
     if _ERROR_FROM is not None and index >= 1:
+        torch.cuda.set_sync_debug_mode("error")
+        _ERROR_ON = True
+
+
+@contextlib.contextmanager
+def call_transfer():
+    """A model session call's one upload (its tensors) or one download (its output): the transfers ComfyUI's sampler
+    waits for anyway. Counted as usual in "count" mode; in "error" mode run outside CUDA's sync debug mode."""
+    if not _ERROR_ON:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(_ERROR_FROM)
+    try:
+        yield
+    finally:
         torch.cuda.set_sync_debug_mode("error")
 
 

@@ -266,7 +266,8 @@ class RankRuntime:
         if not read:
             return header["call"], header["meta"], {}
         if device is not None and buf.numel():
-            buf = buf.to(device)   # the whole call at once: one copy, typed views of it on the device
+            with syncs.call_transfer():
+                buf = buf.to(device)   # the whole call at once: one copy, typed views of it on the device
         return header["call"], header["meta"], bridge.tensors_from_buffer(buf, manifest)
 
     def answer_call(self, job_id: int, call: int, outputs: dict[str, torch.Tensor] | None, info: dict) -> None:
@@ -276,7 +277,9 @@ class RankRuntime:
             return
         manifest = None
         if outputs:
-            manifest = bridge.write_segment_in_place(os.path.join(self.engine_dir, f"j{job_id}-c{call}-out"), outputs)
+            with syncs.call_transfer():
+                manifest = bridge.write_segment_in_place(os.path.join(self.engine_dir, f"j{job_id}-c{call}-out"),
+                                                         outputs)
         self.chan.send({"op": "answer", "job_id": job_id, "call": call, "outputs": manifest, "info": info})
 
     @staticmethod
