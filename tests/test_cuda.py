@@ -166,3 +166,48 @@ def test_the_step_loop_makes_no_synchronising_cuda_call(models, monkeypatch, opt
     print(options, info["host_syncs"], info.get("step_cache", {}).get("skipped_at"))
     assert info["host_syncs"] == {"mode": "error"}
     assert torch.isfinite(result.outputs["samples"]).all()
+
+
+def test_a_model_session_synchronises_only_for_each_calls_upload_and_download(models, monkeypatch):
+    """The per-call route under the sync debug mode "error" after the first call: each call's one upload (its
+    segment, in one copy) and one download (its output, into the answer's segment) run outside it, as ComfyUI's
+    sampler waits for them anyway; anything else synchronising fails the session."""
+    from engine import syncs
+    from engine.generate.model_call import ModelSession, request_conditioning
+    monkeypatch.setenv(syncs.ENV, "error")
+    g = torch.Generator().manual_seed(11)
+    r = GenerateRequest(model=models["flux"], cond=torch.randn(1, 24, 4096, generator=g),
+                        pooled=torch.randn(1, 768, generator=g), latent_raw=torch.zeros(1, 16, 16, 16),
+                        dtype="bf16").validate(1)
+    x = torch.randn(1, 16, 16, 16, generator=g)
+    with Engine(1, device="cuda", gpus=[0]) as engine:
+        with ModelSession(engine, r) as s:
+            outs = [s.call(x, torch.full((1,), 0.9 - 0.2 * k), request_conditioning(r, ("pos",), 1)) for k in range(3)]
+    assert s.result.ranks[0]["host_syncs"] == {"mode": "error"}
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_the_step_caches_agreement_never_makes_the_compute_stream_wait(monkeypatch):
+    """The step cache posts its all-reduce behind the first block and reads it a call later (Deferred): the wait on
+    the collective orders a side stream, which copies the value to pinned memory, never the compute stream (that wait
+    would hold every rank at the first block until the slowest had posted, every call); the value read is the sum."""
+    import torch.distributed as dist
+    from engine.parallel.cache import Deferred
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        waited_on = []
+        original = dist.Work.wait
+
+        def recording(self, *args, **kwargs):
+            waited_on.append(torch.cuda.current_stream())
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(dist.Work, "wait", recording)
+        compute = torch.cuda.current_stream()
+        sums = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device="cuda")
+        deferred = Deferred(sums, dist.all_reduce(sums, async_op=True))
+        assert waited_on and all(stream != compute for stream in waited_on)
+        assert torch.cuda.current_stream() == compute
+        assert deferred.result() == [1.0, 2.0, 3.0]
+    finally:
+        dist.destroy_process_group()

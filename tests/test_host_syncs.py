@@ -72,6 +72,14 @@ def check(name: str, counts: list[dict], steps: int, per_job: int = 2) -> None:
         for kind in SYNCS:
             for site, n in c["where"].get(kind, {}).items():
                 assert n <= per_job, f"{kind} at {site}: {n} times in one job of {steps} steps"
+        check_p2p(c)
+
+
+def check_p2p(c: dict) -> None:
+    """No communicator carries both unbatched sends and unbatched receives of one rank: on NCCL a rank's operations on
+    a communicator run in the order posted, so receives posted ahead would hold back its own sends there."""
+    for group, ops in c.get("p2p", {}).items():
+        assert not ("send" in ops and "recv" in ops), f"{group} carries this rank's sends and receives: {ops}"
 
 
 PLANS = [
@@ -98,6 +106,60 @@ def test_no_plan_syncs_per_layer_patch_or_call(tiny_models, counting, family, pl
     r = request(tiny_models, family, plan, **settings)
     counts, _ = counted(counting, r)
     check(f"{family} {r.plan.describe()} {settings}", counts, STEPS)
+
+
+@pytest.fixture(scope="module")
+def quantized_models(tmp_path_factory):
+    """Tiny FLUX.1-dev files as GGUF (the K-quants on the matrices whose rows are whole blocks of 256, Q8_0 on the
+    rest) and as fp8_scaled (fp8 matrices and their scale_weight)."""
+    from engine.models.tiny import write_tiny
+    d = str(tmp_path_factory.mktemp("quantized"))
+    out = {q: write_tiny("flux", d, format="gguf", quant=q) for q in ("Q4_K", "Q6_K", "Q8_0")}
+    out["fp8_scaled"] = write_tiny("flux", d, format="fp8_scaled")
+    return out
+
+
+@pytest.mark.parametrize("quant,plan,settings", [
+    ("Q6_K", {}, dict(sampler="euler")),
+    ("Q4_K", dict(ulysses=2), dict(sampler="dpmpp_2m_sde")),
+    ("Q6_K", dict(ring=2), dict(sampler="euler_ancestral")),
+    ("Q8_0", dict(pipefusion=2), dict(sampler="heun", patches=2, warmup_steps=1)),
+    ("fp8_scaled", dict(ulysses=2), dict(sampler="dpmpp_2m")),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_quantized_files_sync_no_more_than_safetensors(tiny_models, quantized_models, counting, quant, plan,
+                                                       settings):
+    """GGUF layers dequantize and fp8_scaled layers scale their weights per call, every layer: none of it waits for
+    the device or uploads a constant, under each sampler of the engine's loop."""
+    r = request({"flux": quantized_models[quant]}, "flux", plan, **settings)
+    counts, _ = counted(counting, r)
+    check(f"flux {quant} {r.plan.describe()} {settings}", counts, STEPS)
+
+
+@pytest.mark.parametrize("family,plan,settings", [
+    ("flux", {}, {}),
+    ("flux", dict(ulysses=2), {}),
+    ("sd3", dict(cfg=2), dict(cfg=4.5)),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
+def test_a_model_session_syncs_only_for_each_calls_upload_and_download(tiny_models, counting, family, plan, settings):
+    """The per-call route (ComfyUI's sampler on the engine's MODEL) under the loops' rule, a call for a step: after
+    the first call (which brings the conditioning the ranks hold), a call makes one upload on every rank (the call's
+    tensors, in one copy from the segment each rank maps itself) and rank 0 one read (the output, copied once into
+    the answer's segment), and nothing else: no broadcast through the device, no wait."""
+    from engine.generate.model_call import ModelSession, request_conditioning
+    r = request(tiny_models, family, plan, **settings)
+    sides = ("pos", "neg") if r.cfg != 1.0 else ("pos",)
+    x = torch.randn(len(sides), 16, 16, 16, generator=torch.Generator().manual_seed(2))
+    calls = 4
+    with ModelSession(counting(r.plan.world_size), r) as s:
+        for k in range(calls):
+            s.call(x, torch.full((len(sides),), 0.8 - 0.1 * k), request_conditioning(r, sides, 1))
+    for rank in s.result.ranks:
+        c = rank["host_syncs"]
+        print(f"{family} {r.plan.describe()} rank {rank['rank']}: per call {c['per_step']}; where {c['where']}")
+        assert len(c["per_step"]) == calls + 1   # every call, and the session's end
+        download = int(rank["rank"] == 0)
+        assert c["per_step"][1:calls] == [dict(read=download, upload=1, wait=0, deferred=0)] * (calls - 1), c["where"]
+        assert c["per_step"][calls] == dict(read=0, upload=0, wait=0, deferred=0)
 
 
 # a threshold at which the tiny FLUX model skips some calls (its first block's residual changes 0.5 to 0.93 per step)
@@ -166,6 +228,31 @@ def test_the_instrument_sees_each_kind_of_sync(monkeypatch):
     assert [b["read"] for b in per_step] == [3, 3, 0]
     assert [b["upload"] for b in per_step] == [4, 3, 0]
     assert [b["wait"] for b in per_step] == [1, 1, 0]
+
+
+def test_the_instrument_counts_library_made_host_tensors_copied_to_the_device(monkeypatch):
+    """torchsde (dpmpp_2m_sde's Brownian tree) makes its tensors naming the CPU: host memory, where they live on a GPU
+    rank too, however they were made. A plain .to(device) of a step's increment is a blocking upload from pageable
+    memory, counted each step; the same increment sent through pinned memory without blocking is not."""
+    import torchsde
+    from engine.sampling.noise import to_device_async
+    monkeypatch.setenv(syncs.ENV, "count")
+    info, device = {}, torch.device("cpu")
+    with syncs.loop(info, device):
+        tree = torchsde.BrownianTree(torch.tensor(0.0), torch.zeros(4, 4), torch.tensor(1.0), entropy=3)
+        syncs.start()
+        copies = []
+        for step in range(2):
+            a, b = torch.tensor(0.25 * step), torch.tensor(0.25 * step + 0.2)
+            copies.append((tree(a, b).to(device), to_device_async(tree(a, b), device)))   # blocking, staged
+            syncs.step(step + 1)
+    per_step, where = info["host_syncs"]["per_step"], info["host_syncs"]["where"]
+    print(per_step, where)
+    assert all(torch.equal(blocking, staged) for blocking, staged in copies)
+    assert [b["upload"] for b in per_step] == [1, 1, 0]
+    line = test_the_instrument_counts_library_made_host_tensors_copied_to_the_device.__code__.co_firstlineno + 14
+    assert where["upload"] == {f".to(device) of a host tensor at tests/test_host_syncs.py:{line}": 2}
+    assert sum(b["read"] + b["wait"] for b in per_step) == 0
 
 
 @pytest.fixture(scope="module")

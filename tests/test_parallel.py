@@ -151,3 +151,30 @@ def test_bytes_counted_by_the_collectives_equal_each_methods_analytic_volume(eng
     expected = analytic_bytes(m, p, batch)
     print(f"{p.describe()} text {text_tokens}: counted {sum(sent.values())} bytes, analytic {expected}")
     assert sum(sent.values()) == expected
+
+
+def test_a_rank_keeps_the_last_plans_meshes_and_destroys_the_others_communicators(engines):
+    """Each plan's mesh holds communicators (on GPUs, NCCL's buffers with each): a rank keeps the last MESHES_KEPT
+    plans' meshes and destroys the communicators of the one it drops, so cycling through more plans than that never
+    grows what it holds. Groups of the same ranks share one communicator: on 2 ranks ulysses, ring, dp and cfg make
+    none (their groups are the world's); PipeFusion makes one per link direction and none for the stages' group."""
+    from engine.runtime.jobs import MESHES_KEPT
+    m = dict(image_tokens=64, text_tokens=12, heads=4, head_dim=8, attention_layers=1, out_features=64,
+             text_split=True, negative_pass=False)
+    plans = [ParallelPlan(ulysses=2), ParallelPlan(ring=2), ParallelPlan(dp=2), ParallelPlan(cfg=2),
+             ParallelPlan(pipefusion=2)] * 2
+    seen = []
+    for p in plans:
+        spec = dict(m, plan=p.as_dict(), batch_per_forward=1, latent_h=8, latent_w=8)
+        info = engines(2).submit("comm_probe", spec).ranks[0]["meshes"]
+        seen.append(info)
+        print(f"{p.describe()}: {info}")
+    base = {s["process_groups"] - s["communicators"] for s in seen}
+    assert len(base) == 1   # what the rank holds beyond its meshes' communicators never changes
+    assert all(s["kept"] <= MESHES_KEPT for s in seen) and seen[-1]["kept"] == MESHES_KEPT
+    assert seen[-1]["destroyed"] - seen[0]["destroyed"] >= len(plans) - MESHES_KEPT
+    # ulysses 2's groups are the world's; PipeFusion 2 makes one communicator per link direction, none for the stages
+    made = {p.describe(): s["plan_communicators"] for p, s in zip(plans, seen)}
+    assert made == {"ulysses2": 0, "ring2": 0, "dp2": 0, "cfg2": 0, "pipefusion2": 2}
+    assert max(s["process_groups"] for s in seen) <= base.pop() + 2 * MESHES_KEPT
+

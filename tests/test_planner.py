@@ -51,6 +51,22 @@ def test_fp8_weights_halve_the_weights_and_pipefusion_stages_would_divide_the_bl
     assert memory_gib(ParallelPlan(ulysses=4), FLUX)["activations"] < bf16["activations"] / 3
 
 
+@pytest.mark.parametrize("plan,connections", [
+    (dict(), 0),                                   # one GPU: no communicator
+    (dict(ulysses=8), 7),                          # the world's communicator, all-to-all to the 7 others
+    (dict(ulysses=2, ring=2), 1 + 1 + 2),          # ulysses pair, ring pair (prev = next: one peer), the world
+    (dict(cfg=2, ulysses=4), 3 + 1 + 2),           # ulysses quad all-to-all, cfg pair, the world's ring
+    (dict(pipefusion=2), 1 + 2),                   # the world's, and a link each way
+])
+def test_the_memory_model_counts_nccls_buffers_per_communicator_and_peer(plan, connections):
+    """NCCL allocates its buffers per communicator, per channel and per peer it connects to (4 MiB NCCL_BUFFSIZE and
+    512 KiB LL by default, 2 channels a peer over PCIe): they are part of a GPU's memory."""
+    from engine.parallel.memory import NCCL_BUFFER_BYTES, NCCL_CHANNELS
+    m = memory_gib(ParallelPlan(**plan), FLUX)
+    assert m["nccl"] == pytest.approx(connections * NCCL_CHANNELS * NCCL_BUFFER_BYTES / GiB)
+    assert m["total"] == pytest.approx(m["weights"] + m["activations"] + m["runtime"] + m["nccl"])
+
+
 # ---- the recorded scenarios -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gpu", ["H100 PCIe", "L40"])
 def test_8_pcie_gpus_do_not_choose_pure_ulysses8_for_flux_at_1024(gpu):

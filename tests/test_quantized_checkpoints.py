@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from engine.generate.request import GenerateRequest
 from engine.models.gguf_file import find_gguf_files, read_gguf_header
 from engine.models.load import inspect_model, load_model
-from engine.models.quantized import SUPPORTED, GGUFLinear, dequantize, quantize
+from engine.models.quantized import BLOCKS, SUPPORTED, GGUFLinear, dequantize, quantize
 from engine.models.safetensors_file import CheckpointError
 from engine.models.tiny import make_state_dict, write_tiny
 from engine.parallel.pipefusion.layout import make_layout, stage_keep
@@ -139,20 +139,85 @@ def test_quantized_file_gives_the_latent_of_its_dequantized_plain_copy_and_holds
 
 # ---- torch dequantization equals gguf's numpy dequantization ---------------------------------------------------
 
+def quantized_sample(qtype):
+    """(blocks, their float32 source): normal weights, an all-zero row (zero scales), a wide block, an all-negative
+    block (K-quant mins)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((48, 512)) * 0.05).astype(np.float32)
+    x[1] = 0.0
+    x[2, :256] = rng.standard_normal(256).astype(np.float32) * 30
+    x[3, :256] = -np.abs(x[3, :256])
+    return quantize(x, qtype), x
+
+
+def torch_dequantize(data, qtype, shape, dtype=torch.float32):
+    return dequantize(torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)), qtype, shape, dtype)
+
+
 @pytest.mark.parametrize("qtype", SUPPORTED)
 def test_torch_dequantization_equals_gguf_numpy_dequantize(qtype):
     # Bitwise: both expand each block with the same float32 operations in the same order, each rounded by IEEE rules.
-    rng = np.random.default_rng(5)
-    x = (rng.standard_normal((48, 512)) * 0.05).astype(np.float32)
-    x[1] = 0.0                                  # all-zero blocks: zero scales
-    x[2, :256] = rng.standard_normal(256).astype(np.float32) * 30   # a wide block
-    x[3, :256] = -np.abs(x[3, :256])            # all-negative: K-quant mins
-    data = quantize(x, qtype)
+    data, x = quantized_sample(qtype)
     want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
-    got = dequantize(torch.from_numpy(np.ascontiguousarray(data).view(np.uint8)), qtype, x.shape).numpy()
+    got = torch_dequantize(data, qtype, x.shape).numpy()
     print(f"{qtype}: torch vs gguf numpy max abs diff {np.abs(got - want).max():.3g}; "
           f"{data.nbytes / x.size:.4f} bytes a weight")
     assert np.array_equal(got, want)
+
+
+# the bytes of a block that hold its quantized values, for the formats that add an offset (value = d * q + m): with
+# them zeroed, gguf's dequantizer gives the offset m of every value
+QUANT_BYTES = {"Q4_1": slice(4, 20), "Q5_1": slice(4, 24), "Q4_K": slice(16, 144), "Q5_K": slice(16, 176)}
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+SUBNORMAL_HALF_SPACING = {torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_dequantization_straight_to_the_compute_dtype_is_within_three_roundings_of_gguf(qtype, dtype):
+    """A layer call dequantizes into the compute dtype without a float32 copy: the block's scale d and offset m
+    (exact in float32) are rounded once to the dtype, then the product and the sum once each. So with u the dtype's
+    unit roundoff (bf16 2^-8, fp16 2^-11) |ours - gguf| <= 3u (|gguf| + 2|m|), plus three half-spacings of the
+    dtype's subnormals for values that small (fp16); the float formats are a single rounding."""
+    data, x = quantized_sample(qtype)
+    kind = gguf.GGMLQuantizationType[qtype]
+    want = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, kind), dtype=np.float32))
+    offset = torch.zeros_like(want)
+    if qtype in QUANT_BYTES:
+        _, _, nbytes = BLOCKS[qtype]
+        blocks = np.array(data).reshape(-1, nbytes)
+        blocks[:, QUANT_BYTES[qtype]] = 0
+        offset = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks.reshape(data.shape), kind),
+                                                       dtype=np.float32))
+    got = torch_dequantize(data, qtype, x.shape, dtype)
+    assert got.dtype == dtype
+    u, tiny = UNIT_ROUNDOFF[dtype], SUBNORMAL_HALF_SPACING[dtype]
+    scale = u * (want.abs() + 2 * offset.abs()) + tiny
+    ratio = float(((got.double() - want.double()).abs() / scale).max())
+    print(f"{qtype} -> {dtype}: max |ours - gguf| = {ratio:.2f} x (u (|gguf| + 2|m|) + subnormal half-spacing), "
+          f"bound 3; correct rounding alone gives up to 1")
+    assert ratio <= 3
+
+
+@pytest.mark.parametrize("qtype", list(BLOCKS))
+def test_a_layer_call_dequantizes_without_a_float32_copy_of_the_weight(qtype):
+    """Into bf16 the per-value work runs in bf16: the largest float32 tensor made is the per-block scales (at most one
+    per 16 values, Q6_K's), never one the weight's size (half the memory traffic of expanding in float32 first)."""
+    from torch.overrides import TorchFunctionMode
+
+    class LargestFloat32(TorchFunctionMode):
+        largest = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                LargestFloat32.largest = max(LargestFloat32.largest, out.numel())
+            return out
+    data, x = quantized_sample(qtype)
+    with LargestFloat32():
+        got = torch_dequantize(data, qtype, x.shape, torch.bfloat16)
+    print(f"{qtype}: largest float32 tensor {LargestFloat32.largest} elements for a weight of {x.size}")
+    assert got.dtype == torch.bfloat16 and LargestFloat32.largest <= x.size // 16
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])

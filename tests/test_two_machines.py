@@ -123,6 +123,19 @@ def test_generate_on_two_ranks_across_the_two_groups_equals_the_single_rank_late
     assert report("flux ulysses 2 across two groups", (latent - reference).abs().max(), bound(reference, "flux", 1.0))
 
 
+def test_a_sessions_calls_reach_a_rank_on_another_machine_through_rank_0s_broadcast(pair):
+    """Ranks on the client's machine map a call's segment themselves; a rank on another machine cannot, so there rank
+    0 takes each call and broadcasts it. Each call's answer counts the calls every rank served."""
+    e, _ = pair
+    assert not e.calls_by_shared_memory
+    with e.session("echo_calls", {}, {}) as s:
+        for k in range(3):
+            out = s.call({"v": torch.arange(4.0) + k}, scale=2.0)
+            assert torch.equal(out["v"], (torch.arange(4.0) + k) * 2.0)
+            assert out["served"].item() == 2 * (k + 1)
+    assert [r["calls"] for r in s.result.ranks] == [3, 3]
+
+
 def test_killing_the_worker_mid_job_names_the_remote_rank_then_a_new_worker_replaces_it(pair):
     e, workers = pair
     worker = workers[0]

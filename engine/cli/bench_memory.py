@@ -1,12 +1,15 @@
 """`bench memory`: what each rank holds under PipeFusion 1, 2 and 4, next to weights / P, on a synthetic model large
-enough for weights to dominate (a few hundred MB of fp32); and `bench comm`'s PipeFusion rows: bytes between stages
-counted at the send in a real pipelined job, against the closed form."""
+enough for weights to dominate (a few hundred MB of fp32); and `bench comm`'s PipeFusion rows: every kind of bytes
+each rank sends under PipeFusion and its hybrids, counted at the send in a real pipelined job, against the closed forms
+the planner prices with."""
 from __future__ import annotations
+
+import dataclasses
 
 from .. import families
 from ..generate.request import GenerateRequest
 from ..models.load import inspect_model
-from ..parallel.pipefusion.layout import analytic_p2p_bytes, balanced_split, block_lists, meta_model
+from ..parallel.pipefusion.layout import balanced_split, block_lists, meta_model
 from ..parallel.plan import ParallelPlan
 from ..runtime.client import Engine
 from . import args as types
@@ -94,38 +97,57 @@ def bench_memory(models: list[str], stages: list[int], gpus: list[int] | None = 
 
 
 def bench_comm_pipefusion(quick: bool = False) -> list[dict]:
-    """Bytes between stages per rank per step, counted at the send in a real job (tiny synthetic model, CPU ranks)
-    vs analytic_p2p_bytes, and the closed form at FLUX.1-dev 1024x1024 bf16."""
-    print("\nPipeFusion: bytes one rank sends between stages per step, counted in a real pipelined job (tiny "
-          "synthetic, 128x128, 4 steps, 1 warmup) vs the closed form; and the closed form for the real model at "
-          "1024x1024, bf16, 28 steps (SD3: positive and negative pass in one forward)", flush=True)
+    """Every kind of bytes each rank sends under PipeFusion and its hybrids, counted at the send in a real job (tiny
+    synthetic model, CPU ranks) vs the closed forms the planner prices with (comm.pipefusion_job_bytes), and the
+    planner's price per step for the real model at 1024x1024 bf16 (cost.comm_bytes)."""
+    from ..parallel.comm import pipefusion_job_bytes
+    from ..parallel.cost import comm_bytes
+    from ..parallel.plan import Workload
+
+    print("\nPipeFusion and its hybrids: bytes each rank sends per step, every kind, counted in a real pipelined job "
+          "(tiny synthetic, 128x128, 4 steps, 1 warmup) vs the closed forms the planner prices with; and the "
+          "planner's price per rank and step for the real model at 1024x1024, bf16 (SD3: positive and negative "
+          "pass)", flush=True)
     table, out = [], []
-    cases = [("flux-dev", 2, 2), ("flux-dev", 2, 4)] + ([] if quick else [("flux-dev", 4, 4), ("sd3-medium", 2, 4)])
-    for variant, p, m in cases:
+    cases = [("flux-dev", dict(pipefusion=2), 2, 1), ("flux-dev", dict(pipefusion=2, ring=2), 2, 1)]
+    if not quick:
+        cases += [("flux-dev", dict(pipefusion=2), 4, 1), ("flux-dev", dict(pipefusion=4), 4, 1),
+                  ("flux-dev", dict(pipefusion=2, ulysses=2), 2, 1), ("flux-dev", dict(pipefusion=2, ring=2), 4, 1),
+                  ("flux-dev", dict(pipefusion=2, dp=2), 2, 2), ("sd3-medium", dict(pipefusion=2), 4, 1),
+                  ("sd3-medium", dict(pipefusion=2, cfg=2), 2, 1)]
+    for variant, degrees, m, batch in cases:
         source = f"synthetic:{variant}:tiny"
         info = inspect_model(source)
-        steps = 4
-        r = _job(source, ParallelPlan(pipefusion=p), steps=steps, size=128, patches=m)
-        with Engine(p, device="cpu") as engine:
+        plan, steps = ParallelPlan(**degrees), 4
+        r = _job(source, plan, steps=steps, size=128, patches=m, batch=batch)
+        with Engine(plan.world_size, device="cpu") as engine:
             result = engine.submit("generate", *r.to_job())
-        hidden = info.config["num_attention_heads"] * info.config["attention_head_dim"]
-        image = (128 // 8 // info.latent_patch) ** 2
-        forward_batch = 2 if r.negative_pass else 1
-        text = 64
+        passes = 2 if r.negative_pass else 1
+        passes_mine = passes // plan.cfg
+        dual = set(info.config.get("dual_attention_layers") or ())
+        real = dataclasses.replace(Workload.for_variant(variant, 1024, 1024, negative_pass=r.negative_pass),
+                                   patches=m)
+        price = sum(comm_bytes(plan, real).values())
         for rank in result.ranks:
-            stage = rank["pipefusion"]["stage"]
-            counted = rank["bytes_sent_per_step"].get("pipefusion_p2p", 0) * steps
-            expected = analytic_p2p_bytes(stage, p, calls=steps, image_tokens=image, text_tokens=text, hidden=hidden,
-                                          batch=forward_batch, latent=(16, 16, 16), patches=m, act_bytes=4)
-            real = inspect_model(f"synthetic:{variant}").config
-            full = analytic_p2p_bytes(stage, p, calls=28, image_tokens=4096,
-                                      text_tokens=info.spec.text_tokens,
-                                      hidden=real["num_attention_heads"] * real["attention_head_dim"],
-                                      batch=forward_batch, latent=(16, 128, 128), patches=m, act_bytes=2) / 28
-            table.append((variant, f"pipefusion{p}, {m} patches", stage, f"{counted / steps / 1e3:.1f} kB",
-                          f"{expected / steps / 1e3:.1f} kB", f"{counted / expected:.3f}", f"{full / 1e6:.1f} MB"))
-            out.append({"model": variant, "pipefusion": p, "patches": m, "stage": stage, "measured_bytes": counted,
-                        "analytic_bytes": expected, "flux_dev_1024_bytes_per_step": full})
-    print(markdown(("model", "plan", "stage", "measured/step", "analytic/step", "ratio", "real model 1024^2/step"),
-                   table))
+            stage, blocks = rank["pipefusion"]["stage"], rank["pipefusion"]["blocks"]
+            counted = {k: round(v * steps) for k, v in rank["bytes_sent_per_step"].items() if v}
+            expected = pipefusion_job_bytes(
+                plan, stage=stage, layers=len(blocks), dual_layers=len(dual & set(blocks)),
+                image_tokens=(128 // 8 // info.latent_patch) ** 2, text_tokens=64,
+                heads=info.config["num_attention_heads"], head_dim=info.config["attention_head_dim"],
+                out_features=16 * info.latent_patch ** 2, rows=passes_mine * batch // plan.dp,
+                passes_mine=passes_mine, passes=passes, images=batch, latent=(16, 16, 16), patches=m, calls=steps,
+                warm_calls=1, elem_bytes=4)
+            total, analytic = sum(counted.values()), sum(expected.values())
+            kinds = ", ".join(f"{k} {v / steps / 1e3:.1f}" for k, v in sorted(counted.items()))
+            table.append((variant, f"{plan.describe()}, {m} patches", rank["rank"], stage,
+                          f"{total / steps / 1e3:.1f} kB", f"{analytic / steps / 1e3:.1f} kB",
+                          f"{total / analytic:.3f}", "yes" if counted == expected else "NO", kinds,
+                          f"{price / 1e9:.3f} GB"))
+            out.append({"model": variant, "plan": plan.describe(), "patches": m, "rank": rank["rank"],
+                        "stage": stage, "measured_bytes": total, "analytic_bytes": analytic,
+                        "by_kind": counted, "analytic_by_kind": expected, "every_kind_equal": counted == expected,
+                        "priced_bytes_per_step_1024": price})
+    print(markdown(("model", "plan", "rank", "stage", "measured/step", "analytic/step", "ratio", "every kind equal",
+                    "measured by kind (kB/step)", "priced, real model 1024^2/step"), table))
     return out

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .. import syncs
 from ..errors import PlanError
 from ..models.flow import Prepared, frame
 from ..models.lora import WeightPatches
@@ -155,8 +156,8 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
     the session."""
     check_per_call(request)
     mesh = ctx.mesh(request.plan)
-    if not mesh.active:   # the plan runs on fewer ranks: this one only takes part in the calls' broadcast
-        for _ in ctx.calls():
+    if not mesh.active:   # the plan runs on fewer ranks: this one only follows the session
+        for _ in ctx.calls(read=False):
             pass
         return None
     ctx.reset_peak_memory()
@@ -164,19 +165,21 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
     flow = parallel.flow
     held: dict[str, torch.Tensor] = {}   # "<name>@<slot>" -> on the device, in the dtype the model takes
     calls, compute_s = 0, 0.0
-    with attention_kernels(request.attention, ctx.device):
-        for call, meta, tensors in ctx.calls():
+    # a test instrument around the calls (a call is its step); a no-op unless the rank's environment arms it
+    with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device):
+        syncs.start()
+        # each call's tensors arrive on the device in one copy (the upload), its output leaves in one (the download)
+        for call, meta, tensors in ctx.calls(device=ctx.device):
             t0 = time.perf_counter()
             for key, t in tensors.items():
-                if "@" in key:
-                    dtype = torch.float32 if key.startswith("guidance") else flow.dtype
-                    held[key] = t.to(ctx.device, dtype)
+                if "@" in key:   # a copy: the call's buffer is not kept alive by what the session holds
+                    held[key] = t.to(torch.float32 if key.startswith("guidance") else flow.dtype, copy=True)
             conditioning = {name: held[f"{name}@{slot}"] for name, slot in meta["held"].items()}
-            out = parallel.call(tensors["x"].to(ctx.device), tensors["timestep"].to(ctx.device),
-                                _prepared(flow, conditioning, meta))
+            out = parallel.call(tensors["x"], tensors["timestep"], _prepared(flow, conditioning, meta))
             compute_s += time.perf_counter() - t0
             calls += 1
-            ctx.answer(call, {"out": out.cpu()} if ctx.rank == 0 else None)
+            ctx.answer(call, {"out": out} if ctx.rank == 0 else None)
+            syncs.step(calls)
     ctx.info["model_calls"] = {"calls": calls, "compute_s": compute_s}
     _finish(ctx, request, mesh, flow.loaded.info, torch.empty(0))
     ctx.info["bytes_sent_per_step"] = {k: v / max(calls, 1) for k, v in mesh.stats.sent.items()}  # per call here

@@ -157,7 +157,8 @@ def run_pipefusion(ctx, request: GenerateRequest, mesh, weight_patches=None) -> 
         samples = samples.unsqueeze(2)
     ctx.info["pipefusion"] = {"stage": stage, "blocks": list(layout.blocks_of(stage)), "patches": layout.patches,
                               "warmup_steps": layout.warmup, "stage_blocks": list(layout.stage_blocks),
-                              "held_bytes": pipeline.flow.loaded.stats.get("held_bytes")}
+                              "held_bytes": pipeline.flow.loaded.stats.get("held_bytes"),
+                              "receives_ahead": pipeline.inbox.most_ahead if pipeline.inbox else 0}
     return _finish(ctx, request, mesh, info, samples)
 
 

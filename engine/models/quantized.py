@@ -2,10 +2,12 @@
 Linear layers that hold them (GGUF blocks; fp8, with or without a ComfyUI `scale_weight`, cast per call or multiplied
 in fp8) with LoRAs added on top per call.
 
-Dequantization is exact: every block is expanded in float32 with the operations, in the order, that the GGUF
-format defines (ggml's dequantize_row_* and the gguf package's numpy reference), so the result is the value the
-file stores, whatever the compute dtype; it is cast to the compute dtype once, at the end. The quantizers at the
-bottom write valid blocks for test files (make-tiny); their quality does not matter.
+Dequantization goes straight to the compute dtype: each block's scales are computed in float32 with the operations,
+in the order, that the GGUF format defines (ggml's dequantize_row_* and the gguf package's numpy reference), and the
+per-value products in the compute dtype, so no float32 copy of a weight is made per call. In float32 the result is
+the value the file stores, bitwise; in bf16/fp16 it is within the dtype's rounding of it (`dequantize`; the bound is
+tests/test_quantized_checkpoints.py's). The quantizers at the bottom write valid blocks for test files (make-tiny);
+their quality does not matter.
 """
 from __future__ import annotations
 
@@ -25,6 +27,19 @@ def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
     return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
 
 
+_CONSTANTS: dict = {}
+
+
+def _shifts(step: int, device: torch.device) -> torch.Tensor:
+    """0, step, 2 step, ... below 8 as uint8 on `device`: made there once per device (an arange, so no host data
+    crosses) and reused by every layer's every call."""
+    key = (step, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.arange(0, 8, step, device=device, dtype=torch.uint8)
+    return t
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Bytes (n, k) -> 4-bit values (n, 2k): the low nibbles of all k bytes, then the high ones (ggml's order)."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=1)
@@ -32,8 +47,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     """The first `count` bits of each block's little-endian bit field qh (n, bytes) -> (n, count) of 0/1."""
-    shifts = torch.arange(8, device=qh.device, dtype=torch.uint8)
-    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], -1)[:, :count]
+    return ((qh.unsqueeze(-1) >> _shifts(1, qh.device)) & 1).reshape(qh.shape[0], -1)[:, :count]
 
 
 def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,35 +58,49 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def _q8_0(b):
-    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b, 0)
+# Each block format: its integer values q (exact in any float dtype) times its scale d, plus its offset m where it has
+# one. The per-block scales and offsets are small and computed in float32 exactly as ggml does; the per-value work
+# (the conversion of q, the product, the sum) runs in the compute dtype `dt`, so no float32 copy of the weight is
+# ever made. In float32 every operation is ggml's, in its order: bitwise gguf's values. In bf16/fp16 d and m are
+# rounded once to dt, then the product and the sum once each.
+def _scaled(q: torch.Tensor, d: torch.Tensor, dt: torch.dtype, m: torch.Tensor | None = None,
+            subtract: bool = False) -> torch.Tensor:
+    """d * q (+ m, or - m) per element, in dt; d and m broadcast against q."""
+    out = q.to(dt).mul_(d.to(dt))
+    if m is None:
+        return out
+    return out.sub_(m.to(dt)) if subtract else out.add_(m.to(dt))
 
 
-def _q4_0(b):
-    return _f16(b, 0) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+def _q8_0(b, dt):
+    return _scaled(b[:, 2:].contiguous().view(torch.int8), _f16(b, 0), dt)
 
 
-def _q4_1(b):
-    return _f16(b, 0) * _nibbles(b[:, 4:]).float() + _f16(b, 2)
+def _q4_0(b, dt):
+    return _scaled(_nibbles(b[:, 2:]).to(torch.int8) - 8, _f16(b, 0), dt)
+
+
+def _q4_1(b, dt):
+    return _scaled(_nibbles(b[:, 4:]), _f16(b, 0), dt, _f16(b, 2))
 
 
 def _q5(b, at):
     return _nibbles(b[:, at + 4:]) | (_bits(b[:, at:at + 4], 32) << 4)
 
 
-def _q5_0(b):
-    return _f16(b, 0) * (_q5(b, 2).to(torch.int8) - 16).float()
+def _q5_0(b, dt):
+    return _scaled(_q5(b, 2).to(torch.int8) - 16, _f16(b, 0), dt)
 
 
-def _q5_1(b):
-    return _f16(b, 0) * _q5(b, 4).float() + _f16(b, 2)
+def _q5_1(b, dt):
+    return _scaled(_q5(b, 4), _f16(b, 0), dt, _f16(b, 2))
 
 
-def _k_subblocks(q: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _k_subblocks(q: torch.Tensor, b: torch.Tensor, dt) -> torch.Tensor:
     """y = d * scale_j * q - dmin * min_j over the 8 sub-blocks of 32 of a Q4_K / Q5_K super-block."""
     sc, mn = _scale_min_k4(b[:, 4:16])
     d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn
-    return (d.unsqueeze(-1) * q.reshape(-1, 8, 32).float() - dmin.unsqueeze(-1)).reshape(-1, 256)
+    return _scaled(q.reshape(-1, 8, 32), d.unsqueeze(-1), dt, dmin.unsqueeze(-1), subtract=True).reshape(-1, 256)
 
 
 def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -81,36 +109,38 @@ def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([groups & 0x0F, groups >> 4], dim=2).reshape(-1, 256)
 
 
-def _q4_k(b):
-    return _k_subblocks(_k_nibbles(b[:, 16:144]), b)
+def _q4_k(b, dt):
+    return _k_subblocks(_k_nibbles(b[:, 16:144]), b, dt)
 
 
-def _q5_k(b):
+def _q5_k(b, dt):
     high = _bits(b[:, 16:48].contiguous(), 256).reshape(-1, 32, 8).transpose(1, 2)  # (n, bit j, element l)
-    return _k_subblocks(_k_nibbles(b[:, 48:176]) | (high.reshape(-1, 256) << 4), b)
+    return _k_subblocks(_k_nibbles(b[:, 48:176]) | (high.reshape(-1, 256) << 4), b, dt)
 
 
-def _q6_k(b):
+def _q6_k(b, dt):
     ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
     low = torch.cat([ql & 0x0F, ql >> 4], dim=2)                          # (n, half, 4 quarters, 32)
-    shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shifts = _shifts(2, b.device).reshape(1, 1, 4, 1)
     q = (low | (((qh >> shifts) & 3) << 4)).to(torch.int8) - 32          # quarter k of a half: ql half k%2, bits 2k
     d = (_f16(b, 208) * scales).reshape(-1, 16, 1)                        # one scale per 16 values
-    return (d * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+    return _scaled(q.reshape(-1, 16, 16), d, dt).reshape(-1, 256)
 
 
 _DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
                "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """GGUF bytes (uint8, rows of whole blocks) -> float32 tensor of `shape`."""
+def dequantize(data: torch.Tensor, qtype: str, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """GGUF bytes (uint8, rows of whole blocks) -> a tensor of `shape` in `dtype`: in float32 bitwise the gguf
+    package's values; in bf16/fp16 within three roundings of the dtype of them (see `_scaled`)."""
     if qtype in FLOATS:
-        return data.contiguous().view(FLOATS[qtype][1]).reshape(shape).float()
+        return data.contiguous().view(FLOATS[qtype][1]).reshape(shape).to(dtype)
     _, size, nbytes = BLOCKS[qtype]
     blocks = data.reshape(-1, nbytes)
-    return _DEQUANTIZE[qtype](blocks).reshape(shape)
+    return _DEQUANTIZE[qtype](blocks, dtype).reshape(shape)
 
 
 def quantized_bytes(qtype: str, shape: tuple[int, ...]) -> int:
@@ -138,11 +168,13 @@ class LoraOnTop:
     def clear_loras(self) -> None:
         self.loras = []
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        w = self.dequantized()
+        if not self.loras:
+            return self.dequantized(dtype).to(dtype)
+        w = self.dequantized(torch.float32)   # the LoRAs' product is float32 anyway: add it to the exact weight
         for up, down, scale, strength in self.loras:   # as lora.apply_loras merges: W + s * (up @ down) * scale
             w = w + strength * ((up.to(w.device) @ down.to(w.device)) * scale)
         return w.to(dtype)
@@ -161,8 +193,8 @@ class GGUFLinear(LoraOnTop, torch.nn.Module):
         self.bias = linear.bias
         self.init_loras()
 
-    def dequantized(self) -> torch.Tensor:
-        return dequantize(self.weight, self.qtype, (self.out_features, self.in_features))
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.weight, self.qtype, (self.out_features, self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
@@ -198,7 +230,7 @@ class CastLinear(LoraOnTop, torch.nn.Module):
     def lora_on_top(self) -> bool:
         return self.scale_weight is not None
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = self.weight.float()
         return w * self.scale_weight if self.scale_weight is not None else w
 

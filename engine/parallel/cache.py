@@ -29,22 +29,38 @@ import torch.distributed as dist
 from .. import syncs
 
 
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """A side stream per device for the step cache's small copies to the host (made once)."""
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class Deferred:
-    """A small device tensor's value, read a model call later without making the host wait for the device. On CUDA it
-    is copied to pinned host memory behind the work that produces it (the collective `work` orders the device's
-    stream, not the host) and an event marks the copy: `result` waits for that event only, recorded a call ago and
-    long passed, never for the device's queue. On the CPU the host is the device: the collective runs in the
-    background and `result` waits for it."""
+    """A small device tensor's value, read a model call later without making the host or the compute stream wait. On
+    CUDA a side stream waits for the collective `work` (posted behind the first block) and copies the value to pinned
+    host memory behind it, and an event marks the copy: the compute stream goes on with the next blocks at once (a
+    wait on it would hold every rank at the first block until the slowest had posted: a barrier per call), and
+    `result`, a call later, waits for that event only, long passed. On the CPU the host is the device: the collective
+    runs in the background and `result` waits for it."""
 
     def __init__(self, t: torch.Tensor, work=None):
         self._event = None
+        self._keep = t   # the collective's buffer: no allocation may reuse it before the value is read
         if t.is_cuda:
-            if work is not None:
-                work.wait()
+            side = _copy_stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))   # what produced t (no collective: one rank)
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._host.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            with torch.cuda.stream(side):
+                if work is not None:
+                    work.wait()   # orders the current stream, here the side stream, after the all-reduce
+                self._host.copy_(t, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(side)
             self._work = None
         else:
             self._host, self._work = t, work
@@ -55,6 +71,7 @@ class Deferred:
                 self._event.synchronize()
             if self._work is not None:
                 self._work.wait()
+            self._keep = None
             return self._host.tolist()
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .attention import SequenceParallelAttention
-from .cost import attention_bytes, sp_gather_bytes
+from .cost import attention_bytes, pipefusion_attention_bytes, sp_gather_bytes
 from .mesh import Mesh
+from .pipefusion.layout import analytic_p2p_bytes
 from .plan import ParallelPlan
 
 # FLUX.1-dev and SD3-medium at 1024x1024 (bf16 activations)
@@ -33,6 +34,37 @@ def analytic_bytes(m: dict, plan: ParallelPlan, batch: int) -> int:
     if plan.cfg == 2:
         total += 16 * 128 * 128 * 4  # this rank's velocity of its pass
     return total
+
+
+def pipefusion_job_bytes(plan: ParallelPlan, *, stage: int, layers: int, dual_layers: int, image_tokens: int,
+                         text_tokens: int, heads: int, head_dim: int, out_features: int, rows: int, passes_mine: int,
+                         passes: int, images: int, latent: tuple[int, int, int], patches: int, calls: int,
+                         warm_calls: int, elem_bytes: int) -> dict[str, int]:
+    """Closed-form bytes one rank of PipeFusion stage `stage` sends over a job of `calls` model calls (the first
+    `warm_calls` on the whole latent), per kind, from the formulas the planner prices with (cost.py): its stage's
+    `layers` attention layers (and `dual_layers` image-only ones) per call (pipefusion_attention_bytes); on the last
+    stage the velocities gathered each call (sequence-parallel shares, then data-parallel shares and CFG passes, in
+    float32); and the messages between stages (pipefusion.layout.analytic_p2p_bytes). rows: the rows of one forward
+    on this rank (its passes in one forward x its images); passes_mine / passes: the CFG passes this rank computes /
+    the job has; images: the job's batch."""
+    kinds: dict[str, int] = {}
+    for m, n in ((1, warm_calls), (patches, calls - warm_calls)):
+        for text, count in ((text_tokens, layers), (0, dual_layers)):
+            for kind, b in pipefusion_attention_bytes(image_tokens, text, heads, head_dim, count, plan, rows, m,
+                                                      elem_bytes).items():
+                kinds[kind] = kinds.get(kind, 0) + b * n
+    last = stage == plan.pipefusion - 1
+    c, h, w = latent
+    share = images // plan.dp
+    velocity = passes_mine * share * c * h * w * 4   # this rank's passes of its images, float32
+    kinds["sp_gather"] = calls * sp_gather_bytes(image_tokens, out_features, plan, rows, elem_bytes) if last else 0
+    kinds["dp_gather"] = calls * velocity * (plan.dp - 1) if last else 0
+    kinds["cfg_gather"] = calls * velocity * plan.dp * (plan.cfg - 1) if last and passes_mine < passes else 0
+    kinds["pipefusion_p2p"] = analytic_p2p_bytes(
+        stage, plan.pipefusion, calls=calls, image_tokens=image_tokens, text_tokens=text_tokens,
+        hidden=heads * head_dim, batch=rows, latent=latent, patches=patches, act_bytes=elem_bytes,
+        warm_calls=warm_calls, sp=plan.ulysses * plan.ring, batch_share=share, images=images)
+    return {k: v for k, v in kinds.items() if v}
 
 
 def probe_step(mesh: Mesh, spec: dict) -> dict[str, int]:

@@ -107,6 +107,17 @@ def attention_bytes(image_tokens: int, text_tokens: int, heads: int, head_dim: i
     return {"ulysses_all_to_all": a2a * layers, "ulysses_text_gather": text * layers, "ring_p2p": ring * layers}
 
 
+def pipefusion_attention_bytes(image_tokens: int, text_tokens: int, heads: int, head_dim: int, layers: int, plan,
+                               batch: int, patches: int, elem_bytes: int = 2) -> dict[str, int]:
+    """attention_bytes for a PipeFusion model call of `patches` patches (1: a warmup call on the whole latent). The
+    text is joint (it travels with patch 0). Ulysses exchanges each patch's own tokens, which add up to the whole
+    latent's; Ring's hops carry the layer's whole stale K/V share for every patch, since a patch's queries attend to
+    every patch's keys and a rank keeps only its own share of them: `patches` times a whole call's ring bytes."""
+    kinds = attention_bytes(image_tokens, text_tokens, heads, head_dim, layers, False, plan, batch, elem_bytes)
+    kinds["ring_p2p"] *= patches
+    return kinds
+
+
 def sp_gather_bytes(image_tokens: int, out_features: int, plan, batch: int, elem_bytes: int = 2) -> int:
     """The velocity tokens each sequence-parallel rank sends to the others after the model's output projection."""
     p = plan.ulysses * plan.ring
@@ -131,12 +142,19 @@ def pipefusion_step_bytes(plan, work) -> int:
 def comm_bytes(plan, work) -> dict[str, int]:
     """Bytes one rank sends per step, per collective kind."""
     items, elem = items_per_rank(plan, work), DTYPE_BYTES[work.dtype]
-    kinds = attention_bytes(work.image_tokens, joint_text(work), work.heads, work.head_dim, work.layers,
-                            work.text_splits and plan.pipefusion == 1, plan, items, elem)
-    if work.dual_layers:  # SD3.5-medium's image-only attention goes through the same entry point
+    if plan.pipefusion > 1:   # a steady step's patches
+        m = patches(plan, work)
+        kinds = pipefusion_attention_bytes(work.image_tokens, joint_text(work), work.heads, work.head_dim,
+                                           work.layers, plan, items, m, elem)
+        dual = pipefusion_attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, plan,
+                                          items, m, elem)
+    else:
+        kinds = attention_bytes(work.image_tokens, joint_text(work), work.heads, work.head_dim, work.layers,
+                                work.text_splits, plan, items, elem)
+        # SD3.5-medium's image-only attention goes through the same entry point
         dual = attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, False, plan, items,
                                elem)
-        kinds = {k: v + dual[k] for k, v in kinds.items()}
+    kinds = {k: v + dual[k] for k, v in kinds.items()}
     if plan.pipefusion > 1:   # a stage's sequence-parallel group runs only its share of the layers
         kinds = {k: v // plan.pipefusion for k, v in kinds.items()}
     kinds["sp_gather"] = sp_gather_bytes(work.image_tokens, work.out_features, plan, items, elem)

@@ -27,6 +27,14 @@ MEASURED_ACT_WIDTHS = {"wan2.1-14b": 11.3, "wan2.1-i2v-14b": 11.3, "wan2.1-flf2v
 # (comfy/model_management.py: 0.8 GiB minimum inference memory + 0.4 GiB reserve) plus a context; so a "24 GB" card
 # (24 GiB) gives 22.5 GiB to weights and activations.
 RUNTIME_GIB = 1.5
+# NCCL's buffers, per channel and per peer a rank connects to in a communicator: the Simple protocol's NCCL_BUFFSIZE
+# (4 MiB by default: NCCL user guide, "Environment Variables", NCCL_BUFFSIZE,
+# https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) and the LL protocol's 512 KiB (8 lines x 512
+# threads x 8 steps x 16 B: NCCL's src/init.cc DEFAULT_LL_BUFFSIZE, 2.30); LL128's 4.7 MiB, used over NVLink only, is
+# left out. Channels per peer: 2 between GPUs over PCIe (src/graph/paths.cc ncclTopoGetNchannels); NVLink pairs get
+# more, on GPUs that have the memory.
+NCCL_BUFFER_BYTES = 4 * 2**20 + 512 * 2**10
+NCCL_CHANNELS = 2
 
 
 def act_widths(work) -> float:
@@ -49,7 +57,8 @@ def memory_gib(plan, work, placement: str | None = None) -> dict[str, float]:
     tokens = shard_tokens(work.image_tokens, p) + (text / p if text_split(plan, work) else text)
     hidden = work.heads * work.head_dim
     activations = items_per_rank(plan, work) * tokens * hidden * act_widths(work) * DTYPE_BYTES[work.dtype]
-    parts = {"weights": weights / GiB, "activations": activations / GiB, "runtime": RUNTIME_GIB}
+    parts = {"weights": weights / GiB, "activations": activations / GiB, "runtime": RUNTIME_GIB,
+             "nccl": nccl_gib(plan)}
     return dict(parts, total=sum(parts.values()))
 
 
@@ -57,6 +66,30 @@ def host_gib_per_machine(plan, work) -> float:
     """Host memory the idle experts take on the machine (HOST placement): one expert per rank, as each rank moves its
     own copy out."""
     return plan.world_size * (work.experts - 1) * work.weight_bytes / GiB
+
+
+def nccl_gib(plan) -> float:
+    """NCCL's buffers on one GPU for the communicators a rank of `plan` uses (parallel/mesh.py; groups of the same
+    ranks share one, a group of every rank is the world's): channels x the peers it connects to x one buffer set.
+    Ring collectives (gathers, broadcasts, the step cache's all-reduce) and Ring's hops connect a rank to 2 peers,
+    Ulysses' all-to-all to every other member, and each of PipeFusion's two links (from the previous stage, to the
+    next) to one."""
+    world = plan.world_size
+    if world == 1:
+        return 0.0
+    peers = {"world": min(world - 1, 2)}
+
+    def use(name: str, size: int, all_to_all: bool = False) -> None:
+        if size > 1:
+            name = "world" if size == world else name
+            peers[name] = max(peers.get(name, 0), size - 1 if all_to_all else min(size - 1, 2))
+    use("dp", plan.dp)
+    use("cfg", plan.cfg)
+    use("ring", plan.ring)
+    use("ulysses", plan.ulysses, all_to_all=True)
+    use("ulysses" if plan.ring == 1 else "ring" if plan.ulysses == 1 else "sp", plan.ring * plan.ulysses)
+    links = 2 if plan.pipefusion > 1 else 0
+    return (sum(peers.values()) + links) * NCCL_CHANNELS * NCCL_BUFFER_BYTES / GiB
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,4 +1,5 @@
-"""The rank mesh: which ranks share a dp / cfg / pipefusion / ring / ulysses group, built once from the plan.
+"""The rank mesh: which ranks share a dp / cfg / pipefusion / ring / ulysses group, built once from the plan, and the
+communicators of those groups (destroyed with the mesh: runtime/jobs.py keeps the last few).
 
 Rank order is (dp, cfg, pipefusion, ring, ulysses) with ulysses fastest, so a Ulysses group is consecutive
 ranks (on one machine, the fastest links). Nothing else in the engine computes ranks.
@@ -53,26 +54,76 @@ class Mesh:
         self.coords = dict(zip(ORDER, self._unravel(rank))) if self.active else {}
         self.stats = CommStats()
         self.groups: dict[str, Group] = {}
-        # dist.new_group is collective over the world: every rank creates every group, in the same order
-        # "stage": every rank of one PipeFusion stage (all but the pipefusion coordinate vary); "pipefusion_back": the
-        # pipefusion group again, its own communicator for the last stage -> first stage direction, so NCCL never
-        # queues a send to the first stage behind a send from it (two stages would deadlock on one communicator)
-        extra = [("sp", ("ring", "ulysses")), ("stage", ("dp", "cfg", "ring", "ulysses")),
-                 ("pipefusion_back", ("pipefusion",))]
-        for name, dims in [(n, (n,)) for n in ORDER] + extra:
+        self._made: list = []          # the communicators made for this mesh that hold this rank, in creation order
+        self._shared: dict = {}        # (ranks, backend) -> the communicator of every group of those ranks
+        if world > 1:
+            self._shared[(tuple(range(world)), None)] = dist.group.WORLD   # never destroyed here
+        # dist.new_group is collective over the world: every rank creates every group, in the same order, and groups
+        # of the same ranks share one communicator (sp is the ulysses or the ring group when the other degree is 1)
+        for name, dims in [(n, (n,)) for n in ORDER if n != "pipefusion"] + [("sp", ("ring", "ulysses"))]:
             for members in self._partition(dims):
-                pg = dist.new_group(members) if len(members) > 1 and world > 1 else None
+                pg = self._group(members) if len(members) > 1 and world > 1 else None
                 if rank in members:
                     self.groups[name] = Group(name, members, members.index(rank), pg)
+        self._pipefusion_links(rank, world)
         # the ranks that run the job agree on its per-step decisions (cancel) among themselves: the whole world's
         # group when the plan uses every rank, else a group of the first world_size ranks (None: one rank)
         job = plan.world_size
-        self.job_pg = dist.group.WORLD if 1 < job == world else (
-            dist.new_group(list(range(job))) if 1 < job < world else None)
+        self.job_pg = self._group(list(range(job))) if job > 1 else None
         # and agree over host memory (gloo, beside NCCL too): None = the rank group's own control group (every rank)
-        self.control_pg = dist.new_group(list(range(job)), backend="gloo") if 1 < job < world else None
+        self.control_pg = self._group(list(range(job)), backend="gloo") if 1 < job < world else None
         if not self.active:
             self.job_pg = self.control_pg = None
+
+    def _group(self, members: list[int], backend: str | None = None, shared: bool = True):
+        """The communicator of `members` (a collective over the world: every rank asks for every group, in the same
+        order); None on a rank outside it."""
+        key = (tuple(sorted(members)), backend)
+        if shared and key in self._shared:
+            pg = self._shared[key]
+        else:
+            pg = dist.new_group(members, backend=backend)
+            if self.rank in members:
+                self._made.append(pg)
+            if shared:
+                self._shared[key] = pg
+        return pg if self.rank in members else None
+
+    @property
+    def communicators(self) -> int:
+        """Communicators this mesh made that hold this rank (the world's group, which it may share, not counted)."""
+        return len(self._made)
+
+    def destroy(self) -> None:
+        """Destroy this mesh's communicators: a collective, so every rank destroys a dropped mesh at the same point,
+        and each its own, in creation order. The mesh is unusable after."""
+        made, self._made = self._made, []
+        for pg in made:
+            dist.destroy_process_group(pg)
+        self.groups.clear()
+        self._shared.clear()
+        self.job_pg = self.control_pg = None
+
+    def _pipefusion_links(self, rank: int, world: int) -> None:
+        """PipeFusion's stages pass messages round a ring (stage s -> s+1, the last -> the first). Each link gets a
+        communicator of its own that carries that one direction only, and "pipefusion" itself none (it names the
+        stages; nothing is sent over it). A stage's receives, posted a step ahead, then never share a communicator
+        with its own sends: on one communicator NCCL runs a rank's operations in the order they were posted, so a
+        send queued behind receives that wait for the pipeline to come round would never start (with three or more
+        stages, the middle ones would deadlock). Group "pipefusion_in": this stage's link from the previous stage;
+        "pipefusion_out": its link to the next."""
+        for members in self._partition(("pipefusion",)):
+            if rank in members:
+                self.groups["pipefusion"] = Group("pipefusion", members, members.index(rank), None)
+            if len(members) < 2:
+                continue
+            for s, sender in enumerate(members):
+                receiver = members[(s + 1) % len(members)]
+                pg = self._group([sender, receiver], shared=False) if world > 1 else None
+                if rank == sender:
+                    self.groups["pipefusion_out"] = Group("pipefusion_out", [sender, receiver], 0, pg)
+                if rank == receiver:
+                    self.groups["pipefusion_in"] = Group("pipefusion_in", [sender, receiver], 1, pg)
 
     def _unravel(self, rank: int) -> tuple[int, ...]:
         coords = []
@@ -113,6 +164,8 @@ class Mesh:
         g = self.groups[group]
         if g.size == 1:
             return t
+        if g.pg is None:
+            raise RuntimeError(f"mesh group {group!r} has no communicator: nothing is gathered over it")
         t = t.contiguous()
         out = torch.empty((g.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         dist.all_gather_into_tensor(out, t, group=g.pg)

@@ -16,6 +16,8 @@ import zlib
 
 import torch
 
+from .. import syncs
+
 ALIGN = 64
 DIR_PREFIX = "xdit-"
 SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
@@ -137,6 +139,33 @@ def write_segment(path: str, tensors: dict[str, torch.Tensor], *, seed: int = 0)
         unlink_quietly(path)
         raise
     os.close(fd)
+    return {"path": path, "entries": entries, "nbytes": total, "crc32": crc}
+
+
+def write_segment_in_place(path: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """write_segment without a staging copy: the segment is mapped and each tensor copied into it once (from a device,
+    that one copy is the download), then its crc32 read from the mapping."""
+    entries, total = layout(tensors)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        mapped = mmap.mmap(fd, total, access=mmap.ACCESS_WRITE) if total else None
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(path)
+        raise
+    os.close(fd)
+    crc = 0
+    if mapped is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            buf = syncs.in_host_memory(torch.frombuffer(mapped, dtype=torch.uint8))
+        for entry, t in zip(entries, tensors.values()):
+            view = buf[entry["offset"]:entry["offset"] + entry["nbytes"]].view(t.dtype).reshape(t.shape)
+            view.copy_(t.detach())
+        data = buf.numpy()
+        for e in entries:
+            crc = zlib.crc32(memoryview(data[e["offset"]:e["offset"] + e["nbytes"]]), crc)
     return {"path": path, "entries": entries, "nbytes": total, "crc32": crc}
 
 

@@ -108,6 +108,11 @@ class RankGroup:
         return self._cluster.address if self._cluster else None
 
     @property
+    def calls_by_shared_memory(self) -> bool:
+        """Every rank is on this machine: each reads a session call's segment itself (no broadcast)."""
+        return self._cluster is None
+
+    @property
     def running(self) -> bool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
@@ -147,7 +152,8 @@ class RankGroup:
                            "collective_timeout_s": self.collective_timeout_s,
                            "threads": len(self.cores[rank]) if self.cores and rank < self.local_ranks else threads,
                            "cores": self.cores[rank] if self.cores and rank < self.local_ranks else None,
-                           "tcp_store": self._cluster.store_info(self.generation) if self._cluster else None})
+                           "tcp_store": self._cluster.store_info(self.generation) if self._cluster else None,
+                           "calls_by_shared_memory": self.calls_by_shared_memory})
             self.rank_info = self._wait_ready()
         except BaseException as e:
             self._teardown()

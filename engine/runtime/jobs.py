@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -13,6 +14,17 @@ from .. import syncs
 from . import faults
 
 HANDLERS: dict[str, Callable] = {}
+MESHES_KEPT = 3   # plans whose meshes (and their NCCL communicators, with their buffers) a rank keeps
+
+
+def _process_groups() -> int | None:
+    """How many process groups this process holds now, as torch.distributed counts them (its default group
+    included)."""
+    try:
+        from torch.distributed import distributed_c10d
+        return len(distributed_c10d._world.pg_map)
+    except (AttributeError, ImportError):
+        return None
 
 
 def job(kind: str):
@@ -66,14 +78,25 @@ class JobContext:
         self._agreement = None   # (work, flag) of the cancel agreement posted at the last check, still unread
 
     def mesh(self, plan):
-        """The rank mesh for `plan`, built once per plan (a collective: every rank builds the same groups), its byte
-        counters reset for this job."""
+        """The rank mesh for `plan`, its byte counters reset for this job. The last MESHES_KEPT plans' meshes are kept;
+        building one and destroying the least recently used are collectives, and every rank runs the same jobs in the
+        same order, so every rank builds and destroys the same meshes at the same point."""
         from ..parallel.mesh import Mesh
 
-        meshes = self.cache.setdefault("meshes", {})
-        if plan not in meshes:
+        meshes = self.cache.setdefault("meshes", OrderedDict())
+        if plan in meshes:
+            meshes.move_to_end(plan)
+        else:
+            while len(meshes) >= MESHES_KEPT:
+                _, dropped = meshes.popitem(last=False)
+                dropped.destroy()
+                self.cache["meshes_destroyed"] = self.cache.get("meshes_destroyed", 0) + 1
             meshes[plan] = Mesh(plan, self.rank, self.world)
         mesh = meshes[plan]
+        self.info["meshes"] = {"kept": len(meshes), "destroyed": self.cache.get("meshes_destroyed", 0),
+                               "plan_communicators": mesh.communicators,
+                               "communicators": sum(m.communicators for m in meshes.values()),
+                               "process_groups": _process_groups()}
         mesh.stats.reset()
         if mesh.active:   # only the ranks that run the job enter its per-step collectives
             self.job_world, self.job_group = plan.world_size, mesh.job_pg
@@ -114,12 +137,13 @@ class JobContext:
         """How long any one wait for another rank may take (the process group's collective timeout)."""
         return float(self._rt._init.get("collective_timeout_s", 1800.0))
 
-    def calls(self):
+    def calls(self, device: torch.device | None = None, read: bool = True):
         """Serve a session (client: Engine.session): yields (call, meta, tensors) on every rank, in the same order,
-        until the client ends it; answer each with answer(). Rank 0 waits at most the collective timeout for the
-        next call, the other ranks wait in the broadcast that brings it."""
+        until the client ends it; answer each with answer(). Each rank waits at most the collective timeout for the
+        next call. device: the call's tensors arrive there, in one copy; read False: a rank that takes no part in the
+        calls gets none."""
         while True:
-            received = self._rt.next_call(self.job_id, self.deadline_s)
+            received = self._rt.next_call(self.job_id, self.deadline_s, device, read)
             if received is None:
                 return
             yield received

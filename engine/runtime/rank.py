@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import bridge, faults
+from .. import syncs
 from .launch import pin_process
 from ..errors import EngineError
 from ..errors import JobCancelledSignal
@@ -232,32 +233,53 @@ class RankRuntime:
         segment = {"nbytes": n_payload} if n_payload else None
         return doc, self._manifest(doc, segment), data[n_padded:]
 
-    def next_call(self, job_id: int, timeout_s: float) -> tuple[int, dict, dict[str, torch.Tensor]] | None:
-        """A session's next call on every rank: rank 0 takes it from the client (waiting up to timeout_s) and
-        broadcasts it like a job. Returns (call, meta, tensors), or None when the client ended the session."""
+    def next_call(self, job_id: int, timeout_s: float, device: torch.device | None = None,
+                  read: bool = True) -> tuple[int, dict, dict[str, torch.Tensor]] | None:
+        """A session's next call on every rank. With every rank on this machine each takes the call from the client
+        and maps its segment itself; otherwise rank 0 takes it and broadcasts it like a job. device: the call's
+        tensors go there in one copy of the whole segment (the one upload a call needs); read False: this rank takes
+        no part in the calls (a plan on fewer ranks) and leaves the tensors unread. Returns (call, meta, tensors), or
+        None when the client ended the session."""
         message: dict = {}
-        if self.rank == 0:
+        direct = self._init.get("calls_by_shared_memory", False)
+        if self.rank == 0 or direct:
             try:
                 message = self.inbox.get(timeout=timeout_s)
             except queue.Empty:
                 raise EngineError(f"job {job_id}: no call from the client for {timeout_s:g} s (the collective "
-                                  f"timeout); the session ends", rank=0, phase="compute") from None
+                                  f"timeout); the session ends", rank=self.rank, phase="compute") from None
             if message.get("op") != "call" or message.get("job_id") != job_id:
                 raise EngineError(f"job {job_id}: expected a call, the client sent {message.get('op')!r} for job "
-                                  f"{message.get('job_id')}", rank=0, phase="compute")
-        doc, manifest, buf = self._receive_job(message)
+                                  f"{message.get('job_id')}", rank=self.rank, phase="compute")
+        if direct:
+            doc, segment = message["doc"], message["segment"]
+            if segment and not read:
+                bridge.unlink_quietly(segment["path"])
+            buf = syncs.in_host_memory(bridge.map_buffer(segment, unlink=True)) if segment and read else \
+                torch.empty(0, dtype=torch.uint8)
+            manifest = self._manifest(doc, segment)
+        else:
+            doc, manifest, buf = self._receive_job(message)
         header = json.loads(doc)
         if header.get("end"):
             return None
+        if not read:
+            return header["call"], header["meta"], {}
+        if device is not None and buf.numel():
+            with syncs.call_transfer():
+                buf = buf.to(device)   # the whole call at once: one copy, typed views of it on the device
         return header["call"], header["meta"], bridge.tensors_from_buffer(buf, manifest)
 
     def answer_call(self, job_id: int, call: int, outputs: dict[str, torch.Tensor] | None, info: dict) -> None:
-        """Rank 0 returns a call's outputs through shared memory; the other ranks have nothing to say."""
+        """Rank 0 returns a call's outputs through shared memory, each copied once, from the device straight into the
+        segment; the other ranks have nothing to say."""
         if self.rank != 0:
             return
         manifest = None
         if outputs:
-            manifest = bridge.write_segment(os.path.join(self.engine_dir, f"j{job_id}-c{call}-out"), outputs)
+            with syncs.call_transfer():
+                manifest = bridge.write_segment_in_place(os.path.join(self.engine_dir, f"j{job_id}-c{call}-out"),
+                                                         outputs)
         self.chan.send({"op": "answer", "job_id": job_id, "call": call, "outputs": manifest, "info": info})
 
     @staticmethod

@@ -39,6 +39,12 @@ class Session:
             raise
         return self
 
+    def _call_chans(self):
+        """Who is told of a call: every rank when all share this machine's memory (each maps the call's segment
+        itself), else rank 0, which broadcasts it to the others."""
+        chans = self.engine._chans
+        return chans if self.engine.calls_by_shared_memory else chans[:1]
+
     def call(self, inputs: dict[str, torch.Tensor], **meta) -> dict[str, torch.Tensor]:
         """One call: `inputs` through shared memory and `meta` (small JSON values) to the ranks; rank 0's outputs."""
         if self._watch is None or self.result is not None:
@@ -52,8 +58,19 @@ class Session:
             manifest = bridge.write_segment(path, inputs) if inputs else None
             doc = json.dumps({"call": call, "meta": meta, "entries": manifest["entries"] if manifest else []},
                              sort_keys=True, separators=(",", ":"))
-            engine._chans[0].send({"op": "call", "job_id": job_id, "call": call, "doc": doc,
-                                   "segment": {"path": path, "nbytes": manifest["nbytes"]} if manifest else None})
+            chans = self._call_chans()
+            for rank, chan in enumerate(chans):
+                segment = None
+                if manifest:
+                    # one name per rank reading it (hard links to the one segment): each rank unlinks its own name
+                    # once mapped, so the bytes go when the last reader is done, and no rank can find them gone
+                    mine = path if len(chans) == 1 else f"{path}-r{rank}"
+                    if mine != path:
+                        os.link(path, mine)
+                    segment = {"path": mine, "nbytes": manifest["nbytes"]}
+                chan.send({"op": "call", "job_id": job_id, "call": call, "doc": doc, "segment": segment})
+            if len(chans) > 1:
+                bridge.unlink_quietly(path)
             answer = engine._await_job(job_id, self.deadlines, None, None, self._watch, call=call)
             outputs = bridge.read_segment(answer["outputs"]) if answer.get("outputs") else {}
         except (ChannelClosed, OSError) as e:
@@ -73,8 +90,8 @@ class Session:
             if self._watch is not None and not self._watch.final and engine._broken is None:
                 try:
                     end = json.dumps({"call": 0, "end": True, "aborted": exc_type is not None, "entries": []})
-                    engine._chans[0].send({"op": "call", "job_id": self.job_id, "call": 0, "doc": end,
-                                           "segment": None})
+                    for chan in self._call_chans():
+                        chan.send({"op": "call", "job_id": self.job_id, "call": 0, "doc": end, "segment": None})
                 except (ChannelClosed, OSError):
                     pass
             if engine._broken is None:

@@ -75,7 +75,7 @@ def _euler_ancestral_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Ten
             keep = sigma_down / sigma
             x = keep * x + (1 - keep) * denoised
             if ETA > 0:
-                x = (alpha_next / alpha_down) * x + noise(sigma, sigma_next) * S_NOISE * renoise
+                x = (alpha_next / alpha_down) * x + noise(host[i], host[i + 1]) * S_NOISE * renoise
         done(i)
     return x
 
@@ -113,13 +113,16 @@ def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor
     if len(sigmas) <= 1:
         return x
     # The tree spans the schedule as given, before the first sigma is moved off 1.
-    noise = noise_for(lambda like: brownian_noise_sampler(like, host[host > 0].min(), host.max(), seed))
+    tree_span = host[host > 0].min(), host.max()
     if host[0] >= 1:
         if percent_to_sigma is None:
             raise ValueError("dpmpp_2m_sde with a first sigma of 1 needs percent_to_sigma (the model sampling's), "
                              "to move that sigma to percent_to_sigma(1e-4) as ComfyUI does")
         sigmas, host = sigmas.clone(), host.clone()
         sigmas[0] = host[0] = percent_to_sigma(SNR_OFFSET_PERCENT)
+    # the steps that draw noise, known before the loop: each draw prepares the next one's
+    ahead = [(host[i], host[i + 1]) for i in range(len(host) - 1) if host[i + 1] != 0]
+    noise = noise_for(lambda like: brownian_noise_sampler(like, *tree_span, seed, ahead=ahead))
 
     previous: torch.Tensor | None = None
     h_previous: torch.Tensor | None = None
@@ -148,14 +151,15 @@ def _dpmpp_2m_sde_flow(x: torch.Tensor, sigmas: torch.Tensor, host: torch.Tensor
 def sampler_steps(sampler_name: str, x: torch.Tensor, sigmas: torch.Tensor, *, seed: int,
                   callback: StepCallback | None = None, percent_to_sigma: PercentToSigma | None = None,
                   whole: torch.Tensor | None = None, region: tuple | None = None,
-                  host_sigmas: torch.Tensor | None = None) -> Steps:
+                  host_sigmas: torch.Tensor | None = None, shared_noise: dict | None = None) -> Steps:
     """`sampler_name` as a generator over x (already noise-scaled to sigmas[0]): it yields (x, sigma) for each model
     call, takes the denoised estimate back by `send`, and returns x at sigmas[-1].
 
     x may be a region of a whole latent (PipeFusion's patches): `whole` is a tensor shaped like the whole latent and
     `region` the index of x within it; the stochastic samplers then draw their step noise for the whole latent and
     take the region, so each patch gets exactly the noise a whole-latent run gives its pixels. host_sigmas: the same
-    sigmas in host memory, where the caller has them (PipeFusion runs one generator per patch).
+    sigmas in host memory, where the caller has them (PipeFusion runs one generator per patch). shared_noise: a dict
+    the patches' generators share, so they draw the whole latent's noise once per step, not once per patch.
     """
     if sampler_name not in SAMPLERS:
         raise ValueError(f"sampler={sampler_name!r} is not supported; use one of {', '.join(SAMPLERS)}")
@@ -168,7 +172,12 @@ def sampler_steps(sampler_name: str, x: torch.Tensor, sigmas: torch.Tensor, *, s
     def noise_for(build: Callable[[torch.Tensor], NoiseSampler]) -> NoiseSampler:
         if whole is None:
             return build(x)
-        draw = build(whole)
+        if shared_noise is None:
+            draw = build(whole)
+        else:
+            if sampler_name not in shared_noise:
+                shared_noise[sampler_name] = build(whole)
+            draw = shared_noise[sampler_name]
         return lambda sigma, sigma_next: draw(sigma, sigma_next)[region]
 
     # the sigmas in host memory, read once per job: the steps branch on them and the Brownian tree (on the CPU, as

@@ -106,9 +106,10 @@ class Pipeline:
         """The next stage (+1; the last stage's next is the first) or the previous (-1)."""
         return self.group.ranks[(self.stage + offset) % self.stages]
 
-    def _pg(self, to_first: bool):
-        """The last stage -> first stage direction has its own communicator (mesh "pipefusion_back")."""
-        return self.mesh["pipefusion_back"].pg if to_first else self.group.pg
+    def _link(self, direction: str):
+        """This stage's link from the previous stage ("in") or to the next ("out"): each link its own communicator,
+        carrying that one direction (mesh.py `_pipefusion_links`)."""
+        return self.mesh[f"pipefusion_{direction}"].pg
 
     def _send(self, header: int, tensors: list[torch.Tensor], what: str) -> None:
         """A message to the next stage: its header (a row of the table on the device) and its tensors."""
@@ -163,9 +164,8 @@ class Pipeline:
                         tuple((s, self.flow.dtype) for s in self._piece_shapes(p)), self._row[("piece", k, p)], c.step))
         link = Link(self.stage, self.mesh.rank, self.deadline_s)
         # the host runs at most two steps' requests (or one step's pieces) ahead of what has arrived
-        self.inbox = Inbox(link, messages, self._peer(-1), self._pg(self.stage == 0), device,
-                           run_ahead=2 * layout.patches + 2)
-        self.outbox = Outbox(link, self._peer(1), self._pg(self.stage == self.stages - 1), self.mesh.stats)
+        self.inbox = Inbox(link, messages, self._peer(-1), self._link("in"), device, run_ahead=2 * layout.patches + 2)
+        self.outbox = Outbox(link, self._peer(1), self._link("out"), self.mesh.stats)
 
     def check_headers(self) -> None:
         """After a job: every header this stage took is the one the schedule says (one read per job)."""
@@ -339,12 +339,13 @@ class Pipeline:
         self._start = start
         x_all = start.x_model
         self._gens, self._finals = [], [None] * layout.patches
+        shared_noise: dict = {}   # one draw of the whole latent's step noise, each patch taking its rows
         for m in range(layout.patches):
             rows = self.model.latent_rows(m)
             region = (slice(None), slice(None), rows, slice(None))
             self._gens.append(sampler_steps(sampler, x_all[region], start.sigmas, seed=seed,
                                             percent_to_sigma=start.percent_to_sigma, whole=x_all, region=region,
-                                            host_sigmas=self._sigmas_host))
+                                            host_sigmas=self._sigmas_host, shared_noise=shared_noise))
         self._next = [next(g) for g in self._gens]          # each patch's next request: (x, sigma)
         for m in range(layout.patches):
             self._request(0, m)

@@ -117,6 +117,7 @@ class Inbox:
         self.next_post = 0
         self.limit = 0        # messages before this index may be posted
         self.taken = 0
+        self.most_ahead = 0     # the most receives posted and not yet taken at once, for the job's report
         self.window = deque()   # works of recently taken messages: the host runs at most this far ahead
 
     def allow(self, through_step: int) -> None:
@@ -146,6 +147,7 @@ class Inbox:
                                            for shape, dtype in m.shapes]
             self.posted[i] = (tensors, [dist.irecv(t, self.peer, group=self.pg) for t in tensors])
             self.next_post += 1
+        self.most_ahead = max(self.most_ahead, self.next_post - self.taken)
 
     def take(self) -> list[torch.Tensor]:
         """The next message's tensors after its header, ordered after their arrival (device stream order)."""
