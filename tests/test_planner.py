@@ -300,11 +300,16 @@ Legend:
 """
 
 
-def test_nvidia_smi_topology_says_nvlink_only_when_every_pair_has_one():
+def test_nvidia_smi_topology_gives_the_class_of_the_worst_path_between_the_gpus():
     links = devices.parse_topo(TOPO)
     assert links[(0, 1)] == "NV18" and links[(2, 3)] == "SYS" and len(links) == 12
-    assert devices.link_from_topo(links, [0, 1, 2]) == "nvlink"
-    assert devices.link_from_topo(links, [0, 3]) is None
+    assert devices.link_from_topo(links, [0, 1, 2]) == "nvlink"   # NVLink only when every pair has one
+    assert devices.link_from_topo(links, [0, 3]) == "pcie-switch"
+    assert devices.link_from_topo(links, [0, 1, 3]) == "pcie-switch"
+    assert devices.link_from_topo(links, [1, 2, 3]) == "pcie-socket"
+    assert devices.link_from_topo({(0, 1): "PHB", (1, 0): "PHB"}, [0, 1]) == "pcie-bridge"
+    assert devices.link_from_topo({(0, 1): "NODE", (1, 0): "NODE"}, [0, 1]) == "pcie-bridge"
+    assert devices.link_from_topo({(0, 1): "??", (1, 0): "??"}, [0, 1]) is None
 
 
 @pytest.mark.parametrize("name,table", [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
@@ -334,8 +339,8 @@ def test_detection_reads_the_gpus_their_peer_access_and_the_topology_of_the_visi
         devices.detect_hardware.cache_clear()
     print(nvlinked.notes, mixed.notes, remapped.notes, sep="\n")
     assert nvlinked.link.kind == "nvlink" and nvlinked.gpu_name == "H100 SXM" and nvlinked.memory_gib == 78
-    assert mixed.link.kind == "pcie" and mixed.gpu_name == "H100 PCIe" and "planned as the slowest" in mixed.notes[0]
-    assert remapped.link.kind == "pcie" and remapped.notes[-1] == "link PCIe (peer access) from torch's peer-access query"
+    assert mixed.link.kind == "pcie-switch" and mixed.gpu_name == "H100 PCIe" and "planned as the slowest" in mixed.notes[0]
+    assert remapped.link.kind == "pcie-socket" and remapped.notes[-1] == "link PCIe across CPU sockets from nvidia-smi topo -m"
 
 
 def test_detection_without_cuda_assumes_and_says_what(monkeypatch):
