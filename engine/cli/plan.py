@@ -13,7 +13,7 @@ from ..generate.inputs import check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
-from ..parallel import cost, fits, published, published_video
+from ..parallel import cost, fits, published
 from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, PCIE_A2A_CONTENTION, find_gpu, host_link_gbs, stated_hardware
 from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
                              Workload, candidates, feasible, plan_problems)
@@ -95,7 +95,11 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help='print {"chosen": ..., "one_gpu": ..., "candidates": [...]} '
                                                        "instead of the tables")
     p.add_argument("--validate", action="store_true", help="print the cost model against published multi-GPU runs "
-                                                           "(residuals; which rows set its constants) and exit")
+                                                           "(every residual; which rows its constants are fitted to, "
+                                                           "which are held out) and exit")
+    p.add_argument("--memory-table", action="store_true",
+                   help="print the GiB per GPU of each model, weight format and plan at 1024x1024 (the README's "
+                        "Requirements table) and exit")
     p.add_argument("--fit-table", action="store_true",
                    help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
                         "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")
@@ -179,12 +183,12 @@ def _experts(work: Workload, hw, e: cost.Estimate) -> list[str]:
 def _required(a) -> None:
     missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
     if missing:
-        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate or "
-                         f"--fit-table alone)")
+        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate, "
+                         f"--memory-table or --fit-table alone)")
 
 
 def _validate() -> int:
-    print("\n".join(published.validation_table() + [""] + published_video.validation_table()))
+    print("\n".join(published.validation_table() + [""] + published.summary()))
     return 0
 
 
@@ -193,6 +197,9 @@ def run(a) -> int:
         return _validate()
     if a.fit_table:
         print("\n".join(fits.header() + fits.fit_table()))
+        return 0
+    if a.memory_table:
+        print("\n".join(fits.memory_table()))
         return 0
     _required(a)
     if a.warmup_steps > a.steps:

@@ -25,10 +25,10 @@ every residual). `TIE` is how close two estimates must be for the planner to cal
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import calibration, launches
-from .devices import Hardware, Interconnect, efficiency, host_link_gbs
+from .devices import Hardware, Interconnect, efficiency, host_link_gbs, memory_gbs
 from .memory import host_gib_per_machine, memory_gib, stage_memory_gib
 from .pipefusion.layout import analytic_p2p_bytes
 from .plan import (DTYPE_BYTES, HOST, RESIDENT, ParallelPlan, Workload, items_per_rank, joint_text, shard_tokens,
@@ -62,12 +62,24 @@ class Code:
     ulysses_ops: int = 29        # operations Ulysses adds to an attention layer (its exchanges and reshapes)
     ring_layer_ops: int = 4      # operations a ring adds to an attention layer once
     ring_hop_ops: int = 20       # and per hop: post and wait, the block's attention, the log-sum-exp merge
+    merge_bytes: int = 18        # bytes a hop's merge streams per output element (the block's output widened to
+    #                              fp32, the running output read and written)
+    pipefusion_layer_ops: int = 2   # operations a PipeFusion patch adds to an attention layer (its stale K/V written)
+    text_split: bool = True      # the text splits with the image tokens where the model and degree allow (False:
+    #                              every rank computes the whole text in every block)
+    compiled_sp: bool = False    # torch.compile takes the sequence-parallel operations into its graphs too
 
 
 def engine_code() -> Code:
     ops = launches.ENGINE_SP_OPS
     return Code("this engine", RING_OVERLAP, PIPEFUSION_OVERLAP, ULYSSES_CALLS_PER_LAYER, ops["ulysses"],
-                ops["ring_layer"], ops["ring_hop"])
+                ops["ring_layer"], ops["ring_hop"], MERGE_BYTES, ops["pipefusion_layer"])
+
+
+# attention.py's _merge: the block's bf16 output widened to fp32 (2 read, 4 written), lerp reading it and the running
+# fp32 output and writing that (12): 18 bytes an element. Streaming kernels reach ~80% of the datasheet bandwidth.
+MERGE_BYTES = 18
+STREAM_SHARE = 0.8
 
 
 # xDiT (xfuser's xFuserLongContextAttention over yunchang, read from their source): Ulysses exchanges q, k, v packed
@@ -75,24 +87,37 @@ def engine_code() -> Code:
 # each way; 4 all-to-alls a layer counting the packed one as three, as its latency is paid per tensor in older
 # releases), ~34 operations with the text's concatenations; its ring posts each hop's send/recv ahead of the block
 # (RingComm: two buffers and a batched send/recv pair, 6), runs flash-attn's forward (4) and yunchang's log-sum-exp
-# update (11): ~21 a hop, and ~10 a layer (the text's concatenation, the output's cast, the LSE's reshape). The whole
-# attention is excluded from torch.compile (torch.compiler.disable).
-XDIT = Code("xDiT (yunchang ring with the next hop posted ahead, PipeFusion with receives posted ahead)", 1.0, 1.0, 4,
-            ulysses_ops=34, ring_layer_ops=10, ring_hop_ops=21)
+# update (11): ~21 a hop, and ~10 a layer (the text's concatenation, the output's cast, the LSE's reshape); the update
+# streams ~38 bytes an output element (widen 6, out - block_out 12, x sigmoid 8, out - that 12). Its PipeFusion writes a
+# patch's K/V into the layer's buffer through its cache manager (~6 operations a layer). The whole attention is
+# excluded from torch.compile (torch.compiler.disable).
+XDIT = Code("xDiT (xFuser over yunchang: ring with the next hop posted ahead, PipeFusion with receives posted ahead)",
+            1.0, 1.0, 4, ulysses_ops=34, ring_layer_ops=10, ring_hop_ops=21, merge_bytes=38, pipefusion_layer_ops=6,
+            text_split=False)
+# xDiT's "optimized USP" for FLUX.1 (examples/flux_usp_example.py and xfuser/model_executor/layers/usp.py, November
+# 2024, the code of its 4xH100 table): the text split with the image tokens; Ulysses through torch's functional
+# all_to_all_single, each of q, k, v and the output permuted, copied, exchanged, waited on and reshaped (~9 operations
+# each, 36 a layer); the ring is torch's _templated_ring_attention (per hop a rotation, the flash kernel and its
+# merger, ~16; ~5 a layer). Functional collectives trace, so torch.compile takes them into its graphs.
+XDIT_USP = Code("xDiT's optimized USP (torch's functional all-to-all and templated ring attention)", 1.0, 1.0, 4,
+                ulysses_ops=36, ring_layer_ops=5, ring_hop_ops=16, merge_bytes=38, text_split=True, compiled_sp=True)
 
-# ---- fitted constants (published.fit_constants() re-derives them from the rows marked "fit") ------------------------
+# ---- fitted constants (fitting.fit_constants() re-derives them from the rows marked "fit") ----------------------------
 # A rank's matrix products run at rate / gemm_slowdown(work), work = GEMM rows x hidden width per model call (rows:
 # the tokens of the call x the items of its batch): small products fill the GPU poorly.
-GEMM_HALF_WORK = 1.88e6
+GEMM_HALF_WORK = 1.0e4
 # An attention call runs at attention_efficiency(rows, keys) of the large-matrix rate: rows = the query rows the
 # kernel spreads over the GPU (queries x heads x items), keys = the keys each query meets in this call; each factor
-# saturates, x / (x + HALF): short blocks pay the kernel's fixed work per tile and leave SMs idle.
-ATTN_HALF_ROWS = 8.0e3
-ATTN_HALF_KEYS = 256.0
+# saturates, x / (x + HALF). Rows: flash attention runs a 128-row query tile per SM at a time, so a call of one wave of
+# tiles on a GPU of ~128 SMs (16384 rows) fills it half as well as a long call (not fitted). Keys: a tile's fixed work
+# (loading its queries, the softmax's rescaling, writing its output and log-sum-exp) weighs on short key blocks
+# (fitted).
+ATTN_HALF_ROWS = 16384.0
+ATTN_HALF_KEYS = 1024.0
 # Host microseconds per launched operation in eager PyTorch (Python, the dispatcher, the CUDA launch).
-LAUNCH_US = 20.0
+LAUNCH_US = 13.6
 # torch.compile fuses a block's elementwise chains: this share of its eager launches remains.
-COMPILED_LAUNCH_SHARE = 0.35
+COMPILED_LAUNCH_SHARE = 0.448
 
 
 # ---- what each method sends (the closed forms `bench comm` checks against the engine's own counts) -----------
@@ -316,16 +341,35 @@ def compute_ms(plan, work, rate: float) -> tuple[float, float]:
 def launches_per_step(plan, work, code: Code | None = None) -> float:
     """Operations the host launches for one rank's step: each block it runs (its stage's, once per PipeFusion patch)
     at the model's count, COMPILED_LAUNCH_SHARE of them compiled; each attention layer's Ulysses exchanges and ring
-    setup and hops at the code's counts, never compiled."""
+    setup and hops at the code's counts, compiled only where the code's collectives trace (Code.compiled_sp)."""
     code = code or engine_code()
     runs = work.layers / plan.pipefusion * patches(plan, work)
     ops = runs * launches.ops_per_block(work.variant) * (COMPILED_LAUNCH_SHARE if work.compiled else 1.0)
     layer_runs = (work.layers + work.dual_layers) / plan.pipefusion * patches(plan, work)
+    sp = 0.0
     if plan.ulysses > 1:
-        ops += layer_runs * code.ulysses_ops
+        sp += layer_runs * code.ulysses_ops
     if plan.ring > 1:
-        ops += layer_runs * (code.ring_layer_ops + (plan.ring - 1) * code.ring_hop_ops)
-    return ops
+        sp += layer_runs * (code.ring_layer_ops + (plan.ring - 1) * code.ring_hop_ops)
+    if plan.pipefusion > 1:
+        sp += layer_runs * code.pipefusion_layer_ops
+    return ops + sp * (COMPILED_LAUNCH_SHARE if work.compiled and code.compiled_sp else 1.0)
+
+
+def merge_ms(plan, work, hw: Hardware, code: Code | None = None) -> float:
+    """GPU milliseconds of one rank's ring merges a step: r - 1 a layer, each streaming the layer's output (the rank's
+    queries x its heads x the head width x its items) at the code's bytes an element, at STREAM_SHARE of the GPU's
+    memory bandwidth."""
+    if plan.ring == 1:
+        return 0.0
+    code = code or engine_code()
+    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
+    n_pad = shard_tokens(work.image_tokens, p) * p
+    n_txt = joint_text(work)
+    queries = n_pad / r + (n_txt / r if text_split(plan, work) else n_txt)
+    elements = (queries * work.layers + n_pad / r * work.dual_layers) / plan.pipefusion
+    elements *= work.heads / u * work.head_dim * items_per_rank(plan, work)
+    return elements * (r - 1) * code.merge_bytes / (memory_gbs(hw.gpu) * STREAM_SHARE * 1e9) * 1e3
 
 
 def host_ms(plan, work, code: Code | None = None) -> float:
@@ -404,6 +448,7 @@ class Estimate:
 def _steady(plan, work, hw: Hardware, rate: float, code: Code) -> tuple[float, float, float]:
     """(compute, exposed comm, host) ms of one steady step."""
     compute, attention = compute_ms(plan, work, rate)
+    compute += merge_ms(plan, work, hw, code)
     return compute, comm_ms(plan, work, hw.link, attention, code, compute), host_ms(plan, work, code)
 
 
@@ -411,6 +456,8 @@ def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: 
     """The cost model's estimate of `plan` running `work` on `hw` (its own world size of hw's GPUs). code: the
     parallel code (default this engine's); one_gpu_ms: a one-GPU step of this workload to take the rate from."""
     code = code or engine_code()
+    if work.text_splits and not code.text_split:
+        work = replace(work, text_splits=False)
     rate, _ = rate_tflops(hw, work, one_gpu_ms)
     compute, comm, host = _steady(plan, work, hw, rate, code)
     step = max(host, compute + comm)

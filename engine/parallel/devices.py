@@ -62,6 +62,18 @@ GPUS = {g.name: g for g in (
     GPU("RTX 4090", 165.2, 24, (("4090",),), "ada"),
     GPU("RTX 3090", 71, 24, (("3090",),), "ampere", 112.5),
 )}
+# Memory bandwidth, GB/s, from the same datasheets and whitepapers: what a ring's log-sum-exp merges stream at (cost.py).
+MEMORY_GBS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100 SXM": 3350, "H200 NVL": 4800, "H200": 4800, "H20": 4000,
+              "A100 40GB": 1555, "A100 80GB": 2039, "A800 40GB": 1555, "A800 80GB": 2039, "L40S": 864, "L40": 864,
+              "L20": 864, "L4": 300, "A40": 696, "A10": 600, "RTX PRO 6000": 1792, "RTX 6000 Ada": 960,
+              "RTX A6000": 768, "RTX 5090": 1792, "RTX 4090": 1008, "RTX 3090": 936}
+UNKNOWN_MEMORY_GBS = 2039   # an A100's, as UNKNOWN_GPU_TFLOPS
+
+
+def memory_gbs(gpu: GPU | None) -> float:
+    return MEMORY_GBS.get(gpu.name, UNKNOWN_MEMORY_GBS) if gpu else UNKNOWN_MEMORY_GBS
+
+
 # When a GPU is not in the table: an A100-class rate, said so in the notes.
 UNKNOWN_GPU_TFLOPS = 312
 
@@ -131,12 +143,12 @@ class Interconnect:
 
 
 # Fitted (see `tree` above): each extra concurrent flow of an all-to-all across the CPU costs this much of a flow's
-# time. published.fit_constants() re-derives it from its rows (published.py marks them).
-PCIE_A2A_CONTENTION = 2.0
+# time. fitting.fit_constants() re-derives it with the others from the rows published.py marks "fit".
+PCIE_A2A_CONTENTION = 3.51
 # What a flow across the two sockets' link gets, GB/s: NCCL's topology model rates that link 10 GB/s (Skylake UPI) to
 # 22 (Sapphire Rapids) and 16-24 (AMD Infinity Fabric) (nccl src/graph/topo.h: SKL_QPI_BW, SRP_QPI_BW, AMD_BW);
 # fitted within that range to xDiT's FLUX.1-dev Ring-8 on 8 PCIe L40s, whose ring crosses the sockets.
-PCIE_SOCKET_GBS = 16.0
+PCIE_SOCKET_GBS = 22.3
 # The topology classes, for PCIe 4.0 x16 GPUs (`link_for` scales them to a GPU's own NVLink and PCIe generation).
 # Bandwidth: NVLink 4 moves ~300 GB/s per direction in NCCL all-to-all on an H100 (900 GB/s is both directions, all
 # links; NVIDIA's p2p test reaches 380 GB/s one way, NCCL issue 1264). PCIe 4.0 x16 peaks at ~25 GB/s one way measured

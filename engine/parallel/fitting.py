@@ -23,9 +23,7 @@ class Constant:
 CONSTANTS = (
     Constant("GEMM_HALF_WORK", "cost", 1e4, 1e7, "a GEMM of 1e4 (3 rows of FLUX) to 1e7 (3300 rows) elements at half "
                                                  "speed"),
-    Constant("ATTN_HALF_ROWS", "cost", 2e3, 3e4, "a sixth of a wave to two waves of 128-row tiles on a GPU of 132 "
-                                                 "SMs (one wave: 1.7e4 rows)"),
-    Constant("ATTN_HALF_KEYS", "cost", 32.0, 4096.0, "one key tile (64-128) to a whole 1024^2 image"),
+    Constant("ATTN_HALF_KEYS", "cost", 64.0, 1024.0, "a tile's fixed work worth half a key tile to eight tiles of 128"),
     Constant("LAUNCH_US", "cost", 3.0, 60.0, "eager PyTorch spends ~5-50 us of host time per operation"),
     Constant("COMPILED_LAUNCH_SHARE", "cost", 0.05, 1.0, "torch.compile leaves at most every launch"),
     Constant("PCIE_A2A_CONTENTION", "devices", 0.01, 10.0, "none to a flow's time ten times over per extra flow"),

@@ -117,8 +117,11 @@ def sd3(steps: int = 20, compiled: bool = False):
     return lambda: Workload.for_variant("sd3-medium", 1024, 1024, steps=steps, compiled=compiled, negative_pass=True)
 
 
-PARAATTENTION = replace(cost.XDIT, name="ParaAttention (context parallel: Ulysses and Ring over torch's collectives)")
-CACHE_DIT = replace(cost.XDIT, name="cache-dit (diffusers' context parallel hooks)")
+# The other codes, where their sources say less, are priced with xDiT's counts; ParaAttention and diffusers' context
+# parallel (cache-dit) split the text with the image tokens.
+PARAATTENTION = replace(cost.XDIT, name="ParaAttention (context parallel: Ulysses and Ring over torch's collectives)",
+                        text_split=True)
+CACHE_DIT = replace(cost.XDIT, name="cache-dit (diffusers' context parallel hooks)", text_split=True)
 RAYLIGHT = replace(cost.XDIT, name="Raylight (xDiT's USP in ComfyUI)")
 
 XDIT_FLUX = "xDiT docs/performance/flux.md"
@@ -127,13 +130,13 @@ FLUX_EAGER_H100_STEP_MS = (6.71 - H100_EAGER_OUTSIDE) * 1e3 / 28
 
 SCENARIOS = (
     Scenario("xdit-flux-h100", "FLUX.1-dev 1024^2 28 steps, H100 NVLink, eager", XDIT_FLUX + ", table 'latency using "
-             "different USP strategies on 4xH100'", flux(), "H100 SXM", "nvlink", 6.71, (
+             "different USP strategies on 4xH100' (added with the optimized USP, xDiT pull request 369)", flux(), "H100 SXM", "nvlink", 6.71, (
                  held("ulysses2", 2, 4.38, "Ulysses at 2 GPUs, eager"),
                  fit("ring2", 2, 5.31, "the ring's launches per layer and hop (LAUNCH_US with the code's counts)"),
                  held("ulysses2,ring2", 4, 5.19, "a hybrid's launches"),
                  fit("ulysses4", 4, 4.24, "the eager launch floor: 4 H100s wait on the host (LAUNCH_US)"),
                  held("ring4", 4, 5.11, "three hops a layer against one (ring2)")),
-             outside=H100_EAGER_OUTSIDE),
+             code=cost.XDIT_USP, outside=H100_EAGER_OUTSIDE),
     Scenario("xdit-flux-h100-compiled", "FLUX.1-dev 1024^2 28 steps, H100 NVLink, torch.compile", XDIT_FLUX + ", the "
              "same table", flux(compiled=True), "H100 SXM", "nvlink", 4.30, (
                  held("ulysses2", 2, 2.68, "compiled Ulysses at 2"),
@@ -142,7 +145,7 @@ SCENARIOS = (
                  fit("ulysses4", 4, 1.63, "the matrix products' fall at a quarter of the tokens (GEMM_HALF_WORK) and "
                                           "the compiled launches (COMPILED_LAUNCH_SHARE)"),
                  fit("ring4", 4, 1.98, "short key blocks (ATTN_HALF_KEYS) and the ring's uncompiled launches")),
-             outside=H100_EAGER_OUTSIDE),
+             code=cost.XDIT_USP, outside=H100_EAGER_OUTSIDE),
     Scenario("xdit-flux-a100", "FLUX.1-dev 1024^2 28 steps, A100 NVLink, eager", XDIT_FLUX + ", figure Flux-A100-crop"
              ".png (8xA100, 1024px; labelled points 12.77, 8.16, 5.55, 4.13 s, the rest read from the plot, +-0.05 s)",
              flux(), "A100 80GB", "nvlink", 12.77, (
