@@ -9,8 +9,9 @@ Per rank and per step (one model call of the whole batch, both passes when cfg !
             (`Code`); an all-to-all across the CPU loses throughput to its concurrent flows (devices.Interconnect);
   host    = eager PyTorch launches every operation from Python: the operations counted per block (launches.py) and
             per sequence-parallel layer and ring hop (`Code`), at LAUNCH_US each; with several ranks the GPU work
-            shrinks and the launches do not; torch.compile leaves COMPILED_LAUNCH_SHARE of the blocks' launches and
-            none of the communication's (collectives and the ring's loop run outside the compiled graphs);
+            shrinks and the launches do not; torch.compile leaves COMPILED_LAUNCH_SHARE of the blocks' launches, and
+            of the communication's only where the code's collectives trace into its graphs (Code.compiled_sp);
+            a ring's merges stream the layer's output at the GPU's memory bandwidth (`merge_ms`);
   step    = max(host, compute + comm).
 A job = warmup steps + steady steps + PipeFusion's pipeline fill (+ a clip's expert copies when the idle one of several
 experts waits in host memory); / batch = seconds per image (transformer only).
@@ -311,18 +312,19 @@ def rate_tflops(hw: Hardware, work, one_gpu_ms: float | None = None) -> tuple[fl
 
 
 @functools.lru_cache(maxsize=32)
-def _calibrated_unit_ms_cached(model: str, width: int, height: int, batch: int, cfg: float) -> float:
-    return unit_ms(ParallelPlan(), Workload.for_variant(model, width, height, batch=batch, negative_pass=cfg != 1))[0]
+def _calibrated_work(model: str, width: int, height: int, batch: int, cfg: float) -> Workload:
+    return Workload.for_variant(model, width, height, batch=batch, negative_pass=cfg != 1)
 
 
 def _calibrated_unit_ms(w: dict) -> float:
     """unit_ms of a calibration entry's one-GPU step (its model at its size; FLUX.1-dev 1024^2's when the entry names a
     model the planner does not know)."""
     try:
-        return _calibrated_unit_ms_cached(w["model"], int(w["width"]), int(w["height"]), int(w.get("batch", 1)),
-                                          float(w.get("cfg", 1.0)))
+        work = _calibrated_work(w["model"], int(w["width"]), int(w["height"]), int(w.get("batch", 1)),
+                                float(w.get("cfg", 1.0)))
     except (ValueError, KeyError):
-        return unit_ms(ParallelPlan(), _reference_work())[0]
+        work = _reference_work()
+    return unit_ms(ParallelPlan(), work)[0]
 
 
 def throughput_tflops(hw: Hardware, work) -> tuple[float, str]:

@@ -2,7 +2,7 @@
 
 Each scenario is one source's runs of one model on one machine: its one-GPU time is the base of every prediction in
 it (`cost.estimate(one_gpu_ms=...)`), so a row checks how the time scales with GPUs and plans, not the absolute rate.
-Each row is marked `fit` (the fitted constants are fitted to it, published.fit_constants) or held out, with the reason,
+Each row is marked `fit` (the fitted constants are fitted to it, fitting.fit_constants) or held out, with the reason,
 and the split was fixed in this file before the constants were fitted. Image rows are here, video rows in
 published_video.py; `validation_table` prints both with every residual.
 
@@ -144,7 +144,7 @@ SCENARIOS = (
                  held("ulysses2,ring2", 4, 1.80, "a compiled hybrid"),
                  fit("ulysses4", 4, 1.63, "the matrix products' fall at a quarter of the tokens (GEMM_HALF_WORK) and "
                                           "the compiled launches (COMPILED_LAUNCH_SHARE)"),
-                 fit("ring4", 4, 1.98, "short key blocks (ATTN_HALF_KEYS) and the ring's uncompiled launches")),
+                 fit("ring4", 4, 1.98, "short key blocks (ATTN_HALF_KEYS) and the ring's merges")),
              code=cost.XDIT_USP, outside=H100_EAGER_OUTSIDE),
     Scenario("xdit-flux-a100", "FLUX.1-dev 1024^2 28 steps, A100 NVLink, eager", XDIT_FLUX + ", figure Flux-A100-crop"
              ".png (8xA100, 1024px; labelled points 12.77, 8.16, 5.55, 4.13 s, the rest read from the plot, +-0.05 s)",
@@ -219,7 +219,7 @@ SCENARIOS = (
                  held("pipefusion2", 2, 1.74), held("ulysses2", 2, 2.00), held("ring2", 2, 2.08),
                  held("pipefusion4", 4, 1.25), held("ulysses4", 4, 1.33), held("ring4", 4, 1.69),
                  held("pipefusion8", 8, 1.12),
-                 fit("ulysses8", 8, 1.36, "3 heads a GPU: the attention kernel's query rows (ATTN_HALF_ROWS)"),
+                 fit("ulysses8", 8, 1.36, "8 GPUs no faster than 4: the launches (LAUNCH_US)"),
                  fit("ring8", 8, 2.22, "key blocks of 512 tokens (ATTN_HALF_KEYS) and 7 hops' launches")),
              outside=A100_OUTSIDE_S, approximate=True),
     Scenario("xdit-sd3-l40", "SD3-medium 1024^2 20 steps cfg, L40 PCIe, eager", "xDiT docs/performance/sd3.md, "
