@@ -21,7 +21,7 @@ from ..families import VARIANTS
 from ..generate.request import default_dtype
 from ..models.load import inspect_model
 from ..parallel import cost
-from ..parallel.devices import GPUS, LINKS, Hardware, find_gpu, link_for
+from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, Hardware, find_gpu, link_for
 from ..parallel.plan import ParallelPlan, feasible, is_exact, plan_problems
 from ..runtime.projection import RESULT, project_job, project_pipefusion, share_request
 from ..runtime.client import Engine
@@ -53,7 +53,7 @@ def register(bench, emit) -> None:
     p.add_argument("--ranks", type=lambda t: types.int_list(t, types.ranks, "2,4,8"), default="2,4,8",
                    help="rank counts P whose plans are projected (the 1-rank row is always there)")
     p.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each share (median)")
-    p.add_argument("--link", choices=list(LINKS), help="the link between the P devices, as the planner models it "
+    p.add_argument("--link", choices=list(LINKS) + list(LINK_ALIASES), help="the link between the P devices, as the planner models it "
                                                        "(default: nvlink with --gpus, cpu (gloo) on the CPU)")
     p.add_argument("--gpu-name", help="the GPU the planner's estimate and link are for (with --gpus; default: the "
                                       "GPU's own)")
@@ -155,7 +155,7 @@ def _placement(ranks: int, device: str) -> tuple[int, tuple[int, ...] | None]:
 
 def _hardware(ranks: int, device: str, link: str, gpu_name: str | None) -> Hardware:
     if device == "cpu":
-        return Hardware(device="cpu", gpus=ranks, link=LINKS[link])
+        return Hardware(device="cpu", gpus=ranks, link=link_for(link, None))
     gpu = find_gpu(gpu_name)
     return Hardware(device="cuda", gpus=ranks, gpu=gpu, gpu_name=gpu.name if gpu else gpu_name,
                     memory_gib=gpu.memory_gib if gpu else None, link=link_for(link, gpu))
