@@ -261,6 +261,10 @@ def _caller() -> str:
 @contextlib.contextmanager
 def _patched_waits(counter: Counter):
     work, pg = dist.Work, dist.ProcessGroup
+    # the class attributes as stored (pybind's method descriptors): read through the class they are unbound
+    # functions, which put back would no longer bind the instance
+    stored = {(cls, name): cls.__dict__[name] for cls, names in ((work, ("wait", "is_completed")),
+                                                                 (pg, ("send", "recv"))) for name in names}
     original = {"wait": work.wait, "is_completed": work.is_completed}
     barrier, synchronize = dist.barrier, torch.cuda.synchronize
     send, recv, batch = pg.send, pg.recv, dist.batch_isend_irecv
@@ -306,9 +310,10 @@ def _patched_waits(counter: Counter):
     try:
         yield
     finally:
-        work.wait, work.is_completed = original["wait"], original["is_completed"]
+        for (cls, name), value in stored.items():
+            setattr(cls, name, value)
         dist.barrier, torch.cuda.synchronize = barrier, synchronize
-        pg.send, pg.recv, dist.batch_isend_irecv = send, recv, batch
+        dist.batch_isend_irecv = batch
 
 
 @contextlib.contextmanager

@@ -230,6 +230,37 @@ def test_the_instrument_sees_each_kind_of_sync(monkeypatch):
     assert [b["wait"] for b in per_step] == [1, 1, 0]
 
 
+def test_a_counted_loop_leaves_torch_distributed_as_it_found_it(monkeypatch):
+    """The instrument patches the wait, send and receive methods of torch's process groups for a counted loop; after
+    it the methods are the very objects they were (a method put back as read through the class would no longer bind
+    its group, and a later point-to-point call in the same process would fail)."""
+    import torch.distributed as dist
+    names = {dist.Work: ("wait", "is_completed"), dist.ProcessGroup: ("send", "recv")}
+    before = {(cls, n): cls.__dict__[n] for cls, ns in names.items() for n in ns}
+    before[(dist, "batch_isend_irecv")], before[(dist, "barrier")] = dist.batch_isend_irecv, dist.barrier
+    monkeypatch.setenv(syncs.ENV, "count")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with syncs.loop({}, torch.device("cpu")):
+            syncs.start()
+            syncs.step(1)
+        after = {(cls, n): (cls.__dict__[n] if isinstance(cls, type) else getattr(cls, n)) for cls, n in before}
+        assert all(after[key] is value for key, value in before.items()), \
+            [f"{key[1]} changed" for key, value in before.items() if after[key] is not value]
+    finally:
+        dist.destroy_process_group()
+    # a send in torch's local stand-in group of two (every collective a local operation) binds its group again
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), 1),
+                                           dist.P2POp(dist.irecv, torch.zeros(2), 1)])
+        for request in requests:
+            request.wait()
+        print("a send and a receive posted after a counted loop:", len(requests))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_instrument_counts_library_made_host_tensors_copied_to_the_device(monkeypatch):
     """torchsde (dpmpp_2m_sde's Brownian tree) makes its tensors naming the CPU: host memory, where they live on a GPU
     rank too, however they were made. A plain .to(device) of a step's increment is a blocking upload from pageable
