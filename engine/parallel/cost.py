@@ -212,6 +212,9 @@ def rate_tflops(hw: Hardware, work, one_gpu_ms: float | None = None) -> tuple[fl
     """The GPU's rate on large matrix products (TFLOP/s, before gemm_slowdown) and where it comes from: a one-GPU step
     given (`one_gpu_ms`), this engine's measured calibration, else rated x the efficiency table."""
     one = ParallelPlan()
+    measured = hw.measured.rate(work) if hw.measured is not None and one_gpu_ms is None else None
+    if measured:   # this machine's devices, measured at this model's widths (parallel/measured.py)
+        return measured
     if one_gpu_ms is not None:
         flops = rank_flops(one, work)[0]
         return flops / one_gpu_ms / 1e9 * gemm_slowdown(gemm_work(one, work)), \
@@ -278,6 +281,8 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     m = patches(plan, work)
     attention_layers = (work.layers + work.dual_layers) / plan.pipefusion * m   # layer runs a step, on this rank
     latency = link.latency_us / 1e3
+    # a measured link (parallel/measured.py) times point-to-point messages apart from collectives: gloo's differ ten-fold
+    p2p_latency = (getattr(link, "p2p_latency_us", None) or link.latency_us) / 1e3
 
     def over(nbytes: float, gbs: float) -> float:
         return nbytes / (gbs * 1e9) * 1e3
@@ -292,13 +297,13 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     if r > 1:
         ring = over(kinds["ring_p2p"], link.bandwidth_gbs)
         ms += ring - code.ring_overlap * min(ring, attention_ms * (r - 1) / r)
-        ms += (r - 1) * attention_layers * latency
+        ms += (r - 1) * attention_layers * p2p_latency
     for kind in ("sp_gather", "cfg_gather", "dp_gather"):
         if kinds[kind]:
             ms += over(kinds[kind], link.bandwidth_gbs) + latency
     if plan.pipefusion > 1:
         p2p = over(kinds["pipefusion_p2p"], link.bandwidth_gbs)
-        ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * latency
+        ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * p2p_latency
     return ms
 
 
@@ -336,9 +341,12 @@ class Estimate:
 
 
 def _steady(plan, work, hw: Hardware, rate: float, code: Code) -> tuple[float, float, float]:
-    """(compute, exposed comm, host) ms of one steady step."""
-    compute, attention = compute_ms(plan, work, rate)
-    return compute, comm_ms(plan, work, hw.link, attention, code, compute), host_ms(plan, work)
+    """(compute, exposed comm, host) ms of one steady step. Measured compute (parallel/measured.py) replaces the
+    modelled where there is one; on CPU ranks it holds the host's own work, which the GPU launch model does not."""
+    measured = hw.measured.compute_ms(plan, work) if hw.measured is not None else None
+    compute, attention = measured or compute_ms(plan, work, rate)
+    host = 0.0 if measured and hw.device == "cpu" else host_ms(plan, work)
+    return compute, comm_ms(plan, work, hw.link, attention, code, compute), host
 
 
 def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: float | None = None) -> Estimate:
