@@ -2,6 +2,7 @@
 interrupt and memory management passed into core. Imported only inside ComfyUI."""
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import replace
 
@@ -21,6 +22,8 @@ _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.Str
           "GUIDER": io.Guider, specs.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 MODEL_WHERE = "models/" + " or models/".join(MODEL_FOLDERS)
+# what the planner measures of this machine lives in ComfyUI's user folder (read when used: ComfyUI may set it late)
+core.REGISTRY.machine_folder = lambda: os.path.join(folder_paths.get_user_directory(), "comfyui-xdit")
 
 
 def _input(f: specs.Field):
