@@ -70,7 +70,11 @@ def run(a) -> int:
     print(f"calibrating {machine.setup} on {machine.describe()}: {ranks} rank(s), {source} "
           f"{a.width or side}x{a.height or side}, {request.dtype}", flush=True)
     t0 = time.perf_counter()
-    with Engine(ranks, device=device, gpus=a.gpus, pin_cpus=a.pin_cpus) as engine:
+    try:
+        engine = Engine(ranks, device=device, gpus=a.gpus, pin_cpus=a.pin_cpus)
+    except ValueError as e:   # e.g. more pinned ranks than cores
+        raise UsageError(f"argument --{'pin-cpus' if a.pin_cpus else 'ranks'}: {e}") from None
+    with engine:
         t_start = time.perf_counter() - t0
         measured = machine.calibrate(engine, [job_of(request)], keep_jobs=a.keep_jobs)
     if a.json:

@@ -227,8 +227,9 @@ class Measured:
         runs = self.figures.get("jobs", {}).get(job_key(work), {})
         if runs:
             parts.append("measured steps: " + ", ".join(
-                f"{plan} {r['step_ms']:.0f} ms (est. {r['predicted_ms']:.0f}, {r['jobs']} job{'s' * (r['jobs'] > 1)})"
-                for plan, r in runs.items()))
+                f"{plan} {r['step_ms']:.0f} ms ("
+                + (f"est. {r['predicted_ms']:.0f}, " if r.get("predicted_ms") is not None else "")
+                + f"{r['jobs']} job{'s' * (r['jobs'] > 1)})" for plan, r in runs.items()))
         if modelled is not None and chosen is not None and modelled.plan != chosen.plan:
             seen = self.step(work, modelled.plan)
             name, mine = modelled.plan.describe(), self.step(work, chosen.plan)

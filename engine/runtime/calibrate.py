@@ -29,6 +29,7 @@ SMALL_BYTES = 4096            # a message whose time is the link's latency
 LARGE_BYTES = 16 * 2**20      # a message whose time is mostly the link's bandwidth
 MAX_BYTES = 256 * 2**20       # the largest message measured (a plan's larger messages are priced at its rate)
 LINK_BUDGET_BYTES = 512 * 2**20   # per size, repeats x bytes: large messages are timed fewer times
+COMPUTE_BUDGET_S = 2.0        # per share, the timed steps after the warm-up (at least one)
 
 
 # ---- the ranks' side ---------------------------------------------------------------------------------------------
@@ -146,7 +147,9 @@ def _compute(model_spec: dict, device: torch.device, repeats: int) -> dict:
             prepared = flow.prepare([Conditioning(request.cond, request.pooled, 3.5)], 1)
             x = torch.randn(request.latent_raw.shape, generator=torch.Generator().manual_seed(0)).to(device)
             sigma = torch.tensor([0.5])
-            step = _timed(lambda: flow.velocity(x, sigma, prepared), device, repeats, warmups=1) * 1e3
+            forward = lambda: flow.velocity(x, sigma, prepared)   # noqa: E731
+            first = _timed(forward, device, 1, warmups=0)   # the warm-up, timed: a long step is timed fewer times
+            step = _timed(forward, device, max(1, min(repeats, int(COMPUTE_BUDGET_S / first))), warmups=0) * 1e3
             points.append({"share": share, "latent": list(request.latent_raw.shape), "step_ms": step})
     finally:
         del flow, loaded, model, first

@@ -244,7 +244,9 @@ class Machine:
             return None
         work = request.workload(inspect_model(request.model))
         hw = hardware or self.hardware()
-        predicted = cost.estimate(request.plan, work, hw).step_ms
+        # CPU ranks have an estimate only from measured compute (their modelled figures are a GPU's)
+        known = hw.device == "cuda" or (hw.measured is not None and hw.measured.covers(work, request.plan.world_size))
+        predicted = cost.estimate(request.plan, work, hw).step_ms if known else None
         data = self._read()
         setup = data["setups"].setdefault(self.setup, {"device": self.device})
         runs = setup.setdefault("jobs", {}).setdefault(job_key(work), {})
