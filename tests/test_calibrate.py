@@ -256,3 +256,12 @@ def test_generate_records_the_jobs_measured_step_for_this_machine(tmp_path, monk
     print(out, seen)
     assert seen["jobs"] == 1 and seen["step_ms"] > 0 and seen["predicted_ms"] is None
     assert not machine.measured().calibrated
+
+
+def test_cpu_ranks_with_only_job_records_are_not_calibrated_before_a_job(tmp_path):
+    """Job records alone make no calibration: a CPU setup is measured only when asked (the engine is not touched)."""
+    machine = Machine("cpu", 2, folder=str(tmp_path))
+    request = tiny_request().validate(2, machine.hardware())
+    machine.record_step(request, 0.1)
+    assert machine.measured() is not None and not machine.measured().calibrated
+    assert machine.ensure(None, request) is False

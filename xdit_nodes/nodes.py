@@ -22,8 +22,19 @@ _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.Str
           "GUIDER": io.Guider, specs.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 MODEL_WHERE = "models/" + " or models/".join(MODEL_FOLDERS)
-# what the planner measures of this machine lives in ComfyUI's user folder (read when used: ComfyUI may set it late)
-core.REGISTRY.machine_folder = lambda: os.path.join(folder_paths.get_user_directory(), "comfyui-xdit")
+
+
+def _machine_folder() -> str | None:
+    """Where what the planner measures of this machine lives: ComfyUI's user folder, read when used (ComfyUI may set
+    it after the pack loads); None (the per-user cache) when ComfyUI names none."""
+    try:
+        user = folder_paths.get_user_directory()
+    except Exception:   # an older ComfyUI without one
+        return None
+    return os.path.join(user, "comfyui-xdit") if isinstance(user, str) and user else None
+
+
+core.REGISTRY.machine_folder = _machine_folder
 
 
 def _input(f: specs.Field):

@@ -220,12 +220,12 @@ class Machine:
         that was measured (on CPU ranks: only by `python -m engine calibrate`) gets the job's model measured when it
         was not. Returns True when new figures were stored (the caller plans again)."""
         measured = self.measured()
-        if measured is None and self.device != "cuda":
-            return False
-        job = job_of(request)
         if measured is None or not measured.calibrated:
-            self.calibrate(engine, [job], keep_jobs=True)
+            if self.device != "cuda":
+                return False
+            self.calibrate(engine, [job_of(request)], keep_jobs=True)
             return True
+        job = job_of(request)
         work = job[1]
         if work.compiled or any(c.get("key") == model_key(work) for c in measured.figures.get("compute", [])):
             return False
@@ -242,6 +242,11 @@ class Machine:
         step_s = result.timings.get("step_s")
         if step_s is None or request.cache_threshold:
             return None
+        return self.record_step(request, step_s, hardware)
+
+    def record_step(self, request: GenerateRequest, step_s: float, hardware: Hardware | None = None) -> dict:
+        """Keep one measured step (a model call of the request's whole batch) of the request's plan on its
+        workload: a generate job's steady step, or a model session's call as ComfyUI's sampler made it."""
         work = request.workload(inspect_model(request.model))
         hw = hardware or self.hardware()
         # CPU ranks have an estimate only from measured compute (their modelled figures are a GPU's)
