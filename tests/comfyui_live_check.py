@@ -58,16 +58,26 @@ cond = [[torch.randn(1, 24, 4096, generator=g), {"pooled_output": torch.randn(1,
 job = dict(engine=engine, seed=1, cfg=1.0, sampler_name="euler", scheduler="simple", positive=cond, negative=cond,
            latent_image={"samples": torch.zeros(1, 16, 16, 16)}, denoise=1.0)
 progress = []
-comfy.utils.set_progress_bar_global_hook(lambda value, total, preview, node_id=None: progress.append([value, total]))
+# what the pack reports, before ComfyUI's progress bar passes it on (newer ComfyUIs throttle the hook by time)
+update_absolute = comfy.utils.ProgressBar.update_absolute
+
+
+def recorded(self, value, total=None, preview=None):
+    progress.append([value, total])
+    return update_absolute(self, value, total, preview)
+
+
+comfy.utils.ProgressBar.update_absolute = recorded
 first = run(S, steps=4, **job)[0]["samples"]
+comfy.utils.ProgressBar.update_absolute = update_absolute
 report.update(latent_shape=list(first.shape), finite=bool(torch.isfinite(first).all()), progress=progress[:])
 
 seen = []
 
 
-def interrupt_at_2(value, total, preview, node_id=None):
+def interrupt_at_2(value, total, preview, node_id=None, prompt_id=None):
     seen.append(value)
-    if value == 2:
+    if value >= 2 and not any(v >= 2 for v in seen[:-1]):   # the hook may skip steps (throttled by time)
         mm.interrupt_current_processing(True)  # what the UI's cancel and POST /interrupt do
 
 

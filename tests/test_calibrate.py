@@ -3,10 +3,12 @@ machine, a link made slow on purpose switching auto's plan, finished jobs' measu
 (and the reason saying why), measured free memory refusing what a card does not hold, mixed devices at their own
 rates, and where the figures are stored. Timings are printed; what is asserted is what any 2-core machine gives."""
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
 import os
+import re
 import types
 
 import pytest
@@ -100,12 +102,13 @@ def test_a_job_records_its_measured_step_and_the_next_auto_weighs_it(tmp_path, e
 
 # ---- the planner on measured figures (no ranks) ------------------------------------------------------------------
 def figures(step_ms: dict[int, float], *, latency_us=300.0, gbs=2.0, free_gib=None, device="cpu", jobs=None) -> dict:
-    """A setup's figures for the tiny FLUX job: rank r's one-rank step `step_ms[r]` (ms) at every size, a link."""
-    work = tiny_work()
-    flops = cost.rank_flops(ParallelPlan(), work)[0]
-    one = cost.gemm_work(ParallelPlan(), work)
-    points = lambda ms: [{"share": s, "tokens": 576, "gemm_work": one / s, "tflop": flops / s / 1e12, "ms": ms / s}
-                         for s in (1, 2)]
+    """A setup's figures for the tiny FLUX job: rank r's one-rank step `step_ms[r]` (ms), half of it on half the image
+    tokens; a link."""
+    work, one = tiny_work(), ParallelPlan()
+    shares = {s: dataclasses.replace(work, image_tokens=work.image_tokens // s) for s in (1, 2)}   # a rank's tokens
+    points = lambda ms: [{"share": s, "tokens": w.image_tokens + w.text_tokens, "gemm_work": cost.gemm_work(one, w),
+                          "tflop": cost.rank_flops(one, w)[0] / 1e12, "unit_ms": cost.unit_ms(one, w)[0],
+                          "ms": ms / s} for s, w in shares.items()]   # twice as fast on half the tokens
     return {"device": device,
             "devices": [{"device": device, **({"free_gib": free_gib, "total_gib": 24.0} if free_gib else {})}
                         for _ in step_ms],
@@ -137,12 +140,12 @@ def test_plans_measured_slower_than_one_ranks_estimate_are_not_chosen_again_and_
     assert first.plan == ParallelPlan(ulysses=2), first.reason          # the model's choice on measured figures
     second = auto({"ulysses2": 400.0})
     assert second.plan == ParallelPlan(ring=2), second.reason           # the next best estimate
-    assert "but a job measured it at 400 ms/step, slower than ring2's est. 53" in second.reason
+    assert "but a job measured it at 400 ms/step, slower than ring2's est. " in second.reason
     third = auto({"ulysses2": 400.0, "ring2": 380.0})
     print(first.reason, "\n", second.reason, "\n", third.reason)
     assert third.plan == ParallelPlan() and "on 1 of 2 ranks" in third.reason
-    assert ("the model alone would choose ulysses2 (est. 56 ms/step), but a job measured it at 400 ms/step, slower "
-            "than single rank's est. 100") in third.reason
+    assert re.search(r"the model alone would choose ulysses2 \(est. \d+ ms/step\), but a job measured it at 400 "
+                     r"ms/step, slower than single rank's est. 100$", third.reason)
 
 
 def test_a_plan_measured_slower_than_another_plans_measurement_gives_way_to_it():
@@ -182,13 +185,13 @@ def test_measured_free_memory_refuses_a_plan_that_the_cards_size_would_fit():
 
 
 def test_mixed_devices_are_priced_each_at_its_own_measured_rate():
-    work = tiny_work()
-    m = Measured("cpu:2", figures({0: 100.0, 1: 300.0}))
-    one, two = m.compute_ms(ParallelPlan(), work)[0], m.compute_ms(ParallelPlan(ulysses=2), work)[0]
+    work, u2 = tiny_work(), ParallelPlan(ulysses=2)
+    mixed = Measured("cpu:2", figures({0: 100.0, 1: 300.0}))
+    one, two = mixed.compute_ms(ParallelPlan(), work)[0], mixed.compute_ms(u2, work)[0]
     print(f"one rank {one:.1f} ms, ulysses2 {two:.1f} ms")
     assert one == pytest.approx(100.0)                    # rank 0 alone: its own rate
-    assert two == pytest.approx(300.0 / 2 * cost.rank_flops(ParallelPlan(ulysses=2), work)[0] * 2
-                                / cost.rank_flops(ParallelPlan(), work)[0], rel=0.2)   # the slower rank sets the pace
+    assert two == pytest.approx(Measured("cpu:2", figures({0: 300.0, 1: 300.0})).compute_ms(u2, work)[0])
+    assert two > Measured("cpu:2", figures({0: 100.0, 1: 100.0})).compute_ms(u2, work)[0] * 2.9   # the slower rank's
 
 
 def test_a_measured_link_prices_all_to_alls_and_point_to_point_messages_at_their_own_latency():

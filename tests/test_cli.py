@@ -426,7 +426,7 @@ def test_the_default_compute_dtype_is_bf16_on_gpus_and_fp32_on_cpu_for_generate_
     assert generate.build_request(parser.parse_args(base + ["--gpus", "0"])).dtype == "bf16"
     assert generate.build_request(parser.parse_args(base + ["--gpus", "0", "--dtype", "fp16"])).dtype == "fp16"
     measured = []   # bench overhead: the dtype it would measure in (the measurement itself is not run here)
-    monkeypatch.setattr(bench, "bench_overhead", lambda *args: measured.append(args[6]) or [])
+    monkeypatch.setattr(bench, "bench_overhead", lambda *args, **kwargs: measured.append(args[6]) or [])
     for gpus in ([], ["--gpus", "0"]):
         a = parser.parse_args(["bench", "overhead", *gpus])
         assert a.run(a) == 0

@@ -70,7 +70,10 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     assert report["progress"] == [[1, 4], [2, 4], [3, 4], [4, 4]]
     # interrupted at step 2: the ranks agree on a cancel at the check after the next step (no step waits for the
     # agreement), so they stop by step 4
-    assert isinstance(report["interrupt"], dict) and max(report["interrupt"]["steps_seen"]) <= 4
+    assert isinstance(report["interrupt"], dict)
+    seen = report["interrupt"]["steps_seen"]   # the hook may skip steps (newer ComfyUIs throttle it by time)
+    asked = next(v for v in seen if v >= 2)
+    assert max(seen) <= asked + 2
     assert report["interrupt"]["flag_after"] is False and report["next_job_identical"]
     assert "2 conditioning entries" in report["bad_input_error"]
     assert "last job: plan ulysses2" in report["info"] and "LoRA:" in report["info"] and "unloaded: 1" in report["info"]
@@ -184,7 +187,7 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
             ("wan", "wan2.2-a14b", "tiny-wan2.2-a14b.safetensors", {}),
             ("wan", "wan2.2-a14b", "tiny-wan2.2-a14b-low.safetensors", {"seed": 1}),
             ("wan", "wan2.2-ti2v-5b", "tiny-wan2.2-ti2v-5b.safetensors", {})):
-        folder = setup["dir"] / name
+        folder = setup["dir"] / f"written-{name}"   # a folder of its own: write_tiny names the file by variant
         folder.mkdir(exist_ok=True)
         path = write_tiny(family, str(folder), **({"variant": variant} if variant else {}), **kw)
         shutil.copy(path, setup["models"] / "diffusion_models" / name)

@@ -41,10 +41,12 @@ SD3_MEDIUM_1024 = dict(variant="sd3-medium", heads=24, layers=24, image_tokens=4
 
 @pytest.mark.parametrize("model,ranks,batch,negative,expected,used", [
     (SD3_MEDIUM_1024, 2, 1, True, "cfg2", 2),                  # real CFG: the two passes on separate ranks
-    (FLUX_DEV_1024, 2, 1, False, "ulysses2", 2),               # cfg 1.0: nothing to split but the tokens
-    (FLUX_DEV_1024, 4, 2, False, "dp2 x ulysses2", 4),         # a batch splits before the tokens do
-    # eager, 4 GPUs already wait on the host's launches (cfg2 x ulysses4 is no faster): as fast on fewer GPUs
-    (SD3_MEDIUM_1024, 8, 1, True, "cfg2 x ulysses2", 4),
+    # cfg 1.0: nothing to split but the tokens; ring2 and ulysses2 are within 10%, and with the text whole on every
+    # rank (this Workload's default) Ulysses also gathers the text's output: ring2 sends less
+    (FLUX_DEV_1024, 2, 1, False, "ring2", 2),
+    (FLUX_DEV_1024, 4, 2, False, "dp2 x ring2", 4),            # a batch splits before the tokens do
+    # eager, 6 GPUs already wait on the host's launches (cfg2 x ulysses4 is no faster): as fast on fewer GPUs
+    (SD3_MEDIUM_1024, 8, 1, True, "cfg2 x ulysses3", 6),
     (FLUX_DEV_1024, 1, 1, False, "single rank", 1),
     # 5 heads (ulysses 2 cannot divide them) of a narrow model: ring2's launches cost more than the work it splits
     (dict(FLUX_DEV_1024, heads=5), 2, 1, False, "single rank", 1),

@@ -21,7 +21,7 @@ from ..families import VARIANTS
 from ..generate.request import default_dtype
 from ..models.load import inspect_model
 from ..parallel import cost
-from ..parallel.devices import GPUS, LINKS, Hardware, Interconnect, find_gpu, link_for
+from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, Hardware, Interconnect, find_gpu, link_for
 from ..parallel.measured import Measured, MeasuredLink
 from ..parallel.plan import ParallelPlan, feasible, is_exact, plan_problems
 from ..runtime.projection import RESULT, project_job, project_pipefusion, share_request
@@ -57,7 +57,7 @@ def register(bench, emit) -> None:
     p.add_argument("--ranks", type=lambda t: types.int_list(t, types.ranks, "2,4,8"), default="2,4,8",
                    help="rank counts P whose plans are projected (the 1-rank row is always there)")
     p.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each share (median)")
-    p.add_argument("--link", choices=[MEASURED] + list(LINKS),
+    p.add_argument("--link", choices=[MEASURED] + list(LINKS) + list(LINK_ALIASES),
                    help="the link between the P devices: measured (on the CPU: 2 pinned gloo ranks, calibrated "
                         "now; with --gpus: this machine's stored calibration, python -m engine calibrate --gpus), or "
                         "one of the planner's modelled links (default: measured on the CPU, nvlink with --gpus)")
@@ -162,7 +162,7 @@ def _placement(ranks: int, device: str) -> tuple[int, tuple[int, ...] | None]:
 def _hardware(ranks: int, device: str, link, gpu_name: str | None) -> Hardware:
     """`link`: a modelled link's name, or a measured Interconnect."""
     if device == "cpu":
-        return Hardware(device="cpu", gpus=ranks, link=LINKS[link] if isinstance(link, str) else link)
+        return Hardware(device="cpu", gpus=ranks, link=link_for(link, None) if isinstance(link, str) else link)
     gpu = find_gpu(gpu_name)
     return Hardware(device="cuda", gpus=ranks, gpu=gpu, gpu_name=gpu.name if gpu else gpu_name,
                     memory_gib=gpu.memory_gib if gpu else None,
@@ -307,7 +307,8 @@ def bench_project(variant: str, size: str, gpus: list[int] | None, width: int, h
         print(markdown(header, rows))
         print(f"share: one rank's job with every collective a local stand-in of the same shapes (rank 0; PipeFusion: "
               f"every stage, the pipeline assembled as the planner does); link: the plan's collectives over the link "
-              f"above ({how}), priced by the planner's communication model; planner: cost.estimate with its one-device step taken from the 1-rank share "
+              f"above ({how}), priced by the planner's communication model; planner: cost.estimate with its "
+              f"one-device step taken from the 1-rank share "
               f"({one.share_s / steps * 1e3:.1f} ms){', and with the GPU table rate' if device == 'cuda' else ''}"
               f". P ranks here mean P devices like this one"
               f"{'' if device == 'cuda' else ' (on the CPU: a rank per core set, as pinned above)'}.")
@@ -403,7 +404,8 @@ def _validate(names: tuple[str, ...], fields: dict, work, repeats: int, worker_f
                     "projected, shares at once", "real 2 ranks s/image", "residual", "residual, at once"), rows))
     print(f"cores: rank 0 {sets[0]}, rank 1 {sets[1]}, for the shares and the real ranks alike. real: the engine job's "
           f"compute on the slower rank. residual = projected / real - 1: the method (one rank's share alone + the "
-          f"link's time for the plan's collectives). at once: both ranks' shares run together without communicating (the slower one counts), which "
+          f"link's time for the plan's collectives). at once: both ranks' shares run together without communicating "
+          f"(the slower one counts), which "
           f"takes out what running side by side costs on a shared CPU (caches, memory bandwidth, other processes on "
           f"the machine) and leaves the collectives' real cost, real - at once, against the link's.")
     return out

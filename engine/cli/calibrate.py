@@ -18,8 +18,8 @@ from .args import UsageError
 
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine's GPUs (or CPU ranks) and links for the planner",
-                       description="Start the engine's ranks on --gpus (or --ranks CPU ranks) and measure: the topology "
-                                   "(nvidia-smi topo -m, CUDA peer access), each pair's and each group's all-to-all "
+                       description="Start the engine's ranks on --gpus (or --ranks CPU ranks) and measure: the "
+                                   "topology (nvidia-smi topo -m, CUDA peer access), each pair's and each group's all-to-all "
                                    "latency and bandwidth at the sizes the plans send, a model's step at its real "
                                    "widths on every device, and each GPU's memory free once a CUDA context exists. The "
                                    "figures are stored per machine (GPUs, driver, torch) and the planner uses them in "

@@ -13,8 +13,8 @@ from ..generate.inputs import check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
-from ..parallel import cost, fits, published, published_video
-from ..parallel.devices import GPUS, LINKS, find_gpu, host_link_gbs, stated_hardware
+from ..parallel import cost, fits, published
+from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, PCIE_A2A_CONTENTION, find_gpu, host_link_gbs, stated_hardware
 from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
                              Workload, candidates, feasible, plan_problems)
 from ..parallel.planner import pipefusion_refusal, resolve_plan, survey
@@ -23,8 +23,9 @@ from . import args as types
 from . import describe
 from .args import UsageError
 
-DEFAULT_GPU = {"pcie": "H100 PCIe", "pcie-no-peer": "H100 PCIe"}   # else H100 SXM: an H100 of the kind that link has
-STATED_LINKS = [k for k in LINKS if k != "cpu"]                    # CPU ranks share one host: nothing to estimate
+# an H100 of the kind the link has: H100 PCIe over any PCIe class, else H100 SXM
+DEFAULT_GPU = {k: "H100 PCIe" for k in list(LINKS) + list(LINK_ALIASES) if k.startswith("pcie")}
+STATED_LINKS = [k for k in LINKS if k != "cpu"] + list(LINK_ALIASES)   # CPU ranks share one host: nothing to estimate
 
 
 def model_or_variant(text: str) -> str:
@@ -57,8 +58,11 @@ def register(sub) -> None:
                         f"(required unless --validate)")
     p.add_argument("--gpus", type=types.ranks, help="number of GPUs, 1 to 8, one rank each (required unless "
                                                     "--validate)")
-    p.add_argument("--interconnect", choices=STATED_LINKS, help="the link between the GPUs (required unless "
-                                                                "--validate)")
+    p.add_argument("--interconnect", choices=STATED_LINKS,
+                   help="the topology class of the link between the GPUs, the worst path between any two of them as "
+                        "nvidia-smi topo -m shows it: nvlink (NV#), pcie-switch (PIX, PXB), pcie-bridge (PHB, NODE), "
+                        "pcie-socket (SYS), pcie-no-peer (no peer access, e.g. GeForce cards), network; pcie means "
+                        "pcie-bridge (required unless --validate)")
     p.add_argument("--width", type=types.pixels, default=1024, help="image width in pixels")
     p.add_argument("--height", type=types.pixels, default=1024, help="image height in pixels")
     p.add_argument("--frames", type=types.positive_int, default=1,
@@ -97,7 +101,11 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help='print {"chosen": ..., "one_gpu": ..., "candidates": [...]} '
                                                        "instead of the tables")
     p.add_argument("--validate", action="store_true", help="print the cost model against published multi-GPU runs "
-                                                           "(residuals; which rows set its constants) and exit")
+                                                           "(every residual; which rows its constants are fitted to, "
+                                                           "which are held out) and exit")
+    p.add_argument("--memory-table", action="store_true",
+                   help="print the GiB per GPU of each model, weight format and plan at 1024x1024 (the README's "
+                        "Requirements table) and exit")
     p.add_argument("--fit-table", action="store_true",
                    help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
                         "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")
@@ -132,15 +140,20 @@ def _header(info, work: Workload, hw, a) -> list[str]:
              f"{', compiled' if work.compiled else ', eager'}, {work.image_tokens} image + {work.text_tokens} text "
              f"tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / GiB:.1f} GiB): "
              f"{cost.step_tflop(work):.1f} TFLOP per step",
-             (f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:{'.1f' if hw.measured else 'g'}} GiB each, {tflops:.0f} TFLOP/s effective on one "
-              f"GPU ({source})" if hw.device == "cuda" else
+             (f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:{'.1f' if hw.measured else 'g'}} GiB each, "
+              f"{tflops:.0f} TFLOP/s effective on one GPU ({source})" if hw.device == "cuda" else
               f"hardware  {hw.describe()}, {tflops * 1e3:.3g} GFLOP/s on one rank ({source})")]
     if hw.gpus > 1:
+        contention = PCIE_A2A_CONTENTION if link.contention is None else link.contention
         lines.append(f"link      {link.describe()}: {link.bandwidth_gbs:.4g} GB/s per GPU, {link.latency_us:.4g} us per "
-                     f"call" + (f"; an all-to-all of n GPUs gets (2/n)^{link.a2a_exponent:g} of that (PCIe)"
-                                if link.tree else ""))
-    lines.append(f"code      {cost.engine_code().name}: ring overlap {cost.RING_OVERLAP:g}, PipeFusion overlap "
-                 f"{cost.PIPEFUSION_OVERLAP:g}, {cost.ULYSSES_CALLS_PER_LAYER} all-to-alls per attention layer")
+                     f"call" + (f"; an all-to-all of n GPUs gets 1 / (1 + {contention:.2f} x (n - 2)) of that (flows "
+                                f"through the CPU)" if link.tree else ""))
+    code = cost.engine_code()
+    lines.append(f"code      {code.name}: ring overlap {code.ring_overlap:g}, PipeFusion overlap "
+                 f"{code.pipefusion_overlap:g}, {code.ulysses_calls_per_layer} all-to-alls per attention layer; launches "
+                 f"{cost.launches.ops_per_block(work.variant):.0f} a block, + {code.ulysses_ops} a Ulysses layer, "
+                 f"+ {code.ring_layer_ops} a ring layer and {code.ring_hop_ops} a hop, {cost.LAUNCH_US:.1f} us each"
+                 + (f", {cost.COMPILED_LAUNCH_SHARE:.0%} of the blocks' compiled" if work.compiled else ""))
     if hw.measured is not None:
         lines.append(f"measured  {', '.join(hw.measured.sources(work))}: {'; '.join(hw.measured.summary())}")
     else:
@@ -198,12 +211,12 @@ def _experts(work: Workload, hw, e: cost.Estimate) -> list[str]:
 def _required(a) -> None:
     missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
     if missing:
-        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate or "
-                         f"--fit-table alone)")
+        raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate, "
+                         f"--memory-table or --fit-table alone)")
 
 
 def _validate() -> int:
-    print("\n".join(published.validation_table() + [""] + published_video.validation_table()))
+    print("\n".join(published.validation_table() + [""] + published.summary()))
     return 0
 
 
@@ -212,6 +225,9 @@ def run(a) -> int:
         return _validate()
     if a.fit_table:
         print("\n".join(fits.header() + fits.fit_table()))
+        return 0
+    if a.memory_table:
+        print("\n".join(fits.memory_table()))
         return 0
     if a.measured:
         if a.model is None:

@@ -1,30 +1,35 @@
 """The planner's cost model: for one plan, workload and hardware, the time of a whole denoising job per image and the
-memory each GPU needs, from FLOPs, bytes, launches and a few fitted constants.
+memory each GPU needs, from FLOPs, bytes and counted launches, with a few fitted constants.
 
 Per rank and per step (one model call of the whole batch, both passes when cfg != 1):
-  compute = the rank's FLOPs at the GPU's one-GPU rate, slowed as the rank's matrix products shrink (`gemm_slowdown`);
-  comm    = each collective's real call count x latency + bytes / bandwidth, less what the code overlaps (`Code`);
-  host    = eager PyTorch launches every op from Python, so a step takes at least the launches (`host_ms`); with
-            several ranks the GPU work shrinks and the launches do not;
+  compute = the rank's matrix products at the GPU's large-matrix rate, slowed as they shrink (`gemm_slowdown`), plus
+            each attention call at a kernel efficiency that falls with short query and key blocks
+            (`attention_efficiency`): a ring of r runs r calls a layer on key blocks of 1/r;
+  comm    = each collective's real call count x the link's latency + bytes / bandwidth, less what the code overlaps
+            (`Code`); an all-to-all across the CPU loses throughput to its concurrent flows (devices.Interconnect);
+  host    = eager PyTorch launches every operation from Python: the operations counted per block (launches.py) and
+            per sequence-parallel layer and ring hop (`Code`), at LAUNCH_US each; with several ranks the GPU work
+            shrinks and the launches do not; torch.compile leaves COMPILED_LAUNCH_SHARE of the blocks' launches, and
+            of the communication's only where the code's collectives trace into its graphs (Code.compiled_sp);
+            a ring's merges stream the layer's output at the GPU's memory bandwidth (`merge_ms`);
   step    = max(host, compute + comm).
 A job = warmup steps + steady steps + PipeFusion's pipeline fill (+ a clip's expert copies when the idle one of several
 experts waits in host memory); / batch = seconds per image (transformer only).
 
-The one-GPU rate is this engine's measured step (calibration.json) when the GPU has one, else rated x the efficiency
-table (devices.EFFICIENCY, with its sources); the validation against published runs gives the published one-GPU
-step instead (`estimate(one_gpu_ms=...)`). Constants fitted to published runs are named with the run that set them;
-published.fit_constants re-derives them and published.validation_table prints every published row against the model
-with its residual, the rows not used for fitting marked held out. The model is coarse (FLOPs and bytes, not
-kernels), good to perhaps 10-20%: `TIE` is how close two estimates must be for the planner to call them equal.
+The large-matrix rate comes from a one-GPU step: this engine's measured step (calibration.json) when the GPU has one,
+else rated x the efficiency table (devices.EFFICIENCY, with its sources); the validation against published runs gives
+the published one-GPU step instead (`estimate(one_gpu_ms=...)`). Each rate is the one at which the model's one-GPU
+step takes that time. The fitted constants are fitted together (least squares on the log of the time) to the
+published rows that published.py and published_video.py mark "fit", and judged on the others (published.py prints
+every residual). `TIE` is how close two estimates must be for the planner to call them equal.
 """
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import calibration
-from .devices import Hardware, Interconnect, efficiency, host_link_gbs
+from . import calibration, launches
+from .devices import Hardware, Interconnect, efficiency, host_link_gbs, memory_gbs
 from .memory import host_gib_per_machine, memory_gib, stage_memory_gib
 from .pipefusion.layout import analytic_p2p_bytes
 from .plan import (DTYPE_BYTES, HOST, RESIDENT, ParallelPlan, Workload, items_per_rank, joint_text, shard_tokens,
@@ -35,7 +40,7 @@ TIE = 0.10               # estimates within 10% of the fastest are a tie: the pl
                          # simpler one; and across rank counts, the fewer GPUs
 DUAL_WIDTH = 4           # SD3.5-medium's second, image-only attention: qkv 3 + out 1
 
-# ---- what the code overlaps and how many calls it makes (change these when the code changes) ------------------
+# ---- what the code overlaps, how many calls it makes and what it launches ----------------------------------------
 # Ring attention hides each K/V transfer behind the attention of the block in hand: attention.py's `_ring` posts the
 # next hop before computing the current block (double buffering), so up to min(transfer, attention of r-1 blocks)
 # hides: 1. Ulysses' all-to-alls are always exposed: the attention needs their output.
@@ -48,43 +53,72 @@ ULYSSES_CALLS_PER_LAYER = 2   # all-to-alls per attention layer: q, k and v out 
 
 @dataclass(frozen=True)
 class Code:
-    """The parallel code whose time is estimated: what it overlaps and how many calls it makes. `engine_code()` is
-    this engine's (read at call time, so a test may change RING_OVERLAP); XDIT is the code that produced the
-    published runs the model is checked against."""
+    """The parallel code whose time is estimated: what it overlaps, how many calls it makes and what the host launches
+    for it. `engine_code()` is this engine's (read at call time, so a test may change RING_OVERLAP); XDIT is the code
+    that produced most of the published runs the model is checked against."""
     name: str
     ring_overlap: float          # share of a ring hop's transfer hidden behind the attention of the block in hand
     pipefusion_overlap: float    # share of a patch's stage-to-stage transfer hidden behind the next patch's compute
     ulysses_calls_per_layer: int
+    ulysses_ops: int = 29        # operations Ulysses adds to an attention layer (its exchanges and reshapes)
+    ring_layer_ops: int = 4      # operations a ring adds to an attention layer once
+    ring_hop_ops: int = 20       # and per hop: post and wait, the block's attention, the log-sum-exp merge
+    merge_bytes: int = 18        # bytes a hop's merge streams per output element (the block's output widened to
+    #                              fp32, the running output read and written)
+    pipefusion_layer_ops: int = 2   # operations a PipeFusion patch adds to an attention layer (its stale K/V written)
+    text_split: bool = True      # the text splits with the image tokens where the model and degree allow (False:
+    #                              every rank computes the whole text in every block)
+    compiled_sp: bool = False    # torch.compile takes the sequence-parallel operations into its graphs too
 
 
 def engine_code() -> Code:
-    return Code("this engine", RING_OVERLAP, PIPEFUSION_OVERLAP, ULYSSES_CALLS_PER_LAYER)
+    ops = launches.ENGINE_SP_OPS
+    return Code("this engine", RING_OVERLAP, PIPEFUSION_OVERLAP, ULYSSES_CALLS_PER_LAYER, ops["ulysses"],
+                ops["ring_layer"], ops["ring_hop"], MERGE_BYTES, ops["pipefusion_layer"])
 
 
-# yunchang's ring (xDiT's) posts the next hop's send/recv before computing the current block and waits after it;
-# xDiT's PipeFusion pre-posts its receives; its Ulysses exchanges q, k, v and the output: 4 all-to-alls a layer.
-XDIT = Code("xDiT (yunchang ring with the next hop posted ahead, PipeFusion with receives posted ahead)", 1.0, 1.0, 4)
+# attention.py's _merge: the block's bf16 output widened to fp32 (2 read, 4 written), lerp reading it and the running
+# fp32 output and writing that (12): 18 bytes an element. Streaming kernels reach ~80% of the datasheet bandwidth.
+MERGE_BYTES = 18
+STREAM_SHARE = 0.8
 
-# ---- fitted constants (each names the published run that set it; published.fit_constants() re-derives them) ----
+
+# xDiT (xfuser's xFuserLongContextAttention over yunchang, read from their source): Ulysses exchanges q, k, v packed
+# and the output back (yunchang's all_to_all_4D: reshape, transpose, copy, all_to_all_single, reshape, transpose, copy
+# each way; 4 all-to-alls a layer counting the packed one as three, as its latency is paid per tensor in older
+# releases), ~34 operations with the text's concatenations; its ring posts each hop's send/recv ahead of the block
+# (RingComm: two buffers and a batched send/recv pair, 6), runs flash-attn's forward (4) and yunchang's log-sum-exp
+# update (11): ~21 a hop, and ~10 a layer (the text's concatenation, the output's cast, the LSE's reshape); the update
+# streams ~38 bytes an output element (widen 6, out - block_out 12, x sigmoid 8, out - that 12). Its PipeFusion writes a
+# patch's K/V into the layer's buffer through its cache manager (~6 operations a layer). The whole attention is
+# excluded from torch.compile (torch.compiler.disable).
+XDIT = Code("xDiT (xFuser over yunchang: ring with the next hop posted ahead, PipeFusion with receives posted ahead)",
+            1.0, 1.0, 4, ulysses_ops=34, ring_layer_ops=10, ring_hop_ops=21, merge_bytes=38, pipefusion_layer_ops=6,
+            text_split=False)
+# xDiT's "optimized USP" for FLUX.1 (examples/flux_usp_example.py and xfuser/model_executor/layers/usp.py, November
+# 2024, the code of its 4xH100 table): the text split with the image tokens; Ulysses through torch's functional
+# all_to_all_single, each of q, k, v and the output permuted, copied, exchanged, waited on and reshaped (~9 operations
+# each, 36 a layer); the ring is torch's _templated_ring_attention (per hop a rotation, the flash kernel and its
+# merger, ~16; ~5 a layer). Functional collectives trace, so torch.compile takes them into its graphs.
+XDIT_USP = Code("xDiT's optimized USP (torch's functional all-to-all and templated ring attention)", 1.0, 1.0, 4,
+                ulysses_ops=36, ring_layer_ops=5, ring_hop_ops=16, merge_bytes=38, text_split=True, compiled_sp=True)
+
+# ---- fitted constants (fitting.fit_constants() re-derives them from the rows marked "fit") ----------------------------
 # A rank's matrix products run at rate / gemm_slowdown(work), work = GEMM rows x hidden width per model call (rows:
-# the tokens of the call x the items of its batch): small products fill the GPU poorly. 1 + GEMM_HALF_WORK / work is
-# 1.13 for a one-GPU FLUX.1-dev 1024^2 step and 1.53 at a quarter of its tokens. Set by xDiT's FLUX.1-dev compiled
-# Ulysses-4 on 4xH100 (1.63 s against 4.30 s on one).
-GEMM_HALF_WORK = 1.88e6
-# Eager host time per transformer block and model call (ms): every op is launched from Python. Set by xDiT's
-# SD3-medium cfg2 x pipefusion4 on 8xA100 (0.90 s: 4 patches x 6 blocks a step, launch-bound).
-HOST_MS_BLOCK = 1.72
-# Extra host time per block when the block is sequence parallel (the exchanges' reshapes and calls). Set by xDiT's
-# FLUX.1-dev eager Ulysses-4 on 4xH100 (4.24 s: GPU work ~85 ms a step, the step ~150).
-HOST_MS_SP = 0.94
-# Extra host time per block with a ring (per-block log-sum-exp merges in eager fp32). Set by xDiT's FLUX.1-dev eager
-# Ring-2 on 2xH100 (5.31 s).
-HOST_MS_RING = 0.67
-# torch.compile fuses elementwise chains: the host launches a share of the eager kernels. Set by xDiT's FLUX.1-dev
-# compiled Ring-4 on 4xH100 (1.98 s: slower than Ulysses-4's 1.63 with less GPU work, so launch-bound).
-COMPILED_HOST_SHARE = 0.37
-# The rows the efficiency table's shares were measured at: a one-GPU FLUX.1-dev 1024^2 step (4096 + 512 tokens).
-REFERENCE_GEMM_WORK = (4096 + 512) * 3072
+# the tokens of the call x the items of its batch): small products fill the GPU poorly.
+GEMM_HALF_WORK = 1.0e4
+# An attention call runs at attention_efficiency(rows, keys) of the large-matrix rate: rows = the query rows the
+# kernel spreads over the GPU (queries x heads x items), keys = the keys each query meets in this call; each factor
+# saturates, x / (x + HALF). Rows: flash attention runs a 128-row query tile per SM at a time, so a call of one wave of
+# tiles on a GPU of ~128 SMs (16384 rows) fills it half as well as a long call (not fitted). Keys: a tile's fixed work
+# (loading its queries, the softmax's rescaling, writing its output and log-sum-exp) weighs on short key blocks
+# (fitted).
+ATTN_HALF_ROWS = 16384.0
+ATTN_HALF_KEYS = 1024.0
+# Host microseconds per launched operation in eager PyTorch (Python, the dispatcher, the CUDA launch).
+LAUNCH_US = 13.6
+# torch.compile fuses a block's elementwise chains: this share of its eager launches remains.
+COMPILED_LAUNCH_SHARE = 0.448
 
 
 # ---- what each method sends (the closed forms `bench comm` checks against the engine's own counts) -----------
@@ -203,30 +237,77 @@ def gemm_slowdown(work_size: float) -> float:
     return 1 + GEMM_HALF_WORK / work_size
 
 
+def attention_efficiency(rows: float, keys: float) -> float:
+    """The share of the large-matrix rate an attention call reaches: rows = query rows x heads x items the kernel
+    spreads over the GPU, keys = the keys each query meets in the call."""
+    return rows / (rows + ATTN_HALF_ROWS) * keys / (keys + ATTN_HALF_KEYS)
+
+
+def attention_calls(plan, work) -> list[tuple[float, float, float, float]]:
+    """One rank's attention calls per model call, as (calls, FLOPs each, query rows x heads x items, keys each):
+    each joint layer once, or r times on key blocks of 1/r under a ring of r; PipeFusion's patches each run their
+    stage's layers, a patch's queries against the whole latent's keys; SD3.5-medium's image-only attention; Wan's
+    cross-attention to the text. FLOPs add up to rank_flops' attention."""
+    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
+    split = text_split(plan, work)
+    n_img, n_txt = work.image_tokens, joint_text(work)
+    n_pad = shard_tokens(n_img, p) * p
+    items, heads, m = items_per_rank(plan, work), work.heads / u, patches(plan, work)
+    layers, dual = work.layers / plan.pipefusion, work.dual_layers / plan.pipefusion
+    width = work.heads * work.head_dim / u
+
+    def calls(count, queries, keys):
+        queries /= m   # a patch's queries (the whole call's without PipeFusion)
+        return (count * m * r, 4 * queries * keys / r * width * items, queries * heads * items, keys / r)
+    out = [calls(layers, n_pad / r + (n_txt / r if split else n_txt), n_img + n_txt)]
+    if dual:
+        out.append(calls(dual, n_pad / r, n_img))
+    if work.text_cross:   # the rank's queries, every head, against the whole text: one call a layer
+        queries = n_pad / p / m
+        out.append((layers * m, 4 * queries * work.text_tokens * work.heads * work.head_dim * items,
+                    queries * work.heads * items, work.text_tokens))
+    return out
+
+
+def unit_ms(plan, work) -> tuple[float, float]:
+    """(all, attention) milliseconds of one rank's step at a large-matrix rate of 1 TFLOP/s: the matrix products at
+    gemm_slowdown of their size, each attention call at its attention_efficiency."""
+    flops, attention = rank_flops(plan, work)
+    linear = (flops - attention) * gemm_slowdown(gemm_work(plan, work)) / 1e9
+    attn = sum(n * f / attention_efficiency(rows, keys) for n, f, rows, keys in attention_calls(plan, work)) / 1e9
+    return linear + attn, attn
+
+
 def step_tflop(work: Workload) -> float:
     """TFLOP of one denoising step on one GPU (FLUX.1-dev at 1024^2: 74.4; SD3-medium with cfg: 17.8)."""
     return rank_flops(ParallelPlan(), work)[0] / 1e12
 
 
+@functools.lru_cache(maxsize=1)
+def _reference_work() -> Workload:
+    return Workload.for_variant("flux-dev", 1024, 1024)
+
+
 def rate_tflops(hw: Hardware, work, one_gpu_ms: float | None = None) -> tuple[float, str]:
-    """The GPU's rate on large matrix products (TFLOP/s, before gemm_slowdown) and where it comes from: a one-GPU step
-    given (`one_gpu_ms`), this engine's measured calibration, else rated x the efficiency table."""
+    """The GPU's large-matrix rate (TFLOP/s, before gemm_slowdown and attention_efficiency) and where it comes from:
+    the rate at which the model's one-GPU step of `work` takes `one_gpu_ms` when given; else the rate at which this
+    engine's measured calibration step takes its time; else the rate at which a one-GPU FLUX.1-dev 1024^2 step
+    reaches rated x the efficiency table's share."""
     one = ParallelPlan()
     measured = hw.measured.rate(work) if hw.measured is not None and one_gpu_ms is None else None
     if measured:   # this machine's devices, measured at this model's widths (parallel/measured.py)
         return measured
     if one_gpu_ms is not None:
-        flops = rank_flops(one, work)[0]
-        return flops / one_gpu_ms / 1e9 * gemm_slowdown(gemm_work(one, work)), \
-            f"one GPU {one_gpu_ms:.1f} ms/step given"
+        return unit_ms(one, work)[0] / one_gpu_ms, f"one GPU {one_gpu_ms:.1f} ms/step given"
     entry = calibration.measured(hw.gpu_name, "compiled" if work.compiled else "eager", model=work.variant)
     if entry:
         w = entry["workload"]
-        rate = entry["tflop_per_step"] / entry["ms_per_step"] * 1e3 * gemm_slowdown(_calibrated_work(w))
+        rate = _calibrated_unit_ms(w) / entry["ms_per_step"]
         source = f"measured on {w['model']} {w['width']}x{w['height']} {w['dtype']} {w['mode']}"
     else:
         share, where = efficiency(hw.gpu, work.compiled)
-        rate = hw.rated_tflops * share * gemm_slowdown(REFERENCE_GEMM_WORK)
+        ref = _reference_work()
+        rate = hw.rated_tflops * share * unit_ms(one, ref)[0] / (rank_flops(one, ref)[0] / 1e9)
         source = f"rated {hw.rated_tflops:g} x {share:.3f} ({where})"
     if work.dtype == "fp32":
         return rate / FP32_SLOWDOWN, source + f", fp32 at 1/{FP32_SLOWDOWN}"
@@ -234,40 +315,71 @@ def rate_tflops(hw: Hardware, work, one_gpu_ms: float | None = None) -> tuple[fl
 
 
 @functools.lru_cache(maxsize=32)
-def _calibrated_work_cached(model: str, width: int, height: int, batch: int, cfg: float) -> float:
-    return gemm_work(ParallelPlan(), Workload.for_variant(model, width, height, batch=batch, negative_pass=cfg != 1))
+def _calibrated_work(model: str, width: int, height: int, batch: int, cfg: float) -> Workload:
+    return Workload.for_variant(model, width, height, batch=batch, negative_pass=cfg != 1)
 
 
-def _calibrated_work(w: dict) -> float:
-    """The GEMM work of a calibration entry's one-GPU step (its model at its size; FLUX.1-dev 1024^2's when the
-    entry names a model the planner does not know)."""
+def _calibrated_unit_ms(w: dict) -> float:
+    """unit_ms of a calibration entry's one-GPU step (its model at its size; FLUX.1-dev 1024^2's when the entry names a
+    model the planner does not know)."""
     try:
-        return _calibrated_work_cached(w["model"], int(w["width"]), int(w["height"]), int(w.get("batch", 1)),
-                                       float(w.get("cfg", 1.0)))
+        work = _calibrated_work(w["model"], int(w["width"]), int(w["height"]), int(w.get("batch", 1)),
+                                float(w.get("cfg", 1.0)))
     except (ValueError, KeyError):
-        return REFERENCE_GEMM_WORK
+        work = _reference_work()
+    return unit_ms(ParallelPlan(), work)[0]
 
 
 def throughput_tflops(hw: Hardware, work) -> tuple[float, str]:
-    """Effective TFLOP/s of one GPU running this whole workload (its one-GPU matrix sizes), and where it comes from."""
+    """Effective TFLOP/s of one GPU running this whole workload (its one-GPU step), and where it comes from."""
     rate, source = rate_tflops(hw, work)
-    return rate / gemm_slowdown(gemm_work(ParallelPlan(), work)), source
+    one = ParallelPlan()
+    return rank_flops(one, work)[0] / 1e9 / unit_ms(one, work)[0] * rate, source
 
 
 def compute_ms(plan, work, rate: float) -> tuple[float, float]:
     """(all, attention) GPU milliseconds of one rank's step at `rate` (rate_tflops)."""
-    flops, attention = rank_flops(plan, work)
-    per_flop = gemm_slowdown(gemm_work(plan, work)) / rate / 1e9
-    return flops * per_flop, attention * per_flop
+    total, attention = unit_ms(plan, work)
+    return total / rate, attention / rate
 
 
-def host_ms(plan, work) -> float:
-    """The host's launch time of one rank's step: blocks run x per-block launches (more with sequence parallel,
-    more with a ring), COMPILED_HOST_SHARE of it compiled. PipeFusion runs its stage's blocks once per patch."""
-    per_block = HOST_MS_BLOCK + (HOST_MS_SP if plan.ulysses * plan.ring > 1 else 0) + (
-        HOST_MS_RING if plan.ring > 1 else 0)
+def launches_per_step(plan, work, code: Code | None = None) -> float:
+    """Operations the host launches for one rank's step: each block it runs (its stage's, once per PipeFusion patch)
+    at the model's count, COMPILED_LAUNCH_SHARE of them compiled; each attention layer's Ulysses exchanges and ring
+    setup and hops at the code's counts, compiled only where the code's collectives trace (Code.compiled_sp)."""
+    code = code or engine_code()
     runs = work.layers / plan.pipefusion * patches(plan, work)
-    return runs * per_block * (COMPILED_HOST_SHARE if work.compiled else 1.0)
+    ops = runs * launches.ops_per_block(work.variant) * (COMPILED_LAUNCH_SHARE if work.compiled else 1.0)
+    layer_runs = (work.layers + work.dual_layers) / plan.pipefusion * patches(plan, work)
+    sp = 0.0
+    if plan.ulysses > 1:
+        sp += layer_runs * code.ulysses_ops
+    if plan.ring > 1:
+        sp += layer_runs * (code.ring_layer_ops + (plan.ring - 1) * code.ring_hop_ops)
+    if plan.pipefusion > 1:
+        sp += layer_runs * code.pipefusion_layer_ops
+    return ops + sp * (COMPILED_LAUNCH_SHARE if work.compiled and code.compiled_sp else 1.0)
+
+
+def merge_ms(plan, work, hw: Hardware, code: Code | None = None) -> float:
+    """GPU milliseconds of one rank's ring merges a step: r - 1 a layer, each streaming the layer's output (the rank's
+    queries x its heads x the head width x its items) at the code's bytes an element, at STREAM_SHARE of the GPU's
+    memory bandwidth."""
+    if plan.ring == 1:
+        return 0.0
+    code = code or engine_code()
+    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
+    n_pad = shard_tokens(work.image_tokens, p) * p
+    n_txt = joint_text(work)
+    queries = n_pad / r + (n_txt / r if text_split(plan, work) else n_txt)
+    elements = (queries * work.layers + n_pad / r * work.dual_layers) / plan.pipefusion
+    elements *= work.heads / u * work.head_dim * items_per_rank(plan, work)
+    return elements * (r - 1) * code.merge_bytes / (memory_gbs(hw.gpu) * STREAM_SHARE * 1e9) * 1e3
+
+
+def host_ms(plan, work, code: Code | None = None) -> float:
+    """The host's launch time of one rank's step: launches_per_step x LAUNCH_US."""
+    return launches_per_step(plan, work, code) * LAUNCH_US / 1e3
 
 
 # ---- communication time ---------------------------------------------------------------------------------------
@@ -281,7 +393,7 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     m = patches(plan, work)
     attention_layers = (work.layers + work.dual_layers) / plan.pipefusion * m   # layer runs a step, on this rank
     latency = link.latency_us / 1e3
-    # a measured link (parallel/measured.py) times point-to-point messages apart from collectives: gloo's differ ten-fold
+    # a measured link (parallel/measured.py) times point-to-point messages apart from collectives: gloo's differ a lot
     p2p_latency = (getattr(link, "p2p_latency_us", None) or link.latency_us) / 1e3
 
     def over(nbytes: float, gbs: float) -> float:
@@ -345,7 +457,9 @@ def _steady(plan, work, hw: Hardware, rate: float, code: Code) -> tuple[float, f
     modelled where there is one; on CPU ranks it holds the host's own work, which the GPU launch model does not."""
     measured = hw.measured.compute_ms(plan, work) if hw.measured is not None else None
     compute, attention = measured or compute_ms(plan, work, rate)
-    host = 0.0 if measured and hw.device == "cpu" else host_ms(plan, work)
+    if hw.device == "cuda" or measured is None:   # a ring's merges, at the GPU's memory bandwidth
+        compute += merge_ms(plan, work, hw, code)
+    host = 0.0 if measured and hw.device == "cpu" else host_ms(plan, work, code)
     return compute, comm_ms(plan, work, hw.link, attention, code, compute), host
 
 
@@ -353,6 +467,8 @@ def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: 
     """The cost model's estimate of `plan` running `work` on `hw` (its own world size of hw's GPUs). code: the
     parallel code (default this engine's); one_gpu_ms: a one-GPU step of this workload to take the rate from."""
     code = code or engine_code()
+    if work.text_splits and not code.text_split:
+        work = replace(work, text_splits=False)
     rate, _ = rate_tflops(hw, work, one_gpu_ms)
     compute, comm, host = _steady(plan, work, hw, rate, code)
     step = max(host, compute + comm)

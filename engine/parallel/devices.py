@@ -62,6 +62,18 @@ GPUS = {g.name: g for g in (
     GPU("RTX 4090", 165.2, 24, (("4090",),), "ada"),
     GPU("RTX 3090", 71, 24, (("3090",),), "ampere", 112.5),
 )}
+# Memory bandwidth, GB/s, from the same datasheets and whitepapers: what a ring's log-sum-exp merges stream at (cost.py).
+MEMORY_GBS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100 SXM": 3350, "H200 NVL": 4800, "H200": 4800, "H20": 4000,
+              "A100 40GB": 1555, "A100 80GB": 2039, "A800 40GB": 1555, "A800 80GB": 2039, "L40S": 864, "L40": 864,
+              "L20": 864, "L4": 300, "A40": 696, "A10": 600, "RTX PRO 6000": 1792, "RTX 6000 Ada": 960,
+              "RTX A6000": 768, "RTX 5090": 1792, "RTX 4090": 1008, "RTX 3090": 936}
+UNKNOWN_MEMORY_GBS = 2039   # an A100's, as UNKNOWN_GPU_TFLOPS
+
+
+def memory_gbs(gpu: GPU | None) -> float:
+    return MEMORY_GBS.get(gpu.name, UNKNOWN_MEMORY_GBS) if gpu else UNKNOWN_MEMORY_GBS
+
+
 # When a GPU is not in the table: an A100-class rate, said so in the notes.
 UNKNOWN_GPU_TFLOPS = 312
 
@@ -102,46 +114,77 @@ def find_gpu(name: str) -> GPU | None:
 
 @dataclass(frozen=True)
 class Interconnect:
-    """The link between the ranks' devices, as the cost model sees it.
+    """The link between the ranks' devices, as the cost model sees it: one topology class (`LINKS`) for the whole set
+    of GPUs, the worst path between any two of them (what `nvidia-smi topo -m` prints for the pair).
 
-    `tree`: the GPUs hang off PCIe (switches, root ports, and between two sockets the CPUs' own link). A ring sends
-    to one neighbour at a time and runs near link speed (NCCL's ring algorithms rely on it); an all-to-all's flows
-    between every pair contend in the switches and on the socket link, and each of n GPUs gets
-    `bandwidth x (2/n)^a2a_exponent` (a pair is one exchange, at link speed). The exponent is fitted to xDiT's
-    FLUX.1-dev runs on 8 PCIe L40s, where Ulysses-8 alone was slower than one GPU (published.py's validation table); on 4 L40s
-    Ulysses-2 x Ring-2 beat Ulysses-4 although it sends more bytes."""
+    `bandwidth_gbs` is what one GPU sends to one peer (a ring's hop, a pipeline's stage, a pair's exchange);
+    `latency_us` the fixed cost of one collective call. `tree`: the path crosses the CPU (its root complex, the socket
+    link or host memory). There an all-to-all of n GPUs, n - 1 flows in and out of every GPU at once, loses throughput
+    to the concurrency: each GPU gets `bandwidth / (1 + contention x (n - 2))` (a pair is one flow each way, at link
+    speed). NVIDIA describes the fall ("the A2A performance of most CPU interconnects fall drastically under load",
+    NCCL issue 1163); its size is fitted to xDiT's FLUX.1-dev Ulysses rows on PCIe L40s (published.py). NVLink through
+    NVSwitch and a PCIe switch carry every flow at link speed."""
 
-    kind: str                # nvlink | pcie | pcie-no-peer | network | cpu
+    kind: str                # a LINKS class (or "cpu"): nvlink | pcie-switch | pcie-bridge | pcie-socket | ...
     bandwidth_gbs: float     # GB/s (1e9 bytes) one GPU sends to one peer
     latency_us: float        # fixed cost of one collective call
     tree: bool = False
-    a2a_exponent: float = 1.0
+    contention: float | None = None   # None: PCIE_A2A_CONTENTION (the fitted value) where `tree`
 
     def all_to_all_gbs(self, n: int) -> float:
         """GB/s each of n GPUs gets in an all-to-all among them."""
-        return self.bandwidth_gbs * (min(1.0, 2 / n) ** self.a2a_exponent if self.tree else 1.0)
+        if not self.tree:
+            return self.bandwidth_gbs
+        contention = PCIE_A2A_CONTENTION if self.contention is None else self.contention
+        return self.bandwidth_gbs / (1 + contention * max(0, n - 2))
 
     def describe(self) -> str:
         return LINK_NAMES[self.kind]
 
 
-# Fitted (see `tree` above): all-to-all rate on PCIe falls as (2/n)^2.25. published.fit_constants() re-derives it.
-PCIE_A2A_EXPONENT = 2.25
-# Effective rates, not link maxima, for the reference GPUs (H100 SXM, PCIe 4.0 cards): NVLink 4 moves ~300 GB/s per
-# direction in NCCL all-to-all on H100 (900 GB/s is both directions, all links); PCIe 4.0 x16 ~20 GB/s with peer
-# access, about half when every transfer bounces through host memory; a 100 Gb/s network ~10 GB/s; gloo over
-# loopback (CPU ranks) a few GB/s. `link_for` scales them to a GPU's own NVLink and PCIe generation.
+# Fitted (see `tree` above): each extra concurrent flow of an all-to-all across the CPU costs this much of a flow's
+# time. fitting.fit_constants() re-derives it with the others from the rows published.py marks "fit".
+PCIE_A2A_CONTENTION = 3.51
+# What a flow across the two sockets' link gets, GB/s: NCCL's topology model rates that link 10 GB/s (Skylake UPI) to
+# 22 (Sapphire Rapids) and 16-24 (AMD Infinity Fabric) (nccl src/graph/topo.h: SKL_QPI_BW, SRP_QPI_BW, AMD_BW);
+# fitted within that range to xDiT's FLUX.1-dev Ring-8 on 8 PCIe L40s, whose ring crosses the sockets.
+PCIE_SOCKET_GBS = 22.3
+# The topology classes, for PCIe 4.0 x16 GPUs (`link_for` scales them to a GPU's own NVLink and PCIe generation).
+# Bandwidth: NVLink 4 moves ~300 GB/s per direction in NCCL all-to-all on an H100 (900 GB/s is both directions, all
+# links; NVIDIA's p2p test reaches 380 GB/s one way, NCCL issue 1264). PCIe 4.0 x16 peaks at ~25 GB/s one way measured
+# (cuda-samples p2pBandwidthLatencyTest; BaM issue 54): ~22 GB/s through a switch after NCCL's protocol overhead;
+# through the CPU's root complex ~20, NCCL's Intel P2P overhead of 6/5 (INTEL_P2P_OVERHEAD in topo.h); across the
+# sockets the socket link's rate above; without peer access every transfer crosses the GPU's link twice through host
+# memory (NCCL issue 1309), ~10; a 100 Gb/s network ~12 (NCCL's NET_BW). gloo over loopback (CPU ranks) a few GB/s.
+# Latency: NCCL's tuning model (src/graph/tuning.cc), a call's base 8.4 us + 3.4 per NVLink hop, 5.7 per PCIe hop,
+# 6.6 per network hop: 12 us over NVLink, 14 under one switch, 15 through the root complex, 20 across the sockets
+# (two PCIe hops and the socket link), 30 through host memory (NCCL's shared-memory transport, copied by a proxy
+# thread), 20 over a network.
 LINKS = {
-    "nvlink": Interconnect("nvlink", 300, 10),
-    "pcie": Interconnect("pcie", 20, 20, tree=True, a2a_exponent=PCIE_A2A_EXPONENT),
-    "pcie-no-peer": Interconnect("pcie-no-peer", 10, 30, tree=True, a2a_exponent=PCIE_A2A_EXPONENT),
-    "network": Interconnect("network", 10, 30),
+    "nvlink": Interconnect("nvlink", 300, 12),
+    "pcie-switch": Interconnect("pcie-switch", 22, 14),
+    "pcie-bridge": Interconnect("pcie-bridge", 20, 15, tree=True),
+    "pcie-socket": Interconnect("pcie-socket", PCIE_SOCKET_GBS, 20, tree=True),
+    "pcie-no-peer": Interconnect("pcie-no-peer", 10, 30, tree=True),
+    "network": Interconnect("network", 12, 20),
     "cpu": Interconnect("cpu", 2, 50),
 }
-LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe (peer access)", "pcie-no-peer": "PCIe (no peer access)",
-              "network": "network", "cpu": "gloo (CPU ranks)"}
+# Names the planner took before the topology classes: "pcie" meant PCIe with peer access, which without a switch
+# between the GPUs is the CPU's root complex.
+LINK_ALIASES = {"pcie": "pcie-bridge"}
+LINK_NAMES = {"nvlink": "NVLink", "pcie-switch": "PCIe, one switch", "pcie-bridge": "PCIe across host bridges",
+              "pcie-socket": "PCIe across CPU sockets", "pcie-no-peer": "PCIe (no peer access)", "network": "network",
+              "cpu": "gloo (CPU ranks)"}
 NVLINK_SHARE = 300 / 450   # of the datasheet per-direction rate, as the H100's 300 of 450 GB/s
 PCIE_GBS = {4: 20.0, 5: 40.0}  # per GPU with peer access, x16: about 62% of 32 / 64 GB/s per direction
+
+
+def link_class(kind: str) -> str:
+    """The topology class a link name means (an alias's class). Raises ValueError for a name it does not know."""
+    kind = LINK_ALIASES.get(kind, kind)
+    if kind not in LINKS:
+        raise ValueError(f"interconnect {kind!r} is invalid: use one of {', '.join(list(LINKS) + list(LINK_ALIASES))}")
+    return kind
 
 
 def host_link_gbs(gpu: GPU | None) -> float:
@@ -152,17 +195,23 @@ def host_link_gbs(gpu: GPU | None) -> float:
 
 
 def link_for(kind: str, gpu: GPU | None) -> Interconnect:
-    """The link `kind` between GPUs of this kind: NVLink at the GPU's own rate (a GPU without NVLink, stated over
-    NVLink anyway, gets the reference rate), PCIe at its generation's."""
+    """The link `kind` (a class or an alias) between GPUs of this kind: NVLink at the GPU's own rate (a GPU without
+    NVLink, stated over NVLink anyway, gets the reference rate), the PCIe classes at its generation's (the socket link
+    is the CPU's: it does not scale with the GPU, and a GPU's own link may be slower)."""
+    kind = link_class(kind)
     base = LINKS[kind]
+    if kind == "pcie-socket":
+        base = Interconnect(kind, PCIE_SOCKET_GBS, base.latency_us, tree=True)
     if gpu is None:
         return base
     if kind == "nvlink" and gpu.nvlink_gbs:
         return Interconnect(kind, round(gpu.nvlink_gbs / 2 * NVLINK_SHARE), base.latency_us)
-    if kind in ("pcie", "pcie-no-peer"):
-        scale = PCIE_GBS[gpu.pcie_gen] / PCIE_GBS[4]
-        return Interconnect(kind, base.bandwidth_gbs * scale, base.latency_us, tree=True,
-                            a2a_exponent=base.a2a_exponent)
+    scale = PCIE_GBS[gpu.pcie_gen] / PCIE_GBS[4]
+    if kind in ("pcie-switch", "pcie-bridge", "pcie-no-peer"):
+        return Interconnect(kind, base.bandwidth_gbs * scale, base.latency_us, tree=base.tree)
+    if kind == "pcie-socket":
+        return Interconnect(kind, min(base.bandwidth_gbs, LINKS["pcie-bridge"].bandwidth_gbs * scale),
+                            base.latency_us, tree=True)
     return base
 
 
@@ -203,8 +252,6 @@ def stated_hardware(gpus: int, gpu_name: str, link: str, memory_gib: float | Non
     gpu = find_gpu(gpu_name)
     if gpu is None:
         raise ValueError(f"GPU {gpu_name!r} is not in the planner's table: use one of {', '.join(GPUS)}")
-    if link not in LINKS:
-        raise ValueError(f"interconnect {link!r} is invalid: use one of {', '.join(LINKS)}")
     return Hardware(device="cuda", gpus=gpus, gpu=gpu, gpu_name=gpu.name, link=link_for(link, gpu),
                     memory_gib=gpu.memory_gib if memory_gib is None else memory_gib, notes=notes)
 
@@ -236,12 +283,24 @@ def parse_topo(text: str) -> dict[tuple[int, int], str]:
     return links
 
 
+# nvidia-smi's path codes, best first, and the class each means: NV# NVLink; PIX one PCIe switch, PXB several switches
+# (no CPU between them); PHB a host bridge, NODE host bridges within one NUMA node; SYS across the sockets' link
+TOPO_CLASSES = (("NV", "nvlink"), ("PIX", "pcie-switch"), ("PXB", "pcie-switch"), ("PHB", "pcie-bridge"),
+                ("NODE", "pcie-bridge"), ("SYS", "pcie-socket"))
+
+
 def link_from_topo(links: dict[tuple[int, int], str], physical: list[int]) -> str | None:
-    """"nvlink" when every pair of these GPUs has an NVLink, None when the matrix does not say (another link)."""
+    """The topology class of these GPUs from nvidia-smi's matrix: the worst path between any two of them ("nvlink"
+    only when every pair has an NVLink); None when the matrix does not say."""
     pairs = [(a, b) for a in physical for b in physical if a != b]
-    if pairs and all(links.get(p, "").startswith("NV") for p in pairs):
-        return "nvlink"
-    return None
+    ranks = []
+    for pair in pairs:
+        cell = links.get(pair, "")
+        rank = next((i for i, (code, _) in enumerate(TOPO_CLASSES) if cell.startswith(code)), None)
+        if rank is None:
+            return None
+        ranks.append(rank)
+    return TOPO_CLASSES[max(ranks)][1] if ranks else None
 
 
 def _nvidia_smi_topo() -> str | None:
@@ -291,13 +350,16 @@ def detect_hardware(gpus: tuple[int, ...]) -> Hardware:
         notes.append(f"assumed: {name} is not in the GPU table, rated {UNKNOWN_GPU_TFLOPS} TFLOP/s")
     if len(set(names)) > 1:
         notes.append(f"mixed GPUs ({', '.join(sorted(set(names)))}): planned as the slowest, {name}")
-    link = "pcie" if peer else "pcie-no-peer"
+    link = LINK_ALIASES["pcie"] if peer else "pcie-no-peer"
     if len(gpus) > 1:
         physical = _physical(list(gpus))
         topo = _nvidia_smi_topo() if physical else None
-        nvlink = link_from_topo(parse_topo(topo), physical) if topo else None
-        link = nvlink or link
-        how = "nvidia-smi topo -m" if nvlink else "torch's peer-access query" + ("" if topo else ", no nvidia-smi")
+        found = link_from_topo(parse_topo(topo), physical) if topo else None
+        if found == "nvlink" or (found and peer):   # without peer access a PCIe path runs through host memory
+            link = found
+        how = ("nvidia-smi topo -m" + ("" if peer else " and torch's peer-access query") if found else
+               "torch's peer-access query" + ("" if topo else ", no nvidia-smi") +
+               (", the PCIe path assumed through the CPU's root complex" if peer else ""))
         notes.append(f"link {LINK_NAMES[link]} from {how}")
     return Hardware(device="cuda", gpus=len(gpus), gpu=gpu, gpu_name=gpu.name if gpu else name,
                     memory_gib=memory_gib, link=link_for(link, gpu), notes=tuple(notes))

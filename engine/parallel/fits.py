@@ -1,6 +1,7 @@
-"""The video fit table: on the usual machines, the plan `auto` picks for a Wan clip, the memory per GPU it needs and
-its estimated time, for each model, weight format and video size; Wan 2.2 A14B once with both experts resident and
-once with the idle one in host memory. Every figure is the planner's (resolve_plan, cost.estimate), none by hand."""
+"""The README's fit tables, every figure the planner's (resolve_plan, cost.estimate), none by hand: the memory each GPU
+needs per model, weight format and plan (`memory_table`), and the video fit table: on the usual machines, the plan
+`auto` picks for a Wan clip, the memory per GPU it needs and its estimated time, for each model, weight format and
+video size; Wan 2.2 A14B once with both experts resident and once with the idle one in host memory (`fit_table`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from ..errors import PlanError
 from ..models.quantized import BLOCKS
 from . import cost
 from .devices import stated_hardware
-from .plan import HOST, RESIDENT, Workload, feasible
+from .plan import HOST, RESIDENT, ParallelPlan, Workload, feasible, plan_problems
 from .planner import resolve_plan
 
 
@@ -21,9 +22,10 @@ class Machine:
     link: str
 
 
-# 24 GB: GeForce cards, which have no peer access; 48 GB: a PCIe server card; 80 GB: SXM over NVLink
+# 24 GB: GeForce cards, which have no peer access; 48 GB: PCIe server cards, eight across a two-socket server's link;
+# 80 GB: SXM over NVLink
 MACHINES = (Machine("2x24 GB", 2, "RTX 4090", "pcie-no-peer"), Machine("4x24 GB", 4, "RTX 4090", "pcie-no-peer"),
-            Machine("8x48 GB", 8, "L40S", "pcie"), Machine("1x80 GB", 1, "H100 SXM", "nvlink"),
+            Machine("8x48 GB", 8, "L40S", "pcie-socket"), Machine("1x80 GB", 1, "H100 SXM", "nvlink"),
             Machine("2x80 GB", 2, "H100 SXM", "nvlink"), Machine("4x80 GB", 4, "H100 SXM", "nvlink"),
             Machine("8x80 GB", 8, "H100 SXM", "nvlink"))
 WEIGHTS = (("bf16", {}), ("fp8", {"fp8_weights": True}),
@@ -56,7 +58,7 @@ def header() -> list[str]:
     return [f"Each cell: the plan auto picks (it may leave GPUs idle), GiB per GPU, est. seconds a clip ({STEPS} "
             f"steps, cfg > 1, eager, bf16 compute; transformer only), and for the idle expert in host memory the host "
             f"GiB per machine; \"no (X)\": no plan fits, the least needs X GiB per GPU. 24 GB: RTX 4090 (PCIe, no "
-            f"peer access), 48 GB: L40S (PCIe), 80 GB: H100 SXM (NVLink).", ""]
+            f"peer access), 48 GB: L40S (PCIe across sockets), 80 GB: H100 SXM (NVLink).", ""]
 
 
 def fit_table() -> list[str]:
@@ -72,4 +74,37 @@ def fit_table() -> list[str]:
                 cells = " | ".join(cell(work, m) for m in MACHINES)
                 lines.append(f"| {title} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {w}x{h}x{frames} | "
                              f"{cells} |")
+    return lines
+
+
+# ---- memory per GPU (the Requirements table) ------------------------------------------------------------------------
+MEMORY_MODELS = (("FLUX.1-dev / schnell", "flux-dev", False, True), ("SD3-medium", "sd3-medium", True, True),
+                 ("SD3.5-medium", "sd3.5-medium", True, True), ("SD3.5-large", "sd3.5-large", True, True),
+                 ("Qwen-Image (cfg 2.5)", "qwen-image", True, True), ("FLUX.2 [dev]", "flux2-dev", False, True),
+                 ("FLUX.2 [klein] 4B", "flux2-klein-4b", False, False),
+                 ("FLUX.2 [klein] 9B", "flux2-klein-9b", False, False))   # (title, variant, cfg, with fp8 row)
+MEMORY_PLANS = ("single rank", "ulysses2", "ulysses4", "ulysses8", "cfg2", "pipefusion2", "pipefusion4")
+
+
+def memory_cell(work: Workload, plan: ParallelPlan) -> str:
+    """GiB per GPU of `plan` (the fullest stage under PipeFusion); "-" for CFG parallel without a negative pass,
+    "n/a" for a plan the model's dimensions forbid."""
+    if plan.cfg == 2 and not work.negative_pass:
+        return "-"
+    if plan_problems(plan, work):
+        return "n/a"
+    hw = stated_hardware(plan.world_size, "H100 SXM", "nvlink")
+    return f"{cost.estimate(plan, work, hw).memory['total']:.1f}"
+
+
+def memory_table() -> list[str]:
+    """Markdown: GiB per GPU at 1024x1024, batch 1, bf16 compute, each model's usual text tokens, per plan."""
+    head = ["| model | weights | 1 GPU | " + " | ".join(MEMORY_PLANS[1:]) + " |",
+            "|---|---|---|" + "---|" * (len(MEMORY_PLANS) - 1)]
+    lines = list(head)
+    for title, variant, cfg, fp8 in MEMORY_MODELS:
+        for weights in (("bf16", False), ("fp8", True))[:2 if fp8 else 1]:
+            work = Workload.for_variant(variant, negative_pass=cfg, fp8_weights=weights[1])
+            cells = " | ".join(memory_cell(work, ParallelPlan.parse(p)) for p in MEMORY_PLANS)
+            lines.append(f"| {title} | {weights[0]} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {cells} |")
     return lines

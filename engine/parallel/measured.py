@@ -7,15 +7,16 @@ The figures of a setup (a JSON object, stored as runtime/machine.py writes it):
 - `pairs`: each pair of ranks exchanging messages at once in both directions, at the sizes the plans send: the latency
   and bandwidth fitted to t = latency + bytes / bandwidth; `all_to_all`: the same for an all-to-all of the first n
   ranks (the ranks a plan of n runs on, a Ulysses group), bytes counted as what each rank sends;
-- `compute`: for a model at its real widths, each rank's one-device step (embedders and final layer, plus each block
-  list's block times its count: one block of each list timed on the device) at the token counts a rank holds under 1,
-  2, 4, ... ranks: a rate (FLOP per ms) at each size of its matrix products;
+- `compute`: for a model at its real widths, each rank's one-device step (the embedders and final layer, and one block
+  of each list run as many times as the list has blocks) at the token counts a rank holds under 1, 2, 4, ... ranks: at
+  each size of its matrix products, the rate at which the cost model's count of that step (cost.unit_ms) takes the
+  measured time;
 - `jobs`: per workload, each plan's steady step as the last jobs that ran it measured it, beside the model's estimate.
 
 How the planner reads them (`apply` puts them on `devices.Hardware`): memory per GPU is the measured free memory (the
 least over the GPUs); the link is a `MeasuredLink` (the slowest pair, the slowest latency, each group's all-to-all);
-compute is `compute_ms` (the rate measured nearest the plan's size, the slowest of its ranks: mixed GPUs each have
-their own); a plan that ran has its estimate scaled to its measured step (`observed`), so a plan measured slower than
+compute is `compute_ms` (the plan's step as the cost model counts it, at the rate measured nearest the plan's size,
+the slowest of its ranks': mixed GPUs each have their own); a plan that ran has its estimate scaled to its measured step (`observed`), so a plan measured slower than
 one GPU's estimate, or than another plan's measurement, is not chosen again. Everything else (what the code overlaps,
 host launches on GPUs, memory per plan) stays the model's.
 """
@@ -27,7 +28,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from . import cost
-from .devices import LINK_NAMES, Hardware, Interconnect
+from .devices import LINK_NAMES, LINKS, Hardware, Interconnect, link_from_topo
 from .plan import ParallelPlan, Workload
 
 SCHEMA = 1
@@ -75,14 +76,23 @@ class MeasuredLink(Interconnect):
 
 
 def link_kind(device: str, topology: dict) -> str:
-    """The link a setup's ranks have, from what calibration read: gloo between CPU ranks; NVLink when
-    `nvidia-smi topo -m` shows it between every pair; else PCIe with or without peer access."""
+    """The link class (devices.LINKS) of a setup's ranks from what calibration read: gloo between CPU ranks; else the
+    worst pair's class by `nvidia-smi topo -m` (devices.link_from_topo), PCIe without peer access where CUDA gives a
+    pair none."""
     if device == "cpu":
         return "cpu"
     pairs = topology.get("pairs", {})
-    if pairs and all(str(p.get("topo", "")).startswith("NV") for p in pairs.values()):
-        return "nvlink"
-    return "pcie" if pairs and all(p.get("peer") for p in pairs.values()) else "pcie-no-peer"
+    codes = {}
+    for key, p in pairs.items():
+        a, b = (int(i) for i in key.split("-"))
+        codes[(a, b)] = codes[(b, a)] = str(p.get("topo", ""))
+    ranks = sorted({i for pair in codes for i in pair})
+    found = link_from_topo(codes, ranks) if codes else None
+    if found == "nvlink":
+        return found
+    if not pairs or not all(p.get("peer") for p in pairs.values()):
+        return "pcie-no-peer"
+    return found or "pcie-bridge"
 
 
 # ---- compute -----------------------------------------------------------------------------------------------------
@@ -100,9 +110,11 @@ def job_key(work: Workload) -> str:
 
 
 def _rate(points: list[dict], gemm_work: float) -> float:
-    """FLOP per ms at `gemm_work` (rows x width of the matrix products): interpolated between the measured sizes in
-    log-log, the nearest measured rate outside them (the model's slowdown with size is a GPU's, not this device's)."""
-    pts = sorted((p["gemm_work"], p["tflop"] * 1e12 / p["ms"]) for p in points)
+    """The large-matrix rate (TFLOP/s, as cost.unit_ms counts a step) at `gemm_work` (rows x width of the matrix
+    products): each measured size's own (its step's unit_ms over its measured ms), interpolated between the measured
+    sizes in log-log, the nearest measured one outside them (the model's slowdown with size is a GPU's, not this
+    device's)."""
+    pts = sorted((p["gemm_work"], p["unit_ms"] / p["ms"]) for p in points)
     works = [w for w, _ in pts]
     i = bisect.bisect_left(works, gemm_work)
     if i == 0:
@@ -160,20 +172,20 @@ class Measured:
         ranks = range(plan.world_size)
         if not curves or any(r not in curves for r in ranks):
             return None
-        flops, attention = cost.rank_flops(plan, work)
+        total, attention = cost.unit_ms(plan, work)
         size = cost.gemm_work(plan, work)
         rate = min(_rate(curves[r], size) for r in ranks)
-        return flops / rate, attention / rate
+        return total / rate, attention / rate
 
     def rate(self, work: Workload) -> tuple[float, str] | None:
-        """cost.rate_tflops's figure from the measured one-device step: TFLOP/s before the model's size slowdown
-        (so that throughput_tflops gives the measured rate), and its source; None when not measured."""
+        """cost.rate_tflops's figure from the measured one-device step: the large-matrix rate at which the model's
+        one-device step takes the measured time (so throughput_tflops gives the measured TFLOP/s), and its source;
+        None when not measured."""
         one = ParallelPlan()
         measured = self.compute_ms(one, work)
         if measured is None:
             return None
-        tflops = cost.rank_flops(one, work)[0] / measured[0] / 1e9
-        return tflops * cost.gemm_slowdown(cost.gemm_work(one, work)), self.compute_source(work)
+        return cost.unit_ms(one, work)[0] / measured[0], self.compute_source(work)
 
     def compute_source(self, work: Workload) -> str:
         curves = self.curves(work)
@@ -191,7 +203,7 @@ class Measured:
         p2p = max(p["latency_us"] for p in pairs)
         latency = max(g["latency_us"] for g in groups) if groups else p2p
         return MeasuredLink(kind=kind, bandwidth_gbs=min(p["gbs"] for p in pairs), latency_us=latency,
-                            tree=kind in ("pcie", "pcie-no-peer"), a2a_exponent=base.a2a_exponent,
+                            tree=LINKS[kind].tree, contention=base.contention,
                             a2a=tuple((len(g["ranks"]), g["gbs"], g["latency_us"]) for g in groups),
                             p2p_latency_us=p2p)
 

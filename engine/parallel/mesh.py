@@ -31,7 +31,8 @@ def _link_delay_s() -> float:
     try:
         return max(0.0, float(text)) / 1e3 if text else 0.0
     except ValueError:
-        raise ValueError(f"{LINK_DELAY_ENV}={text!r} is invalid: give milliseconds, e.g. 20, or leave it unset") from None
+        raise ValueError(f"{LINK_DELAY_ENV}={text!r} is invalid: give milliseconds, e.g. 20, or leave it "
+                         f"unset") from None
 
 
 LINK_DELAY_S = _link_delay_s()

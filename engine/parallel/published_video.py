@@ -1,13 +1,12 @@
-"""Published multi-GPU video runs the cost model is checked against, with residuals and speed-up ratios.
+"""Published multi-GPU video runs the cost model is judged on (one row of them fitted), as published.py's scenarios.
 
-The engine has no family for the models these runs used, so each is priced through a Workload built from the model's
-published dimensions (`Dims`, with its source), not a family. As for the image runs (published.py), every prediction
-takes its scenario's published one-GPU time as its base, so the rows check how the time scales with GPUs, not the
-absolute rate. Two facts of these runs the model is told:
+The engine has no family for most models these runs used, so each is priced through a Workload built from the model's
+published dimensions (`Dims`, with its source), not a family; Raylight's Wan runs use the engine's own Wan variants.
+As for the image runs, every prediction takes its scenario's published one-GPU time as its base. Two facts of these
+runs the model is told:
 - `outside`: published times are whole-pipeline seconds; the text encoders and the VAE decode run once per video and
   do not shrink with more GPUs in xDiT's HunyuanVideo runs (without them its 6- and 8-GPU speed-ups come out 7-35%
-  too high).
-  One row sets F (role "fit: HUNYUANVIDEO_OUTSIDE_S"); it is the same F for xDiT's H100, H20 and L20 runs.
+  too high). One row fits it (HUNYUANVIDEO_OUTSIDE_S); it is the same for xDiT's H100, H20 and L20 runs.
 - `computed_share`: ParaAttention's runs use its first-block cache, which skips whole steps; the share of steps
   computed is its own published pair (one L20: 2271.06 s cached against 3675.71 s uncached), the same on every GPU
   count (the cache decides on the same first-block residuals; the skipped steps send nothing).
@@ -22,19 +21,20 @@ Rows, sources (each row's `source` names its table):
   50-step figure; the diffusers page's 3675.71 s for 30 steps is used.)
 - xDiT docs/performance/consisid.md: ConsisID (CogVideoX-5B's transformer and a face cross-attention every second
   block), 720x480, 49 frames, 50 steps, CFG, on 1-6 H100 (the page names no link: NVLink assumed).
-The CogVideoX, Latte and Step-Video pages give figures only as plots or without their video size, and no public source
-found gives multi-GPU times for Wan as text; none of those is used.
+- xDiT docs/performance/cogvideo.md: CogVideoX-5b, 720x480, 49 frames, CFG, seconds per step, labelled bars on 1-6 L40
+  (xdit_assets cogvideo-l40-5b.png; its 12-GPU bars span two machines and are left out) and 1-4 A100
+  (cogvideo-a100-5b.png).
+- Raylight README, table '5090 vs RTX 2000 ADA': ComfyUI's Wan 2.1 and HunyuanVideo under Ulysses-2 on two RTX 2000
+  Ada across the sockets (SYS, peer access), seconds per step.
+The Latte and Step-Video pages give no model the cost model prices (Latte's attention alternates between space and
+time; Step-Video's page states no video size).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import cost
-from .devices import stated_hardware
-from .plan import DTYPE_BYTES, ParallelPlan, Workload
-from .published import Row
-
-HELD = "held out"
+from .plan import DTYPE_BYTES, Workload
+from .published import L40_SERVER, PARAATTENTION, RAYLIGHT, Scenario, fit, held
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class Dims:
     patch: int = 2
 
     def workload(self, width: int, height: int, frames: int, steps: int, negative_pass: bool) -> Workload:
+        """The transformer's work for one video (its own name as the Workload's variant)."""
         latent_frames = (frames - 1) // self.frames_down + 1
         rows, cols = height // self.down // self.patch, width // self.down // self.patch
         weights = round(self.parameters * DTYPE_BYTES["bf16"])
@@ -61,7 +62,9 @@ class Dims:
                         image_tokens=latent_frames * rows * cols, batch=1, negative_pass=negative_pass,
                         head_dim=self.head_dim, text_tokens=self.text_tokens,
                         weight_bytes=weights, block_weight_bytes=weights, linear_width=self.linear_width,
-                        out_features=self.latent_channels * self.patch ** 2, token_rows=rows, steps=steps)
+                        out_features=self.latent_channels * self.patch ** 2, token_rows=rows, steps=steps,
+                        pipefusion_conflict=f"{self.name} is priced from its published dimensions, without a stage "
+                                            f"model:")
 
 
 HUNYUANVIDEO = Dims("HunyuanVideo", heads=24, head_dim=128, layers=20 + 40, text_tokens=256, linear_width=12,
@@ -75,163 +78,81 @@ CONSISID = Dims("ConsisID", heads=48, head_dim=64, layers=42, text_tokens=226, l
                        "226 joint text tokens, patch 2; a face cross-attention (q and out 3072 <-> 2048) every "
                        "second block")
 
+COGVIDEOX_5B = Dims("CogVideoX", heads=48, head_dim=64, layers=42, text_tokens=226, linear_width=12, parameters=5.6e9,
+                    source="diffusers' CogVideoXTransformer3DModel config of THUDM/CogVideoX-5b: 42 blocks, 48 heads x "
+                           "64, FFN 4x, 226 joint text tokens, patch 2 on a 16-channel latent at 4x/8x")
+
 # seconds of a published whole-pipeline time outside the transformer loop (text encoders, VAE decode), which more
-# GPUs do not shorten in xDiT's HunyuanVideo runs. Set by xDiT's H20 1280x720 Ulysses-8 row (940.97 s).
-HUNYUANVIDEO_OUTSIDE_S = 88.2
+# GPUs do not shorten in xDiT's HunyuanVideo runs; fitted to xDiT's H20 1280x720 Ulysses-8 row (fitting.py)
+HUNYUANVIDEO_OUTSIDE_S = 88.8
 
-
-@dataclass(frozen=True)
-class VideoScenario:
-    name: str
-    dims: Dims
-    width: int
-    height: int
-    frames: int
-    steps: int
-    negative_pass: bool
-    gpu: str
-    link: str
-    one_gpu_s: float
-    rows: tuple              # (plan text, GPUs, published s, role)
-    source: str
-    code: cost.Code = cost.XDIT
-    outside: str = ""        # the module constant holding the seconds outside the transformer loop ("": none)
-    computed_share: float = 1.0
-
-    def workload(self) -> Workload:
-        return self.dims.workload(self.width, self.height, self.frames, self.steps, self.negative_pass)
-
-    @property
-    def outside_s(self) -> float:
-        return globals()[self.outside] if self.outside else 0.0
-
-    @property
-    def one_gpu_ms(self) -> float:
-        """The published one-GPU time's transformer step (outside seconds and skipped steps taken off)."""
-        return (self.one_gpu_s - self.outside_s) * 1e3 / (self.steps * self.computed_share)
-
-
-# ParaAttention's context parallel: yunchang-style Ulysses (q, k, v and the output exchanged: 4 all-to-alls a layer)
-PARAATTENTION = cost.Code("ParaAttention (Ulysses: 4 all-to-alls a layer)", 1.0, 1.0, 4)
 XDIT_HV = "xDiT docs/performance/hunyuanvideo.md"
 PARA = "diffusers docs optimization/para_attn.md (ParaAttention)"
+HV_LINKS = {"H100 SXM": "nvlink", "H20": "nvlink", "L20": L40_SERVER}
 
 
-def _hv(gpu, link, size, one, rows, fit_row=None):
+def video(dims: Dims, width: int, height: int, frames: int, steps: int, negative_pass: bool):
+    return lambda: dims.workload(width, height, frames, steps, negative_pass)
+
+
+def wan(variant: str, width: int, height: int, frames: int, **kw):
+    return lambda: Workload.for_variant(variant, width, height, frames=frames, steps=1, **kw)
+
+
+def _hv(gpu, size, one, rows, fit_row=None):
     w, h = size
-    return VideoScenario(f"HunyuanVideo {w}x{h} 129 frames 50 steps, {gpu} {'PCIe' if link == 'pcie' else 'NVLink'}, "
-                         f"Ulysses (xDiT)", HUNYUANVIDEO, w, h, 129, 50, False, gpu, link, one,
-                         tuple((f"ulysses{n}", n, t, "fit: HUNYUANVIDEO_OUTSIDE_S" if n == fit_row else HELD)
-                               for n, t in rows), XDIT_HV, outside="HUNYUANVIDEO_OUTSIDE_S")
+    link = "PCIe" if gpu == "L20" else "NVLink"
+    return Scenario(f"xdit-hv-{gpu.split()[0].lower()}-{w}x{h}", f"HunyuanVideo {w}x{h} 129 frames 50 steps, {gpu} "
+                    f"{link}, Ulysses (xDiT)", XDIT_HV, video(HUNYUANVIDEO, w, h, 129, 50, False), gpu, HV_LINKS[gpu],
+                    one, tuple(fit(f"ulysses{n}", n, t, "the seconds outside the loop (HUNYUANVIDEO_OUTSIDE_S): "
+                                                        "8 GPUs leave them the largest share")
+                               if n == fit_row else held(f"ulysses{n}", n, t) for n, t in rows),
+                    outside="HUNYUANVIDEO_OUTSIDE_S")
+
+
+def _cogvideo(gpu, link, one, rows, source):
+    return Scenario(f"xdit-cogvideox-{gpu.split()[0].lower()}", f"CogVideoX-5b 720x480 49 frames cfg, {gpu} "
+                    f"{'PCIe' if gpu == 'L40' else 'NVLink'}, per step (xDiT)", source,
+                    video(COGVIDEOX_5B, 720, 480, 49, 1, True), gpu, link, one,
+                    tuple(held(p, g, t) for p, g, t in rows), unit="s/step")
 
 
 VIDEO_SCENARIOS = (
-    _hv("H100 SXM", "nvlink", (1280, 720), 1904.08, ((2, 925.04), (4, 514.08), (8, 337.58))),
-    _hv("H20", "nvlink", (1280, 720), 6639.17, ((2, 3400.55), (4, 1762.86), (8, 940.97)), fit_row=8),
-    _hv("L20", "pcie", (1280, 720), 6043.88, ((2, 3271.44), (4, 2080.05))),
-    _hv("H100 SXM", "nvlink", (960, 960), 1735.01, ((2, 934.09), (3, 645.45), (6, 367.02))),
-    _hv("H20", "nvlink", (960, 960), 6621.46, ((2, 3400.55), (3, 2310.48), (6, 1214.67))),
-    _hv("L20", "pcie", (960, 960), 6039.08, ((2, 3260.62), (3, 2284.74))),
-    VideoScenario("HunyuanVideo 1280x720 129 frames 30 steps, L20 PCIe, first-block cache + Ulysses (ParaAttention)",
-                  HUNYUANVIDEO, 1280, 720, 129, 30, False, "L20", "pcie", 2271.06,
-                  (("ulysses2", 2, 1132.90, HELD), ("ulysses4", 4, 718.15, HELD), ("ulysses8", 8, 649.23, HELD)),
-                  PARA, code=PARAATTENTION, computed_share=2271.06 / 3675.71),
-    VideoScenario("ConsisID 720x480 49 frames 50 steps cfg, H100 (NVLink assumed) (xDiT)", CONSISID, 720, 480, 49,
-                  50, True, "H100 SXM", "nvlink", 114.87,
-                  (("ring2", 2, 70.19, HELD), ("ulysses2", 2, 76.56, HELD), ("cfg2", 2, 59.72, HELD),
-                   ("ulysses3", 3, 53.57, HELD), ("ring3", 3, 55.51, HELD),
-                   ("cfg2,ulysses2", 4, 41.37, HELD), ("cfg2,ring2", 4, 40.68, HELD),
-                   ("ulysses2,ring3", 6, 44.89, HELD), ("ulysses3,ring2", 6, 44.24, HELD),
-                   ("cfg2,ring3", 6, 35.78, HELD), ("cfg2,ulysses3", 6, 38.35, HELD)),
-                  "xDiT docs/performance/consisid.md"),
+    _hv("H100 SXM", (1280, 720), 1904.08, ((2, 925.04), (4, 514.08), (8, 337.58))),
+    _hv("H20", (1280, 720), 6639.17, ((2, 3400.55), (4, 1762.86), (8, 940.97)), fit_row=8),
+    _hv("L20", (1280, 720), 6043.88, ((2, 3271.44), (4, 2080.05))),
+    _hv("H100 SXM", (960, 960), 1735.01, ((2, 934.09), (3, 645.45), (6, 367.02))),
+    _hv("H20", (960, 960), 6621.46, ((2, 3400.55), (3, 2310.48), (6, 1214.67))),
+    _hv("L20", (960, 960), 6039.08, ((2, 3260.62), (3, 2284.74))),
+    Scenario("paraattention-hv-l20", "HunyuanVideo 1280x720 129 frames 30 steps, L20 PCIe, first-block cache + Ulysses "
+             "(ParaAttention)", PARA, video(HUNYUANVIDEO, 1280, 720, 129, 30, False), "L20", L40_SERVER, 2271.06,
+             (held("ulysses2", 2, 1132.90), held("ulysses4", 4, 718.15),
+              held("ulysses8", 8, 649.23, "Ulysses across the sockets on a long sequence")),
+             code=PARAATTENTION, computed_share=2271.06 / 3675.71),
+    Scenario("xdit-consisid-h100", "ConsisID 720x480 49 frames 50 steps cfg, H100 (NVLink assumed) (xDiT)",
+             "xDiT docs/performance/consisid.md", video(CONSISID, 720, 480, 49, 50, True), "H100 SXM", "nvlink", 114.87,
+             (held("ring2", 2, 70.19), held("ulysses2", 2, 76.56), held("cfg2", 2, 59.72),
+              held("ulysses3", 3, 53.57), held("ring3", 3, 55.51),
+              held("cfg2,ulysses2", 4, 41.37), held("cfg2,ring2", 4, 40.68),
+              held("ulysses2,ring3", 6, 44.89), held("ulysses3,ring2", 6, 44.24),
+              held("cfg2,ring3", 6, 35.78), held("cfg2,ulysses3", 6, 38.35))),
+    _cogvideo("L40", L40_SERVER, 6.28, (
+        ("ulysses2", 2, 3.63), ("ring2", 2, 3.65), ("cfg2", 2, 3.05), ("ulysses3", 3, 2.70), ("ring3", 3, 2.61),
+        ("cfg2,ulysses2", 4, 1.80), ("cfg2,ring2", 4, 1.73), ("ulysses3,ring2", 6, 1.45), ("ulysses2,ring3", 6, 1.58),
+        ("cfg2,ulysses3", 6, 1.35), ("cfg2,ring3", 6, 1.31)), "xDiT docs/performance/cogvideo.md, figure "
+        "cogvideo-l40-5b.png (seconds per step, labelled)"),
+    _cogvideo("A100 80GB", "nvlink", 4.07, (
+        ("ulysses2", 2, 2.38), ("ring2", 2, 2.44), ("cfg2", 2, 2.12), ("cfg2,ulysses2", 4, 1.27),
+        ("cfg2,ring2", 4, 1.27)), "xDiT docs/performance/cogvideo.md, figure cogvideo-a100-5b.png (seconds per step, "
+                                  "labelled)"),
+    Scenario("raylight-wan-1.3b", "Wan 2.1 T2V 1.3B 832x480x33, 2x RTX 2000 Ada across sockets, s/it (Raylight)",
+             "Raylight README, table '5090 vs RTX 2000 ADA'", wan("wan2.1-1.3b", 832, 480, 33), "RTX 4090",
+             "pcie-socket", 2.70, (held("ulysses2", 2, 1.65, "a pair across the sockets, the engine's Wan dims"),),
+             code=RAYLIGHT, unit="s/step"),
+    Scenario("raylight-wan-14b", "Wan 2.1 T2V 14B fp8 480x480x33, 2x RTX 2000 Ada across sockets, s/it (Raylight)",
+             "Raylight README, table '5090 vs RTX 2000 ADA'", wan("wan2.1-14b", 480, 480, 33, fp8_weights=True),
+             "RTX 4090", "pcie-socket", 9.23, (held("ulysses2", 2, 5.18),), code=RAYLIGHT, unit="s/step"),
+    Scenario("raylight-hv", "HunyuanVideo GGUF Q4 832x480x33, 2x RTX 2000 Ada across sockets, s/it (Raylight)",
+             "Raylight README, table '5090 vs RTX 2000 ADA'", video(HUNYUANVIDEO, 832, 480, 33, 1, False), "RTX 4090",
+             "pcie-socket", 13.21, (held("ulysses2", 2, 7.69),), code=RAYLIGHT, unit="s/step"),
 )
-
-
-def hardware(s: VideoScenario, gpus: int):
-    return stated_hardware(gpus, s.gpu, s.link)
-
-
-def predict(s: VideoScenario, plan: str, gpus: int) -> cost.Estimate:
-    """The transformer loop's estimate (every step computed)."""
-    return cost.estimate(ParallelPlan.parse(plan), s.workload(), hardware(s, gpus), code=s.code,
-                         one_gpu_ms=s.one_gpu_ms)
-
-
-def predicted_s(s: VideoScenario, plan: str, gpus: int) -> float:
-    """The published quantity as the model predicts it: the outside seconds + the computed share of the loop."""
-    return s.outside_s + s.computed_share * predict(s, plan, gpus).job_ms / 1e3
-
-
-def validation_rows(scenarios=VIDEO_SCENARIOS) -> list[Row]:
-    return [Row(s.name, ParallelPlan.parse(plan).describe(), gpus, seconds, predicted_s(s, plan, gpus), s.one_gpu_s,
-                role) for s in scenarios for plan, gpus, seconds, role in s.rows]
-
-
-@dataclass(frozen=True)
-class Ratio:
-    """A speed-up from one GPU count to another (the best published plan on each), published against predicted."""
-    scenario: str
-    from_gpus: int
-    to_gpus: int
-    published: float
-    predicted: float
-    held_out: bool           # neither end is a row that set a constant
-
-    @property
-    def residual(self) -> float:
-        return self.predicted / self.published - 1
-
-
-def ratios(scenarios=VIDEO_SCENARIOS) -> list[Ratio]:
-    """Each scenario's speed-ups between consecutive GPU counts (1 GPU first), each count's fastest published row."""
-    out = []
-    for s in scenarios:
-        best = {1: (s.one_gpu_s, s.one_gpu_s, True)}
-        for plan, gpus, seconds, role in s.rows:
-            if gpus not in best or seconds < best[gpus][0]:
-                best[gpus] = (seconds, predicted_s(s, plan, gpus), role == HELD)
-        counts = sorted(best)
-        for a, b in zip(counts, counts[1:]):
-            (pa, qa, ha), (pb, qb, hb) = best[a], best[b]
-            out.append(Ratio(s.name, a, b, pa / pb, qa / qb, ha and hb))
-    return out
-
-
-def fit_outside() -> float:
-    """Re-derive HUNYUANVIDEO_OUTSIDE_S: the value (bisection) at which its row's prediction equals the published
-    time. The module's value is restored."""
-    global HUNYUANVIDEO_OUTSIDE_S
-    s, plan, gpus, target = next((s, p, g, t) for s in VIDEO_SCENARIOS for p, g, t, role in s.rows
-                                 if role == "fit: HUNYUANVIDEO_OUTSIDE_S")
-    saved, lo, hi = HUNYUANVIDEO_OUTSIDE_S, 0.0, target
-    try:
-        for _ in range(60):
-            HUNYUANVIDEO_OUTSIDE_S = (lo + hi) / 2
-            if predicted_s(s, plan, gpus) < target:
-                lo = HUNYUANVIDEO_OUTSIDE_S
-            else:
-                hi = HUNYUANVIDEO_OUTSIDE_S
-        return (lo + hi) / 2
-    finally:
-        HUNYUANVIDEO_OUTSIDE_S = saved
-
-
-def validation_table() -> list[str]:
-    """Markdown: every published video row against the model, then the speed-ups from one GPU count to the next."""
-    lines = ["Published video runs against predicted (each scenario's published one-GPU time as base; xDiT's "
-             "HunyuanVideo rows add the fitted seconds outside the transformer loop, ParaAttention's the computed "
-             "share of its cached steps). Residual = predicted / published - 1.", "",
-             "| scenario | base: 1 GPU s | GPUs | plan | published s | predicted s | residual | role | source |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for s in VIDEO_SCENARIOS:
-        for plan, gpus, seconds, role in s.rows:
-            p = predicted_s(s, plan, gpus)
-            lines.append(f"| {s.name} | {s.one_gpu_s:.2f} | {gpus} | {ParallelPlan.parse(plan).describe()} | "
-                         f"{seconds:.2f} | {p:.2f} | {p / seconds - 1:+.1%} | {role} | {s.source} |")
-    lines += ["", "Speed-up from one GPU count to the next (the fastest published plan on each), published against "
-                  "predicted.", "",
-              "| scenario | GPUs | published speed-up | predicted | residual | held out |", "|---|---|---|---|---|---|"]
-    for r in ratios():
-        lines.append(f"| {r.scenario} | {r.from_gpus} -> {r.to_gpus} | {r.published:.2f} | {r.predicted:.2f} | "
-                     f"{r.residual:+.1%} | {'yes' if r.held_out else 'no'} |")
-    return lines

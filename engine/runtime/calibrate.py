@@ -141,7 +141,8 @@ def _compute(model_spec: dict, device: torch.device, repeats: int) -> dict:
     points = []
     try:
         for share in model_spec["shares"]:
-            request = GenerateRequest.random_conditioning(source, model_spec["width"], model_spec["heights"][str(share)],
+            height = model_spec["heights"][str(share)]
+            request = GenerateRequest.random_conditioning(source, model_spec["width"], height,
                                                           text_tokens=model_spec.get("text_tokens"),
                                                           frames=model_spec.get("frames", 1))
             prepared = flow.prepare([Conditioning(request.cond, request.pooled, 3.5)], 1)
@@ -211,7 +212,8 @@ def compute_spec(source: str, work: Workload, width: int, height: int, frames: i
 
 def compute_figures(reports: list[dict], jobs: list) -> list[dict]:
     """Each rank's measured steps of each job's model (the spec's order), as points of measured.Measured's compute
-    curve: tokens, the size of the matrix products (cost.gemm_work), the step's TFLOP (cost.rank_flops) and ms."""
+    curve: tokens, the size of the matrix products (cost.gemm_work), the step's TFLOP (cost.rank_flops), its ms at 1
+    TFLOP/s as the model counts it (cost.unit_ms) and its measured ms."""
     out = []
     for report in reports:
         for (source, work, *_), c in zip(jobs, report.get("compute", [])):
@@ -227,7 +229,7 @@ def compute_figures(reports: list[dict], jobs: list) -> list[dict]:
                 plan = ParallelPlan()
                 points.append({"share": p["share"], "tokens": one.image_tokens + one.text_tokens,
                                "gemm_work": cost.gemm_work(plan, one), "tflop": cost.rank_flops(plan, one)[0] / 1e12,
-                               "ms": p["step_ms"]})
+                               "unit_ms": cost.unit_ms(plan, one)[0], "ms": p["step_ms"]})
             out.append({"rank": report["rank"], "key": model_key(work), "model": work.variant, "source": source,
                         "counts": c["counts"], "points": points})
     return out
