@@ -37,12 +37,12 @@ def tiny_work() -> Workload:
     return tiny_request().validate(1).workload(inspect_model(TINY))
 
 
-def plan_json(folder, setup="cpu:2:pinned") -> dict:
-    """`plan --measured` on the stored figures: what auto chooses for the tiny job and why."""
+def plan_json(folder, side: int, setup="cpu:2:pinned") -> dict:
+    """`plan --measured` on the stored figures: what auto chooses for the tiny job at side x side and why."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["plan", "--measured", setup, "--folder", str(folder), "--model", TINY, "--width", "128",
-                     "--height", "128", "--dtype", "fp32", "--steps", "3", "--json"])
+        code = main(["plan", "--measured", setup, "--folder", str(folder), "--model", TINY, "--width", str(side),
+                     "--height", str(side), "--dtype", "fp32", "--steps", "3", "--json"])
     assert code == 0
     return json.loads(out.getvalue())
 
@@ -56,9 +56,10 @@ def test_calibration_over_gloo_ranks_and_a_slow_link_switch_autos_plan(tmp_path,
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: two CPU ranks never compute faster than one, so no link can make auto leave them")
     normal, slow = tmp_path / "normal", tmp_path / "slow"
-    assert main(["calibrate", "--ranks", "2", "--pin-cpus", "--folder", str(normal)]) == 0
+    size = ["--width", "256", "--height", "256"]   # enough attention that two ranks compute a step well faster
+    assert main(["calibrate", "--ranks", "2", "--pin-cpus", "--folder", str(normal)] + size) == 0
     monkeypatch.setenv(LINK_DELAY_ENV, str(SLOW_MS))   # the ranks read it from their environment
-    assert main(["calibrate", "--ranks", "2", "--pin-cpus", "--folder", str(slow)]) == 0
+    assert main(["calibrate", "--ranks", "2", "--pin-cpus", "--folder", str(slow)] + size) == 0
     monkeypatch.delenv(LINK_DELAY_ENV)
     print(capsys.readouterr().out)
 
@@ -74,7 +75,7 @@ def test_calibration_over_gloo_ranks_and_a_slow_link_switch_autos_plan(tmp_path,
     assert slow_fig["all_to_all"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9 > fast_fig["all_to_all"][0]["latency_us"]
     assert slow_fig["pairs"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9
 
-    fast, slow_choice = plan_json(normal), plan_json(slow)
+    fast, slow_choice = plan_json(normal, 256), plan_json(slow, 256)
     print("normal:", fast["reason"], "\nslow:", slow_choice["reason"])
     assert fast["chosen"]["gpus"] == 2, fast["reason"]      # two ranks compute a step faster than one
     assert slow_choice["chosen"]["gpus"] == 1 and slow_choice["chosen"]["plan"] == "single rank"

@@ -141,9 +141,8 @@ def _compute(model_spec: dict, device: torch.device, repeats: int) -> dict:
     points = []
     try:
         for share in model_spec["shares"]:
-            height = model_spec["heights"][str(share)]
-            request = GenerateRequest.random_conditioning(source, model_spec["width"], height,
-                                                          text_tokens=model_spec.get("text_tokens"),
+            height, text = model_spec["heights"][str(share)], model_spec["text_tokens"][str(share)]
+            request = GenerateRequest.random_conditioning(source, model_spec["width"], height, text_tokens=text,
                                                           frames=model_spec.get("frames", 1))
             prepared = flow.prepare([Conditioning(request.cond, request.pooled, 3.5)], 1)
             x = torch.randn(request.latent_raw.shape, generator=torch.Generator().manual_seed(0)).to(device)
@@ -151,7 +150,8 @@ def _compute(model_spec: dict, device: torch.device, repeats: int) -> dict:
             forward = lambda: flow.velocity(x, sigma, prepared)   # noqa: E731
             first = _timed(forward, device, 1, warmups=0)   # the warm-up, timed: a long step is timed fewer times
             step = _timed(forward, device, max(1, min(repeats, int(COMPUTE_BUDGET_S / first))), warmups=0) * 1e3
-            points.append({"share": share, "latent": list(request.latent_raw.shape), "step_ms": step})
+            points.append({"share": share, "latent": list(request.latent_raw.shape), "text_tokens": text,
+                           "step_ms": step})
     finally:
         del flow, loaded, model, first
         if device.type == "cuda":
@@ -200,14 +200,17 @@ def group_sizes(world: int) -> list[int]:
 
 
 def compute_spec(source: str, work: Workload, width: int, height: int, frames: int, ranks: int) -> dict:
-    """What a rank measures of a model: its step on each share of `height` that a plan of 1, 2, 4, ... up to `ranks`
-    ranks gives a rank (whole latent rows, at least one token row)."""
+    """What a rank measures of a model: its step on the tokens a rank holds under sequence parallel of 1, 2, 4, ... up
+    to `ranks` ranks: that share of `height` (whole latent rows, at least one token row) and of the text where the
+    text splits with the image tokens."""
     info = inspect_model(source)
     row = info.latent_patch * info.latent.downscale   # pixels per token row
     shares = [p for p in (1, 2, 4, 8) if p <= ranks]
     heights = {str(p): max(row, height // p // row * row) for p in shares}
+    texts = {str(p): work.text_tokens // p if work.text_splits and work.text_tokens % p == 0 else work.text_tokens
+             for p in shares}
     return {"model": source, "dtype": work.dtype, "fp8": work.fp8_weights, "width": width, "heights": heights,
-            "shares": shares, "frames": frames, "text_tokens": work.text_tokens}
+            "text_tokens": texts, "shares": shares, "frames": frames}
 
 
 def compute_figures(reports: list[dict], jobs: list) -> list[dict]:
@@ -224,7 +227,7 @@ def compute_figures(reports: list[dict], jobs: list) -> list[dict]:
             for p in c["points"]:
                 lat = p["latent"]
                 one = Workload.from_info(info, lat[-2], lat[-1], batch=1, negative_pass=False,
-                                         text_tokens=work.text_tokens, dtype=work.dtype, fp8_weights=work.fp8_weights,
+                                         text_tokens=p["text_tokens"], dtype=work.dtype, fp8_weights=work.fp8_weights,
                                          frames=lat[2] if info.spec.frames and len(lat) == 5 else 1)
                 plan = ParallelPlan()
                 points.append({"share": p["share"], "tokens": one.image_tokens + one.text_tokens,
