@@ -202,6 +202,23 @@ def test_a_measured_link_prices_all_to_alls_and_point_to_point_messages_at_their
     assert link.all_to_all_gbs(2) == 2.0 and link.bandwidth_gbs == 1.5 and "measured" in link.describe()
 
 
+@pytest.mark.parametrize("pairs,kind", [
+    ({"0-1": {"peer": True, "topo": "NV12"}}, "nvlink"),
+    ({"0-1": {"peer": True, "topo": "PIX"}, "0-2": {"peer": True, "topo": "SYS"}, "1-2": {"peer": True, "topo": "PIX"}},
+     "pcie-socket"),
+    ({"0-1": {"peer": False, "topo": "PHB"}}, "pcie-no-peer"),
+    ({"0-1": {"peer": True}}, "pcie-bridge"),
+])
+def test_a_measured_gpu_link_takes_the_class_of_its_worst_pair(pairs, kind):
+    fig = {"device": "cuda", "topology": {"pairs": pairs},
+           "pairs": [{"ranks": [0, 1], "latency_us": 20.0, "gbs": 18.0, "points": []}],
+           "all_to_all": [{"ranks": [0, 1], "latency_us": 25.0, "gbs": 17.0, "points": []}]}
+    link = Measured("cuda:0,1", fig).link(stated_hardware(2, "L40", "pcie").link)
+    assert link.kind == kind and link.bandwidth_gbs == 18.0 and link.all_to_all_gbs(2) == 17.0
+    if link.tree:   # a group size not measured: scaled from the measured one as the modelled link scales it
+        assert link.all_to_all_gbs(4) < 17.0
+
+
 def test_the_link_fit_recovers_latency_and_bandwidth():
     points = [(b, 20e-6 + b / 10e9) for b in (4096, 2**20, 16 * 2**20)]
     latency, gbs = fit_link(points)

@@ -29,7 +29,7 @@ import torch
 from ..generate.request import GenerateRequest
 from ..models.load import inspect_model
 from ..parallel import cost
-from ..parallel.devices import Hardware, hardware_for, parse_topo
+from ..parallel.devices import Hardware, _physical, hardware_for, parse_topo
 from ..parallel.measured import SCHEMA, Measured, job_key, model_key
 from ..parallel.plan import Workload
 from .calibrate import run_calibration
@@ -95,10 +95,7 @@ def _topology(gpus: list[int]) -> dict:
     """Each pair's link as `nvidia-smi topo -m` names it and whether CUDA gives the pair peer access (the client's
     view, as devices.detect_hardware reads it)."""
     topo = parse_topo(_nvidia_smi("topo", "-m") or "")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",")] if visible is not None else None
-    physical = [int(ids[g]) if ids and ids[g].isdigit() else g for g in gpus] if ids is None or all(
-        ids[g].isdigit() for g in gpus) else None
+    physical = _physical(list(gpus))   # nvidia-smi's indices (None: CUDA_VISIBLE_DEVICES names them by UUID)
     pairs = {}
     for a in range(len(gpus)):
         for b in range(a + 1, len(gpus)):
