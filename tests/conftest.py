@@ -1,8 +1,11 @@
 """Shared fixtures: real rank processes on CPU (gloo), reused across tests where a test leaves them sound; and the
 hypothesis profile of the property-based tests (tests/fuzz.py says how to replay a failure)."""
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -20,6 +23,12 @@ settings.register_profile("dev", derandomize=False, **_QUIET)
 settings.register_profile("deep", derandomize=False, database=None, **_QUIET)
 HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or "ci"
 settings.load_profile(HYPOTHESIS_PROFILE)
+
+# What the planner measures of this machine (engine/runtime/machine.py) goes to this test session's own cache folder
+# (the ranks inherit it), so no calibration stored on the machine changes the plans the tests check.
+_CACHE = tempfile.mkdtemp(prefix="xdit-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK_NAME = "ComfyUI-xDiT"

@@ -1,5 +1,6 @@
-"""`bench project` on the CPU: a row per plan with its projected s/image beside the planner's estimate, the 1-rank
-projection beside `bench overhead`'s 1-rank engine job, the 2-rank check against a real pinned run; and the share's
+"""`bench project` on the CPU: a row per plan with its projected s/image beside the planner's estimate, the link its
+collectives are priced on measured over two pinned gloo ranks, the 1-rank projection beside `bench overhead`'s 1-rank
+engine job, the 2-rank check against a real pinned run; and the share's
 stand-in collectives, which must send exactly what a real rank sends; and CPU ranks pinned to their own cores, as the
 2-rank check runs them. Timings are printed, never asserted."""
 import json
@@ -50,13 +51,19 @@ def test_bench_project_prints_every_plan_beside_the_planner_and_the_one_rank_row
     assert one["projected_s_per_image"] == plans[0]["projected_s_per_image"]
     assert "| projection, 1 rank" in printed.out and "| bench overhead: engine job, compute on the rank" in printed.out
 
+    link = next(r for r in rows if r["kind"] == "link")
+    print("link:", link)
     checked = [r for r in rows if r["kind"] == "validation"]
     if len(os.sched_getaffinity(0)) >= 2:
+        assert link["measured"] and "measured now over 2 pinned gloo ranks" in link["source"]
+        assert positive(link["latency_us"]) and positive(link["p2p_latency_us"]) and positive(link["bandwidth_gbs"])
+        assert "measured now over 2 pinned gloo ranks" in printed.out.split("| ranks | plan")[0]
         assert [r["plan"] for r in checked] == ["ulysses2"]
         assert positive(checked[0]["real_s_per_image"]) and math.isfinite(checked[0]["residual"])
         assert "| ulysses2 " in printed.out.split("validation:")[1]
     else:
         assert checked == [] and "pinning 2 ranks needs 2" in printed.out
+        assert not link["measured"] and "pinning 2 CPU ranks needs 2 cores" in link["source"]
 
 
 @pytest.fixture(scope="module")

@@ -274,7 +274,8 @@ class ComfyModel:
 
 def test_a_sampling_run_opens_one_session_closes_it_at_cleanup_and_reports_it(pack, files, local):
     """The diffusion model called as ComfyUI's _apply_model calls it, positive and negative batched (cond_or_uncond
-    [0, 1]) on 2 ranks: cfg2 splits the rows; after ComfyUI's cleanup the Info node shows the run."""
+    [0, 1]) on 2 ranks: cfg2 splits the rows; after ComfyUI's cleanup the Info node shows the run, and the machine
+    keeps its calls' step for the plan."""
     core, model = pack.core, pack.model
     settings = core.EngineSettings(model_path=files["flux"], gpus=(0, 1), device="cpu")
     link = core.model_link(settings)
@@ -297,6 +298,8 @@ def test_a_sampling_run_opens_one_session_closes_it_at_cleanup_and_reports_it(pa
     assert record.open_session is None and link.session is None
     assert "last job ran: ComfyUI's sampler on the engine's MODEL" in shown and "last job: plan cfg2;" in shown \
         and "model_calls 3" in shown
+    work = link._request.workload(inspect_model(files["flux"]))   # a call is a step: kept for auto's next choice
+    assert core.REGISTRY.machine(settings).measured().step(work, ParallelPlan(cfg=2))["step_ms"] > 0
 
 
 @pytest.mark.parametrize("kwargs,words", [

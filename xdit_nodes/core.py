@@ -16,7 +16,7 @@ from ..engine.generate.inputs import fix_empty_latent
 from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import CUDA_ONLY
-from ..engine.parallel.devices import hardware_for
+from ..engine.runtime.machine import Machine
 from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.ksampler import StepWindow
@@ -147,6 +147,13 @@ class EngineRegistry:
     def __init__(self):
         self._records: dict[tuple, EngineRecord] = {}
         self._lock = threading.Lock()
+        # where this machine's measurements are stored (nodes.py: ComfyUI's user folder; None: the user's cache)
+        self.machine_folder = lambda: None
+
+    def machine(self, settings: EngineSettings) -> Machine:
+        """The engine's devices on this machine and what was measured of them (engine/runtime/machine.py)."""
+        return Machine(settings.device, len(settings.gpus), list(settings.gpus) if settings.device == "cuda" else None,
+                       folder=self.machine_folder())
 
     def get(self, settings: EngineSettings) -> EngineRecord:
         with self._lock:
@@ -300,12 +307,16 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"), window=window)
-    hardware = hardware_for(settings.device, len(settings.gpus), settings.gpus)
-    request = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
-    choice = request.choice
+    machine = registry.machine(settings)
+    hardware = machine.hardware()   # with what was measured on this machine, where anything was
+    planned = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     if before_job is not None:
         before_job()
     record = registry.get(settings)
+    if machine.ensure(record.engine, planned):   # the engine's first start here (or a new model): planned again
+        hardware = machine.hardware()
+        planned = request.validate(len(settings.gpus), hardware)
+    request, choice = planned, planned.choice
     t0 = time.perf_counter()
     result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel,
                             weight_patches=weight_patches, deadlines=settings.deadlines)
@@ -318,6 +329,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
     record.last_memory = [r.get("memory", {}) for r in result.ranks]
     record.last_stages = [dict(r["pipefusion"], rank=r["rank"]) for r in result.ranks if r.get("pipefusion")]
+    machine.record_job(request, result, hardware)   # the plan's measured step: auto weighs it next time
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
     out[MODEL_KEY] = info.variant   # a second expert (xDiT Sampler (Advanced) without added noise) checks it
@@ -345,9 +357,20 @@ def model_link(settings: EngineSettings, *, before_job=None, registry: EngineReg
         info = inspect_model(settings.model_path)
         return model_request(settings, x, timestep, conditioning, cond_or_uncond,
                              latent_channels=info.latent.channels,
-                             hardware=hardware_for(settings.device, len(settings.gpus), settings.gpus),
+                             hardware=registry.machine(settings).hardware(),
                              job_request=job_request)
     return EngineLink(settings, registry, request_for, before_job)
+
+
+def measured_line(machine: Machine) -> str:
+    """What the planner measured of the engine's devices, or that its figures are still the model's."""
+    measured = machine.measured()
+    where = f" ({machine.unsaved})" if machine.unsaved else ""
+    if measured is None or not measured.calibrated:
+        when = ("the engine's first job here measures them" if machine.device == "cuda" else
+                "CPU ranks are measured by python -m engine calibrate")
+        return f"measured: nothing yet for {machine.setup}; the planner's figures are modelled ({when}){where}"
+    return f"measured ({machine.setup}, {machine.path}): " + "; ".join(measured.summary()) + where
 
 
 def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> str:
@@ -362,6 +385,7 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
         lines.append(f"model sampling: {FlowSampling(*settings.sampling).describe()}")
     if settings.cfg_norm:
         lines.append(f"CFGNorm: strength {settings.cfg_norm:g}")
+    lines.append(measured_line(registry.machine(settings)))
     if record is None:
         lines.append("engine: not running (starts with the next xDiT Sampler job)")
         return "\n".join(lines)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -299,6 +300,8 @@ class EngineLink:
         if self.before_job is not None:
             self.before_job()
         record = self.registry.get(self.settings)   # closes a session an earlier run left open
+        if self.registry.machine(self.settings).ensure(record.engine, request):   # first start here: measured,
+            request = self.request_for(self.settings, x, timestep, conditioning, list(cond_or_uncond))   # re-planned
         session = ModelSession(record.engine, request, patches, deadlines=self.settings.deadlines)
         session.__enter__()
         self.session, self._opened, self._request, self._record = session, time.perf_counter(), request, record
@@ -324,6 +327,8 @@ class EngineLink:
         wall = time.perf_counter() - self._opened
         record.last_timings = {"model_calls": calls, "wall_s": wall,
                                "per_call_s": (sum(session.call_s) / calls) if calls else 0.0}
+        if not failed and calls >= 2:   # a call is a step of the request's workload: auto weighs it next time
+            self.registry.machine(self.settings).record_step(self._request, statistics.median(session.call_s[1:]))
         record.last_cache, record.last_stages = {}, []
         record.last_bytes = ranks[0].get("bytes_sent_per_step", {}) if ranks else {}
         record.last_memory = [r.get("memory", {}) for r in ranks]

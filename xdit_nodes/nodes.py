@@ -2,6 +2,7 @@
 interrupt and memory management passed into core. Imported only inside ComfyUI."""
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import replace
 
@@ -21,6 +22,19 @@ _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.Str
           "GUIDER": io.Guider, specs.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 MODEL_WHERE = "models/" + " or models/".join(MODEL_FOLDERS)
+
+
+def _machine_folder() -> str | None:
+    """Where what the planner measures of this machine lives: ComfyUI's user folder, read when used (ComfyUI may set
+    it after the pack loads); None (the per-user cache) when ComfyUI names none."""
+    try:
+        user = folder_paths.get_user_directory()
+    except Exception:   # an older ComfyUI without one
+        return None
+    return os.path.join(user, "comfyui-xdit") if isinstance(user, str) and user else None
+
+
+core.REGISTRY.machine_folder = _machine_folder
 
 
 def _input(f: specs.Field):

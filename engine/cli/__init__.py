@@ -18,13 +18,13 @@ PROG = "python -m engine"
 
 
 def build_parser():
-    from . import bench, demo, generate, plan, tiny, worker
+    from . import bench, calibrate, demo, generate, plan, tiny, worker
     from .args import Parser
 
     parser = Parser(prog=PROG, description=f"Multi-GPU engine for {TITLES}: runs ComfyUI's KSampler on a group "
                                            f"of rank processes")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,plan,make-tiny,bench,worker}")
-    for module in (demo, generate, plan, tiny, bench, worker):
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,generate,plan,calibrate,make-tiny,bench,worker}")
+    for module in (demo, generate, plan, calibrate, tiny, bench, worker):
         module.register(sub)
     return parser
 

@@ -21,16 +21,19 @@ from ..families import VARIANTS
 from ..generate.request import default_dtype
 from ..models.load import inspect_model
 from ..parallel import cost
-from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, Hardware, find_gpu, link_for
+from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, Hardware, Interconnect, find_gpu, link_for
+from ..parallel.measured import Measured, MeasuredLink
 from ..parallel.plan import ParallelPlan, feasible, is_exact, plan_problems
 from ..runtime.projection import RESULT, project_job, project_pipefusion, share_request
 from ..runtime.client import Engine
+from ..runtime.machine import Machine
 from ..runtime.launch import PACK_ROOT, cpu_sets, rank_env
 from . import args as types
 from .bench_overhead import bench_overhead
 from .args import UsageError
 from .tables import markdown
 
+MEASURED = "measured"   # --link: as calibration measures it
 VALIDATE = ("ulysses2", "ring2", "pipefusion2", "cfg2", "dp2")   # the 2-rank plans a CPU run can check
 COMMAND_S = 3600.0   # one worker command (a plan's share, all repeats): a full-size model on a CPU takes minutes a step
 
@@ -40,7 +43,8 @@ def register(bench, emit) -> None:
                          description="For each plan of P ranks: one rank's real share of the job (its tokens and "
                                      "heads, ring blocks, stage, CFG pass or batch share) run on this one device with "
                                      "the collectives replaced by local stand-ins of the same shapes, plus the link "
-                                     "time of the planner's link model, beside the planner's own estimate. On the "
+                                     "time of the plan's collectives over the link as calibration measured it (or as "
+                                     "the planner models it), beside the planner's own estimate. On the "
                                      "CPU, checked against real 2-rank runs with each rank pinned to its own core.")
     p.add_argument("--model", default="flux-dev", choices=list(VARIANTS), help="synthetic variant (random weights)")
     p.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
@@ -53,8 +57,10 @@ def register(bench, emit) -> None:
     p.add_argument("--ranks", type=lambda t: types.int_list(t, types.ranks, "2,4,8"), default="2,4,8",
                    help="rank counts P whose plans are projected (the 1-rank row is always there)")
     p.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each share (median)")
-    p.add_argument("--link", choices=list(LINKS) + list(LINK_ALIASES), help="the link between the P devices, as the planner models it "
-                                                       "(default: nvlink with --gpus, cpu (gloo) on the CPU)")
+    p.add_argument("--link", choices=[MEASURED] + list(LINKS) + list(LINK_ALIASES),
+                   help="the link between the P devices: measured (on the CPU: 2 pinned gloo ranks, calibrated "
+                        "now; with --gpus: this machine's stored calibration, python -m engine calibrate --gpus), or "
+                        "one of the planner's modelled links (default: measured on the CPU, nvlink with --gpus)")
     p.add_argument("--gpu-name", help="the GPU the planner's estimate and link are for (with --gpus; default: the "
                                       "GPU's own)")
     p.add_argument("--validate", type=types.name_list(VALIDATE), default="ulysses2,ring2",
@@ -153,12 +159,35 @@ def _placement(ranks: int, device: str) -> tuple[int, tuple[int, ...] | None]:
     return len(cores), cores
 
 
-def _hardware(ranks: int, device: str, link: str, gpu_name: str | None) -> Hardware:
+def _hardware(ranks: int, device: str, link, gpu_name: str | None) -> Hardware:
+    """`link`: a modelled link's name, or a measured Interconnect."""
     if device == "cpu":
-        return Hardware(device="cpu", gpus=ranks, link=link_for(link, None))
+        return Hardware(device="cpu", gpus=ranks, link=link_for(link, None) if isinstance(link, str) else link)
     gpu = find_gpu(gpu_name)
     return Hardware(device="cuda", gpus=ranks, gpu=gpu, gpu_name=gpu.name if gpu else gpu_name,
-                    memory_gib=gpu.memory_gib if gpu else None, link=link_for(link, gpu))
+                    memory_gib=gpu.memory_gib if gpu else None,
+                    link=link_for(link, gpu) if isinstance(link, str) else link)
+
+
+def measured_link(device: str, gpus: list[int] | None, work) -> tuple[Interconnect | None, str]:
+    """The link the projection prices collectives on, as calibration measures it: on the CPU two gloo ranks pinned to
+    their own cores (the validation's setup), measured now at the sizes this job's plans send and stored as that
+    setup's figures; with a GPU, this machine's stored calibration of a GPU list holding it. (None, why) when there is
+    none."""
+    if device == "cpu":
+        if len(os.sched_getaffinity(0)) < 2:
+            return None, "pinning 2 CPU ranks needs 2 cores"
+        machine = Machine("cpu", 2, pinned=True)
+        with Engine(2, device="cpu", pin_cpus=True) as engine:
+            measured = machine.calibrate(engine, [], link_work=work, keep_jobs=True)
+        return measured.link(LINKS["cpu"]), f"measured now over 2 pinned gloo ranks, stored in {machine.path}"
+    machine = Machine("cuda", len(gpus), gpus)
+    for setup, figures in machine.stored_setups().items():
+        if setup.startswith("cuda:") and figures.get("pairs") and str(gpus[0]) in setup[5:].split(","):
+            link = Measured(setup, figures).link(LINKS["nvlink"])
+            return link, f"measured by calibration of {setup} ({figures.get('calibrated', '')}), {machine.path}"
+    return None, f"nothing measured for a GPU list with GPU {gpus[0]} in {machine.path}: run python -m engine " \
+                 f"calibrate --gpus {gpus[0]},... first, or give --link nvlink|pcie|..."
 
 
 def _command(plan: ParallelPlan, fields: dict, repeats: int, warmups: int = 1, rank: int | None = None) -> dict:
@@ -209,14 +238,23 @@ def bench_project(variant: str, size: str, gpus: list[int] | None, width: int, h
         work = share_request(fields, ParallelPlan()).workload(info)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    link = link or ("nvlink" if gpus else "cpu")
+    link = link or ("nvlink" if gpus else MEASURED)
+    how = "the planner's model"
+    if link == MEASURED:
+        link, how = measured_link(device, gpus, work)
+        if link is None and gpus:
+            raise UsageError(f"argument --link: measured: {how}")
+        if link is None:
+            link, how = "cpu", f"the planner's model ({how})"
     gpu_name = gpu_name or (torch.cuda.get_device_name(gpus[0]) if gpus else None)
     plans = [ParallelPlan()] + [p for n in dict.fromkeys(ranks) if n > 1 for p in feasible(n, work, pipefusion=True)]
     where = f"GPU {gpus[0]} ({torch.cuda.get_device_name(gpus[0])})" if gpus else f"the CPU ({os.cpu_count()} cores)"
     modelled = _hardware(2, device, link, gpu_name).link
+    p2p = getattr(modelled, "p2p_latency_us", None)
     print(f"\n{source} {width}x{height}, {steps} euler steps, cfg {fields['cfg']}, {dtype}; shares run on {where}, "
-          f"median of {repeats} after a warm-up; link model: {modelled.describe()}{' of ' + gpu_name if gpus else ''} "
-          f"({modelled.bandwidth_gbs:g} GB/s, {modelled.latency_us:g} us a call); {len(plans)} plans", flush=True)
+          f"median of {repeats} after a warm-up; link: {modelled.describe()}{' of ' + gpu_name if gpus else ''} "
+          f"({modelled.bandwidth_gbs:.3g} GB/s, {modelled.latency_us:.0f} us a call"
+          + (f", {p2p:.0f} us a point-to-point message" if p2p else "") + f"; {how}); {len(plans)} plans", flush=True)
     workers: dict[tuple, ShareWorker] = {}
 
     def worker_for(n: int) -> ShareWorker:
@@ -268,14 +306,18 @@ def bench_project(variant: str, size: str, gpus: list[int] | None, width: int, h
                                                               else ())
         print(markdown(header, rows))
         print(f"share: one rank's job with every collective a local stand-in of the same shapes (rank 0; PipeFusion: "
-              f"every stage, the pipeline assembled as the planner does); link: the planner's link model for the "
-              f"plan's collectives; planner: cost.estimate with its one-device step taken from the 1-rank share "
+              f"every stage, the pipeline assembled as the planner does); link: the plan's collectives over the link "
+              f"above ({how}), priced by the planner's communication model; planner: cost.estimate with its "
+              f"one-device step taken from the 1-rank share "
               f"({one.share_s / steps * 1e3:.1f} ms){', and with the GPU table rate' if device == 'cuda' else ''}"
               f". P ranks here mean P devices like this one"
               f"{'' if device == 'cuda' else ' (on the CPU: a rank per core set, as pinned above)'}.")
+        out.append({"kind": "link", "source": how, "measured": isinstance(modelled, MeasuredLink),
+                    "bandwidth_gbs": modelled.bandwidth_gbs, "latency_us": modelled.latency_us,
+                    "p2p_latency_us": p2p})
         out.append(_one_rank(one, overhead))
         if validate and device == "cpu":
-            out += _validate(validate, fields, work, repeats, worker_for)
+            out += _validate(validate, fields, work, repeats, worker_for, modelled)
         elif validate:
             print("\nvalidation against real 2-rank runs: skipped on a GPU (it needs two; the CPU run checks the "
                   "method)")
@@ -300,11 +342,11 @@ def _one_rank(one, overhead: dict) -> dict:
             "residual_vs_engine_compute": one.s_per_image / compute_s - 1}
 
 
-def _validate(names: tuple[str, ...], fields: dict, work, repeats: int, worker_for) -> list[dict]:
+def _validate(names: tuple[str, ...], fields: dict, work, repeats: int, worker_for, link_model) -> list[dict]:
     """Each 2-rank plan projected from rank 0's share (alone on its cores), and from both ranks' shares run at once
     (each on its own cores, no communication), against the real 2-rank engine job with each rank pinned to its own
     cores; share, shares at once and real run alternate, so that the machine's drift hits all three. The link is
-    the planner's model of gloo between CPU ranks, which the real run uses."""
+    `link_model`: gloo between 2 pinned CPU ranks as calibration measured it (or the planner's model of it)."""
     allowed = sorted(os.sched_getaffinity(0))
     print(f"\nvalidation: 2-rank plans, projected vs the real 2-rank engine job with each rank pinned to its own "
           f"core(s); {repeats} alternating runs of each (median)", flush=True)
@@ -321,7 +363,6 @@ def _validate(names: tuple[str, ...], fields: dict, work, repeats: int, worker_f
             plans.append(plan)
     if not plans:
         return []
-    link_model = LINKS["cpu"]
     sets = cpu_sets(2)
     workers = [worker_for(2), ShareWorker("cpu", len(sets[1]), sets[1], None, worker_for(2).deadline_s)]
     rows, out = [], []
@@ -358,12 +399,13 @@ def _validate(names: tuple[str, ...], fields: dict, work, repeats: int, worker_f
                 out.append(row)
     finally:
         workers[1].close()
-    print(markdown(("plan", "share s (rank 0 alone)", "shares at once s", "link ms (model)",
+    print(markdown(("plan", "share s (rank 0 alone)", "shares at once s", "link ms",
                     "real - at once ms", "projected s/image",
                     "projected, shares at once", "real 2 ranks s/image", "residual", "residual, at once"), rows))
     print(f"cores: rank 0 {sets[0]}, rank 1 {sets[1]}, for the shares and the real ranks alike. real: the engine job's "
-          f"compute on the slower rank. residual = projected / real - 1: the method (one rank's share alone + link "
-          f"model). at once: both ranks' shares run together without communicating (the slower one counts), which "
+          f"compute on the slower rank. residual = projected / real - 1: the method (one rank's share alone + the "
+          f"link's time for the plan's collectives). at once: both ranks' shares run together without communicating "
+          f"(the slower one counts), which "
           f"takes out what running side by side costs on a shared CPU (caches, memory bandwidth, other processes on "
-          f"the machine) and leaves the collectives' real cost, real - at once, against the link model's.")
+          f"the machine) and leaves the collectives' real cost, real - at once, against the link's.")
     return out

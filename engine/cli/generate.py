@@ -15,9 +15,9 @@ from ..generate.request import GenerateRequest, default_dtype, empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
-from ..parallel.devices import hardware_for
 from ..parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..runtime.client import Engine
+from ..runtime.machine import Machine
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedules import SAMPLING_NODES, SCHEDULERS, FlowSampling
 from . import args as types
@@ -232,6 +232,11 @@ def _sampling(a) -> dict | None:
         raise UsageError(f"argument --shift: {e}") from None
 
 
+def machine_of(a, ranks: int) -> Machine:
+    """This machine's stored measurements for the job's ranks (runtime/machine.py)."""
+    return Machine("cuda" if a.gpus else "cpu", ranks, a.gpus)
+
+
 def prepare(a):
     """(request, ranks, PlanChoice): every check that needs no rank, the plan resolved. Raises UsageError."""
     if not a.gpus and a.attention in CUDA_ONLY:
@@ -250,7 +255,7 @@ def prepare(a):
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs for {ranks} "
                          f"ranks: give one GPU per rank")
     try:
-        request = request.validate(ranks, hardware_for("cuda" if a.gpus else "cpu", ranks, a.gpus))
+        request = request.validate(ranks, machine_of(a, ranks).hardware())
     except ValueError as e:  # PlanError, CheckpointError, a tensor of the wrong shape ...
         raise UsageError(str(e)) from None
     return request, ranks, request.choice
@@ -291,12 +296,22 @@ def run(a) -> int:
     print(choice.reason, flush=True)
     progress = Progress()
     t0 = time.perf_counter()
+    machine = machine_of(a, ranks)
     with Engine(ranks, device="cuda" if a.gpus else "cpu", gpus=a.gpus) as engine:
         t_start = time.perf_counter() - t0
+        if machine.ensure(engine, request):   # first start here (or a new model): measured, so planned again
+            print(f"measured this machine ({machine.setup}) in {machine.figures().get('calibrate_s', 0):.1f} s: "
+                  f"{'; '.join(machine.measured().summary())}; stored in {machine.path}", flush=True)
+            try:
+                request = build_request(a).validate(ranks, machine.hardware())
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            print(request.choice.reason, flush=True)
         try:
             result = request.submit(engine, on_progress=progress)
         finally:
             progress.close()
+    machine.record_job(request, result)
     samples = result.outputs["samples"]
     written = output.write(a.out, save({"samples": samples.contiguous()}))   # keeps the result if it cannot
     model = result.ranks[0].get("model", {})

@@ -18,6 +18,7 @@ from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, PCIE_A2A_CONTENTION, f
 from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
                              Workload, candidates, feasible, plan_problems)
 from ..parallel.planner import pipefusion_refusal, resolve_plan, survey
+from ..runtime.machine import Machine
 from . import args as types
 from . import describe
 from .args import UsageError
@@ -92,6 +93,11 @@ def register(sub) -> None:
     p.add_argument("--plan", type=types.plan_choice, default=AUTO, metavar="auto|fastest|DEGREES",
                    help="auto: the fastest exact plan (the result equals one GPU's); fastest: approximate plans "
                         "(PipeFusion) too; DEGREES: price that one plan, e.g. ulysses4,ring2 or cfg2,pipefusion2")
+    p.add_argument("--measured", type=_setup, metavar="cuda:0,1|cpu:N[:pinned]",
+                   help="plan for this machine's devices as `python -m engine calibrate` (or the engine's first job) "
+                        "measured them: memory, link and compute measured, plans that ran at their measured step "
+                        "(replaces --gpus, --interconnect, --gpu-name and --gpu-memory-gb)")
+    p.add_argument("--folder", help="where the machine's measurements are stored (default: the per-user cache)")
     p.add_argument("--json", action="store_true", help='print {"chosen": ..., "one_gpu": ..., "candidates": [...]} '
                                                        "instead of the tables")
     p.add_argument("--validate", action="store_true", help="print the cost model against published multi-GPU runs "
@@ -106,6 +112,23 @@ def register(sub) -> None:
     p.set_defaults(run=run, parser=p)
 
 
+def _setup(text: str) -> tuple:
+    """cuda:0,1 | cpu:N | cpu:N:pinned -> (device, ranks, gpus, pinned)."""
+    device, _, rest = text.strip().partition(":")
+    try:
+        if device == "cuda":
+            gpus = types.gpu_list(rest)
+            return "cuda", len(gpus), gpus, False
+        if device == "cpu":
+            count, _, pinned = rest.partition(":")
+            if pinned not in ("", "pinned"):
+                raise ArgumentTypeError(f"{text} is invalid")
+            return "cpu", types.ranks(count), None, pinned == "pinned"
+    except ArgumentTypeError as e:
+        raise ArgumentTypeError(f"{text!r}: {e}; give cuda:0,1 or cpu:2 (cpu:2:pinned)") from None
+    raise ArgumentTypeError(f"{text!r} is invalid: give cuda:0,1 or cpu:2 (cpu:2:pinned)")
+
+
 def _header(info, work: Workload, hw, a) -> list[str]:
     tflops, source = cost.throughput_tflops(hw, work)
     weights = f"GGUF {a.quant}" if a.quant else "fp8" if a.fp8 else info.format if info.stored_fp8 else work.dtype
@@ -117,11 +140,12 @@ def _header(info, work: Workload, hw, a) -> list[str]:
              f"{', compiled' if work.compiled else ', eager'}, {work.image_tokens} image + {work.text_tokens} text "
              f"tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / GiB:.1f} GiB): "
              f"{cost.step_tflop(work):.1f} TFLOP per step",
-             f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:g} GiB each, {tflops:.0f} TFLOP/s effective on one "
-             f"GPU ({source})"]
+             (f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:{'.1f' if hw.measured else 'g'}} GiB each, "
+              f"{tflops:.0f} TFLOP/s effective on one GPU ({source})" if hw.device == "cuda" else
+              f"hardware  {hw.describe()}, {tflops * 1e3:.3g} GFLOP/s on one rank ({source})")]
     if hw.gpus > 1:
         contention = PCIE_A2A_CONTENTION if link.contention is None else link.contention
-        lines.append(f"link      {link.describe()}: {link.bandwidth_gbs:g} GB/s per GPU, {link.latency_us:g} us per "
+        lines.append(f"link      {link.describe()}: {link.bandwidth_gbs:.4g} GB/s per GPU, {link.latency_us:.4g} us per "
                      f"call" + (f"; an all-to-all of n GPUs gets 1 / (1 + {contention:.2f} x (n - 2)) of that (flows "
                                 f"through the CPU)" if link.tree else ""))
     code = cost.engine_code()
@@ -130,6 +154,10 @@ def _header(info, work: Workload, hw, a) -> list[str]:
                  f"{cost.launches.ops_per_block(work.variant):.0f} a block, + {code.ulysses_ops} a Ulysses layer, "
                  f"+ {code.ring_layer_ops} a ring layer and {code.ring_hop_ops} a hop, {cost.LAUNCH_US:.1f} us each"
                  + (f", {cost.COMPILED_LAUNCH_SHARE:.0%} of the blocks' compiled" if work.compiled else ""))
+    if hw.measured is not None:
+        lines.append(f"measured  {', '.join(hw.measured.sources(work))}: {'; '.join(hw.measured.summary())}")
+    else:
+        lines.append("figures   modelled (stated hardware; --measured uses what was measured on this machine)")
     return lines
 
 
@@ -201,7 +229,19 @@ def run(a) -> int:
     if a.memory_table:
         print("\n".join(fits.memory_table()))
         return 0
-    _required(a)
+    if a.measured:
+        if a.model is None:
+            raise UsageError("the following arguments are required: --model (with --measured)")
+        device, ranks, gpus, pinned = a.measured
+        machine = Machine(device, ranks, gpus, folder=a.folder, pinned=pinned)
+        if machine.measured() is None:
+            raise UsageError(f"argument --measured: nothing is measured for {machine.setup} on this machine (looked in "
+                             f"{machine.path}): run python -m engine calibrate "
+                             + (f"--gpus {','.join(map(str, gpus))}" if gpus else
+                                f"--ranks {ranks}{' --pin-cpus' if pinned else ''}") + " first")
+        a.gpus = ranks
+    else:
+        _required(a)
     if a.warmup_steps > a.steps:
         raise UsageError(f"argument --warmup-steps: {a.warmup_steps} is more than --steps {a.steps}: use 1 to "
                          f"{a.steps} ({a.steps}: PipeFusion exact)")
@@ -221,8 +261,8 @@ def run(a) -> int:
                               compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps,
                               bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None,
                               experts=a.experts or (2 if info.variant in TWO_EXPERTS else 1), placement=a.placement)
-    hw = stated_hardware(a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect,
-                         a.gpu_memory_gb)
+    hw = machine.hardware() if a.measured else stated_hardware(
+        a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect, a.gpu_memory_gb)
     one = cost.estimate(ParallelPlan(), work, hw)
     if isinstance(a.plan, ParallelPlan):
         return _price(a, info, work, hw, one)

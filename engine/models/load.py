@@ -389,10 +389,17 @@ def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device =
     same values as a rank that holds all of it)."""
     if not is_synthetic(source):
         return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights, keep=keep)
+    return random_model(synthetic_info(source), source, dtype=dtype, device=device, seed=seed,
+                        fp8_weights=fp8_weights, keep=keep)
+
+
+def random_model(info: CheckpointInfo, source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu",
+                 seed: int = 0, fp8_weights: bool = False, keep: Keep | None = None) -> LoadedTransformer:
+    """The transformer `info` describes (a file's header, or a synthetic variant's), with random weights built directly
+    on `device` in `dtype`, nothing read from a file."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     t0 = time.perf_counter()
-    info = synthetic_info(source)
     model = build_empty(info)
     _materialize(model, keep, device, COMPUTE_DTYPES[dtype])  # never materialised in fp32
     init_random_(model, seed)

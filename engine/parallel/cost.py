@@ -294,6 +294,9 @@ def rate_tflops(hw: Hardware, work, one_gpu_ms: float | None = None) -> tuple[fl
     engine's measured calibration step takes its time; else the rate at which a one-GPU FLUX.1-dev 1024^2 step
     reaches rated x the efficiency table's share."""
     one = ParallelPlan()
+    measured = hw.measured.rate(work) if hw.measured is not None and one_gpu_ms is None else None
+    if measured:   # this machine's devices, measured at this model's widths (parallel/measured.py)
+        return measured
     if one_gpu_ms is not None:
         return unit_ms(one, work)[0] / one_gpu_ms, f"one GPU {one_gpu_ms:.1f} ms/step given"
     entry = calibration.measured(hw.gpu_name, "compiled" if work.compiled else "eager", model=work.variant)
@@ -390,6 +393,8 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     m = patches(plan, work)
     attention_layers = (work.layers + work.dual_layers) / plan.pipefusion * m   # layer runs a step, on this rank
     latency = link.latency_us / 1e3
+    # a measured link (parallel/measured.py) times point-to-point messages apart from collectives: gloo's differ a lot
+    p2p_latency = (getattr(link, "p2p_latency_us", None) or link.latency_us) / 1e3
 
     def over(nbytes: float, gbs: float) -> float:
         return nbytes / (gbs * 1e9) * 1e3
@@ -404,13 +409,13 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     if r > 1:
         ring = over(kinds["ring_p2p"], link.bandwidth_gbs)
         ms += ring - code.ring_overlap * min(ring, attention_ms * (r - 1) / r)
-        ms += (r - 1) * attention_layers * latency
+        ms += (r - 1) * attention_layers * p2p_latency
     for kind in ("sp_gather", "cfg_gather", "dp_gather"):
         if kinds[kind]:
             ms += over(kinds[kind], link.bandwidth_gbs) + latency
     if plan.pipefusion > 1:
         p2p = over(kinds["pipefusion_p2p"], link.bandwidth_gbs)
-        ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * latency
+        ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * p2p_latency
     return ms
 
 
@@ -448,10 +453,14 @@ class Estimate:
 
 
 def _steady(plan, work, hw: Hardware, rate: float, code: Code) -> tuple[float, float, float]:
-    """(compute, exposed comm, host) ms of one steady step."""
-    compute, attention = compute_ms(plan, work, rate)
-    compute += merge_ms(plan, work, hw, code)
-    return compute, comm_ms(plan, work, hw.link, attention, code, compute), host_ms(plan, work, code)
+    """(compute, exposed comm, host) ms of one steady step. Measured compute (parallel/measured.py) replaces the
+    modelled where there is one; on CPU ranks it holds the host's own work, which the GPU launch model does not."""
+    measured = hw.measured.compute_ms(plan, work) if hw.measured is not None else None
+    compute, attention = measured or compute_ms(plan, work, rate)
+    if hw.device == "cuda" or measured is None:   # a ring's merges, at the GPU's memory bandwidth
+        compute += merge_ms(plan, work, hw, code)
+    host = 0.0 if measured and hw.device == "cpu" else host_ms(plan, work, code)
+    return compute, comm_ms(plan, work, hw.link, attention, code, compute), host
 
 
 def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: float | None = None) -> Estimate:

@@ -226,6 +226,9 @@ class Hardware:
     memory_gib: float | None = None
     link: Interconnect = LINKS["nvlink"]
     notes: tuple = field(default=(), compare=False)   # what was assumed, and how the rest was found
+    # measured.Measured: what calibration and finished jobs measured of these devices (None: every figure modelled);
+    # the cost model reads it where present, and measured.apply puts its link and memory in the fields above
+    measured: object = field(default=None, compare=False)
 
     @property
     def rated_tflops(self) -> float:

@@ -10,6 +10,8 @@ plan.world_size ranks, and the others are idle for the job (`active` False, no g
 from __future__ import annotations
 
 import itertools
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,6 +21,27 @@ import torch.distributed as dist
 from .plan import ParallelPlan
 
 ORDER = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+# A link made slow on purpose, for tests only: each collective a rank counts (and each calibration message) waits this
+# many ms more, as on a link with that much more latency (read from the ranks' environment).
+LINK_DELAY_ENV = "XDIT_LINK_DELAY_MS"
+
+
+def _link_delay_s() -> float:
+    text = os.environ.get(LINK_DELAY_ENV, "").strip()
+    try:
+        return max(0.0, float(text)) / 1e3 if text else 0.0
+    except ValueError:
+        raise ValueError(f"{LINK_DELAY_ENV}={text!r} is invalid: give milliseconds, e.g. 20, or leave it "
+                         f"unset") from None
+
+
+LINK_DELAY_S = _link_delay_s()
+
+
+def link_delay() -> None:
+    """The injected delay of one collective (none unless LINK_DELAY_ENV is set)."""
+    if LINK_DELAY_S:
+        time.sleep(LINK_DELAY_S)
 
 
 @dataclass
@@ -28,6 +51,7 @@ class CommStats:
 
     def add(self, kind: str, nbytes: int) -> None:
         self.sent[kind] += int(nbytes)
+        link_delay()
 
     def reset(self) -> None:
         self.sent.clear()

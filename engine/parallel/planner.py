@@ -124,6 +124,7 @@ class Survey:
     estimates: list          # cost.Estimate of every feasible plan on 1..ranks GPUs, fewer ranks first
     chosen: cost.Estimate | None   # None: nothing fits the GPUs' memory
     pool: str                # "exact" | "approximate allowed" | "no exact plan fits"
+    modelled: cost.Estimate | None = None   # the model's own choice, before measured steps replaced estimates
 
     def best_on(self, k: int, exact_only: bool = False) -> cost.Estimate | None:
         own = [e for e in self.estimates if e.ranks == k and e.fits and (e.exact or not exact_only)]
@@ -171,12 +172,16 @@ def survey(ranks: int, work: Workload, hw: Hardware, approximate: bool = False, 
         estimates += estimates_of(p for k in range(2, ranks + 1) for p in feasible(k, work, pipefusion=True)
                                   if p.pipefusion > 1)
         estimates.sort(key=lambda e: e.ranks)   # stable: each rank count's plans stay in candidates order
+    modelled = None
+    if hw.measured is not None:   # plans that ran on this workload: their measured steps (parallel/measured.py)
+        modelled, estimates = pick(estimates, approximate)[0], hw.measured.observed(estimates, work)
     chosen, label = pick(estimates, approximate)
-    return Survey(ranks, estimates, chosen, label)
+    return Survey(ranks, estimates, chosen, label, modelled)
 
 
 def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -> PlanChoice:
-    if hw.device == "cpu":  # the ranks share the host's cores: no plan computes faster, so send the least
+    measured = hw.measured is not None and hw.measured.covers(work, ranks)
+    if hw.device == "cpu" and not measured:  # the ranks share the host's cores: unmeasured, send the least
         plans = feasible(ranks, work)
         if not plans:
             raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
@@ -215,6 +220,8 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
             reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
     if work.experts > 1:
         reason += f"; {experts_note(best, work, hw)}"
+    if hw.measured is not None:
+        reason += f"; {hw.measured.explain(best, found.modelled, work)}"
     if not best.exact:
         warm = min(work.warmup_steps, work.steps)
         reason += (f"; PipeFusion is approximate (after {warm} warmup step(s) its patches see the previous step's "

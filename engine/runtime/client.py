@@ -126,6 +126,9 @@ class Engine(RankGroup):
             "return_s": max(t.get("return_s", 0.0) for t in rank_t) + (t_done - t_read0),
             "total_s": t_done - t_submit,
         }
+        steps = [t["step_s"] for t in rank_t if "step_s" in t]
+        if steps:   # a steady step after the first, on the slowest rank
+            timings["step_s"] = max(steps)
         return JobResult(outputs=outputs, timings=timings, ranks=[r["info"] for r in reports],
                          job_id=job_id, crc32=crc)
 

@@ -76,6 +76,7 @@ class JobContext:
         self.job_group = self.group
         self.control_group = runtime.control_group
         self._agreement = None   # (work, flag) of the cancel agreement posted at the last check, still unread
+        self.step_clock: list[float] = []   # when each step's progress came (host time, every rank)
 
     def mesh(self, plan):
         """The rank mesh for `plan`, its byte counters reset for this job. The last MESHES_KEPT plans' meshes are kept;
@@ -124,9 +125,17 @@ class JobContext:
         """Rank 0 reports; the client calls the caller's progress callback on the caller's thread. Every rank notes the
         step: its heartbeats carry it, so a stall names the step."""
         self._rt.step = step
+        self.step_clock.append(time.perf_counter())
         syncs.step(step)
         if self.rank == 0:
             self._rt.chan.send({"op": "progress", "job_id": self.job_id, "step": step, "total": total})
+
+    def steady_step_s(self, end: float) -> float | None:
+        """Seconds per step after the first (which also compiles, tunes kernels and fills caches), up to `end` (the
+        job's end, when the device has finished); None for a job of fewer than two steps."""
+        if len(self.step_clock) < 2:
+            return None
+        return (end - self.step_clock[0]) / (len(self.step_clock) - 1)
 
     def cancel_requested(self) -> bool:
         """This rank's own view (no collective): has the client asked to cancel this job?"""
@@ -278,6 +287,15 @@ def model(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     request_inputs = {k: v for k, v in inputs.items() if not k.startswith("patch.")}
     return run_model(ctx, GenerateRequest.from_job(spec["request"], request_inputs),
                      WeightPatches.from_job(spec["patches"], inputs))
+
+
+@job("calibrate")
+def calibrate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """Measure this rank's device, its links to the others and a model's step on it (engine/runtime/calibrate.py)."""
+    from .calibrate import measure
+
+    measure(ctx, spec)
+    return None
 
 
 @job("comm_probe")

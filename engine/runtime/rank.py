@@ -166,7 +166,11 @@ class RankRuntime:
             ctx = JobContext(self, job_id)
             outputs = handler(ctx, job["spec"], inputs)
             ctx.settle()
-            timings["compute_s"] = time.perf_counter() - t0
+            t_end = time.perf_counter()
+            timings["compute_s"] = t_end - t0
+            step_s = ctx.steady_step_s(t_end)
+            if step_s is not None:
+                timings["step_s"] = step_s
 
             self.enter_phase(job_id, "return")
             t0 = time.perf_counter()
