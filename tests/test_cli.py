@@ -338,6 +338,24 @@ def test_bench_cache_reports_skips_and_writes_json(tmp_path):
     assert "| threshold | skipped calls |" in out.stdout
 
 
+def test_bench_guider_runs_a_two_rank_plan_on_both_routes_with_the_same_latent(tmp_path):
+    """The engine's own loop and ComfyUI's route (one engine call per model evaluation, the euler update in this
+    process) run the same model calls on the same ranks; only where the euler update's arithmetic runs differs, so
+    the latents agree to fp32 rounding of 2 steps on values of order 1 (bound 1e-5)."""
+    out = run("bench", "--json", str(tmp_path / "guider.json"), "guider", "--ranks", "2", "--plan", "ulysses2",
+              "--steps", "2", "--repeats", "1", "--width", "64", "--height", "64")
+    print(out.stdout)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    (row,) = json.loads((tmp_path / "guider.json").read_text())["guider"]
+    assert row["plan"] == "ulysses2" and row["max_abs_diff"] <= 1e-5 and row["median_call_ms"] > 0
+
+
+def test_bench_guider_refuses_a_pipefusion_plan_in_one_line_before_any_rank_starts(capsys):
+    assert main(["bench", "guider", "--ranks", "2", "--plan", "pipefusion2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "plan pipefusion2 uses pipefusion" in err and "xDiT Sampler" in err, err
+
+
 def test_bench_generate_compares_the_engine_with_a_plain_loop_on_the_same_synthetic_model():
     out = run("bench", "generate", "--model", "flux-schnell", "--steps", "2", "--repeats", "1", "--width", "64",
               "--height", "64")

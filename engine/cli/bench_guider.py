@@ -7,12 +7,13 @@ import statistics
 import time
 
 
-from ..generate.model_call import ModelSession, session_predictor
+from ..generate.model_call import ModelSession, check_per_call, session_predictor
 from ..generate.request import GenerateRequest
 from ..models.load import inspect_model
 from ..runtime.client import Engine
 from ..sampling.ksampler import guided_denoiser, start_sampling
 from ..sampling.samplers import sample
+from .args import UsageError
 from .tables import markdown
 
 
@@ -25,19 +26,27 @@ def register(bench, emit) -> None:
                                      "(the route of ComfyUI's samplers on the xDiT Engine's MODEL), alternately; the "
                                      "difference per step is the per-call overhead.")
     p.add_argument("--model", default="synthetic:flux-dev:tiny", help="model path or synthetic:<variant>[:tiny]")
-    p.add_argument("--ranks", type=types.positive_int, default=1, help="CPU ranks (auto plan)")
+    p.add_argument("--ranks", type=types.positive_int, default=1, help="CPU ranks")
+    p.add_argument("--plan", type=types.plan_choice, default="auto", metavar="auto|DEGREES",
+                   help="the plan on those ranks, e.g. ulysses2 or cfg2 (default: auto; a model session runs no "
+                        "PipeFusion)")
     p.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")
     p.add_argument("--height", type=types.pixels, default=256, help="image height in pixels")
     p.add_argument("--steps", type=types.positive_int, default=8, help="euler steps")
     p.add_argument("--repeats", type=types.positive_int, default=3, help="timed runs of each path (median)")
     p.set_defaults(run=lambda a: emit(a, "guider", bench_guider(a.model, a.ranks, a.width, a.height, a.steps,
-                                                                a.repeats)), parser=p)
+                                                                a.repeats, a.plan)), parser=p)
 
 
-def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, repeats: int = 3) -> list[dict]:
-    info = inspect_model(model)
-    request = GenerateRequest.random_conditioning(model, width, height, text_tokens=16, seed=1, steps=steps,
-                                                  cfg=info.spec.cfg).validate(ranks)
+def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, repeats: int = 3,
+                 plan="auto") -> list[dict]:
+    try:
+        info = inspect_model(model)
+        request = GenerateRequest.random_conditioning(model, width, height, text_tokens=16, seed=1, steps=steps,
+                                                      cfg=info.spec.cfg, plan=plan).validate(ranks)
+        check_per_call(request)
+    except ValueError as e:   # before any rank starts
+        raise UsageError(str(e)) from None
     spec, inputs = request.to_job()
     start = start_sampling(request.latent_raw, sampling=request.sampling(info), latent=info.latent, seed=1,
                            steps=steps, cfg=request.cfg, sampler="euler", scheduler="simple")
