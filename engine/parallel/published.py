@@ -24,84 +24,20 @@ can run on an H20's 148 TFLOP/s, so its job is not that one and the page does no
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from . import cost
 from .devices import stated_hardware
+from .fitted import names, value
 from .plan import ParallelPlan, Workload
 from .planner import pick, survey
-
-
-@dataclass(frozen=True)
-class Run:
-    """One published row: `plan` on `gpus` GPUs took `seconds` (the scenario's unit)."""
-    plan: str
-    gpus: int
-    seconds: float
-    fit: bool                # the fitted constants are fitted to it; else held out
-    why: str                 # why it is fitted, or what holding it out tests
-
-
-def fit(plan: str, gpus: int, seconds: float, why: str) -> Run:
-    return Run(plan, gpus, seconds, True, why)
-
-
-def held(plan: str, gpus: int, seconds: float, why: str = "") -> Run:
-    return Run(plan, gpus, seconds, False, why)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    key: str
-    name: str                # what ran where
-    source: str              # where it is published
-    make: object             # () -> Workload
-    gpu: str
-    link: object             # a topology class, or ((gpus, class), ...) where the GPUs span more with their count
-    one_gpu_s: float | None  # the published one-GPU time (None: base_ms borrowed)
-    runs: tuple
-    code: cost.Code = cost.XDIT
-    outside: object = 0.0    # seconds outside the transformer loop, or the name of a fitted constant (fitting.py)
-    computed_share: float = 1.0   # a step cache's share of steps computed, the same on every GPU count
-    approximate: bool = False     # the published plans include PipeFusion: the planner is checked with it allowed
-    unit: str = "s"          # "s" a whole job, "s/step" one denoising step
-    base_ms: float | None = None  # a borrowed one-GPU transformer step when the source has no one-GPU time
-    base_note: str = ""
-    work: dict = field(default_factory=dict, compare=False, repr=False)   # the built Workload, once
-
-    def workload(self) -> Workload:
-        if "w" not in self.work:
-            self.work["w"] = self.make()
-        return self.work["w"]
-
-    def link_for(self, gpus: int) -> str:
-        if isinstance(self.link, str):
-            return self.link
-        return dict(self.link)[gpus]
-
-    @property
-    def outside_s(self) -> float:
-        if isinstance(self.outside, str):
-            from . import fitting
-            return fitting.value(self.outside)
-        return self.outside
-
-    @property
-    def one_gpu_ms(self) -> float:
-        """The transformer step the predictions start from: the published one-GPU time less the seconds outside the
-        loop, over the steps computed; or the borrowed step."""
-        if self.base_ms is not None:
-            return self.base_ms
-        steps = self.workload().steps
-        return (self.one_gpu_s - self.outside_s) * 1e3 / (steps * self.computed_share)
+from .published_video import VIDEO_SCENARIOS
+from .runs import CACHE_DIT, L40_SERVER, PARAATTENTION, RAYLIGHT, Scenario, fit, held
 
 
 OUTSIDE_STEPS = (0.415 / 0.441 + 0.65 / 0.633) / 2   # FLUX.1 pipelines on A100 and L40 (module docstring)
 A100_OUTSIDE_S = 0.415
 L40_OUTSIDE_S = 0.65
-L40_SERVER = ((1, "pcie-switch"), (2, "pcie-switch"), (3, "pcie-bridge"), (4, "pcie-bridge"), (6, "pcie-socket"),
-              (8, "pcie-socket"))
 
 
 def outside_steps(one_gpu_s: float, steps: int) -> float:
@@ -116,13 +52,6 @@ def flux(steps: int = 28, compiled: bool = False, variant: str = "flux-dev", **k
 def sd3(steps: int = 20, compiled: bool = False):
     return lambda: Workload.for_variant("sd3-medium", 1024, 1024, steps=steps, compiled=compiled, negative_pass=True)
 
-
-# The other codes, where their sources say less, are priced with xDiT's counts; ParaAttention and diffusers' context
-# parallel (cache-dit) split the text with the image tokens.
-PARAATTENTION = replace(cost.XDIT, name="ParaAttention (context parallel: Ulysses and Ring over torch's collectives)",
-                        text_split=True)
-CACHE_DIT = replace(cost.XDIT, name="cache-dit (diffusers' context parallel hooks)", text_split=True)
-RAYLIGHT = replace(cost.XDIT, name="Raylight (xDiT's USP in ComfyUI)")
 
 XDIT_FLUX = "xDiT docs/performance/flux.md"
 H100_EAGER_OUTSIDE = outside_steps(6.71, 28)
@@ -260,7 +189,6 @@ CHECKED = tuple(s for s in SCENARIOS
 
 
 def all_scenarios() -> tuple:
-    from .published_video import VIDEO_SCENARIOS
     return SCENARIOS + VIDEO_SCENARIOS
 
 
@@ -396,7 +324,6 @@ def best_rows(scenarios=None) -> list[Best]:
 
 
 def checked_scenarios() -> tuple:
-    from .published_video import VIDEO_SCENARIOS
     return CHECKED + tuple(s for s in VIDEO_SCENARIOS
                            if any(sum(r.gpus == g for r in s.runs) > 1 for g in {r.gpus for r in s.runs}))
 
@@ -405,10 +332,9 @@ def checked_scenarios() -> tuple:
 def validation_table() -> list[str]:
     """Markdown: every published row against the model with its residual and split, the speed-ups from one GPU count
     to the next, and each GPU count's published best against the planner's choice."""
-    from . import fitting
     lines = ["Published multi-GPU runs against the cost model (each scenario's published one-GPU time as base, its code's "
              "overlap and launches, its link class per GPU count). Residual = predicted / published - 1; fit: a row "
-             "the constants are fitted to (" + ", ".join(f"{n} {fitting.value(n):.4g}" for n in fitting.names()) +
+             "the constants are fitted to (" + ", ".join(f"{n} {value(n):.4g}" for n in names()) +
              "); held out: judged only.", "",
              "| scenario | base: 1 GPU | GPUs | link | plan | published | predicted | residual | split | why | source |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

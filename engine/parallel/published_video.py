@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .plan import DTYPE_BYTES, Workload
-from .published import L40_SERVER, PARAATTENTION, RAYLIGHT, Scenario, fit, held
+from .runs import L40_SERVER, PARAATTENTION, RAYLIGHT, Scenario, fit, held
 
 
 @dataclass(frozen=True)
