@@ -193,9 +193,14 @@ def test_two_advanced_windows_on_the_engine_equal_one_run(core, models):
     common = dict(seed=4, steps=4, cfg=3.0, sampler_name="euler", scheduler="simple", denoise=1.0)
     pos, neg = sd3_conditioning(1), sd3_conditioning(2)
     whole = core.sample(s, pos, neg, empty_latent(width=64, height=64), **common)["samples"]
-    first = core.sample(s, pos, neg, empty_latent(width=64, height=64), **common, window=StepWindow(0, 2))
+    seen = {"first": [], "second": []}
+    first = core.sample(s, pos, neg, empty_latent(width=64, height=64), **common, window=StepWindow(0, 2),
+                        on_progress=lambda step, total: seen["first"].append((step, total)))
     second = core.sample(s, pos, neg, first, **common,
-                         window=StepWindow(2, 10000, force_full_denoise=True, add_noise=False))["samples"]
+                         window=StepWindow(2, 10000, force_full_denoise=True, add_noise=False),
+                         on_progress=lambda step, total: seen["second"].append((step, total)))["samples"]
+    print("progress per window:", seen)
+    assert seen == {"first": [(1, 2), (2, 2)], "second": [(1, 2), (2, 2)]}   # each window's steps, as KSamplerAdvanced
     # the same model calls; the hand-over between the windows rounds (x / (1 - sigma), process_out, process_in, the
     # noise scaling), and the later steps carry that rounding like a model call's: the sampling bound covers it
     from tolerance import fp32_bound, report, sampling_amplification
