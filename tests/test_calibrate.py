@@ -52,19 +52,21 @@ def plan_json(folder, side: int, setup="cpu:2:pinned") -> dict:
 def test_calibration_over_gloo_ranks_and_a_slow_link_switch_autos_plan(tmp_path, monkeypatch, capsys):
     """`python -m engine calibrate` on 2 pinned CPU ranks measures the pair, the all-to-all and the model on each rank
     in seconds; the same with every collective delayed makes auto leave the 2-rank plan for one rank, and says the
-    link is measured. (Two ranks compute faster than one only with a core each.)"""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one core: two CPU ranks never compute faster than one, so no link can make auto leave them")
+    link is measured. (Two ranks compute faster than one only with a core each: on one core auto keeps one rank on
+    either link, and the rest holds.)"""
+    cores = len(os.sched_getaffinity(0))
+    pin = ["--pin-cpus"] if cores >= 2 else []   # pinning needs a core per rank
+    setup = "cpu:2:pinned" if pin else "cpu:2"
     normal, slow = tmp_path / "normal", tmp_path / "slow"
     size = ["--width", "256", "--height", "256"]   # enough attention that two ranks compute a step well faster
-    assert main(["calibrate", "--ranks", "2", "--pin-cpus", "--folder", str(normal)] + size) == 0
+    assert main(["calibrate", "--ranks", "2", *pin, "--folder", str(normal)] + size) == 0
     monkeypatch.setenv(LINK_DELAY_ENV, str(SLOW_MS))   # the ranks read it from their environment
-    assert main(["calibrate", "--ranks", "2", "--pin-cpus", "--folder", str(slow)] + size) == 0
+    assert main(["calibrate", "--ranks", "2", *pin, "--folder", str(slow)] + size) == 0
     monkeypatch.delenv(LINK_DELAY_ENV)
     print(capsys.readouterr().out)
 
-    fast_fig = Machine("cpu", 2, folder=str(normal), pinned=True).figures()
-    slow_fig = Machine("cpu", 2, folder=str(slow), pinned=True).figures()
+    fast_fig = Machine("cpu", 2, folder=str(normal), pinned=bool(pin)).figures()
+    slow_fig = Machine("cpu", 2, folder=str(slow), pinned=bool(pin)).figures()
     for figures in (fast_fig, slow_fig):
         assert figures["calibrate_s"] < 60
         assert [p["ranks"] for p in figures["pairs"]] == [[0, 1]] and [g["ranks"] for g in figures["all_to_all"]] == \
@@ -75,9 +77,10 @@ def test_calibration_over_gloo_ranks_and_a_slow_link_switch_autos_plan(tmp_path,
     assert slow_fig["all_to_all"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9 > fast_fig["all_to_all"][0]["latency_us"]
     assert slow_fig["pairs"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9
 
-    fast, slow_choice = plan_json(normal, 256), plan_json(slow, 256)
+    fast, slow_choice = plan_json(normal, 256, setup), plan_json(slow, 256, setup)
     print("normal:", fast["reason"], "\nslow:", slow_choice["reason"])
-    assert fast["chosen"]["gpus"] == 2, fast["reason"]      # two ranks compute a step faster than one
+    if cores >= 2:
+        assert fast["chosen"]["gpus"] == 2, fast["reason"]      # two ranks compute a step faster than one
     assert slow_choice["chosen"]["gpus"] == 1 and slow_choice["chosen"]["plan"] == "single rank"
     assert "on 1 of 2 ranks" in slow_choice["reason"] and "link measured" in slow_choice["reason"]
     assert "compute measured" in slow_choice["reason"]
