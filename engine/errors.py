@@ -9,6 +9,9 @@ from __future__ import annotations
 import importlib
 
 SHOWN_MODULE = "xDiT"
+# what a rank says when it ends a session whose client sent no call within the collective timeout (rank.py); the client
+# then opens a new session rather than failing the call (xdit_nodes/model.py)
+SESSION_IDLE = "no call from the client"
 
 
 class PackError:
@@ -71,3 +74,9 @@ class JobCancelledSignal(PackError, Exception):
     def __init__(self, step: int):
         super().__init__(f"cancelled at step {step}")
         self.step = step
+
+
+class JobStoppedSignal(PackError, Exception):
+    """Raised on the ranks of a job that agreed to stop because another rank failed where they agree (a model load that
+    ran out of memory, the memory check before the first step): the rank reports it as an error that only follows the
+    failing rank's own, and the group stays up with what it holds."""

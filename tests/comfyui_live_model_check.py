@@ -7,6 +7,7 @@ report. Usage: python comfyui_live_model_check.py COMFYUI_PATH PACK_LINK_PARENT 
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 
@@ -202,6 +203,54 @@ def experts_custom(high, low):
 want = experts_custom(native_model("tiny-wan2.2-a14b.safetensors"), native_model("tiny-wan2.2-a14b-low.safetensors"))
 report["graphs"]["wan2.2 a14b two experts, SamplerCustomAdvanced + SplitSigmas"] = {
     "rel_l2": rel(experts_custom(high, low), want), "plan": last_job(eng_low)[0]}
+
+
+# CFG parallel whatever ComfyUI batches: a positive of 24 tokens and a negative of 10 (their lengths do not concatenate:
+# ComfyUI runs them as two calls), under an explicit cfg2 plan: the stock Wan 2.2 graph with ComfyUI's CFGGuider and
+# with the xDiT Guider, and KSampler on Wan 2.1
+def calls_of(eng):
+    """(model calls, round trips) of the engine's last job, as Info shows them."""
+    line = next((ln for ln in last_job(eng)[2].splitlines() if ln.startswith("last job: plan ")), "")
+    found = dict(re.findall(r"(model_calls|round_trips) (\d+)", line))
+    return int(found.get("model_calls", 0)), int(found.get("round_trips", 0))
+
+
+neg_short = [[torch.randn(1, 10, pos[0][0].shape[2], generator=torch.Generator().manual_seed(5)),
+              {"pooled_output": None}]]
+pos_long = pos
+
+
+def experts_guided(high, low, guider):
+    high, low = shift8(high), shift8(low)
+    sigmas = call("BasicScheduler", model=high, scheduler="simple", steps=4, denoise=1.0)[0]
+    first_half, second_half = call("SplitSigmas", sigmas=sigmas, step=2)
+    sampler = call("KSamplerSelect", sampler_name="euler")[0]
+
+    def run(model, noise, part, latent):
+        made = call(guider, model=model, positive=pos_long, negative=neg_short, cfg=3.5)[0]
+        return call("SamplerCustomAdvanced", noise=noise, guider=made, sampler=sampler, sigmas=part,
+                    latent_image=latent)[0]
+    first = run(high, call("RandomNoise", noise_seed=7)[0], first_half, WAN_LATENT)
+    return run(low, call("DisableNoise")[0], second_half, first)["samples"]
+
+
+want = experts_guided(native_model("tiny-wan2.2-a14b.safetensors"), native_model("tiny-wan2.2-a14b-low.safetensors"),
+                      "CFGGuider")
+cfg2 = dict(plan="explicit", cfg_parallel=True)
+eng_high2, high2 = engine("tiny-wan2.2-a14b.safetensors", "0,1", **cfg2)
+eng_low2, low2 = engine("tiny-wan2.2-a14b-low.safetensors", "0,1", **cfg2)
+for guider in ("CFGGuider", "XDiTGuider"):
+    got = experts_guided(high2, low2, guider)
+    calls, trips = calls_of(eng_low2)
+    report["graphs"][f"wan2.2 a14b SplitSigmas, {guider}, cfg2, text lengths 24 and 10"] = {
+        "rel_l2": rel(got, want), "plan": last_job(eng_low2)[0], "model_calls": calls, "round_trips": trips}
+want = wan_ksampler(shift8(native_model("tiny-wan2.1-1.3b.safetensors")), pos_long, neg_short, WAN_LATENT)
+eng, model = engine("tiny-wan2.1-1.3b.safetensors", "0,1", **cfg2)
+got = wan_ksampler(shift8(model), pos_long, neg_short, WAN_LATENT)
+calls, trips = calls_of(eng)
+report["graphs"]["wan2.1 t2v KSampler, cfg2, text lengths 24 and 10"] = {
+    "rel_l2": rel(got, want), "plan": last_job(eng)[0], "model_calls": calls, "round_trips": trips}
+print("cfg2 unequal", json.dumps({k: v for k, v in report["graphs"].items() if "lengths" in k}), flush=True)
 
 # TI2V-5B: the start image's latent in frame 0, kept by the noise mask (Wan22ImageToVideoLatent), one timestep a frame
 g = torch.Generator().manual_seed(4)

@@ -50,15 +50,17 @@ def plan_json(folder, side: int, setup="cpu:2:pinned") -> dict:
 # ---- end to end: real ranks --------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_calibration_over_gloo_ranks_and_a_slow_link_switch_autos_plan(tmp_path, monkeypatch, capsys):
-    """`python -m engine calibrate` on 2 pinned CPU ranks measures the pair, the all-to-all and the model on each rank
-    in seconds; the same with every collective delayed makes auto leave the 2-rank plan for one rank, and says the
-    link is measured. (Two ranks compute faster than one only with a core each: on one core auto keeps one rank on
-    either link, and the rest holds.)"""
+    """`python -m engine calibrate` on 2 CPU ranks (pinned where there is a core each) measures the pair, the all-to-all
+    and the model on each rank; the same with every collective delayed by SLOW_MS (the cause this test controls)
+    measures that delay and makes auto leave the 2-rank plan for one rank, saying the link is measured. Nothing here
+    depends on how fast this machine is or how busy: its times are printed, and what only a quiet machine shows (two
+    ranks computing a step faster than one) is the planner's, on stated figures
+    (test_plans_measured_slower_than_one_ranks_estimate_...), and the benchmarks'."""
     cores = len(os.sched_getaffinity(0))
     pin = ["--pin-cpus"] if cores >= 2 else []   # pinning needs a core per rank
     setup = "cpu:2:pinned" if pin else "cpu:2"
     normal, slow = tmp_path / "normal", tmp_path / "slow"
-    size = ["--width", "256", "--height", "256"]   # enough attention that two ranks compute a step well faster
+    size = ["--width", "256", "--height", "256"]
     assert main(["calibrate", "--ranks", "2", *pin, "--folder", str(normal)] + size) == 0
     monkeypatch.setenv(LINK_DELAY_ENV, str(SLOW_MS))   # the ranks read it from their environment
     assert main(["calibrate", "--ranks", "2", *pin, "--folder", str(slow)] + size) == 0
@@ -67,20 +69,21 @@ def test_calibration_over_gloo_ranks_and_a_slow_link_switch_autos_plan(tmp_path,
 
     fast_fig = Machine("cpu", 2, folder=str(normal), pinned=bool(pin)).figures()
     slow_fig = Machine("cpu", 2, folder=str(slow), pinned=bool(pin)).figures()
-    for figures in (fast_fig, slow_fig):
-        assert figures["calibrate_s"] < 60
+    for name, figures in (("normal", fast_fig), ("slow", slow_fig)):
+        print(f"{name} link: calibrated in {figures['calibrate_s']:.1f} s, all-to-all latency "
+              f"{figures['all_to_all'][0]['latency_us']:.0f} us, pair latency {figures['pairs'][0]['latency_us']:.0f} us")
         assert [p["ranks"] for p in figures["pairs"]] == [[0, 1]] and [g["ranks"] for g in figures["all_to_all"]] == \
             [[0, 1]]
         assert {c["rank"] for c in figures["compute"]} == {0, 1}
         assert all([p["share"] for p in c["points"]] == [1, 2] and all(p["ms"] > 0 for p in c["points"])
                    for c in figures["compute"])
-    assert slow_fig["all_to_all"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9 > fast_fig["all_to_all"][0]["latency_us"]
+    # each delayed collective sleeps SLOW_MS at least: its measured latency cannot be less, however busy the machine
+    assert slow_fig["all_to_all"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9
     assert slow_fig["pairs"][0]["latency_us"] > SLOW_MS * 1e3 * 0.9
 
     fast, slow_choice = plan_json(normal, 256, setup), plan_json(slow, 256, setup)
     print("normal:", fast["reason"], "\nslow:", slow_choice["reason"])
-    if cores >= 2:
-        assert fast["chosen"]["gpus"] == 2, fast["reason"]      # two ranks compute a step faster than one
+    assert "link measured" in fast["reason"] and "compute measured" in fast["reason"]
     assert slow_choice["chosen"]["gpus"] == 1 and slow_choice["chosen"]["plan"] == "single rank"
     assert "on 1 of 2 ranks" in slow_choice["reason"] and "link measured" in slow_choice["reason"]
     assert "compute measured" in slow_choice["reason"]

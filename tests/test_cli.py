@@ -339,15 +339,34 @@ def test_bench_cache_reports_skips_and_writes_json(tmp_path):
 
 
 def test_bench_guider_runs_a_two_rank_plan_on_both_routes_with_the_same_latent(tmp_path):
-    """The engine's own loop and ComfyUI's route (one engine call per model evaluation, the euler update in this
-    process) run the same model calls on the same ranks; only where the euler update's arithmetic runs differs, so
-    the latents agree to fp32 rounding of 2 steps on values of order 1 (bound 1e-5)."""
+    """The engine's own loop and ComfyUI's route (one round trip a step, the euler update in this process) run the
+    same model calls on the same ranks; only where the euler update's arithmetic runs differs, so the latents agree to
+    fp32 rounding of 2 steps on values of order 1 (bound 1e-5). The row says what a round trip moves each way (the
+    latent in the compute dtype and the timestep in; the output back) and splits its time into the model's (rank 0's
+    measure) and the rest."""
     out = run("bench", "--json", str(tmp_path / "guider.json"), "guider", "--ranks", "2", "--plan", "ulysses2",
               "--steps", "2", "--repeats", "1", "--width", "64", "--height", "64")
     print(out.stdout)
     assert out.returncode == 0 and not out.stderr, out.stderr
     (row,) = json.loads((tmp_path / "guider.json").read_text())["guider"]
-    assert row["plan"] == "ulysses2" and row["max_abs_diff"] <= 1e-5 and row["median_call_ms"] > 0
+    assert row["plan"] == "ulysses2" and row["max_abs_diff"] <= 1e-5 and row["trip_ms"] >= row["model_ms"] > 0
+    latent_bytes = 16 * 8 * 8 * 4   # fp32 ranks: the 64x64 latent, 16 channels at 8x
+    assert row["sent_mib_per_trip"] * 2**20 == latent_bytes + 4 and row["received_mib_per_trip"] * 2**20 == latent_bytes
+
+
+def test_bench_guider_prices_a_wan_clips_bytes_at_its_real_token_count_with_the_forward_stubbed(tmp_path):
+    """Wan image-to-video at 832x480, 17 frames (the tiny model's widths, the clip's real tokens): with the forward
+    stubbed (what surrounds the model is what is timed) the image channels cross once, not every round trip, and two
+    passes a trip (ComfyUI's two calls) come back as two outputs."""
+    out = run("bench", "--json", str(tmp_path / "guider.json"), "guider", "--model", "synthetic:wan2.1-i2v-14b:tiny",
+              "--width", "832", "--height", "480", "--frames", "17", "--steps", "2", "--repeats", "1",
+              "--stub-forward")
+    print(out.stdout)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    (row,) = json.loads((tmp_path / "guider.json").read_text())["guider"]
+    latent = 16 * 5 * 60 * 104 * 4   # fp32 ranks: 5 latent frames of 60x104, 16 channels
+    assert row["image_tokens"] == 5 * 30 * 52 and row["passes_per_trip"] == 2 and row["forward"] == "stub"
+    assert row["sent_mib_per_trip"] * 2**20 == 2 * (latent + 4) and row["received_mib_per_trip"] * 2**20 == 2 * latent
 
 
 def test_bench_guider_refuses_a_pipefusion_plan_in_one_line_before_any_rank_starts(capsys):

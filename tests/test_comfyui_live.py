@@ -216,10 +216,16 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
         bound = 1e-5 + 1.1 * entry.get("comfyui_fp8_vs_exact_rel_l2", 0.0)
         for key, run in runs.items():
             assert run["rel_l2"] < bound, (name, key, run, bound)
+    unequal = {k: v for k, v in report["graphs"].items() if "text lengths 24 and 10" in k}
+    assert set(unequal) == {"wan2.2 a14b SplitSigmas, CFGGuider, cfg2, text lengths 24 and 10",
+                            "wan2.2 a14b SplitSigmas, XDiTGuider, cfg2, text lengths 24 and 10",
+                            "wan2.1 t2v KSampler, cfg2, text lengths 24 and 10"}
+    for name, run in unequal.items():   # two calls a step, one round trip a step, each pass on its CFG group
+        assert run["plan"] == "cfg2" and run["model_calls"] == 2 * run["round_trips"] > 0, (name, run)
     two = {k: v["plan"] for k, v in report["graphs"]["sd3.5-medium cfg4"].items() if isinstance(v, dict)}
     assert two["ksampler gpus=0,1"] == "cfg2" and two["xdit sampler gpus=0,1"] == "cfg2"   # the batched passes split
     routes = {v["route"] for e in report["graphs"].values() for v in e.values() if isinstance(v, dict) and "route" in v}
-    assert routes == {"ComfyUI's sampler on the engine's MODEL, one model call at a time",
+    assert routes == {"ComfyUI's sampler on the engine's MODEL, one request per step's model calls",
                       "xDiT Sampler: the whole sampling loop on the ranks"}
     assert "patches attn1_patch" in report["refusals"]["attention patch"]
     assert isinstance(report["interrupt"], dict) and report["interrupt"]["flag_after"] is False

@@ -211,3 +211,23 @@ def test_the_step_caches_agreement_never_makes_the_compute_stream_wait(monkeypat
         assert deferred.result() == [1.0, 2.0, 3.0]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_cache_value_dropped_unread_keeps_its_block_until_the_side_stream_has_read_it():
+    """A Deferred dropped before its value is read (a job ended mid-cache): the side stream still copies the tensor
+    after the all-reduce; the caching allocator must not give its block to the compute stream before that copy runs
+    (record_stream), or a new tensor there would be overwritten by the collective. With the side stream held busy, an
+    allocation of the same size on the compute stream gets another block."""
+    from engine.parallel.cache import Deferred, _copy_stream
+    device = torch.device("cuda", 0)
+    side = _copy_stream(device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)   # the side stream busy for a while: the copy waits behind it
+    sums = torch.zeros(4096, dtype=torch.float64, device=device)
+    block = sums.data_ptr()
+    deferred = Deferred(sums)
+    del deferred, sums
+    fresh = torch.empty(4096, dtype=torch.float64, device=device)
+    print(f"dropped block {block:#x}, new allocation {fresh.data_ptr():#x}")
+    assert fresh.data_ptr() != block
+    torch.cuda.synchronize()

@@ -213,9 +213,34 @@ def test_an_out_of_memory_generate_job_names_plans_and_settings_that_need_less(t
         message = str(info.value)
         print(message)
         assert info.value.oom and info.value.rank == 1
-        assert "rank 1 ran out of memory in phase compute at step 1" in message
+        assert "rank 1 (cpu) ran out of memory in phase compute at step 1" in message
         assert "the planner estimated" in message and "for ulysses2 (weights" in message
         assert request.submit(e).outputs["samples"].shape == request.latent_raw.shape
+
+
+def test_a_rank_out_of_memory_loading_its_weights_stops_the_job_on_every_rank_and_the_others_keep_theirs(tmp_path):
+    """Rank 1 runs out of memory while loading the model (injected at its load): every rank stops together where they
+    agree before the first step, so none waits in a collective for it and the group stays up (no restart); the error
+    names rank 1, its device and what it held, and plans that need less; the next job finds the model resident on
+    rank 0 and reads the file on rank 1 only."""
+    from engine.generate.request import GenerateRequest
+    from engine.parallel.plan import ParallelPlan
+    from engine.runtime.faults import Fault
+
+    fault = Fault(rank=1, point="load", action="oom", marker=str(tmp_path / "fired"))
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2,
+                                                  plan=ParallelPlan(ulysses=2)).validate(2)
+    with Engine(2, device="cpu", deadlines=FAST, env=fault.env()) as e:
+        pids = e.pids
+        with pytest.raises(EngineError) as info:
+            request.submit(e)
+        message = str(info.value)
+        print(message)
+        assert info.value.oom and info.value.rank == 1 and "\n" not in message
+        assert "rank 1 (cpu) ran out of memory in phase load" in message and "pipefusion2 fits" in message
+        assert e.pids == pids and not e.restarts
+        again = request.submit(e)
+        assert [r["model_source"] for r in again.ranks] == ["resident", "file"]
 
 
 def test_out_of_memory_advice_for_flux_dev_on_24_gib_cards_names_what_would_fit():

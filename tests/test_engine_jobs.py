@@ -199,7 +199,7 @@ def test_two_models_alternate_on_the_ranks_without_reading_their_files_again(tmp
     file (the ranks keep RESIDENT_MODELS models); a third model drops the least recently used; results are the same
     as from a fresh load."""
     from engine.generate.request import GenerateRequest
-    from engine.generate.run import RESIDENT_MODELS
+    from engine.generate.residency import RESIDENT_MODELS
     from engine.models.tiny import write_tiny
     files = [write_tiny("flux", str(tmp_path / name), seed=seed) for name, seed in (("a", 0), ("b", 1), ("c", 2))]
     for f in files:

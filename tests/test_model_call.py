@@ -5,6 +5,7 @@ refused in one line; and the link between a MODEL and the engine opens one sessi
 ComfyUI's cleanup and reports it to the Info node. ComfyUI's own samplers and nodes on the MODEL run in
 tests/test_comfyui_live.py."""
 import importlib
+import time
 import types
 
 import pytest
@@ -76,6 +77,68 @@ def test_a_model_session_returns_the_diffusion_models_output_under_every_plan(en
         got = s.call(x, t, c)
     assert got.shape == want.shape
     assert report(f"model call, {plan.describe()}, {rows} row(s)", (got - want).abs().max(), bound(want))
+
+
+@pytest.mark.parametrize("world,plan", [
+    (1, ParallelPlan()), (2, ParallelPlan(cfg=2)), (2, ParallelPlan(dp=2)), (4, ParallelPlan(cfg=2, ulysses=2)),
+    (4, ParallelPlan(cfg=2, dp=2))], ids=["single", "cfg2", "dp2", "cfg2-ulysses2", "cfg2-dp2"])
+def test_a_steps_passes_at_their_own_text_lengths_run_side_by_side_in_one_round_trip(engines, files, local, world,
+                                                                                      plan):
+    """A positive of 8 tokens and a negative of 12 (ComfyUI runs them as two calls): one round trip; CFG parallel
+    gives each its CFG group, each at its own length, and only rank 0's answer crosses back."""
+    x, t, pos = flux_call(2, seed=1, tokens=8)
+    _, _, neg = flux_call(2, seed=2, tokens=12)
+    want = [reference(local["flux"], x, t, c) for c in (pos, neg)]
+    x0, _, planned = flux_call(2)
+    planned = {k: torch.cat([pos[k][:1], pos[k][:1]]) if k != "context" else planned[k] for k in planned}
+    r = GenerateRequest(model=files["flux"], cond=pos["context"][:1], pooled=pos["y"][:1],
+                        latent_raw=torch.zeros(()).expand(2, 16, 16, 16), cfg=2.0, neg_cond=neg["context"][:1],
+                        neg_pooled=neg["y"][:1], plan=plan).validate(world)
+    with ModelSession(engines(world), r) as s:
+        for step in range(2):
+            got = s.call_group([(x, t, pos), (x, t, neg)])
+        trips, calls = len(s.call_s), s.calls
+    for name, g, w in zip(("positive (8 tokens)", "negative (12 tokens)"), got, want):
+        assert report(f"{plan.describe()}: {name} of a grouped call", (g - w).abs().max(), bound(w))
+    assert (trips, calls) == (2, 4)
+    gathers = s.result.ranks[0]["bytes_sent_per_step"]
+    print(f"{plan.describe()}: rank 0 sent per round trip {dict(gathers)}; rank 1 {s.result.ranks[1]['bytes_sent_per_step'] if world > 1 else {}}")
+    if world > 1:
+        assert "cfg_gather" not in gathers and "dp_gather" not in gathers, "rank 0 receives, it sends no output"
+
+
+def test_a_call_crosses_in_the_compute_dtype_and_the_clips_image_channels_once(engines, tmp_path):
+    """bf16 ranks take the input and the conditioning in bf16 (half the bytes of float32, the same values once the
+    ranks cast them) and return bf16 outputs the client widens exactly; Wan image-to-video's concatenated image
+    channels (ComfyUI's c_concat, attached to x) cross in the first call only."""
+    path = write_tiny("wan", str(tmp_path), variant="wan2.1-i2v-14b")
+    info = inspect_model(path)
+    flow = FlowModel(load_model(path, dtype="bf16", device=torch.device("cpu")))
+    g = torch.Generator().manual_seed(4)
+    latent, image = torch.randn(1, 16, 2, 4, 4, generator=g), torch.randn(1, 20, 2, 4, 4, generator=g)
+    c = {"context": torch.randn(1, 9, 4096, generator=g), "clip_fea": torch.randn(1, 257, 1280, generator=g)}
+    t = torch.tensor([500.0])
+    r = GenerateRequest(model=path, cond=c["context"], latent_raw=torch.zeros(()).expand(1, 16, 2, 4, 4),
+                        dtype="bf16", clip_vision_output=c["clip_fea"],
+                        concat_latent_image=torch.zeros(()).expand(1, 16, 2, 4, 4), plan=ParallelPlan()).validate(1)
+    sent = []
+    with ModelSession(engines(1), r) as s:
+        for k in range(3):
+            before = s.sent_bytes
+            got = s.call(torch.cat([latent * (k + 1), image], dim=1), t, c)
+            sent.append(s.sent_bytes - before)
+    x = torch.cat([latent * 3, image], dim=1)
+    want = flow.output(x, t, Prepared(c["context"].bfloat16(), None, torch.full((1,), 3.5), (), "",
+                                      image_context=c["clip_fea"].bfloat16()))
+    scale = float(want.abs().max())
+    diff = float((got - want).abs().max())
+    # the same bf16 arithmetic in another process may sum in another order: a few bf16 roundings of the output
+    print(f"Wan i2v bf16 through the session vs in process: max abs diff {diff:.3g} (scale {scale:.3g}); bytes sent "
+          f"per call {sent}")
+    assert got.dtype == torch.float32 and got.shape == latent.shape and diff <= 8 * 2 ** -8 * scale
+    latent_bytes, time_bytes = latent.numel() * 2, 4
+    assert sent[1:] == [latent_bytes + time_bytes] * 2, "later calls: the latent in bf16 and the timestep only"
+    assert sent[0] > latent_bytes + image.numel() * 2 and info.latent.channels == 16
 
 
 def test_the_conditioning_crosses_once_and_a_changed_one_again(engines, files, local):
@@ -315,3 +378,90 @@ def test_a_call_the_ranks_cannot_run_is_refused_before_any_job(pack, files, kwar
     with pytest.raises(model.ModelPatchError, match=words) as e:
         model.EngineTransformer(link, {})(x, t, context=c["context"], **kwargs)
     assert "\n" not in str(e.value) and link.session is None
+
+
+def test_comfyuis_interrupt_during_a_long_first_load_ends_the_call_at_the_next_tensor(pack, files, monkeypatch):
+    """The first call of a sampling run loads the model (minutes for a large file): ComfyUI's interrupt, polled while
+    the call waits, stops the load on every rank at its next tensor (each tensor read is slowed by LOAD_DELAY_MS
+    here, the cause this test controls) and raises ComfyUI's interrupt; the ranks stay up and the next run loads."""
+    from engine.models.load import LOAD_DELAY_ENV
+    delay_ms, tensors = 60, 148   # the tiny FLUX file's tensors: a whole load takes at least 8.9 s here
+    monkeypatch.setenv(LOAD_DELAY_ENV, str(delay_ms))   # the ranks read it from their environment
+    core, model = pack.core, pack.model
+    registry = core.EngineRegistry()
+    settings = core.EngineSettings(model_path=files["flux"], gpus=(0, 1), device="cpu")
+
+    class Interrupted(Exception):   # ComfyUI's InterruptProcessingException
+        pass
+
+    def interrupted():
+        raise Interrupted("processing interrupted")
+    link = core.model_link(settings, should_cancel=lambda: True, on_cancelled=interrupted, registry=registry)
+    try:
+        engine = registry.get(settings).engine   # started before the clock: the load is what is timed
+        x, t, c = flux_call(1)
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted):
+            model.EngineTransformer(link, {})(x, t, context=c["context"], y=c["y"], guidance=c["guidance"],
+                                              transformer_options={"cond_or_uncond": [0]})
+        elapsed = time.monotonic() - t0
+        whole = delay_ms * tensors / 1e3
+        print(f"interrupted after {elapsed:.2f} s; the whole load takes at least {whole:.1f} s")
+        assert elapsed < whole / 2 and link.session is None and not engine.restarts
+        monkeypatch.delenv(LOAD_DELAY_ENV)
+        assert torch.equal(engine.submit("echo", {}, {"x": torch.ones(2)}).outputs["x"], torch.ones(2))
+    finally:
+        registry.unload()
+
+
+def test_a_session_the_ranks_ended_on_their_own_is_opened_again_and_fails_no_prompt(pack, files, local):
+    """The ranks wait for a session's next call at most their collective timeout (2 s here), then end it. The run's
+    next call opens a new session (the model still loaded) and is answered; a session left open when the next prompt
+    starts is closed without raising what ended it."""
+    from conftest import FAST
+    core, model = pack.core, pack.model
+    Engine = importlib.import_module(PACK_NAME + ".engine.runtime.client").Engine   # the pack's, as its nodes use
+    registry = core.EngineRegistry()
+    settings = core.EngineSettings(model_path=files["flux"], gpus=(0, 1), device="cpu")
+    registry._records[settings.ranks_key] = core.EngineRecord(
+        Engine(2, device="cpu", deadlines=FAST, collective_timeout_s=2), settings)
+    link = core.model_link(settings, registry=registry)
+    transformer = model.EngineTransformer(link, {})
+    x, t, c = flux_call(1)
+    want = reference(local["flux"], x, t, c)
+    try:
+        for k in range(2):
+            got = transformer(x, t, context=c["context"], y=c["y"], guidance=c["guidance"],
+                              transformer_options={"cond_or_uncond": [0]})
+            assert report(f"call {k}", (got - want).abs().max(), bound(want))
+            time.sleep(3.5)   # past the ranks' wait for a call: they end the session
+        engine = registry.running(settings).engine
+        assert registry.get(settings).open_session is None and not engine.restarts   # the stale one closed quietly
+        assert torch.equal(engine.submit("echo", {}, {"x": torch.ones(2)}).outputs["x"], torch.ones(2))
+    finally:
+        registry.unload()
+
+
+def test_a_weight_patch_set_the_ranks_keep_crosses_as_its_digest_the_next_time(engines, files):
+    """A LoRA on the MODEL (a Wan 2.2 distillation LoRA on both experts: one set per expert) is sent whole once; the
+    next session with the same set sends its digest alone and the ranks use the copy they kept, with the same output;
+    the ranks keep two sets (one per resident model), so a third sends the least recently used whole again."""
+    from engine.models.lora import WeightPatches
+    g = torch.Generator().manual_seed(6)
+
+    def patch_set(digest, scale):
+        entry = {"key": "double_blocks.0.img_attn.qkv.weight", "kind": "lora", "scale": scale, "offset": None}
+        return WeightPatches(digest, (entry,), {"0.up": torch.randn(384, 2, generator=g),
+                                                 "0.down": torch.randn(2, 128, generator=g)})
+    sets = {"a": patch_set("a", 0.5), "b": patch_set("b", 0.25), "c": patch_set("c", 0.125)}
+    x, t, c = flux_call(1)
+    r = request(files["flux"], x, c, ParallelPlan(ulysses=2))
+    engine, outs, carried = engines(2), {}, []
+    for name in ("a", "b", "a", "c", "b"):
+        with ModelSession(engine, r, sets[name]) as s:
+            outs.setdefault(name, []).append(s.call(x, t, c))
+            carried.append(any(k.startswith("patch.") for k in s._session.inputs))
+    print("patch tensors sent per session:", carried)
+    assert carried == [True, True, False, True, True]   # a kept; c evicts b (least recently used), which is resent
+    assert all(torch.equal(o[0], o[-1]) for o in outs.values())
+    assert not torch.equal(outs["a"][0], outs["b"][0])

@@ -63,11 +63,29 @@ class BaseModel:
 
 
 def calc_cond_batch(model, conds, x, sigma, model_options):
-    """comfy.samplers.calc_cond_batch for one entry per side: sides whose shapes agree run as one call (cond_or_uncond
-    lists them), a skipped side (None) stays zero."""
+    """comfy.samplers.calc_cond_batch: _calc_cond_batch_outer runs it through the CALC_COND_BATCH wrappers that
+    prepare_model_patcher copied from the MODEL into model_options (the engine's MODEL has one), each called as
+    wrapper(executor, model, conds, x_in, timestep, model_options), the executor calling the next."""
+    wrappers = [w for ws in model_options.get("transformer_options", {}).get("wrappers", {})
+                .get("calc_cond_batch", {}).values() for w in ws]
+
+    class Executor:
+        def __init__(self, i):
+            self.i = i
+
+        def __call__(self, *args):
+            return wrappers[self.i](Executor(self.i + 1), *args) if self.i < len(wrappers) else _calc_cond_batch(*args)
+    return Executor(0)(model, conds, x, sigma, model_options)
+
+
+def _calc_cond_batch(model, conds, x, sigma, model_options):
+    """comfy.samplers._calc_cond_batch for one entry per side: sides whose shapes agree run as one call
+    (cond_or_uncond lists them) when its memory estimate fits (`fits` here: model_options' "batch_fits", default
+    True), a skipped side (None) stays zero."""
     out = [torch.zeros_like(x) for _ in conds]
     sides = [(i, c) for i, c in enumerate(conds) if c is not None]
-    groups = [sides] if len({c["context"].shape for _, c in sides}) == 1 else [[s] for s in sides]
+    batch = len({c["context"].shape for _, c in sides}) == 1 and model_options.get("batch_fits", True)
+    groups = [sides] if batch else [[s] for s in sides]
     for group in groups:
         rows = x.shape[0]
 
@@ -79,11 +97,11 @@ def calc_cond_batch(model, conds, x, sigma, model_options):
             return torch.cat([v.expand(rows, *v.shape[1:]) for v in values])
         options = dict(model_options.get("transformer_options", {}), cond_or_uncond=[i for i, _ in group],
                        sigmas=sigma)
-        conds = {key: cat([c[key] for _, c in group]) for key in group[0][1]}
-        output = model.apply_model(torch.cat([x] * len(group)), torch.cat([sigma] * len(group)), conds,
+        conds_ = {key: cat([c[key] for _, c in group]) for key in group[0][1]}
+        output = model.apply_model(torch.cat([x] * len(group)), torch.cat([sigma] * len(group)), conds_,
                                    options).chunk(len(group))
         for (i, _), o in zip(group, output):
-            out[i] = o
+            out[i] += o   # accumulated onto zeros, as ComfyUI's out_conds
     return out
 
 
@@ -115,7 +133,9 @@ def ksampler(model, family, positive, negative, cfg, noise, latent, sigmas, samp
     """KSAMPLER.sample through CFGGuider: noise scaling, the sampler over sampling_function, inverse scaling; the
     cleanup after the run (ModelPatcher.cleanup's callbacks) ends the engine's session."""
     link = model.diffusion_model.link
-    options = model_options or {"transformer_options": {}}
+    options = dict(model_options or {"transformer_options": {}})
+    options["transformer_options"] = dict(options["transformer_options"],   # prepare_model_patcher: the MODEL's
+                                          wrappers=model.wrappers)           # wrappers into the options
     pos, neg = comfy_conds(positive, family), comfy_conds(negative, family)
     latent_model = model.format.process_in(latent) if torch.count_nonzero(latent) else latent
     x = model.model_sampling.noise_scaling(sigmas[0], noise, latent_model)
@@ -136,6 +156,7 @@ def engine_model(core, s, family, variant=None):
     parts = importlib.import_module(PACK_NAME + ".xdit_nodes.model")
     link = core.model_link(s)
     model = BaseModel(family, parts.EngineTransformer(link, {}), variant)
+    model.wrappers = {"calc_cond_batch": {parts.OWN_CALLBACK: [link.calc_cond_batch]}}   # as nodes.py adds it
     link.owner = lambda: model
     return model
 
@@ -166,6 +187,30 @@ def test_comfyuis_sampler_on_the_engines_model_equals_the_engines_own_loop(core,
     assert calls == steps, "one engine call per model evaluation: the two passes batched into one"
     assert plan == ("cfg2" if family == "sd3" and len(gpus) == 2 else "ulysses2" if len(gpus) == 2 else "single rank")
     assert route.startswith("ComfyUI's sampler on the engine's MODEL")
+
+
+@pytest.mark.parametrize("plan,tokens,fits", [("explicit", (30, 45), True), ("auto", (30, 30), False)],
+                         ids=["cfg2-unequal-lengths", "auto-memory-says-no-batch"])
+def test_passes_comfyui_runs_as_separate_calls_reach_the_ranks_together_under_cfg_parallel(core, models, plan,
+                                                                                          tokens, fits):
+    """ComfyUI runs the positive and the negative as two calls when their text lengths differ or its memory estimate
+    says the batch does not fit: the MODEL's calc_cond_batch wrapper sends both in one request a step, and CFG parallel
+    (explicit, or auto's choice) runs them side by side; the latent equals the engine's own loop."""
+    s = settings(core, models["sd3"], gpus=(0, 1), plan=plan, cfg_parallel=plan == "explicit")
+    positive, negative = sd3_conditioning(1, tokens=tokens[0]), sd3_conditioning(2, tokens=tokens[1])
+    latent, steps, seed, cfg = empty_latent(width=64, height=64), 3, 9, 4.0
+    want = core.sample(s, positive, negative, latent, seed=seed, steps=steps, cfg=cfg, sampler_name="euler",
+                       scheduler="simple", denoise=1.0)["samples"]
+    sigmas = compute_sigmas(FlowSampling.sd3(), "simple", steps, 1.0)
+    got = ksampler(engine_model(core, s, "sd3"), "sd3", positive, negative, cfg, prepare_noise(latent["samples"], seed),
+                   latent["samples"], sigmas, seed=seed, model_options={"transformer_options": {}, "batch_fits": fits})
+    bound = fp32_bound(want.abs().max(), reduction=4096, depth=8, amplification=sampling_amplification(steps, cfg))
+    assert report(f"SD3 {tokens} tokens, batch fits {fits}: two calls a step on the MODEL vs the engine's loop",
+                  (got - want).abs().max(), bound)
+    record = core.REGISTRY.running(s)
+    timings = record.last_timings
+    print(f"plan {record.last_plan}: {timings}")
+    assert record.last_plan == "cfg2" and timings["model_calls"] == 2 * steps and timings["round_trips"] == steps
 
 
 def test_a_split_sigmas_edit_gives_the_unsplit_latent(core, models):

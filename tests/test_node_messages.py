@@ -141,6 +141,7 @@ def test_a_comfyui_without_the_familys_model_names_the_release_that_has_it(nodes
     patcher_module.ModelPatcher = lambda model, **kw: types.SimpleNamespace(model=model)
     extension = types.ModuleType("comfy.patcher_extension")
     extension.CallbacksMP = types.SimpleNamespace(ON_CLEANUP="on_cleanup")
+    extension.WrappersMP = types.SimpleNamespace(CALC_COND_BATCH="calc_cond_batch")
     for name, module in (("comfy.model_detection", detection), ("comfy.model_patcher", patcher_module),
                          ("comfy.patcher_extension", extension)):
         monkeypatch.setitem(sys.modules, name, module)

@@ -490,7 +490,8 @@ def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(no
     released.update(model_name="flux-a.safetensors", gpus="0")
     spec = node_specs.engine_spec(["flux-a.safetensors"])
     later = {f.name: f.default for f in spec.inputs if f.name not in released}
-    assert set(later) == {"cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps"}
+    assert set(later) == {"cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps",
+                          "expert_placement"}
     signature = inspect.signature(n.XDiTEngine.execute).parameters
     for f in spec.inputs:   # what ComfyUI leaves out, the node's own default fills in: the spec's
         assert (signature[f.name].default if f.optional else inspect.Parameter.empty) == \
@@ -501,8 +502,8 @@ def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(no
     (now, now_model) = n.XDiTEngine.execute(**released, **later)
     assert old == now and old_model == ("MODEL", old) and built == [old, now]
     request = core.job_request(old, flux_conditioning(), None, empty_latent()["samples"], cfg=1.0, steps=2)
-    assert (request.cache_threshold, request.compile, request.attention, request.plan, request.patches) == \
-        (0.0, False, "auto", "auto", None)
+    assert (request.cache_threshold, request.compile, request.attention, request.plan, request.patches,
+            request.expert_placement) == (0.0, False, "auto", "auto", None, "auto")
     out = core.sample(old, flux_conditioning(), flux_conditioning(1), empty_latent(), seed=1, steps=2, cfg=1.0,
                       sampler_name="euler", scheduler="simple", denoise=1.0)
     assert out["samples"].shape == (1, 16, 16, 16) and torch.isfinite(out["samples"]).all()

@@ -321,7 +321,7 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
             consumer = source(api, sampler_id, "guider")
         chain = [consumer] + model_chain(api, consumer[0])
         assert chain[-1][0] == engine_id and chain[-2][1]["inputs"]["model"] == [engine_id, 1]
-        assert engine["inputs"]["gpus"] == "0,1,2,3" and engine["inputs"]["plan"] == "auto"
+        assert engine["inputs"]["gpus"] == "all" and engine["inputs"]["plan"] == "auto"
     last_engine_id, last_id = engines[-1][0], samplers[-1][0]
     _, info = only(api, "XDiTEngineInfo")
     assert info["inputs"]["engine"] == [last_engine_id, 0]

@@ -10,7 +10,7 @@ Every graph has an xDiT Engine Info node on an engine, run after the last sample
 the report it draws after a run."""
 from dataclasses import dataclass, field
 
-GPUS = "0,1,2,3"
+GPUS = "all"   # every GPU the machine has (the engine node's default)
 SEED = 42
 
 # Where each model file comes from (name -> download URL, ComfyUI models/ folder), as ComfyUI's own templates link
@@ -111,7 +111,7 @@ INFO_REPORT_BOX = (420, 364)
 
 def _engine(g: Graph, model, column=0):
     return g.add("XDiTEngine", [model, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0, False, "auto", 1,
-                                0, 1], column)
+                                0, 1, "auto"], column)
 
 
 def _xdit_sampler(g, column, model, positive, negative, latent, steps, cfg, denoise=1.0, sampler="euler"):
@@ -244,7 +244,8 @@ def _custom_sampling(g, column, steps, engine, vae, guider, size=1024):
 
 def _version_note(g, column, why):
     g.add("MarkdownNote", [f"**Needs ComfyUI {g.needs_comfyui} or later** ({why}).\n\n"
-                           "Set the xDiT Engine's `gpus` to your GPUs."], column, size=(400, 120))
+                           "The xDiT Engine uses every GPU (`gpus` all); list some, e.g. 0,1, to use fewer."],
+          column, size=(400, 120))
 
 
 def _flux2_dev(multi_reference=False) -> Graph:

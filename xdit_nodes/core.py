@@ -6,6 +6,7 @@ everything testable lives here and in specs.py.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -17,12 +18,13 @@ from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
 from ..engine.models.speed import CUDA_ONLY
 from ..engine.runtime.machine import Machine
-from ..engine.parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
+from ..engine.parallel.memory import memory_gib
+from ..engine.parallel.plan import AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, MAX_RANKS, GiB, ParallelPlan
 from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.ksampler import StepWindow
 from ..engine.sampling.schedules import FlowSampling
 from ..engine.wording import NODES, speaking
-from .model import EngineLink, model_request
+from .model import EngineLink, model_request, note_residency
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
 
 # ---- engine settings and registry --------------------------------------------------------------------------
@@ -48,6 +50,7 @@ class EngineSettings:
     warmup_steps: int = 1
     sampling: tuple = ()              # xDiT Model Sampling: (kind, shift, multiplier); () the family's default
     cfg_norm: float = 0.0             # xDiT CFGNorm's strength; 0: none
+    expert_placement: str = "auto"    # a two-expert clip: where the idle expert waits (auto, resident, host)
 
     @speaking(NODES)
     def validate(self) -> None:
@@ -70,6 +73,9 @@ class EngineSettings:
             raise ValueError(f"attention={self.attention!r} needs CUDA GPUs and ComfyUI runs on the CPU: use auto")
         if not 0 <= self.cache_threshold <= 1:
             raise ValueError(f"cache_threshold={self.cache_threshold} is invalid: use 0 (off) to 1")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ValueError(f"expert_placement={self.expert_placement!r} is invalid: use one of "
+                             f"{list(EXPERT_PLACEMENTS)}")
         if self.plan == "explicit":
             self.requested_plan().check_world(len(self.gpus))
 
@@ -130,13 +136,16 @@ class EngineRecord:
     last_memory: list = field(default_factory=list)   # what each rank measured of itself
     last_route: str = ""                              # which route ran the last job (the Info node says)
     last_lora: int | None = None                      # layers the last job's LoRAs touched
+    last_residency: list = field(default_factory=list)   # the models rank 0 keeps and where (device, host memory)
+    last_placement: str = ""                          # a clip of several experts: where the plan keeps the idle one
     open_session: object = None                       # a model session of a sampling run still open (model.py)
     notes: list[str] = field(default_factory=list)
 
     def close_session(self) -> None:
-        """End a model session an earlier sampling run left open (the engine serves one job at a time)."""
+        """End a model session an earlier sampling run left open (the engine serves one job at a time). What ended it
+        meanwhile (the ranks' idle timeout) was that run's, not the next job's: it is not raised."""
         if self.open_session is not None:
-            self.open_session.close()
+            self.open_session.close(failed=True)
             self.open_session = None
 
 
@@ -282,6 +291,7 @@ def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.
                            reference_latents=refs, reference_latents_method=method,
                            neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method,
                            model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm, noise_mask=noise_mask,
+                           expert_placement=settings.expert_placement,
                            start_step=window.start_step, last_step=window.last_step,
                            force_full_denoise=window.force_full_denoise, add_noise=window.add_noise, **images)
 
@@ -311,7 +321,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     hardware = machine.hardware()   # with what was measured on this machine, where anything was
     planned = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
     if before_job is not None:
-        before_job()
+        before_job(planned)
     record = registry.get(settings)
     if machine.ensure(record.engine, planned):   # the engine's first start here (or a new model): planned again
         hardware = machine.hardware()
@@ -329,6 +339,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_bytes = result.ranks[0].get("bytes_sent_per_step", {})
     record.last_memory = [r.get("memory", {}) for r in result.ranks]
     record.last_stages = [dict(r["pipefusion"], rank=r["rank"]) for r in result.ranks if r.get("pipefusion")]
+    note_residency(record, request, result.ranks)
     machine.record_job(request, result, hardware)   # the plan's measured step: auto weighs it next time
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
@@ -349,17 +360,60 @@ def check_per_call(settings: EngineSettings) -> None:
                          f"the engine has")
 
 
-def model_link(settings: EngineSettings, *, before_job=None, registry: EngineRegistry = REGISTRY) -> EngineLink:
+def model_link(settings: EngineSettings, *, before_job=None, should_cancel=None, on_cancelled=None,
+               registry: EngineRegistry = REGISTRY) -> EngineLink:
     """The link of an xDiT Engine's MODEL to the engine (model.py): its sessions are planned and checked with the
-    settings' plan on the engine's hardware."""
+    settings' plan on the engine's hardware; should_cancel, on_cancelled: ComfyUI's interrupt (EngineLink)."""
     @speaking(NODES)
-    def request_for(settings, x, timestep, conditioning, cond_or_uncond):
+    def request_for(settings, calls):
         info = inspect_model(settings.model_path)
-        return model_request(settings, x, timestep, conditioning, cond_or_uncond,
-                             latent_channels=info.latent.channels,
-                             hardware=registry.machine(settings).hardware(),
-                             job_request=job_request)
-    return EngineLink(settings, registry, request_for, before_job)
+        return model_request(settings, calls, latent_channels=info.latent.channels,
+                             hardware=registry.machine(settings).hardware(), job_request=job_request)
+    return EngineLink(settings, registry, request_for, before_job,
+                      out_channels=inspect_model(settings.model_path).latent.channels, should_cancel=should_cancel,
+                      on_cancelled=on_cancelled)
+
+
+COMFY_DEVICE_MARGIN = GiB // 2   # kept free on ComfyUI's GPU beyond the job's estimate
+
+
+def job_device_need(record: EngineRecord | None, request: GenerateRequest) -> int:
+    """What a job will take on one of its GPUs beyond what the engine holds there already, in bytes, as the planner's
+    memory model counts it: its activations, its model's weights unless the ranks keep that model on the GPU, and the
+    CUDA runtime unless the ranks run already."""
+    work = request.workload(inspect_model(request.model))
+    parts = memory_gib(request.plan, work, HOST)
+    running = record is not None and record.engine.running
+    resident = running and any(e.get("file") == os.path.basename(request.model) and str(e.get("where", ""))
+                               .startswith("cuda") for e in record.last_residency)
+    gib = parts["activations"] + (0.0 if resident else parts["weights"]) + \
+        (0.0 if running else parts["runtime"] + parts["nccl"])
+    return int(gib * GiB)
+
+
+def room_beside_comfyui(device: str, need_bytes: int, free_bytes: int, comfy_models: list[tuple[str, int]]) -> \
+        tuple[int, str]:
+    """Before a job on a GPU that ComfyUI's own process uses too (its text encoder, its VAE decode): (bytes ComfyUI
+    should free there, 0 to keep its models, and the line the Info node shows). ComfyUI's models stay where the job
+    fits beside them, so the next prompt does not load its text encoder again; else ComfyUI frees what the job needs
+    (its own free_memory, least recently used first)."""
+    held = sum(b for _, b in comfy_models)
+    names = ", ".join(f"{name} {b / GiB:.1f} GiB" for name, b in comfy_models) or "nothing"
+    want = need_bytes + COMFY_DEVICE_MARGIN
+    if want <= free_bytes:
+        return 0, (f"{device}, ComfyUI's GPU: kept ComfyUI's models there ({names}); the job's about "
+                   f"{need_bytes / GiB:.1f} GiB fit in the {free_bytes / GiB:.1f} GiB free")
+    short = "" if want <= free_bytes + held else (
+        f"; even without them the device has {(free_bytes + held) / GiB:.1f} GiB for it: the ranks say what fits")
+    return want, (f"{device}, ComfyUI's GPU: ComfyUI freed what the job needs there (about {need_bytes / GiB:.1f} GiB, "
+                  f"{free_bytes / GiB:.1f} GiB were free; its models: {names}){short}")
+
+
+def note(record: EngineRecord | None, kind: str, line: str) -> None:
+    """Set the Info node's line of this kind (one per kind: the latest job's)."""
+    if record is None:
+        return
+    record.notes = [n for n in record.notes if not n.startswith(kind)] + [line]
 
 
 def measured_line(machine: Machine) -> str:
@@ -403,6 +457,15 @@ def describe(settings: EngineSettings, registry: EngineRegistry = REGISTRY) -> s
             f"{k} {v:.3f} s" if k.endswith("_s") else f"{k} {v}" for k, v in record.last_timings.items()))
     if record.last_lora:
         lines.append(f"LoRA layers applied on the ranks: {record.last_lora}")
+    if record.last_placement:
+        lines.append(f"experts: the plan keeps the idle expert {'in host memory' if record.last_placement == 'host' else 'on the GPUs too'} "
+                     f"({record.last_placement}; re-checked before each job against the free memory measured then)")
+    held = [e for e in record.last_residency if "model" in e]
+    if held:
+        lines.append("models on the ranks: " + "; ".join(f"{e['model']} ({e['file']}) on {e['where']}" for e in held))
+    for e in record.last_residency:
+        if "moved" in e:
+            lines.append(f"before the last job: {e['moved']}")
     if record.last_plan_reason:
         lines.append(f"plan: {record.last_plan_reason}")
     if record.last_cache:

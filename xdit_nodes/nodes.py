@@ -37,10 +37,18 @@ def _machine_folder() -> str | None:
 core.REGISTRY.machine_folder = _machine_folder
 
 
+def _takes_advanced() -> bool:
+    """This ComfyUI's inputs can be marked advanced (0.33's "Show advanced inputs"; 0.3.64's cannot)."""
+    import inspect
+    return "advanced" in inspect.signature(io.Int.Input.__init__).parameters
+
+
 def _input(f: specs.Field):
     tip = {"tooltip": f.tooltip} if f.tooltip else {}
     if f.optional:
         tip["optional"] = True
+    if f.advanced and _takes_advanced():   # folded under the frontend's advanced inputs; saved values unchanged
+        tip["advanced"] = True
     if f.type == "COMBO":
         return io.Combo.Input(f.name, options=list(f.options), default=f.default, **tip)
     if f.type == "INT":
@@ -88,10 +96,8 @@ def _device() -> str:
 
 
 def _gpus(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(g) for g in text.replace(" ", "").split(",") if g != "")
-    except ValueError:
-        raise ValueError(f"gpus={text!r} is invalid: list GPU indices separated by commas, e.g. 0,1,2,3") from None
+    device = _device()
+    return specs.parse_gpus(text, device, torch.cuda.device_count() if device == "cuda" else 0, os.cpu_count() or 1)
 
 
 class XDiTEngine(io.ComfyNode):
@@ -106,28 +112,37 @@ class XDiTEngine(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
-                cache_threshold=0.0, compile=False, attention="auto", pipefusion=1, patches=0, warmup_steps=1):
+                cache_threshold=0.0, compile=False, attention="auto", pipefusion=1, patches=0, warmup_steps=1,
+                expert_placement="auto"):
         settings = core.EngineSettings(model_path=_model_path(model_name), gpus=_gpus(gpus), device=_device(),
                                        family=family, weight_dtype=weight_dtype, plan=plan, ulysses=ulysses, ring=ring,
                                        cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s,
                                        cache_threshold=cache_threshold, compile=compile, attention=attention,
-                                       pipefusion=pipefusion, patches=patches, warmup_steps=warmup_steps)
+                                       pipefusion=pipefusion, patches=patches, warmup_steps=warmup_steps,
+                                       expert_placement=expert_placement)
         settings.validate()
         return io.NodeOutput(settings, engine_model(settings))
 
 
-def _make_room(settings: core.EngineSettings) -> None:
-    """ComfyUI's own models leave a GPU that the engine's ranks use (the engine's MODEL lives on the CPU and stays)."""
+def _make_room(settings: core.EngineSettings, request) -> None:
+    """Before each job: on a GPU that ComfyUI's own process uses and the engine's ranks use too, ComfyUI's models stay
+    where the job fits beside them, else ComfyUI frees what the job needs (core.room_beside_comfyui); the Info node says
+    which. The engine's MODEL holds nothing on any GPU in ComfyUI's process."""
     if settings.device != "cuda":
         return
     device = mm.get_torch_device()
-    if device.type == "cuda" and (device.index or 0) in settings.gpus:
-        mm.free_memory(1e30, device)
+    if device.type != "cuda" or (device.index or 0) not in settings.gpus:
+        return
+    record = core.REGISTRY.running(settings)
+    models = [(type(getattr(lm.model, "model", lm.model)).__name__, int(lm.model_loaded_memory()))
+              for lm in mm.current_loaded_models if lm.device == device and lm.model is not None]
+    need = core.job_device_need(record, request)
+    free_bytes, line = core.room_beside_comfyui(f"cuda:{device.index or 0}", need, int(mm.get_free_memory(device)),
+                                                [m for m in models if m[1] > 0])
+    if free_bytes:
+        mm.free_memory(free_bytes, device)
         mm.soft_empty_cache()
-        record = core.REGISTRY.running(settings)
-        note = f"made room on cuda:{device.index or 0} (ComfyUI's device) by unloading ComfyUI's models before each job"
-        if record is not None and note not in record.notes:
-            record.notes.append(note)
+    core.note(record, f"cuda:{device.index or 0}, ComfyUI's GPU", line)
 
 
 class XDiTSampler(io.ComfyNode):
@@ -186,8 +201,9 @@ def _run_sampler(engine, model, seed, steps, cfg, sampler_name, scheduler, posit
         return core.sample(settings, positive, negative, latent_image, seed=seed, steps=steps, cfg=cfg,
                            sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                            on_progress=lambda step, total: progress.update_absolute(step, total),
-                           should_cancel=mm.processing_interrupted, before_job=lambda: _make_room(settings),
-                           weight_patches=weight_patches, window=window)
+                           should_cancel=mm.processing_interrupted,
+                           before_job=lambda request: _make_room(settings, request), weight_patches=weight_patches,
+                           window=window)
     except JobCancelled:
         mm.throw_exception_if_processing_interrupted()  # ComfyUI's own interrupt exception, flag cleared
         raise
@@ -273,7 +289,7 @@ def engine_model(settings: core.EngineSettings):
     loader detects it (no weight read), with the engine standing in for its diffusion model (model.py)."""
     import comfy.model_detection as detection
     import comfy.model_patcher
-    from comfy.patcher_extension import CallbacksMP
+    from comfy.patcher_extension import CallbacksMP, WrappersMP
 
     from ..engine.models.load import header_tensors
 
@@ -302,12 +318,16 @@ def engine_model(settings: core.EngineSettings):
     config.set_inference_dtype(torch.float32, None)
     model = config.get_model(stripped, "", device=torch.device("meta"))
     keys = {k: (tuple(v.shape), v.dtype) for k, v in model.diffusion_model.state_dict().items()}
-    link = core.model_link(settings, before_job=lambda: _make_room(settings))
+    link = core.model_link(settings, before_job=lambda request: _make_room(settings, request),
+                           should_cancel=mm.processing_interrupted,
+                           on_cancelled=mm.throw_exception_if_processing_interrupted)
     model.diffusion_model = engine_model_parts.EngineTransformer(link, keys, meta=model.diffusion_model)
     link.owner = weakref.ref(model)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
     link.base_patcher = weakref.ref(patcher)
     patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, engine_model_parts.OWN_CALLBACK, link.on_cleanup)
+    # a step's positive and negative passes reach the ranks as one request, whatever ComfyUI batches (model.py)
+    patcher.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, engine_model_parts.OWN_CALLBACK, link.calc_cond_batch)
     if settings.sampling:   # xDiT Model Sampling on the engine output: as ComfyUI's sampling nodes patch a MODEL
         patcher.add_object_patch("model_sampling", _model_sampling(model, *settings.sampling))
     if settings.cfg_norm:   # xDiT CFGNorm on the engine output

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from ..engine import families
 from ..engine.models.speed import ATTENTION
+from ..engine.parallel.plan import EXPERT_PLACEMENTS
 from ..engine.sampling.samplers import SAMPLERS
 from ..engine.sampling.schedules import SAMPLING_NODES, SCHEDULERS
 
 ENGINE_TYPE = "XDIT_ENGINE"
+ALL_GPUS = "all"   # the gpus widget's value for every GPU this machine has
 WEIGHT_DTYPES = ("default", "bf16", "fp16", "fp8_e4m3fn")
 FAMILIES = ("auto",) + families.names()
 
@@ -57,7 +59,9 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
          Field("family", "COMBO", "auto", FAMILIES, tooltip="auto detects it from the file"),
          Field("weight_dtype", "COMBO", "default", WEIGHT_DTYPES,
                tooltip="default: bf16 on GPUs, fp32 on CPU; fp8_e4m3fn stores weights in fp8, computes in bf16"),
-         Field("gpus", "STRING", "0,1", tooltip="GPU indices, one rank each (CPU ranks when ComfyUI runs on CPU)"),
+         Field("gpus", "STRING", ALL_GPUS,
+               tooltip="all: every GPU this machine has; or GPU indices, e.g. 0,1 (one rank each; when ComfyUI runs "
+                       "on the CPU, CPU ranks: all is one per two cores)"),
          Field("plan", "COMBO", "auto", PLANS,
                tooltip="auto picks the fastest exact plan per job (on fewer of the GPUs when that is faster); "
                        "fastest may also pick PipeFusion (approximate after its warmup steps); explicit takes the "
@@ -85,12 +89,31 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
                tooltip="PipeFusion: latent row bands, at least the stages (0: one per stage)"),
          Field("warmup_steps", "INT", 1, min=1, max=10000, advanced=True, optional=True,
                tooltip="PipeFusion: steps on the whole latent before patches use the previous step's K/V; the "
-                       "job's steps (or more) gives exactly the one-GPU result")),
+                       "job's steps (or more) gives exactly the one-GPU result"),
+         Field("expert_placement", "COMBO", "auto", EXPERT_PLACEMENTS, advanced=True, optional=True,
+               tooltip="a clip of two experts (Wan 2.2 A14B): where the idle one waits. auto: on the GPUs beside the "
+                       "other where both fit, else in host memory (re-checked each job); resident; host")),
         ((ENGINE_TYPE, "engine"), ("MODEL", "MODEL")))
 
 
 ENGINE_MODEL_TIP = ("the xDiT Engine's MODEL, directly or through ComfyUI's nodes that patch a MODEL (ModelSamplingAuraFlow "
                     "/ SD3 / Flux, CFGNorm, LoRA loaders): the job follows their sampling, post-CFG functions and LoRAs")
+
+
+def parse_gpus(text: str, device: str, visible: int, cores: int) -> tuple[int, ...]:
+    """The gpus widget: "all" is every GPU this machine has (`visible`), or on the CPU one rank per two cores (at
+    most 8); else GPU indices separated by commas. One line naming the value and what works otherwise."""
+    from ..engine.parallel.plan import MAX_RANKS
+    if text.strip().lower() == ALL_GPUS:
+        count = visible if device == "cuda" else max(1, cores // 2)
+        if count < 1:
+            raise ValueError("gpus=all found no GPU: this torch sees none; list GPU indices, or run ComfyUI with --cpu")
+        return tuple(range(min(count, MAX_RANKS)))
+    try:
+        return tuple(int(g) for g in text.replace(" ", "").split(",") if g != "")
+    except ValueError:
+        raise ValueError(f"gpus={text!r} is invalid: use all, or GPU indices separated by commas, e.g. "
+                         f"0,1,2,3") from None
 
 
 def sampler_spec(sampler_names=SAMPLERS, scheduler_names=SCHEDULERS) -> NodeSpec:

@@ -13,14 +13,16 @@ plan was checked against. A MODEL's LoRA patches (ComfyUI's LoRA loaders) travel
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from .. import syncs
-from ..errors import PlanError
+from ..errors import EngineError, PlanError
 from ..models.flow import Prepared, frame
-from ..models.lora import WeightPatches
+from ..models.load import COMPUTE_DTYPES, inspect_model
+from ..models.lora import HeldPatches, WeightPatches
 from ..models.speed import attention_kernels
 from .request import GenerateRequest
 from .run import _finish, _parallel_model
@@ -33,6 +35,8 @@ from .run import _finish, _parallel_model
 TENSORS = ("context", "y", "guidance", "clip_fea")
 LISTS = ("ref_latents",)
 STRINGS = ("ref_latents_method",)
+FLOAT32 = ("guidance",)   # crosses and is held in float32 (the families embed it so); the rest in the compute dtype
+CONCAT = "concat"   # held name of the input channels ComfyUI attaches to the latent (c_concat)
 SLOTS = 4   # conditioning tensors the ranks hold per name (a positive and a negative, each alone or batched)
 
 
@@ -64,28 +68,45 @@ class HeldConditioning:
                 return slot, None
         slot = self._next.get(name, 0)
         self._next[name] = (slot + 1) % self.slots
-        held[slot] = t.detach().to("cpu", copy=True)
+        held[slot] = t.detach().to("cpu").contiguous()
+        if held[slot].data_ptr() == t.data_ptr():   # the caller's own tensor: a copy, which the caller cannot change
+            held[slot] = held[slot].clone()
         return slot, held[slot]
 
 
 class ModelSession:
-    """Client side of a model job: `with ModelSession(engine, request, patches) as s: out = s.call(x, t, cond)`.
+    """Client side of a model job: `with ModelSession(engine, request, patches) as s: out = s.call(x, t, cond)`, or
+    several model calls in one round trip: `outs = s.call_group([(x, t, cond), ...])` (a step's positive and negative
+    passes, which CFG parallel then runs side by side, each at its own text length).
 
-    request: validated (its plan resolved). patches: the MODEL's weight patches (WeightPatches) or None."""
+    request: validated (its plan resolved). patches: the MODEL's weight patches (WeightPatches) or None.
+
+    What crosses per call is what the ranks compute in: the input and the conditioning in the request's compute dtype
+    (the ranks cast them to it first, so the result is the same to the bit), the timestep and guidance in float32, and
+    the output back in the dtype the model gives it (float32 here). Input channels ComfyUI attaches to the latent
+    (c_concat: Wan's image channels and mask), constant for a clip, are held on the ranks like the conditioning."""
 
     def __init__(self, engine, request: GenerateRequest, patches: WeightPatches | None = None, *, deadlines=None):
         check_per_call(request)
         self.request = request
-        spec, inputs = request.to_job()
-        patch_spec, patch_inputs = (patches or WeightPatches.none()).to_job()
+        self._dtype = COMPUTE_DTYPES[request.dtype]
+        self._channels = inspect_model(request.model).latent.channels
+        spec, inputs = request.to_job(stand_ins=True)   # the ranks read the shapes: stand-ins cross as shapes
+        self._patches = patches or WeightPatches.none()
+        self._held_patches = HeldPatches.on_client(engine)
+        patch_spec, patch_inputs = self._patches.to_job(self._held_patches)
         self._session = engine.session("model", {"request": spec, "patches": patch_spec}, {**inputs, **patch_inputs},
                                        deadlines=deadlines)
         self._held = HeldConditioning()
-        self.calls = 0
-        self.sent_bytes = 0
+        self.calls = 0         # model calls answered (a group of calls counts each)
+        self.sent_bytes = 0    # what crossed to the ranks, and back, in the calls (the session's job excluded)
+        self.received_bytes = 0
+        self.trip_bytes: list[tuple[int, int]] = []   # (sent, received) of each round trip
 
     def __enter__(self) -> "ModelSession":
-        self._session.__enter__()
+        self._session.__enter__()   # the job reached the ranks: they keep its patches
+        if self._held_patches is not None:
+            self._held_patches.sent(self._patches)
         return self
 
     def __exit__(self, *exc):
@@ -97,13 +118,49 @@ class ModelSession:
 
     @property
     def call_s(self) -> list[float]:
+        """Each round trip's time as the caller saw it (bridge and model)."""
         return self._session.call_s
+
+    @property
+    def model_s(self) -> list[float]:
+        """Each round trip's model time, as rank 0 measured it: from the inputs on its device to the outputs written
+        back (the rest of call_s is the bridge's)."""
+        return [a.get("model_s", 0.0) for a in self._session.answers]
 
     def call(self, x: torch.Tensor, timestep: torch.Tensor, conditioning: dict) -> torch.Tensor:
         """The diffusion model's output (float32, shaped like x, on x's device) for input x [N, C, ...] (model space,
         any concatenated channels attached), timestep [N] (float32, as ComfyUI's model passes it) and `conditioning`:
         {"context": [N, L, D], "y": [N, P], "guidance": [N], "ref_latents": [[N, C, h, w], ...],
-        "ref_latents_method": str} (absent or None: not given)."""
+        "ref_latents_method": str, "clip_fea": [N, T, D]} (absent or None: not given)."""
+        return self.call_group([(x, timestep, conditioning)])[0]
+
+    def call_group(self, calls: list[tuple], should_cancel=None) -> list[torch.Tensor]:
+        """Several model calls (x, timestep, conditioning), as `call` takes each, in one round trip: their outputs in
+        order. The ranks run them as the plan splits them (CFG parallel: one call on each CFG group). should_cancel:
+        see Session.call."""
+        tensors, parts = {}, []
+        for i, (x, timestep, conditioning) in enumerate(calls):
+            part_tensors, part = self._part(x, timestep, conditioning)
+            tensors.update({f"{i}.{k}" if "@" not in k else k: v for k, v in part_tensors.items()})
+            parts.append(part)
+        sent = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.sent_bytes += sent
+        # the answer: each call's output (at most float32) in rank 0's one answer segment
+        answer = sum(x.shape[0] * self._channels * math.prod(x.shape[2:]) * 4 for x, _, _ in calls)
+        try:
+            out = self._session.call(tensors, output_bytes=answer, should_cancel=should_cancel, parts=parts)
+        except EngineError as e:
+            if not e.oom:
+                raise
+            raise EngineError(f"{e}; {self.request.memory_advice(self._session.engine.world, e.memory)}",
+                              rank=e.rank, phase=e.phase, oom=True, memory=e.memory) from e
+        self.calls += len(calls)
+        received = sum(t.numel() * t.element_size() for t in out.values())
+        self.received_bytes += received
+        self.trip_bytes.append((sent, received))
+        return [out[f"{i}.out"].to(x.device, torch.float32) for i, (x, _, _) in enumerate(calls)]
+
+    def _part(self, x: torch.Tensor, timestep, conditioning: dict) -> tuple[dict, dict]:
         n = x.shape[0]
         timestep = torch.as_tensor(timestep, dtype=torch.float32).detach().cpu()
         if timestep.numel() == 1:
@@ -114,27 +171,55 @@ class ModelSession:
         unknown = set(conditioning) - set(TENSORS + LISTS + STRINGS)
         if unknown:
             raise ValueError(f"the model call carries {sorted(unknown)}, which the engine does not take")
-        tensors = {"x": x.detach().to("cpu", torch.float32).contiguous(), "timestep": timestep.contiguous()}
+        x = x.detach().to("cpu")
+        values = dict(conditioning)
+        if x.shape[1] > self._channels:   # c_concat attached by ComfyUI's model: the clip's image channels and mask
+            values[CONCAT] = x[:, self._channels:]
+            x = x[:, :self._channels]
+        tensors = {"x": x.to(self._dtype).contiguous(), "timestep": timestep.contiguous()}
         held, meta = {}, {}
-        for name, value in conditioning.items():
+        for name, value in values.items():
             if value is None:
                 continue
             if name in STRINGS:
                 meta[name] = str(value)
                 continue
-            parts = {name: value} if name in TENSORS else {f"{name}.{i}": t for i, t in enumerate(value)}
-            for key, t in parts.items():
+            items = {name: value} if name not in LISTS else {f"{name}.{i}": t for i, t in enumerate(value)}
+            for key, t in items.items():
                 if not isinstance(t, torch.Tensor) or t.shape[0] != n:
                     shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"{key} of shape {shape} does not have the call's {n} rows")
-                slot, new = self._held.place(key, t.detach().to(torch.float32))
+                dtype = torch.float32 if name in FLOAT32 else self._dtype
+                slot, new = self._held.place(key, t.detach().to("cpu", dtype))
                 held[key] = slot
                 if new is not None:
                     tensors[f"{key}@{slot}"] = new
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        out = self._session.call(tensors, held=held, **meta)
-        self.calls += 1
-        return out["out"].to(x.device)
+        return tensors, {"held": held, **meta}
+
+
+class CallClock:
+    """A call's model time on a rank, without waiting for the device: on CUDA two events around the call's work, read
+    once its output has been downloaded (which waited for them); on the CPU the work is done when the call returns."""
+
+    def __init__(self, device: torch.device):
+        self.started = time.perf_counter()
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        self._done = None
+
+    def computed(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._done = time.perf_counter()
+
+    def model_s(self) -> float:
+        """Seconds of the call's work (after its output reached the host)."""
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return (self._done or time.perf_counter()) - self.started
 
 
 def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepared:
@@ -153,7 +238,8 @@ def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepar
 
 def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str, torch.Tensor] | None:
     """Rank side: load the model under the plan with the MODEL's patches, then answer calls until the client ends
-    the session."""
+    the session. Each call holds one or more model calls ("parts"), run as the plan splits them; rank 0 answers
+    with their outputs in the model's own dtype."""
     check_per_call(request)
     mesh = ctx.mesh(request.plan)
     if not mesh.active:   # the plan runs on fewer ranks: this one only follows the session
@@ -171,14 +257,23 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
         # each call's tensors arrive on the device in one copy (the upload), its output leaves in one (the download)
         for call, meta, tensors in ctx.calls(device=ctx.device):
             t0 = time.perf_counter()
+            clock = CallClock(ctx.device)
             for key, t in tensors.items():
                 if "@" in key:   # a copy: the call's buffer is not kept alive by what the session holds
-                    held[key] = t.to(torch.float32 if key.startswith("guidance") else flow.dtype, copy=True)
-            conditioning = {name: held[f"{name}@{slot}"] for name, slot in meta["held"].items()}
-            out = parallel.call(tensors["x"], tensors["timestep"], _prepared(flow, conditioning, meta))
-            compute_s += time.perf_counter() - t0
+                    held[key] = t.to(torch.float32 if key.split("@")[0] in FLOAT32 else flow.dtype, copy=True)
+            parts = []
+            for i, part in enumerate(meta["parts"]):
+                conditioning = {name: held[f"{name}@{slot}"] for name, slot in part["held"].items()}
+                x = tensors[f"{i}.x"]
+                concat = conditioning.pop(CONCAT, None)
+                if concat is not None:
+                    x = torch.cat([x.to(flow.dtype), concat], dim=1)
+                parts.append((x, tensors[f"{i}.timestep"], _prepared(flow, conditioning, part)))
+            outs = parallel.call_parts(parts)
+            clock.computed()
             calls += 1
-            ctx.answer(call, {"out": out} if ctx.rank == 0 else None)
+            ctx.answer(call, {f"{i}.out": out for i, out in enumerate(outs)} if ctx.rank == 0 else None, clock=clock)
+            compute_s += time.perf_counter() - t0
             syncs.step(calls)
     ctx.info["model_calls"] = {"calls": calls, "compute_s": compute_s}
     _finish(ctx, request, mesh, flow.loaded.info, torch.empty(0))
@@ -199,15 +294,3 @@ def request_conditioning(request: GenerateRequest, sides: tuple[str, ...], rows:
     if parts[0][1] is not None:
         out["y"] = torch.cat([p for _, p in parts])
     return out
-
-
-def session_predictor(session: ModelSession, request: GenerateRequest, timesteps_per_sigma: float):
-    """A Predict (sampling/ksampler.py) over a model session, the passes asked for batched into one call as ComfyUI
-    batches them: lets the engine's own samplers drive the per-call route, e.g. to time it against the engine's loop."""
-    def predict(x_model: torch.Tensor, sigma: torch.Tensor, which: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-        rows = x_model.shape[0]
-        t = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1)[:1] * timesteps_per_sigma
-        out = session.call(torch.cat([x_model] * len(which)), t.expand(rows * len(which)),
-                           request_conditioning(request, which, rows))
-        return tuple(out.chunk(len(which)))
-    return predict

@@ -14,10 +14,13 @@ import torch
 from .. import families, wording
 from ..errors import EngineError, PlanError
 from ..models.load import COMPUTE_DTYPES, inspect_model
+from ..models.lora import HeldPatches
 from ..models.speed import ATTENTION
 from ..parallel.devices import Hardware
+from ..runtime import bridge
 from ..parallel.pipefusion.layout import layout_problems
-from ..parallel.plan import AUTO, GiB, ParallelPlan, PlanChoice, Workload
+from ..parallel.cost import expert_placement
+from ..parallel.plan import AUTO, EXPERT_PLACEMENTS, TWO_EXPERTS, GiB, ParallelPlan, PlanChoice, Workload
 from ..parallel.planner import resolve_plan
 from ..sampling.ksampler import StepWindow
 from ..sampling.samplers import SAMPLERS
@@ -29,6 +32,7 @@ from .inputs import (check_finite, check_image_inputs, check_latent, check_loras
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
 LOCAL = {"local": True}     # stays with the client: not in the job document
+BROADCAST = "broadcast"     # the document's stand-in tensors (to_job(stand_ins=True)): name -> shape, dtype, value
 SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
 REFERENCE_METHODS = tuple(dict.fromkeys(m for f in families.FAMILIES for m in f.reference_methods))
 
@@ -93,6 +97,12 @@ class GenerateRequest:
     # the LATENT's noise_mask (SetLatentNoiseMask, Wan22ImageToVideoLatent): 1 denoises, 0 keeps the latent, as
     # ComfyUI's KSampler applies it (resized to the latent as comfy.utils.reshape_mask does)
     noise_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    # a clip that runs several transformers of this size in turn (Wan 2.2 A14B's high- and low-noise experts, each a
+    # file): None takes the variant's count (TWO_EXPERTS: 2). expert_placement: where the idle one waits on a GPU
+    # setup, "auto" (both resident where they fit, else the idle one in host memory: the planner's choice, which
+    # validate() writes here), "resident" or "host"; the ranks re-check it against measured free memory every job
+    experts: int | None = None
+    expert_placement: str = "auto"
     choice: PlanChoice | None = field(default=None, metadata=LOCAL)   # why this plan (set by validate)
 
     @classmethod
@@ -158,13 +168,16 @@ class GenerateRequest:
         admission.check_memory(self.plan, inputs_gib, work, ranks, hardware,
                                f"{latent_w * info.latent.downscale}x{latent_h * info.latent.downscale} px")
         choice = resolve_plan(self.plan, ranks, work, hardware)
+        placement = self.expert_placement
+        if work.experts > 1 and placement == AUTO:   # the planner's placement for the chosen plan
+            placement = expert_placement(choice.plan, work, hardware.memory_gib if hardware else None)[0]
         self._check_pipefusion(info, choice.plan, latent_h, latent_w)
         for name, t in self.tensors_to_check():   # sizes known to fit: now the values are read
             check_finite(name, t)
         stage_blocks = self.stage_blocks
         if choice.plan.pipefusion > 1 and hardware is not None and hardware.device != "cpu" and stage_blocks is None:
             choice, stage_blocks = admission.fitted_stages(info, choice, work, hardware)
-        return replace(self, plan=choice.plan, stage_blocks=stage_blocks, choice=choice)
+        return replace(self, plan=choice.plan, stage_blocks=stage_blocks, choice=choice, expert_placement=placement)
 
     def workload(self, info) -> Workload:
         """What the planner and the cost model know of this job."""
@@ -175,7 +188,9 @@ class GenerateRequest:
                                   dtype=self.dtype,
                                   fp8_weights=self.fp8_weights, compiled=self.compile, steps=self.steps,
                                   warmup_steps=self.warmup_steps, patches=self.patches,
-                                  pipefusion_conflict=self._pipefusion_conflict())
+                                  pipefusion_conflict=self._pipefusion_conflict(),
+                                  experts=self.experts or (2 if info.variant in TWO_EXPERTS else 1),
+                                  placement=self.expert_placement)
 
     def _pipefusion_conflict(self) -> str:
         """Why PipeFusion cannot run this job ("": it can), as the planner says it."""
@@ -212,12 +227,18 @@ class GenerateRequest:
         weight_patches: a ComfyUI MODEL's LoRA patches (models/lora.py WeightPatches) applied with the LoRA files. A
         rank that runs out of memory fails the job with what it held and the plans and settings that need less."""
         spec, inputs = self.to_job()
+        held = HeldPatches.on_client(engine)
         if weight_patches is not None and weight_patches.entries:
-            patch_spec, patch_inputs = weight_patches.to_job()
+            patch_spec, patch_inputs = weight_patches.to_job(held)
             spec, inputs = {"request": spec, "patches": patch_spec}, {**inputs, **patch_inputs}
         try:
-            return engine.submit("generate", spec, inputs, **kwargs)
+            result = engine.submit("generate", spec, inputs, output_bytes=self.latent_raw.numel() * 4, **kwargs)
+            if held is not None and weight_patches is not None:
+                held.sent(weight_patches)
+            return result
         except EngineError as e:
+            if held is not None and weight_patches is not None and e.phase != "sent":   # the ranks took the job
+                held.sent(weight_patches)
             if not e.oom:
                 raise
             raise EngineError(f"{e}; {self.memory_advice(engine.world, e.memory)}", rank=e.rank, phase=e.phase,
@@ -328,6 +349,13 @@ class GenerateRequest:
                                  f"{', '.join(REFERENCE_METHODS)}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
+        if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)
+                                         or not 1 <= self.experts <= 4):
+            raise ValueError(f"experts={self.experts!r} is invalid: use the clip's transformer count, 1 to 4, or none "
+                             f"(the variant's)")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ValueError(f"expert_placement={self.expert_placement!r} is invalid: use one of "
+                             f"{', '.join(EXPERT_PLACEMENTS)}")
         if not isinstance(self.loras, (list, tuple)) or any(
                 not isinstance(e, (list, tuple)) or len(e) != 2 or not isinstance(e[0], str) or not e[0]
                 or isinstance(e[1], bool) or not isinstance(e[1], (int, float)) or not math.isfinite(e[1])
@@ -353,11 +381,14 @@ class GenerateRequest:
             raise ValueError(f"cfg_norm={self.cfg_norm!r} is invalid: use a CFGNorm strength from 0 (off) to 100")
 
     # ---- across the process boundary ---------------------------------------------------------------------------
-    def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(JSON document, tensors) of a validated request: every field, none left to a default on the far side."""
+    def to_job(self, stand_ins: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(JSON document, tensors) of a validated request: every field, none left to a default on the far side. With
+        `stand_ins` (a model job, whose ranks read only the shapes the plan was checked against), a tensor that is one
+        value seen through a broadcast view (empty_latent's zeros, a model call's stand-ins) crosses as its shape and
+        value in the document: nothing is materialised."""
         if not isinstance(self.plan, ParallelPlan):
             raise ValueError("the request's plan is not resolved: call validate(ranks) first")
-        spec, inputs = {}, {}
+        spec, inputs, broadcast = {}, {}, {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata.get("local"):
@@ -367,7 +398,10 @@ class GenerateRequest:
                 inputs.update({f"{f.name}.{i}": t for i, t in enumerate(value or [])})
                 continue
             if f.metadata.get("tensor"):
-                if value is not None:
+                if value is not None and stand_ins and value.numel() > 1 and not any(value.stride()):
+                    broadcast[f.name] = {"shape": list(value.shape), "dtype": bridge.dtype_name(value.dtype),
+                                         "value": value.reshape(-1)[0].item()}
+                elif value is not None:
                     inputs[f.name] = value
                 continue
             spec[f.name] = value
@@ -382,6 +416,9 @@ class GenerateRequest:
                 inputs.pop(name, None)
             spec["neg_reference_latents"] = None
             inputs = {k: v for k, v in inputs.items() if not k.startswith("neg_reference_latents.")}
+            broadcast = {k: v for k, v in broadcast.items() if not k.startswith("neg_")}
+        if broadcast:
+            spec[BROADCAST] = broadcast
         return spec, inputs
 
     @classmethod
@@ -390,6 +427,15 @@ class GenerateRequest:
         if not isinstance(spec, dict) or not isinstance(inputs, dict):
             raise ValueError(f"generate job document is malformed: spec is a {type(spec).__name__} and inputs a "
                              f"{type(inputs).__name__}, not objects (client and ranks differ in version?)")
+        if BROADCAST in spec:
+            spec, inputs = dict(spec), dict(inputs)
+            for name, stand_in in (spec.pop(BROADCAST) or {}).items():
+                try:
+                    value = torch.full((), stand_in["value"], dtype=bridge.DTYPES[stand_in["dtype"]])
+                    inputs[name] = value.expand(*[int(d) for d in stand_in["shape"]])
+                except (KeyError, TypeError, ValueError, RuntimeError):
+                    raise ValueError(f"generate job document is malformed: stand-in {name}={stand_in!r} is not a "
+                                     f"shape, dtype and value") from None
         scalar = {f.name for f in fields(cls)
                   if not f.metadata.get("tensor") and not f.metadata.get("local")}   # list fields: their length
         tensor = {f.name for f in fields(cls) if f.metadata.get("tensor")}

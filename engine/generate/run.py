@@ -7,9 +7,9 @@ import os
 import torch
 
 from ..models.flow import Conditioning, FlowModel, frame
-from ..models.load import held_bytes, inspect_model, load_model
+from ..models.load import LoadStopped, held_bytes, inspect_model, load_model
 from ..parallel.memory import memory_gib
-from ..parallel.plan import GiB
+from ..parallel.plan import HOST, GiB
 from ..models.lora import apply_loras
 from ..models.speed import attention_kernels, compiled_graphs, release_model_memory, set_compiled, set_fp8_matmul
 from ..parallel.parallelize import parallelize
@@ -19,6 +19,7 @@ from .. import syncs
 from ..sampling.ksampler import ksample, reshape_mask, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
+from .residency import Held, decide, host_available_bytes
 
 
 def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
@@ -29,28 +30,51 @@ def model_key(path: str, dtype: str, fp8_weights: bool = False) -> tuple:
     return (os.path.abspath(path), dtype, fp8_weights, st.st_mtime_ns, st.st_size)
 
 
-RESIDENT_MODELS = 2   # models a rank keeps loaded at once: a two-expert clip switches experts without reading a file
-
-
-def _make_room(ctx, models: dict, request: GenerateRequest) -> None:
-    """Before a model is loaded (or brought back): the least recently used models go beyond RESIDENT_MODELS - 1; on a
-    GPU the others move to host memory while they and this job would not fit together, as the planner's memory model
-    counts this job (weights, its activations, the runtime: parallel/memory.py), so the engine and the planner agree
-    on when two experts stay resident (loading one back from host memory is a copy, not a file read)."""
-    while len(models) >= RESIDENT_MODELS:
-        _drop(ctx, models, next(iter(models)))
-    if ctx.device.type != "cuda" or not models:
+def _make_room(ctx, models: dict, request: GenerateRequest, resident: bool) -> None:
+    """Before every job (generate/residency.py decides, from what is measured now): the other models a rank keeps go
+    to host memory or are dropped where this job and they would not fit together; `resident`: this job's model is on
+    the device already. Moving a model keeps the graphs compiled around it (an expert switch compiles nothing), and
+    its LoRA factors move with it (models/quantized.py)."""
+    cuda = ctx.device.type == "cuda"
+    others = [Held(k, held_bytes(state["loaded"].model), "host" if state.get("offloaded") else "device")
+              for k, state in models.items()]
+    if not others:
         return
-    need = memory_gib(request.plan, request.workload(inspect_model(request.model)))["total"] * GiB
-    total = torch.cuda.mem_get_info(ctx.device)[1]
-    held = {key: held_bytes(state["loaded"].model) for key, state in models.items() if not state.get("offloaded")}
-    for key in list(held):
-        if sum(held.values()) + need <= total:
-            break
-        models[key]["loaded"].model.to("cpu")
-        models[key]["offloaded"] = True
-        del held[key]
-        release_model_memory(ctx.device)
+    parts = memory_gib(request.plan, request.workload(inspect_model(request.model)), HOST)   # one model's share
+    need = (parts["activations"] + (0.0 if resident else parts["weights"])) * GiB
+    moves = decide(others, device=ctx.device.type, need_bytes=int(need),
+                   free_bytes=torch.cuda.mem_get_info(ctx.device)[0] if cuda else None,
+                   host_free_bytes=host_available_bytes() if cuda else None, local_ranks=ctx.local_ranks,
+                   placement=request.expert_placement)
+    for move in moves:
+        state = models[move.key]
+        variant = state["loaded"].info.variant
+        if move.action == "drop":
+            _drop(ctx, models, move.key)
+        else:
+            state["loaded"].model.to("cpu")
+            state["offloaded"] = True
+            if cuda:
+                torch.cuda.empty_cache()
+        ctx.info.setdefault("residency_moves", []).append(
+            f"{variant}: {'moved to host memory' if move.action == 'offload' else 'dropped'} ({move.why})")
+
+
+def _short_of_memory(ctx, request: GenerateRequest) -> BaseException | None:
+    """Before the first step on a GPU: this job's activations, as the planner's memory model counts them, against the
+    memory free on the device now (beside whatever else holds it: ComfyUI's own models, another process); an
+    out-of-memory error naming the device and the figures when they do not fit (every rank then stops together)."""
+    if ctx.device.type != "cuda":
+        return None
+    work = request.workload(inspect_model(request.model))
+    need = memory_gib(request.plan, work)["activations"] * GiB
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    free += torch.cuda.memory_reserved(ctx.device) - torch.cuda.memory_allocated(ctx.device)   # the cache's spare
+    if need <= free:
+        return None
+    return torch.OutOfMemoryError(f"{ctx.device} has {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB after this "
+                                  f"rank's weights, and this job's activations need about {need / GiB:.1f} GiB (the "
+                                  f"planner's estimate); nothing was run")
 
 
 def _drop(ctx, models: dict, key) -> None:
@@ -69,27 +93,52 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
     models = ctx.cache.setdefault("models", {})   # model key -> its state, least recently used first
     key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ())
     state = models.pop(key, None)
+    _make_room(ctx, models, request, resident=state is not None and not state.get("offloaded"))
+    failure = None
     if state is None:
-        _make_room(ctx, models, request)
         inspect_model(request.model).spec.model_class()  # diffusers' modules imported before the baseline
         ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
-        # the load's deadline grows with the file (Deadlines.load_s + load_s_per_gib per GiB)
-        ctx.enter_phase("load", bytes=0 if request.model.startswith("synthetic:") else os.path.getsize(request.model))
-        loaded = load_model(request.model, dtype=request.dtype, device=ctx.device, fp8_weights=request.fp8_weights,
-                            keep=stage[1] if stage else None)
-        ctx.enter_phase("compute")
-        state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded)}
-        ctx.info["loaded"] = loaded.stats
-        ctx.info["model_source"] = "file"
+        try:   # a cancel asked during the load (minutes for a large file) ends it at the next tensor
+            # the load's deadline grows with the file (Deadlines.load_s + load_s_per_gib per GiB)
+            ctx.enter_phase("load", bytes=0 if request.model.startswith("synthetic:") else
+                            os.path.getsize(request.model))
+            loaded = load_model(request.model, dtype=request.dtype, device=ctx.device,
+                                fp8_weights=request.fp8_weights, keep=stage[1] if stage else None,
+                                stop=ctx.cancel_requested)
+        except LoadStopped:
+            release_model_memory(ctx.device)
+            ctx.stop_here(stopped=True)   # every rank of the job stops here with this one
+            raise AssertionError("unreachable: a stopped load ends the job on every rank")
+        except Exception as e:   # out of memory (or a file this rank cannot read): every rank stops with it below
+            failure = e
+            release_model_memory(ctx.device)
+        if failure is None:
+            ctx.enter_phase("compute")
+            state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded)}
+            ctx.info["loaded"] = loaded.stats
+            ctx.info["model_source"] = "file"
     elif state.pop("offloaded", False):
-        _make_room(ctx, models, request)
-        state["loaded"].model.to(ctx.device)
-        state["flow"].device = ctx.device
-        ctx.info["model_source"] = "host memory"
+        try:
+            state["loaded"].model.to(ctx.device)
+            state["flow"].device = ctx.device
+            ctx.info["model_source"] = "host memory"
+        except Exception as e:   # no room to bring it back: it waits in host memory still
+            state["loaded"].model.to("cpu")
+            state["offloaded"], failure = True, e
+            release_model_memory(ctx.device)
     else:
         ctx.info["model_source"] = "resident"
-    models[key] = state
+    if state is not None:
+        models[key] = state
+    if failure is None:
+        failure = _short_of_memory(ctx, request)
+    # the ranks agree whether a cancel came during a load, or a rank failed before the first step (any rank's): all go
+    # on, or all stop here, every rank keeping the models it holds (the next job reads no file for them)
+    ctx.stop_here(failure=failure)
     ctx.info["models_resident"] = len(models)
+    ctx.info["residency"] = [{"model": s["loaded"].info.variant, "file": os.path.basename(s["loaded"].path),
+                              "where": "host memory" if s.get("offloaded") else str(ctx.device)}
+                             for s in models.values()]
     if state.get("mesh") is not mesh:
         if state.get("parallel") is not None:
             state["parallel"].close()

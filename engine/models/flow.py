@@ -7,6 +7,7 @@ Nothing here knows about ranks: parallel methods are applied around this class b
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,13 @@ import torch
 from .. import families
 from ..families.base import pad_text
 from .load import LoadedTransformer
+
+
+# A benchmark instrument (bench guider --stub-forward), read from the ranks' environment: each forward returns zeros of
+# its output's shape at once, so what surrounds the model (the bridge, the protocol, the splits and gathers) is timed
+# at real token counts where a tiny model's attention on the CPU would take minutes a call. Unset: the model runs.
+FORWARD_STUB_ENV = "XDIT_FORWARD_STUB"
+FORWARD_STUB = os.environ.get(FORWARD_STUB_ENV, "") == "zeros"
 
 
 @dataclass
@@ -138,16 +146,23 @@ class FlowModel:
         return self.output(x_model, timestep, prepared)
 
     @torch.no_grad()
-    def output(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+    def output(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared,
+               dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """The model's output (for a flow model its velocity) at ComfyUI's model timestep: what ComfyUI's diffusion
-        model returns for (x_model, timestep), float32, shaped like x_model but for the channels (the model's output
-        channels: a c_concat attached to x_model is input only). timestep: one float32 value per item ([n]), or per
-        item and latent frame ([n, F]) where the family's ComfyUI model makes one (process_timestep)."""
+        model returns for (x_model, timestep), in `dtype` (None: as the model gives it, which float32 takes exactly),
+        shaped like x_model but for the channels (the model's output channels: a c_concat attached to x_model is input
+        only). timestep: one float32 value per item ([n]), or per item and latent frame ([n, F]) where the family's
+        ComfyUI model makes one (process_timestep)."""
         n = x_model.shape[0]
         timestep32 = timestep.detach().to(torch.float32)
         timestep32 = (timestep32.expand(n, -1) if timestep32.ndim == 2 else timestep32.reshape(-1).expand(n))
         x = (x_model if self.family.frames else frame(x_model)).to(self.device, self.dtype)
-        v = self.family.forward(self, x, timestep32.to(self.device), prepared).to(torch.float32)
+        if FORWARD_STUB:   # benchmarks of what surrounds the model: its output's shape and dtype, no arithmetic
+            v = torch.zeros((x.shape[0], self.loaded.info.latent.channels) + tuple(x.shape[2:]), dtype=self.dtype,
+                            device=self.device)
+        else:
+            v = self.family.forward(self, x, timestep32.to(self.device), prepared)
+        v = v if dtype is None else v.to(dtype)
         return v.unsqueeze(2) if x_model.ndim == 5 and not self.family.frames else v
 
 

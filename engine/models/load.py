@@ -23,6 +23,16 @@ from .safetensors_file import TORCH_DTYPES, CheckpointError, TensorInfo, read_he
 from .synthetic import init_random_, is_synthetic, synthetic_info
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LoadStopped(Exception):
+    """A load cut short because its `stop` callback said so (the job was cancelled): nothing of it is kept."""
+
+
+# A test instrument, read from the ranks' environment: each tensor read waits this many ms more, as from a slow disk
+# (a file of many GB), so that what happens during a long load can be tested on a tiny file. Unset: no wait.
+LOAD_DELAY_ENV = "XDIT_LOAD_DELAY_MS"
+LOAD_DELAY_S = max(0.0, float(os.environ.get(LOAD_DELAY_ENV) or 0)) / 1e3
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -114,13 +124,15 @@ Keep = Callable[[str], bool]   # diffusers parameter name -> whether this rank h
 
 
 def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.device = "cpu",
-                     fp8_weights: bool = False, keep: Keep | None = None) -> LoadedTransformer:
+                     fp8_weights: bool = False, keep: Keep | None = None,
+                     stop: Callable[[], bool] | None = None) -> LoadedTransformer:
     """Load the transformer in `path` for compute in `dtype` (fp32 | bf16 | fp16) on `device`. fp8_weights stores
     every Linear weight matrix as float8_e4m3fn (ComfyUI's fp8 weight dtype), whatever the file holds.
 
     keep: only the parameters it accepts are read from the file and held (a PipeFusion stage's blocks and the
     embedders or final layer it needs); the rest of the model stays on the meta device, holding no memory, and
-    fails loudly if ever called. The whole file is still checked against the model (from its header)."""
+    fails loudly if ever called. The whole file is still checked against the model (from its header). stop: asked
+    before each tensor is read; True ends the load (LoadStopped)."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     compute = COMPUTE_DTYPES[dtype]
@@ -154,7 +166,8 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
         raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
                               f"{_few(set(expected) ^ targets)}")
     wanted = mapping if keep is None else [(d, s_, o) for d, s_, o in mapping if keep(d)]
-    state, quantized, scales, bytes_read = _stream(path, where, info, wanted, expected, compute, device, fp8_weights)
+    state, quantized, scales, bytes_read = _stream(path, where, info, wanted, expected, compute, device, fp8_weights,
+                                                   stop)
     model.load_state_dict(state, strict=False, assign=True)  # what is absent is found by the meta check below
     del state
     quantized_layers = _install_quantized(model, quantized, compute)
@@ -231,7 +244,8 @@ def _check_layer_format(path, where, scale_key, read) -> None:
                               f"release")
 
 
-def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) -> tuple[dict, dict, dict, int]:
+def _stream(path, where, info, mapping, expected, compute, device, fp8_weights,
+            stop=None) -> tuple[dict, dict, dict, int]:
     """Read each source tensor once (one at a time) and produce the diffusers tensors `mapping` makes of it: plain
     tensors (state), GGUF block rows for Linear weights (quantized: {name: (uint8 rows, type)}), and fp8_scaled
     factors (scales: {name: float32})."""
@@ -254,6 +268,10 @@ def _stream(path, where, info, mapping, expected, compute, device, fp8_weights) 
 
     try:
         for src, outs in by_source.items():
+            if stop is not None and stop():
+                raise LoadStopped(f"{path}: load stopped after {bytes_read} bytes")
+            if LOAD_DELAY_S:
+                time.sleep(LOAD_DELAY_S)
             raw, tinfo = read(info.prefix + src)
             scale_key = (info.prefix + src[:-len("weight")] + SCALE_KEYS[info.format][0][1:]
                          if src.endswith(".weight") and info.format in SCALE_KEYS else None)
@@ -383,12 +401,13 @@ def _materialize(model: torch.nn.Module, keep: Keep | None, device, dtype: torch
 
 
 def load_model(source: str, *, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
-               fp8_weights: bool = False, keep: Keep | None = None) -> LoadedTransformer:
-    """load_transformer for a path; for a synthetic source, random weights built directly on `device` in `dtype`
-    (each tensor's values depend only on the seed and its name, so a stage that holds part of the model holds the
-    same values as a rank that holds all of it)."""
+               fp8_weights: bool = False, keep: Keep | None = None,
+               stop: Callable[[], bool] | None = None) -> LoadedTransformer:
+    """load_transformer for a path (stop: see there); for a synthetic source, random weights built directly on
+    `device` in `dtype` (each tensor's values depend only on the seed and its name, so a stage that holds part of the
+    model holds the same values as a rank that holds all of it)."""
     if not is_synthetic(source):
-        return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights, keep=keep)
+        return load_transformer(source, dtype=dtype, device=device, fp8_weights=fp8_weights, keep=keep, stop=stop)
     return random_model(synthetic_info(source), source, dtype=dtype, device=device, seed=seed,
                         fp8_weights=fp8_weights, keep=keep)
 

@@ -158,14 +158,32 @@ class WeightPatches:
     def none(cls) -> "WeightPatches":
         return cls("", (), {})
 
-    def to_job(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        return ({"digest": self.digest, "entries": list(self.entries)},
-                {f"patch.{k}": v for k, v in self.tensors.items()})
+    def to_job(self, held: "HeldPatches | None" = None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(document, tensors) for a job. held: the client's record of the sets the ranks keep (HeldPatches): a set
+        they keep already crosses as its digest alone (a Wan 2.2 distillation LoRA is sent once, not at every expert
+        switch)."""
+        spec = {"digest": self.digest, "entries": list(self.entries)}
+        if held is not None and self.entries and held.holds(self.digest):
+            return dict(spec, held=True), {}
+        return spec, {f"patch.{k}": v for k, v in self.tensors.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     @classmethod
-    def from_job(cls, spec: dict, inputs: dict[str, torch.Tensor]) -> "WeightPatches":
+    def from_job(cls, spec: dict, inputs: dict[str, torch.Tensor], cache: dict | None = None) -> "WeightPatches":
+        """The patches of a job; cache: the rank's own (its jobs' `cache`), where it keeps the sets it received, as
+        HeldPatches on the client records them, and finds a set that came as its digest alone."""
         if not isinstance(spec, dict) or not isinstance(spec.get("entries"), list):
             raise ValueError(f"weight patches {spec!r} are malformed: give {{'digest': ..., 'entries': [...]}}")
+        kept = HeldPatches.on_rank(cache) if cache is not None else None
+        if spec.get("held"):
+            found = kept.take(str(spec.get("digest", ""))) if kept is not None else None
+            if found is None:
+                raise ValueError(f"weight patches {spec.get('digest')!r} were sent as held, but this rank does not "
+                                 f"keep them (the client's record and the ranks' differ: restart the engine)")
+            return found
         tensors = {k[len("patch."):]: v for k, v in inputs.items() if k.startswith("patch.")}
         for i, e in enumerate(spec["entries"]):
             if not isinstance(e, dict) or e.get("kind") not in ("lora", "diff") or not isinstance(e.get("key"), str):
@@ -174,7 +192,61 @@ class WeightPatches:
             missing = [n for n in needed if f"{i}.{n}" not in tensors]
             if missing:
                 raise ValueError(f"weight patch {i} ({e['key']}) lacks its tensors {missing}")
-        return cls(str(spec.get("digest", "")), tuple(spec["entries"]), tensors)
+        patches = cls(str(spec.get("digest", "")), tuple(spec["entries"]), tensors)
+        if kept is not None and patches.entries:   # copies: the job's buffer is not kept alive by what the rank keeps
+            kept.keep(patches.digest, cls(patches.digest, patches.entries,
+                                          {k: v.clone() for k, v in tensors.items()}))
+        return patches
+
+
+class HeldPatches:
+    """The weight-patch sets the ranks keep between jobs, least recently used first, at most SETS (one per resident
+    model: a two-expert clip's two sets). The client keeps the same record (`on_client`, per engine generation, `sent`
+    once a job reached the ranks) as every rank (`on_rank`, `keep` and `take`), both updated in the same order by the
+    same jobs, so a set the record holds is one every rank holds."""
+    SETS = 2
+
+    def __init__(self):
+        self._order: dict[str, object] = {}
+
+    @classmethod
+    def on_rank(cls, cache: dict) -> "HeldPatches":
+        return cache.setdefault("weight_patches", cls())
+
+    @classmethod
+    def on_client(cls, engine) -> "HeldPatches | None":
+        """The client's record for `engine`'s current rank group (a new group keeps nothing); None for an engine that
+        keeps no record (a stand-in)."""
+        held = getattr(engine, "held", None)
+        if held is None:
+            return None
+        record = held.get("weight_patches")
+        if record is None or record[0] != engine.generation:
+            record = held["weight_patches"] = (engine.generation, cls())
+        return record[1]
+
+    def holds(self, digest: str) -> bool:
+        """Client: do the ranks keep the set `digest` (send the digest alone)?"""
+        return digest in self._order
+
+    def sent(self, patches: "WeightPatches") -> None:
+        """Client: a job carrying `patches` (whole or as its digest) reached the ranks, which now keep it."""
+        if patches.entries:
+            self.keep(patches.digest, patches.nbytes)
+
+    def keep(self, digest: str, patches) -> None:
+        """Keep a set (a rank: the patches received whole; the client: their size), the most recently used."""
+        self._order.pop(digest, None)
+        self._order[digest] = patches
+        while len(self._order) > self.SETS:
+            del self._order[next(iter(self._order))]
+
+    def take(self, digest: str):
+        """Rank: the set sent as its digest (now the most recently used), or None."""
+        patches = self._order.pop(digest, None)
+        if patches is not None:
+            self._order[digest] = patches
+        return patches
 
 
 def _rows(t: torch.Tensor, offset, rows: int) -> torch.Tensor:

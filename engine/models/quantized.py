@@ -168,6 +168,13 @@ class LoraOnTop:
     def clear_loras(self) -> None:
         self.loras = []
 
+    def _apply(self, fn, recurse=True):
+        """Module.to() and friends: the LoRA factors move with the layer (an expert moved to host memory takes them
+        along; none stays on the GPU), and stay float32."""
+        out = super()._apply(fn, recurse)
+        self.loras = [(fn(up).float(), fn(down).float(), scale, strength) for up, down, scale, strength in self.loras]
+        return out
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 

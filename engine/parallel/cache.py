@@ -50,7 +50,7 @@ class Deferred:
 
     def __init__(self, t: torch.Tensor, work=None):
         self._event = None
-        self._keep = t   # the collective's buffer: no allocation may reuse it before the value is read
+        self._keep = t   # the collective's buffer, while the value is unread
         if t.is_cuda:
             side = _copy_stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))   # what produced t (no collective: one rank)
@@ -61,17 +61,21 @@ class Deferred:
                 self._host.copy_(t, non_blocking=True)
                 self._event = torch.cuda.Event()
                 self._event.record(side)
-            self._work = None
+            # t is read on the side stream after the all-reduce writes it: the caching allocator must not hand its
+            # block to the compute stream before that copy has run, even when this Deferred is dropped unread
+            # (record_stream ties the block's reuse to the side stream's progress, past the all-reduce it waits for)
+            t.record_stream(side)
+            self._work = work   # the collective's own hold on t lasts as long as this Deferred
         else:
             self._host, self._work = t, work
 
     def result(self) -> list:
         with syncs.deferred_read():
             if self._event is not None:
-                self._event.synchronize()
-            if self._work is not None:
+                self._event.synchronize()   # the copy, and so the all-reduce before it, has run
+            elif self._work is not None:
                 self._work.wait()
-            self._keep = None
+            self._keep = self._work = None
             return self._host.tolist()
 
 

@@ -196,3 +196,43 @@ class Mesh:
         self.stats.add(kind, t.numel() * t.element_size() * (g.size - 1))
         parts = out.chunk(g.size, dim=0)
         return torch.cat(parts, dim=dim) if dim != 0 else out
+
+    def gather_to_first(self, t: torch.Tensor, group: str, kind: str) -> torch.Tensor | None:
+        """Member 0 of `group` gets every member's equal-shaped `t` concatenated along dim 0, in group-rank order; the
+        others send theirs to it and get None (what only one rank answers with needs no all-gather)."""
+        g = self.groups[group]
+        if g.size == 1:
+            return t
+        t = t.contiguous()
+        if g.rank:
+            self.send_to_first(t, group, kind)
+            return None
+        return torch.cat([t] + self.receive_at_first(group, [(m, t.shape, t.dtype) for m in range(1, g.size)],
+                                                     t.device))
+
+    def send_to_first(self, t: torch.Tensor, group: str, kind: str) -> None:
+        """Send `t` to member 0 of `group` (it receives with receive_at_first, in the same order)."""
+        g = self.groups[group]
+        if g.pg is None:
+            raise RuntimeError(f"mesh group {group!r} has no communicator: nothing is sent over it")
+        dist.send(t.contiguous(), dst=g.ranks[0], group=g.pg)
+        self.stats.add(kind, t.numel() * t.element_size())
+
+    def receive_at_first(self, group: str, expected: list[tuple[int, tuple, torch.dtype]],
+                         device: torch.device) -> list[torch.Tensor]:
+        """At member 0 of `group`: the tensors (member, shape, dtype) the other members send it, in that order, their
+        receives posted together, on `device`."""
+        g = self.groups[group]
+        if not expected:
+            return []
+        if g.pg is None:
+            raise RuntimeError(f"mesh group {group!r} has no communicator: nothing is received over it")
+        out, works = [], []
+        for member, shape, dtype in expected:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            works.append(dist.irecv(buf, src=g.ranks[member], group=g.pg))
+            out.append(buf)
+        for work in works:
+            work.wait()
+        return out
+

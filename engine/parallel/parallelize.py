@@ -229,26 +229,69 @@ class ParallelFlow:
         return predict
 
 
-    # ---- a model call of independent rows (ComfyUI's diffusion model, driven by ComfyUI's sampler) -------------------
-    def call(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        """The model's output for a batch of rows that each carry their own conditioning (what ComfyUI's diffusion
-        model computes for one call: the positive and negative passes concatenated along the batch when ComfyUI
-        batches them). CFG parallel halves the rows when their count divides, data parallel then splits each half;
-        a group whose degree does not divide the rows computes them all (the same result, no gather)."""
+    # ---- model calls of independent rows (ComfyUI's diffusion model, driven by ComfyUI's sampler) --------------------
+    def call(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor | None:
+        """The model's output (in the model's own dtype) for a batch of rows that each carry their own conditioning
+        (what ComfyUI's diffusion model computes for one call: the positive and negative passes concatenated along the
+        batch when ComfyUI batches them), on the job's first rank; None on the others. CFG parallel halves the rows
+        when their count divides, data parallel then splits each half; a group whose degree does not divide the rows
+        computes them all (the same result, nothing gathered). The shares travel to the first rank only: the first
+        member of each sequence-parallel group sends its dp share to its dp group's first member, which sends the
+        pass to rank 0."""
         n = x_model.shape[0]
-        cfg, dp = self.mesh["cfg"], self.mesh["dp"]
+        cfg = self.mesh["cfg"]
         split_cfg = cfg.size > 1 and n % cfg.size == 0
         per_cfg = n // cfg.size if split_cfg else n
-        split_dp = dp.size > 1 and per_cfg % dp.size == 0
-        per = per_cfg // dp.size if split_dp else per_cfg
-        start = (cfg.rank * per_cfg if split_cfg else 0) + (dp.rank * per if split_dp else 0)
-        items = slice(start, start + per)
-        out = self.flow.output(x_model[items], timestep[items], prepared.rows(items))
-        if split_dp:
-            out = self.mesh.all_gather(out, "dp", dim=0, kind="dp_gather")
+        rows = slice(cfg.rank * per_cfg, (cfg.rank + 1) * per_cfg) if split_cfg else slice(0, n)
+        out = self._rows(x_model[rows], timestep[rows], prepared.rows(rows))
+        if out is None:
+            return None
         if split_cfg:
-            out = self.mesh.all_gather(out, "cfg", dim=0, kind="cfg_gather")
-        return out
+            out = self.mesh.gather_to_first(out, "cfg", kind="cfg_gather")
+        return out if cfg.rank == 0 else None
+
+    def call_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor, Prepared]]) -> list[torch.Tensor] | None:
+        """The outputs of several model calls (x_model, timestep, prepared), as `call` gives each, on the job's first
+        rank; None on the others. One call: its rows split as `call` splits them. Several (a step's positive and
+        negative passes, each at its own text length): CFG parallel runs call i on CFG group i mod 2, so the passes
+        run side by side with no padding of one to the other, and group 1 sends its outputs to rank 0."""
+        if len(parts) == 1:
+            out = self.call(*parts[0])
+            return None if out is None else [out]
+        cfg = self.mesh["cfg"]
+        mine = {i: self._rows(*parts[i]) for i in range(cfg.rank, len(parts), cfg.size)}
+        if any(v is None for v in mine.values()):
+            return None
+        if cfg.rank:
+            for i in sorted(mine):
+                self.mesh.send_to_first(mine[i], "cfg", kind="cfg_gather")
+            return None
+        first = mine[0]
+        others = [i for i in range(len(parts)) if i not in mine]
+        expected = [(i % cfg.size, (parts[i][0].shape[0], first.shape[1]) + tuple(parts[i][0].shape[2:]), first.dtype)
+                    for i in others]
+        received = self.mesh.receive_at_first("cfg", sorted(expected, key=lambda e: e[0]), first.device)
+        by_member = {}
+        for (member, _, _), t in zip(sorted(expected, key=lambda e: e[0]), received):
+            by_member.setdefault(member, []).append(t)
+        for i in others:   # each member's in the order it sent them
+            mine[i] = by_member[i % cfg.size].pop(0)
+        return [mine[i] for i in range(len(parts))]
+
+    def _rows(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor | None:
+        """One CFG group's rows: data parallel splits them when its degree divides them; the output (the model's
+        dtype) on the group's first rank (its sequence-parallel and dp coordinates 0), None on the others."""
+        n = x_model.shape[0]
+        dp = self.mesh["dp"]
+        split_dp = dp.size > 1 and n % dp.size == 0
+        per = n // dp.size if split_dp else n
+        items = slice(dp.rank * per, dp.rank * per + per) if split_dp else slice(0, n)
+        out = self.flow.output(x_model[items], timestep[items], prepared.rows(items), dtype=None)
+        if self.mesh["sp"].rank:   # every member of the sequence group holds the whole output: the first answers
+            return None
+        if split_dp:
+            out = self.mesh.gather_to_first(out, "dp", kind="dp_gather")
+        return out if dp.rank == 0 else None
 
 
 def parallelize(flow: FlowModel, mesh: Mesh) -> ParallelFlow:

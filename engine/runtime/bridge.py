@@ -1,12 +1,14 @@
 """Shared-memory tensor bridge: tensors cross between the client and the ranks as raw bytes in tmpfs.
 
 Each engine owns one private directory under /dev/shm (mode 0700). A segment is one file in it holding
-several tensors back to back (64-byte aligned); a small manifest (names, dtypes, shapes, offsets,
-crc32) travels over the control channel. Whoever reads a segment last unlinks it; the directory goes
+several tensors back to back (64-byte aligned); a small manifest (names, dtypes, shapes, offsets; for a
+job's inputs, which every rank verifies, their crc32) travels over the control channel. Whoever reads a
+segment last unlinks it; a session's answers reuse one segment (OutputSegment); the directory goes
 with the engine, and the ranks remove it themselves if the client dies.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -14,13 +16,17 @@ import tempfile
 import warnings
 import zlib
 
+import numpy
 import torch
 
 from .. import syncs
+from ..errors import EngineError
 
 ALIGN = 64
 DIR_PREFIX = "xdit-"
-SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+SHM_DIR_ENV = "XDIT_SHM_DIR"   # where the engines' segments live, if not /dev/shm (e.g. a larger tmpfs of one's own)
+SHM_ROOT = os.environ.get(SHM_DIR_ENV) or (
+    "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -117,20 +123,59 @@ def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
     return entries, offset
 
 
+class SharedMemoryFull(EngineError):
+    """The shared-memory filesystem cannot hold what a job or call must write: one line with the bytes and the fix."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def shm_full(what: str, nbytes: int, directory: str = SHM_ROOT) -> SharedMemoryFull:
+    st = os.statvfs(directory)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return SharedMemoryFull(f"{what} needs {_mib(nbytes)} of shared memory in {directory}, which has {_mib(free)} free "
+                            f"of {_mib(total)}: give the container more (docker run --shm-size=16g, shm_size in "
+                            f"compose, or an emptyDir of medium Memory at /dev/shm on Kubernetes) or free space there",
+                            phase="sent")
+
+
+def check_room(what: str, nbytes: int, directory: str = SHM_ROOT) -> None:
+    """Before writing: refuse in one line when the shared-memory filesystem cannot hold `nbytes` more (a container's
+    /dev/shm is often 64 MB), instead of a full tmpfs failing the write, or a rank's mapped write dying of SIGBUS."""
+    st = os.statvfs(directory)
+    if nbytes > st.f_bavail * st.f_frsize:
+        raise shm_full(what, nbytes, directory)
+
+
+def _reserve(fd: int, total: int, path: str) -> None:
+    """Give a new segment its pages now (ENOSPC here, as one line, rather than SIGBUS on a mapped write later)."""
+    try:
+        os.posix_fallocate(fd, 0, total) if total else None
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise shm_full(f"segment {os.path.basename(path)}", total, os.path.dirname(path)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):   # a filesystem without fallocate: truncate as before
+            raise
+        os.ftruncate(fd, total)
+
+
 def checksum(data, seed: int = 0) -> int:
     return zlib.crc32(data, seed)
 
 
-def write_segment(path: str, tensors: dict[str, torch.Tensor], *, seed: int = 0) -> dict:
-    """Write tensors into a new segment file; return its manifest (crc32 chained from `seed`)."""
+def write_segment(path: str, tensors: dict[str, torch.Tensor], *, seed: int = 0, checksum: bool = True) -> dict:
+    """Write tensors into a new segment file; return its manifest (with `checksum`, its crc32 chained from `seed`: a
+    job's inputs, which every rank verifies; a session's calls and the ranks' outputs are not checked, so not summed)."""
     entries, total = layout(tensors)
     crc = seed
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-        os.ftruncate(fd, total)
+        _reserve(fd, total, path)
         for entry, t in zip(entries, tensors.values()):
             data = memoryview(_as_bytes(t))
-            crc = zlib.crc32(data, crc)
+            if checksum:
+                crc = zlib.crc32(data, crc)
             done = 0
             while done < len(data):
                 done += os.pwrite(fd, data[done:], entry["offset"] + done)
@@ -139,34 +184,81 @@ def write_segment(path: str, tensors: dict[str, torch.Tensor], *, seed: int = 0)
         unlink_quietly(path)
         raise
     os.close(fd)
-    return {"path": path, "entries": entries, "nbytes": total, "crc32": crc}
+    return {"path": path, "entries": entries, "nbytes": total, **({"crc32": crc} if checksum else {})}
 
 
-def write_segment_in_place(path: str, tensors: dict[str, torch.Tensor]) -> dict:
-    """write_segment without a staging copy: the segment is mapped and each tensor copied into it once (from a device,
-    that one copy is the download), then its crc32 read from the mapping."""
-    entries, total = layout(tensors)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, total)
-        mapped = mmap.mmap(fd, total, access=mmap.ACCESS_WRITE) if total else None
-    except BaseException:
-        os.close(fd)
-        unlink_quietly(path)
-        raise
-    os.close(fd)
-    crc = 0
-    if mapped is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            buf = syncs.in_host_memory(torch.frombuffer(mapped, dtype=torch.uint8))
+class OutputSegment:
+    """One segment a rank writes a session's answers into, call after call: mapped once and grown when an answer needs
+    more, so a call's output costs its one copy (from a device, the download) and no new tmpfs pages. The reader
+    copies each answer out before it asks for the next call (`copy_segment`), so nothing is overwritten while read."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mapped: mmap.mmap | None = None
+        self._buf: torch.Tensor | None = None
+        self._size = 0
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the segment holds already (an answer up to this size takes no new shared memory)."""
+        return self._size
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> dict:
+        entries, total = layout(tensors)
+        if total > self._size:
+            self.close(unlink=False)
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                _reserve(fd, total, self.path)
+                self._mapped = mmap.mmap(fd, total, access=mmap.ACCESS_WRITE)
+            finally:
+                os.close(fd)
+            self._size = total
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._buf = syncs.in_host_memory(torch.frombuffer(self._mapped, dtype=torch.uint8))
         for entry, t in zip(entries, tensors.values()):
-            view = buf[entry["offset"]:entry["offset"] + entry["nbytes"]].view(t.dtype).reshape(t.shape)
+            view = self._buf[entry["offset"]:entry["offset"] + entry["nbytes"]].view(t.dtype).reshape(t.shape)
             view.copy_(t.detach())
-        data = buf.numpy()
-        for e in entries:
-            crc = zlib.crc32(memoryview(data[e["offset"]:e["offset"] + e["nbytes"]]), crc)
-    return {"path": path, "entries": entries, "nbytes": total, "crc32": crc}
+        return {"path": self.path, "entries": entries, "nbytes": total, "reused": True}
+
+    def close(self, unlink: bool = True) -> None:
+        self._buf = None
+        if self._mapped is not None:
+            try:
+                self._mapped.close()
+            except BufferError:   # a view is still alive somewhere: the mapping goes with it
+                pass
+            self._mapped = None
+        self._size = 0
+        if unlink:
+            unlink_quietly(self.path)
+
+
+def copy_segment(manifest: dict) -> dict[str, torch.Tensor]:
+    """The tensors of a segment its writer reuses (OutputSegment), each copied out into memory of its own."""
+    out = {}
+    if not manifest["nbytes"]:
+        return {e["name"]: torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in manifest["entries"]}
+    fd = os.open(manifest["path"], os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < manifest["nbytes"]:
+            raise EOFError(f"segment {manifest['path']} holds {os.fstat(fd).st_size} bytes, its manifest says "
+                           f"{manifest['nbytes']}")
+        mapped = mmap.mmap(fd, manifest["nbytes"], access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    try:
+        for e in manifest["entries"]:
+            t = torch.empty(e["shape"], dtype=DTYPES[e["dtype"]])
+            if e["nbytes"]:
+                source = numpy.frombuffer(mapped, dtype=numpy.uint8, count=e["nbytes"], offset=e["offset"])
+                t.reshape(-1).view(torch.uint8).numpy()[:] = source
+                del source   # no view of the mapping may outlive it
+            out[e["name"]] = t
+    finally:
+        mapped.close()
+    return out
 
 
 def map_buffer(manifest: dict, *, unlink: bool = False) -> torch.Tensor:

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..errors import JobCancelledSignal
 from ..models.flow import Conditioning, FlowModel
 from ..models.load import inspect_model, random_model
 from ..parallel import cost
@@ -119,10 +120,12 @@ def _set_blocks(model: torch.nn.Module, name: str, blocks: list) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, torch.nn.ModuleList(blocks))
 
 
-def _compute(model_spec: dict, device: torch.device, repeats: int) -> dict:
+def _compute(model_spec: dict, device: torch.device, repeats: int, between=lambda: None) -> dict:
     """The model's one-device step at each share of its tokens, at its real widths: the embedders, the final layer and
     the first block of each block list, each list run as that one block as many times as the list has blocks (one
-    block's weights, the whole depth's work), timed as a forward of the whole model."""
+    block's weights, the whole depth's work), timed as a forward of the whole model. between(): called by every rank
+    before the model is built (where the ranks agree whether to stop: once a model, before anything that can fail on
+    one rank only, so every rank calls it as often)."""
     from ..generate.request import GenerateRequest
 
     source, dtype = model_spec["model"], model_spec["dtype"]
@@ -130,6 +133,7 @@ def _compute(model_spec: dict, device: torch.device, repeats: int) -> dict:
     lists = info.spec.tokens.blocks
     prefixes = tuple(f"{name}." for name in lists)
     firsts = tuple(f"{name}.0." for name in lists)
+    between()
     loaded = random_model(info, source, dtype=dtype, device=device, fp8_weights=model_spec.get("fp8", False),
                           keep=lambda n: not n.startswith(prefixes) or n.startswith(firsts))
     model = loaded.model
@@ -168,12 +172,16 @@ def measure(ctx, spec: dict) -> None:
         report["memory"] = _memory(ctx.device)
     link = spec.get("link")
     if link and ctx.world > 1:
+        ctx.stop_here()   # a cancel (ComfyUI's interrupt during a first start) ends it between its parts
         report.update(_link(ctx, [int(b) for b in link["sizes"]], [int(n) for n in link["groups"]]))
     report["link_s"] = time.perf_counter() - t0
     report["compute"] = []
     for model_spec in spec.get("compute", []):
         try:
-            report["compute"].append(_compute(model_spec, ctx.device, int(spec.get("repeats", 3))))
+            report["compute"].append(_compute(model_spec, ctx.device, int(spec.get("repeats", 3)),
+                                              between=ctx.stop_here))
+        except JobCancelledSignal:
+            raise
         except Exception as e:   # a model this measurement cannot drive (e.g. inputs it has no random stand-in for)
             report["compute"].append({"model": model_spec["model"], "error": f"{type(e).__name__}: {e}"})
     report["seconds"] = time.perf_counter() - t0
@@ -254,7 +262,7 @@ def link_figures(reports: list[dict]) -> dict:
 
 
 def run_calibration(engine, jobs: list[tuple[str, Workload, int, int, int]], *, link: bool = True,
-                    link_work: Workload | None = None, repeats: int | None = None) -> dict:
+                    link_work: Workload | None = None, repeats: int | None = None, should_cancel=None) -> dict:
     """Run the `calibrate` job on `engine`: memory, the link (when `link` and more than one rank) at the sizes the
     plans of `link_work` (default: the first job's) send, and each job's model ((source, workload, width, height,
     frames)) on every rank. Returns the figures measured.Measured reads (without topology: machine.py adds what it
@@ -266,7 +274,7 @@ def run_calibration(engine, jobs: list[tuple[str, Workload, int, int, int]], *, 
     link_work = link_work or (jobs[0][1] if jobs else None)
     if link and world > 1 and link_work is not None:
         spec["link"] = {"sizes": message_sizes(link_work), "groups": group_sizes(world)}
-    result = engine.submit("calibrate", spec)
+    result = engine.submit("calibrate", spec, should_cancel=should_cancel)   # the ranks stop between its parts
     reports = sorted((r["calibration"] for r in result.ranks), key=lambda r: r["rank"])
     figures = {"device": engine.device, "devices": [r["memory"] for r in reports],
                "compute": compute_figures(reports, jobs)}

@@ -41,33 +41,38 @@ class Engine(RankGroup):
 
     # ---- jobs ----------------------------------------------------------------------------------
     def submit(self, kind: str, spec: dict | None = None, inputs: dict[str, torch.Tensor] | None = None, *,
-               on_progress=None, should_cancel=None, deadlines: Deadlines | None = None) -> JobResult:
+               on_progress=None, should_cancel=None, deadlines: Deadlines | None = None,
+               output_bytes: int = 0) -> JobResult:
         """Run one job on all ranks and return its outputs. Blocks; callbacks run on this thread.
 
         on_progress(step, total) is called as rank 0 reports steps; should_cancel() is polled about
         every 0.1 s and, once true, the ranks stop together at their next step boundary (JobCancelled).
         If a callback raises, the job is cancelled the same way and the exception re-raised.
-        Jobs on one engine run one at a time; a second caller waits for the first.
+        Jobs on one engine run one at a time; a second caller waits for the first. output_bytes: what the job's
+        outputs will take in shared memory beside its inputs (checked before anything is written).
         """
         with self._lock:
-            return self._submit(kind, spec, inputs, on_progress, should_cancel, deadlines)
+            return self._submit(kind, spec, inputs, on_progress, should_cancel, deadlines, output_bytes)
 
-    def _submit(self, kind, spec, inputs, on_progress, should_cancel, deadlines) -> JobResult:
+    def _submit(self, kind, spec, inputs, on_progress, should_cancel, deadlines, output_bytes=0) -> JobResult:
         t_submit = time.perf_counter()
         deadlines = deadlines or self.deadlines
-        job_id, crc, t_ready, t_written = self._send_job(kind, spec, inputs, deadlines)
+        job_id, crc, t_ready, t_written = self._send_job(kind, spec, inputs, deadlines, output_bytes)
         return self._collect(job_id, crc, JobWatch(self.world, job_id), deadlines, on_progress, should_cancel,
                              (t_submit, t_ready, t_written))
 
-    def _send_job(self, kind, spec, inputs, deadlines) -> tuple[int, int, float, float]:
+    def _send_job(self, kind, spec, inputs, deadlines, output_bytes: int = 0) -> tuple[int, int, float, float]:
         """Write the job's inputs to shared memory and tell every rank; returns (job id, crc32, times). A group found
         going down while the job is being handed over (a rank gone, or its directory) is replaced and the job sent
-        to the new one: the old group is killed whole, so no rank of it runs the job."""
+        to the new one: the old group is killed whole, so no rank of it runs the job. Shared memory too small for the
+        inputs and `output_bytes` is refused first, in one line (SharedMemoryFull), the ranks untouched."""
         deadlines.validate()
         inputs = dict(inputs or {})
         spec = dict(spec or {})
         for attempt in range(2):
             self._ensure_healthy()
+            bridge.check_room(f"this {kind} job (its inputs and outputs)",
+                              bridge.layout(inputs)[1] + int(output_bytes), self.engine_dir)
             t_ready = time.perf_counter()
             job_id = next(self._job_ids)
             segment_path = os.path.join(self.engine_dir, f"j{job_id}-in")
@@ -84,6 +89,9 @@ class Engine(RankGroup):
                     if rank == 0:
                         message.update(doc=doc, segment=segment)
                     chan.send(message)
+            except bridge.SharedMemoryFull:
+                bridge.unlink_quietly(segment_path)
+                raise
             except (ChannelClosed, OSError) as e:
                 bridge.unlink_quietly(segment_path)
                 going = self._idle_problem() if attempt == 0 else None
@@ -131,6 +139,21 @@ class Engine(RankGroup):
             timings["step_s"] = max(steps)
         return JobResult(outputs=outputs, timings=timings, ranks=[r["info"] for r in reports],
                          job_id=job_id, crc32=crc)
+
+    def _end_session(self, job_id: int, watch: "JobWatch", aborted: bool) -> None:
+        """Tell every rank still serving session `job_id` that it has ended (each then finishes its job and reports). A
+        rank held in a collective by a failed one does not hear it, and is handled by the error grace as in a job."""
+        chans = self._chans if self.calls_by_shared_memory else self._chans[:1]
+        if watch.final and not self.calls_by_shared_memory:
+            chans = []   # rank 0 relays calls to the ranks on other machines, and it has ended
+        end = json.dumps({"call": 0, "end": True, "aborted": aborted, "entries": []})
+        for rank, chan in enumerate(chans):
+            if rank not in watch.final and rank not in watch.ended:
+                watch.ended.add(rank)
+                try:
+                    chan.send({"op": "call", "job_id": job_id, "call": 0, "doc": end, "segment": None})
+                except (ChannelClosed, OSError):
+                    pass
 
     def _unlink_job_files(self, job_id: int) -> None:
         if self.engine_dir:
@@ -218,6 +241,8 @@ class Engine(RankGroup):
                             final[rank] = m
                             if op == "error" and watch.first_error_at is None:
                                 watch.first_error_at = now
+                                if call is not None:   # a session's rank failed: the others stop waiting for calls
+                                    self._end_session(job_id, watch, aborted=True)
                 now = time.monotonic()
                 if watch.first_error_at is not None and len(final) < self.world and \
                         now - watch.first_error_at > deadlines.error_grace_s:
@@ -230,7 +255,9 @@ class Engine(RankGroup):
         self._failures = 0   # every rank answered: the group is sound, whatever the job's outcome
         if caller_error is not None:
             raise caller_error
-        errors = [(r, m) for r, m in sorted(final.items()) if m["op"] == "error"]
+        # the failing rank's own report first (the others may only say they stopped with it)
+        errors = sorted(((r, m) for r, m in final.items() if m["op"] == "error"),
+                        key=lambda e: (bool(e[1].get("secondary")), e[0]))
         if errors:  # every rank answered, so the group is back in step and stays up
             raise self._rank_error(job_id, *errors[0], "")
         if any(m["op"] == "cancelled" for m in final.values()):
@@ -272,14 +299,17 @@ class Engine(RankGroup):
                                   rank=rank, phase=name)
 
     def _rank_error(self, job_id: int, rank: int, m: dict, then: str) -> EngineError:
-        """A rank's error report as the caller sees it; an out-of-memory one says what the rank held."""
+        """A rank's error report as the caller sees it; an out-of-memory one says what the rank held, and on which
+        device."""
         at = f" at step {m['step']}" if m.get("step") is not None else ""
         if m.get("oom"):
             mem = m.get("memory") or {}
             held = (f"; it held {mem['peak_gib']:.1f} GiB at peak, the device {mem['device_used_gib']:.1f} of "
                     f"{mem['device_total_gib']:.1f} GiB" if "device_total_gib" in mem else
                     f"; its peak RSS was {mem['peak_rss_gib']:.1f} GiB" if "peak_rss_gib" in mem else "")
-            return EngineError(f"job {job_id}: rank {rank} ran out of memory in phase {m['phase']}{at}: "
+            where = f" (cuda:{self.gpus[rank]})" if self.device == "cuda" and self.gpus and rank < len(self.gpus) \
+                else f" ({self.device})"
+            return EngineError(f"job {job_id}: rank {rank}{where} ran out of memory in phase {m['phase']}{at}: "
                                f"{m['message'].splitlines()[0]}{held}{then}", rank=rank, phase=m["phase"], oom=True,
                                memory=mem)
         return EngineError(f"job {job_id}: rank {rank} failed in phase {m['phase']}{at}: {m['message']}{then}",

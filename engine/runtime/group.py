@@ -64,7 +64,8 @@ class RankGroup:
             raise ValueError(f"remote_ranks={remote_ranks!r} is invalid: list each node's ranks, 1 to {MAX_RANKS} each, "
                              f"e.g. [2]")
         self.local_ranks = ranks
-        self.world = ranks + sum(remote_ranks or [])
+        self.remote_ranks = list(remote_ranks or [])
+        self.world = ranks + sum(self.remote_ranks)
         self.device = device
         self.gpus = gpus
         self.deadlines = deadlines or Deadlines()
@@ -74,6 +75,7 @@ class RankGroup:
         self.rank_stdio = rank_stdio
         self.env = dict(env or {})   # added to the ranks' environment (e.g. NCCL settings, faults.ENV)
         self.generation = 0          # how many times the rank group was (re)started
+        self.held: dict = {}         # what the client records of what the ranks keep (e.g. models/lora.HeldPatches)
         self.restarts: list[str] = []  # why each replacement happened
         self._procs: list[subprocess.Popen] = []
         self._chans: list[Channel] = []
@@ -153,6 +155,7 @@ class RankGroup:
                            "threads": len(self.cores[rank]) if self.cores and rank < self.local_ranks else threads,
                            "cores": self.cores[rank] if self.cores and rank < self.local_ranks else None,
                            "tcp_store": self._cluster.store_info(self.generation) if self._cluster else None,
+                           "machine_ranks": self._machine_ranks(rank),
                            "calls_by_shared_memory": self.calls_by_shared_memory})
             self.rank_info = self._wait_ready()
         except BaseException as e:
@@ -161,6 +164,17 @@ class RankGroup:
                 self._note_failure(f"start-up failed: {str(e).splitlines()[0]}")
             raise
         self._broken = None
+
+    def _machine_ranks(self, rank: int) -> int:
+        """How many ranks share rank `rank`'s machine (this one's, or its node's)."""
+        if rank < self.local_ranks:
+            return self.local_ranks
+        first = self.local_ranks
+        for count in self.remote_ranks:
+            if rank < first + count:
+                return count
+            first += count
+        return 1
 
     def _wait_ready(self) -> list[dict]:
         """Every rank's "ready". A rank heard from (it says hello once its runtime is up, then beats) that falls silent

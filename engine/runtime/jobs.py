@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import JobCancelledSignal
+from ..errors import JobCancelledSignal, JobStoppedSignal
 from .. import syncs
 from . import faults
 
@@ -68,6 +68,7 @@ class JobContext:
         self.world: int = runtime.world
         self.group = runtime.group
         self.device: torch.device = runtime.device
+        self.local_ranks: int = int(runtime._init.get("machine_ranks") or runtime.world)   # ranks on this machine
         self.cache: dict = runtime.cache  # lives as long as the rank: loaded models stay between jobs
         self.info: dict = {}
         # who agrees on cancelling: every rank, until the job's mesh says the plan runs on fewer (`mesh`); they agree
@@ -157,9 +158,11 @@ class JobContext:
                 return
             yield received
 
-    def answer(self, call: int, outputs: dict[str, torch.Tensor] | None, **info) -> None:
-        """A call's outputs (rank 0's are returned; the others' are ignored) and small JSON facts about it."""
-        self._rt.answer_call(self.job_id, call, outputs, info)
+    def answer(self, call: int, outputs: dict[str, torch.Tensor] | None, clock=None, **info) -> None:
+        """A call's outputs (rank 0's are returned; the others' are ignored) and small JSON facts about it. clock: the
+        call's CallClock (model_call.py), started when its inputs were on this rank's device: rank 0 reports the
+        model's time (`model_s`) and its own from then to the outputs written back (`rank_s`)."""
+        self._rt.answer_call(self.job_id, call, outputs, info, clock)
 
     def check_cancel(self, step: int) -> None:
         """Raise on every rank of the job at once if the client asked any of them to cancel (`cancel_agreed`)."""
@@ -192,6 +195,26 @@ class JobContext:
         if not agreed:
             faults.fire(self._rt.fault, self.rank, "step", step)
         return agreed
+
+    def stop_here(self, stopped: bool = False, failure: BaseException | None = None) -> None:
+        """A point every rank of the job reaches (the end of a model load, a calibration's phase), where they agree at
+        once, waiting for each other, whether to go on: each says whether it was asked to cancel (or `stopped`, e.g.
+        its load cut short by the cancel) and whether it failed (`failure`, e.g. out of memory loading its weights).
+        If any failed, the failing ranks raise their own error and the others JobStoppedSignal; else if any was asked
+        to cancel, every rank raises JobCancelledSignal. So no rank is left waiting in a collective for one that
+        failed, and every rank keeps what it holds. A blocking agreement, for the long parts of a job before its steps
+        (a step's cancel check never waits: cancel_agreed)."""
+        flags = [int(stopped or self.cancel_requested()), int(failure is not None)]
+        if self.job_world > 1:
+            mine = syncs.in_host_memory(torch.tensor(flags, dtype=torch.int64))
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control_group)
+            flags = [int(v) for v in mine.tolist()]
+        if flags[1]:
+            if failure is not None:
+                raise failure
+            raise JobStoppedSignal("another rank of the job failed before its first step; this rank stopped with it")
+        if flags[0]:
+            raise JobCancelledSignal(self._rt.step or 0)
 
     def settle(self) -> None:
         """Complete the agreement posted at the last check (every rank of the job posted it), so the control group
@@ -268,7 +291,7 @@ def generate(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     from ..models.lora import WeightPatches
 
     if isinstance(spec, dict) and set(spec) == {"request", "patches"}:   # with a ComfyUI MODEL's LoRA patches
-        patches = WeightPatches.from_job(spec["patches"], inputs)
+        patches = WeightPatches.from_job(spec["patches"], inputs, ctx.cache)
         spec, inputs = spec["request"], {k: v for k, v in inputs.items() if not k.startswith("patch.")}
         return run_generate(ctx, GenerateRequest.from_job(spec, inputs), patches)
     return run_generate(ctx, GenerateRequest.from_job(spec, inputs))
@@ -286,7 +309,7 @@ def model(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
                          f"expected request and patches (client and ranks differ in version?)")
     request_inputs = {k: v for k, v in inputs.items() if not k.startswith("patch.")}
     return run_model(ctx, GenerateRequest.from_job(spec["request"], request_inputs),
-                     WeightPatches.from_job(spec["patches"], inputs))
+                     WeightPatches.from_job(spec["patches"], inputs, ctx.cache))
 
 
 @job("calibrate")

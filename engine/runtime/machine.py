@@ -183,11 +183,11 @@ class Machine:
 
     # ---- measuring
     def calibrate(self, engine, jobs: list, *, link: bool = True, link_work: Workload | None = None,
-                  keep_jobs: bool = False) -> Measured:
+                  keep_jobs: bool = False, should_cancel=None) -> Measured:
         """Measure this setup on `engine` (its ranks must be this setup's): memory, the link (at the sizes the plans of
         `link_work`, default the first job's, send), and each job's model (source, workload, width, height, frames);
         replaces the stored figures (the jobs' measured steps too, unless keep_jobs)."""
-        figures = run_calibration(engine, jobs, link=link, link_work=link_work)
+        figures = run_calibration(engine, jobs, link=link, link_work=link_work, should_cancel=should_cancel)
         if self.device == "cuda":
             figures["topology"] = _topology(self.gpus)
         data = self._read()
@@ -199,9 +199,9 @@ class Machine:
         self._write(data)
         return Measured(self.setup, figures, self.describe())
 
-    def measure_model(self, engine, jobs: list) -> Measured:
+    def measure_model(self, engine, jobs: list, should_cancel=None) -> Measured:
         """Add the compute curves of models not measured yet (no link, the rest kept)."""
-        figures = run_calibration(engine, jobs, link=False)
+        figures = run_calibration(engine, jobs, link=False, should_cancel=should_cancel)
         data = self._read()
         setup = data["setups"].setdefault(self.setup, {"device": self.device})
         keys = {c["key"] for c in figures["compute"]}
@@ -212,15 +212,16 @@ class Machine:
         self._write(data)
         return Measured(self.setup, setup, self.describe())
 
-    def ensure(self, engine, request: GenerateRequest) -> bool:
+    def ensure(self, engine, request: GenerateRequest, should_cancel=None) -> bool:
         """Before a job on `engine`: a GPU setup never measured is calibrated (memory, link, the job's model); a setup
         that was measured (on CPU ranks: only by `python -m engine calibrate`) gets the job's model measured when it
-        was not. Returns True when new figures were stored (the caller plans again)."""
+        was not. Returns True when new figures were stored (the caller plans again). should_cancel: the caller's
+        interrupt, honoured between the measurement's parts (JobCancelled; nothing is stored)."""
         measured = self.measured()
         if measured is None or not measured.calibrated:
             if self.device != "cuda":
                 return False
-            self.calibrate(engine, [job_of(request)], keep_jobs=True)
+            self.calibrate(engine, [job_of(request)], keep_jobs=True, should_cancel=should_cancel)
             return True
         job = job_of(request)
         work = job[1]
@@ -228,7 +229,7 @@ class Machine:
             return False
         if any(e.startswith(job[0] + ":") for e in measured.figures.get("compute_errors", [])):
             return False   # measured once and could not be: modelled
-        self.measure_model(engine, [job])
+        self.measure_model(engine, [job], should_cancel=should_cancel)
         return True
 
     # ---- what jobs measured

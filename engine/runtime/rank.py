@@ -25,8 +25,7 @@ import torch.distributed as dist
 from . import bridge, faults
 from .. import syncs
 from .launch import pin_process
-from ..errors import EngineError
-from ..errors import JobCancelledSignal
+from ..errors import SESSION_IDLE, EngineError, JobCancelledSignal, JobStoppedSignal
 from .jobs import HANDLERS, JobContext, is_out_of_memory, rank_memory
 from .protocol import Channel, ChannelClosed, ProtocolError
 
@@ -49,6 +48,7 @@ class RankRuntime:
         self.cancel_job_id: int | None = None
         self.stopping = False
         self.cache: dict = {}
+        self._answers: dict[int, bridge.OutputSegment] = {}   # a session's answer segment, by job
         if self.backend == "nccl":
             # Before init_process_group, and no device_id: see FIELD_NOTES (xDiT #735).
             torch.cuda.set_device(init["local_device"])
@@ -177,7 +177,7 @@ class RankRuntime:
             out_manifest = None
             if outputs:
                 path = os.path.join(self.engine_dir, f"j{job_id}-out-r{self.rank}")
-                out_manifest = bridge.write_segment(path, outputs)
+                out_manifest = bridge.write_segment(path, outputs, checksum=False)
             faults.fire(self.fault, self.rank, "return")
             timings["return_s"] = time.perf_counter() - t0
             self.chan.send({"op": "done", "job_id": job_id, "timings": timings, "outputs": out_manifest,
@@ -196,11 +196,15 @@ class RankRuntime:
             out_of_memory = is_out_of_memory(e)
             report = {"op": "error", "job_id": job_id, "phase": self.phase, "step": self.step,
                       "message": f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e),
-                      "traceback": traceback.format_exc(limit=20)}
+                      "traceback": traceback.format_exc(limit=20),
+                      "secondary": isinstance(e, JobStoppedSignal)}   # stopped because another rank failed
             if out_of_memory:  # what the device held when it ran out: the client names a plan that needs less
                 report.update(oom=True, memory=rank_memory(self.device))
             self.chan.send(report)
         finally:
+            segment = self._answers.pop(job_id, None)
+            if segment is not None:   # the session's answer segment: its last answer was read before the end
+                segment.close()
             self.busy = False
             self.phase = None
             if self.cancel_job_id == job_id:
@@ -250,8 +254,8 @@ class RankRuntime:
             try:
                 message = self.inbox.get(timeout=timeout_s)
             except queue.Empty:
-                raise EngineError(f"job {job_id}: no call from the client for {timeout_s:g} s (the collective "
-                                  f"timeout); the session ends", rank=self.rank, phase="compute") from None
+                raise EngineError(f"job {job_id}: {SESSION_IDLE} for {timeout_s:g} s (the collective timeout); the "
+                                  f"session ends", rank=self.rank, phase="compute") from None
             if message.get("op") != "call" or message.get("job_id") != job_id:
                 raise EngineError(f"job {job_id}: expected a call, the client sent {message.get('op')!r} for job "
                                   f"{message.get('job_id')}", rank=self.rank, phase="compute")
@@ -274,16 +278,24 @@ class RankRuntime:
                 buf = buf.to(device)   # the whole call at once: one copy, typed views of it on the device
         return header["call"], header["meta"], bridge.tensors_from_buffer(buf, manifest)
 
-    def answer_call(self, job_id: int, call: int, outputs: dict[str, torch.Tensor] | None, info: dict) -> None:
+    def answer_call(self, job_id: int, call: int, outputs: dict[str, torch.Tensor] | None, info: dict,
+                    clock=None) -> None:
         """Rank 0 returns a call's outputs through shared memory, each copied once, from the device straight into the
-        segment; the other ranks have nothing to say."""
+        session's answer segment (the same file every call: the client copies an answer out before the next call);
+        the other ranks have nothing to say."""
         if self.rank != 0:
             return
         manifest = None
         if outputs:
+            segment = self._answers.get(job_id)
+            if segment is None:
+                segment = self._answers[job_id] = bridge.OutputSegment(
+                    os.path.join(self.engine_dir, f"j{job_id}-answers"))
             with syncs.call_transfer():
-                manifest = bridge.write_segment_in_place(os.path.join(self.engine_dir, f"j{job_id}-c{call}-out"),
-                                                         outputs)
+                manifest = segment.write(outputs)
+        if clock is not None:   # the outputs are on the host: the device has finished the call
+            with syncs.call_transfer():
+                info = dict(info, model_s=clock.model_s(), rank_s=time.perf_counter() - clock.started)
         self.chan.send({"op": "answer", "job_id": job_id, "call": call, "outputs": manifest, "info": info})
 
     @staticmethod

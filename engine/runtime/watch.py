@@ -55,6 +55,7 @@ class JobWatch:
         self.step_start = dict.fromkeys(range(world), now)  # since when each rank has been on that step
         self.final: dict[int, dict] = {}
         self.answers: dict[int, dict] = {}   # call -> rank 0's answer, until taken
+        self.ended: set[int] = set()         # ranks told that their session has ended
         self.first_error_at: float | None = None
 
     def note_step(self, rank: int, step: int | None, now: float) -> None:
