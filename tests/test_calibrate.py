@@ -291,4 +291,4 @@ def test_cpu_ranks_with_only_job_records_are_not_calibrated_before_a_job(tmp_pat
     request = tiny_request().validate(2, machine.hardware())
     machine.record_step(request, 0.1)
     assert machine.measured() is not None and not machine.measured().calibrated
-    assert machine.ensure(None, request) is False
+    assert machine.ensure(None, request, machine.view()) is None

@@ -12,7 +12,8 @@ import torch
 
 from engine.cli import main
 from engine.errors import PlanError
-from engine.parallel import calibration, cost, devices, fits, fitting
+from engine.parallel import calibration, cost, devices, fits
+from engine.published import fitting
 from engine.parallel.devices import cpu_hardware, stated_hardware
 from engine.parallel.memory import MEASURED_ACT_WIDTHS, memory_gib
 from engine.parallel.plan import AUTO, FASTEST, HOST, RESIDENT, GiB, ParallelPlan, Workload

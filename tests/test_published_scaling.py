@@ -1,14 +1,15 @@
-"""The cost model against published multi-GPU runs (engine/parallel/published.py for images, published_video.py for
+"""The cost model against published multi-GPU runs (engine/published/images.py for images, engine/published/video.py for
 video; each row's source and the reason it is fitted or held out are there). Each scenario's predictions take its
 published one-GPU time as their base and its code's overlap, calls and launches. The fitted constants are fitted to the
-rows marked fit (engine/parallel/fitting.py); every other row is held out. The tests print the tables they judge."""
+rows marked fit (engine/published/fitting.py); every other row is held out. The tests print the tables they judge."""
 import math
 from dataclasses import replace
 
 import pytest
 
 from engine.families import VARIANTS
-from engine.parallel import cost, fits, fitting, published, published_video
+from engine.parallel import cost, fits
+from engine.published import fitting, images as published, video as published_video
 from engine.parallel.devices import stated_hardware
 from engine.parallel.plan import Workload
 from engine.parallel.planner import survey

@@ -11,8 +11,6 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from ..engine.generate.inputs import fix_empty_latent
 from ..engine.generate.request import GenerateRequest, default_dtype
 from ..engine.models.load import inspect_model
@@ -24,7 +22,9 @@ from ..engine.runtime.client import Deadlines, Engine
 from ..engine.sampling.ksampler import StepWindow
 from ..engine.sampling.schedules import FlowSampling
 from ..engine.wording import NODES, speaking
-from .model import EngineLink, model_request, note_residency
+from .conditioning import (conditioning_file, conditioning_images, conditioning_references,  # noqa: F401
+                           conditioning_tensors, job_request)
+from .link import EngineLink, model_request, note_residency
 from .specs import ATTENTION_KERNELS, PLANS, WEIGHT_DTYPES
 
 # ---- engine settings and registry --------------------------------------------------------------------------
@@ -155,14 +155,22 @@ class EngineRegistry:
 
     def __init__(self):
         self._records: dict[tuple, EngineRecord] = {}
+        self._machines: dict[tuple, Machine] = {}
         self._lock = threading.Lock()
         # where this machine's measurements are stored (nodes.py: ComfyUI's user folder; None: the user's cache)
         self.machine_folder = lambda: None
 
     def machine(self, settings: EngineSettings) -> Machine:
-        """The engine's devices on this machine and what was measured of them (engine/runtime/machine.py)."""
-        return Machine(settings.device, len(settings.gpus), list(settings.gpus) if settings.device == "cuda" else None,
-                       folder=self.machine_folder())
+        """The engine's devices on this machine and what was measured of them (engine/runtime/machine.py): one Machine
+        per setup and store folder, kept (it reads its file again only when the file changed)."""
+        folder = self.machine_folder()
+        key = (settings.device, settings.gpus, folder)
+        machine = self._machines.get(key)
+        if machine is None:
+            machine = self._machines[key] = Machine(settings.device, len(settings.gpus),
+                                                    list(settings.gpus) if settings.device == "cuda" else None,
+                                                    folder=folder)
+        return machine
 
     def get(self, settings: EngineSettings) -> EngineRecord:
         with self._lock:
@@ -197,105 +205,6 @@ REGISTRY = EngineRegistry()
 MODEL_KEY = "xdit_model"   # a LATENT's key: the variant of the model that sampled it
 
 
-# ---- ComfyUI values -> engine job ----------------------------------------------------------------------------
-def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.Tensor, float | None]:
-    """(cond, pooled, guidance) of a CONDITIONING: a list of [cond_tensor, {"pooled_output": ..., "guidance": ...}]."""
-    if not isinstance(conditioning, (list, tuple)) or not conditioning:
-        raise ValueError(f"{name} is not a CONDITIONING (a list of [tensor, dict]); connect a text encoder to it")
-    if len(conditioning) > 1:
-        raise ValueError(f"{name} holds {len(conditioning)} conditioning entries (combined or area conditioning); the "
-                         f"xDiT Sampler takes exactly one: use a single text encode")
-    cond, extras = conditioning[0][0], conditioning[0][1]
-    pooled = extras.get("pooled_output")   # None for families without one; the request checks it per family
-    unsupported = [k for k in ("area", "mask", "control", "gligen") if extras.get(k) is not None]
-    if extras.get("strength", 1.0) != 1.0:
-        unsupported.append("strength")
-    if (extras.get("start_percent", 0.0), extras.get("end_percent", 1.0)) != (0.0, 1.0):
-        unsupported.append("start_percent/end_percent")
-    if unsupported:
-        raise ValueError(f"{name} carries {', '.join(unsupported)} (area, mask, ControlNet, timestep-range or "
-                         f"strength conditioning), which the xDiT Sampler does not support")
-    return cond, pooled, extras.get("guidance")
-
-
-def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
-    """The raw VAE latents ReferenceLatent (FLUX.1 Kontext, FLUX.2) or TextEncodeQwenImageEdit appended to a
-    CONDITIONING checked by conditioning_tensors, and the method FluxKontextMultiReferenceLatentMethod set ("": the
-    family's default, as ComfyUI's model has it)."""
-    extras = conditioning[0][1]
-    refs = extras.get("reference_latents")
-    if refs is not None and not isinstance(refs, (list, tuple)):
-        raise ValueError(f"{name} has reference_latents of type {type(refs).__name__}: connect ReferenceLatent, "
-                         f"which gives a list of latents")
-    return (list(refs) if refs is not None else None), extras.get("reference_latents_method") or ""
-
-
-def conditioning_file(positive, negative=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of the COND.safetensors file `generate --cond` reads for these CONDITIONINGs: cond, pooled,
-    neg_cond, neg_pooled, ref_0.. and neg_ref_0..; the metadata keeps the guidance and reference method, which the
-    command line takes as --guidance and --reference-method."""
-    tensors, metadata = {}, {}
-    for side, conditioning, prefix in (("positive", positive, ""), ("negative", negative, "neg_")):
-        if conditioning is None:
-            continue
-        cond, pooled, guidance = conditioning_tensors(conditioning, side)
-        refs, method = conditioning_references(conditioning, side)
-        tensors[f"{prefix}cond"] = cond.detach().to("cpu").contiguous()
-        if pooled is not None:
-            tensors[f"{prefix}pooled"] = pooled.detach().to("cpu").contiguous()
-        for i, r in enumerate(refs or ()):
-            tensors[f"{prefix}ref_{i}"] = r.detach().to("cpu").contiguous()
-        if guidance is not None and side == "positive":
-            metadata["guidance"] = f"{float(guidance):g}"
-        if method:
-            metadata[f"{prefix}reference_latents_method"] = method
-    return tensors, metadata
-
-
-def conditioning_images(conditioning, prefix: str = "") -> dict:
-    """An image-to-video CONDITIONING's keys (WanImageToVideo, WanFirstLastFrameToVideo): the CLIP-vision features
-    (clip_vision_output's penultimate_hidden_states), concat_latent_image and concat_mask, as the request's fields."""
-    extras = conditioning[0][1]
-    clip = extras.get("clip_vision_output")
-    return {prefix + "clip_vision_output": getattr(clip, "penultimate_hidden_states", clip),
-            prefix + "concat_latent_image": extras.get("concat_latent_image"),
-            prefix + "concat_mask": extras.get("concat_mask")}
-
-
-def job_request(settings: EngineSettings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
-                seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
-                denoise: float = 1.0, batch_index=None, window: StepWindow = StepWindow(),
-                noise_mask=None) -> GenerateRequest:
-    """The engine request for these settings and ComfyUI values (not yet validated). The negative is read when
-    cfg != 1. window: KSamplerAdvanced's steps and noise."""
-    cond, pooled, guidance = conditioning_tensors(positive, "positive")
-    refs, method = conditioning_references(positive, "positive")
-    neg_cond = neg_pooled = neg_refs = None
-    neg_method = ""
-    images = conditioning_images(positive)
-    if cfg != 1.0:
-        neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
-        neg_refs, neg_method = conditioning_references(negative, "negative")
-        images.update(conditioning_images(negative, "neg_"))
-    return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
-                           seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
-                           scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,
-                           guidance=3.5 if guidance is None else float(guidance), dtype=settings.compute_dtype,
-                           fp8_weights=settings.weight_dtype == "fp8_e4m3fn",
-                           batch_index=list(batch_index) if batch_index is not None else None,
-                           loras=list(settings.loras), plan=settings.requested_plan(),
-                           cache_threshold=settings.cache_threshold, compile=settings.compile,
-                           attention=settings.attention,
-                           patches=(settings.patches or None) if settings.pipefusion > 1 else None,
-                           warmup_steps=min(settings.warmup_steps, int(steps)),
-                           reference_latents=refs, reference_latents_method=method,
-                           neg_reference_latents=neg_refs, neg_reference_latents_method=neg_method,
-                           model_sampling=settings.model_sampling, cfg_norm=settings.cfg_norm, noise_mask=noise_mask,
-                           expert_placement=settings.expert_placement,
-                           start_step=window.start_step, last_step=window.last_step,
-                           force_full_denoise=window.force_full_denoise, add_noise=window.add_noise, **images)
-
-
 @speaking(NODES)   # the engine's errors name the nodes' inputs
 def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: int, steps: int, cfg: float,
            sampler_name: str, scheduler: str, denoise: float, on_progress=None, should_cancel=None,
@@ -318,14 +227,15 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
                           batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"), window=window)
     machine = registry.machine(settings)
-    hardware = machine.hardware()   # with what was measured on this machine, where anything was
-    planned = request.validate(len(settings.gpus), hardware)  # every check that needs no rank, before any rank starts
+    view = machine.view()   # what was measured on this machine, read once for the job
+    planned = request.validate(len(settings.gpus), view.hardware)  # every check that needs no rank, before any starts
     if before_job is not None:
         before_job(planned)
     record = registry.get(settings)
-    if machine.ensure(record.engine, planned):   # the engine's first start here (or a new model): planned again
-        hardware = machine.hardware()
-        planned = request.validate(len(settings.gpus), hardware)
+    fresh = machine.ensure(record.engine, planned, view)
+    if fresh is not None:   # the engine's first start here (or a new model) measured more: planned again
+        view = fresh
+        planned = request.validate(len(settings.gpus), view.hardware)
     request, choice = planned, planned.choice
     t0 = time.perf_counter()
     result = request.submit(record.engine, on_progress=on_progress, should_cancel=should_cancel,
@@ -340,7 +250,7 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     record.last_memory = [r.get("memory", {}) for r in result.ranks]
     record.last_stages = [dict(r["pipefusion"], rank=r["rank"]) for r in result.ranks if r.get("pipefusion")]
     note_residency(record, request, result.ranks)
-    machine.record_job(request, result, hardware)   # the plan's measured step: auto weighs it next time
+    machine.record_job(request, result, view)   # the plan's measured step: auto weighs it next time
     out = dict(latent)
     out["samples"] = result.outputs["samples"]
     out[MODEL_KEY] = info.variant   # a second expert (xDiT Sampler (Advanced) without added noise) checks it
@@ -365,10 +275,10 @@ def model_link(settings: EngineSettings, *, before_job=None, should_cancel=None,
     """The link of an xDiT Engine's MODEL to the engine (model.py): its sessions are planned and checked with the
     settings' plan on the engine's hardware; should_cancel, on_cancelled: ComfyUI's interrupt (EngineLink)."""
     @speaking(NODES)
-    def request_for(settings, calls):
+    def request_for(settings, calls, view):
         info = inspect_model(settings.model_path)
-        return model_request(settings, calls, latent_channels=info.latent.channels,
-                             hardware=registry.machine(settings).hardware(), job_request=job_request)
+        return model_request(settings, calls, latent_channels=info.latent.channels, hardware=view.hardware,
+                             job_request=job_request)
     return EngineLink(settings, registry, request_for, before_job,
                       out_channels=inspect_model(settings.model_path).latent.channels, should_cancel=should_cancel,
                       on_cancelled=on_cancelled)

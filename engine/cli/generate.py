@@ -297,13 +297,16 @@ def run(a) -> int:
     progress = Progress()
     t0 = time.perf_counter()
     machine = machine_of(a, ranks)
+    view = machine.view()
     with Engine(ranks, device="cuda" if a.gpus else "cpu", gpus=a.gpus) as engine:
         t_start = time.perf_counter() - t0
-        if machine.ensure(engine, request):   # first start here (or a new model): measured, so planned again
-            print(f"measured this machine ({machine.setup}) in {machine.figures().get('calibrate_s', 0):.1f} s: "
-                  f"{'; '.join(machine.measured().summary())}; stored in {machine.path}", flush=True)
+        fresh = machine.ensure(engine, request, view)
+        if fresh is not None:   # first start here (or a new model): measured, so planned again
+            view = fresh
+            print(f"measured this machine ({machine.setup}) in {fresh.measured.figures.get('calibrate_s', 0):.1f} s: "
+                  f"{'; '.join(fresh.measured.summary())}; stored in {machine.path}", flush=True)
             try:
-                request = build_request(a).validate(ranks, machine.hardware())
+                request = build_request(a).validate(ranks, view.hardware)
             except ValueError as e:
                 raise UsageError(str(e)) from None
             print(request.choice.reason, flush=True)
@@ -311,7 +314,7 @@ def run(a) -> int:
             result = request.submit(engine, on_progress=progress)
         finally:
             progress.close()
-    machine.record_job(request, result)
+    machine.record_job(request, result, view)
     samples = result.outputs["samples"]
     written = output.write(a.out, save({"samples": samples.contiguous()}))   # keeps the result if it cannot
     model = result.ranks[0].get("model", {})

@@ -13,7 +13,8 @@ from ..generate.inputs import check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
-from ..parallel import cost, fits, published
+from ..parallel import cost, fits
+from ..published import images as published
 from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, PCIE_A2A_CONTENTION, find_gpu, host_link_gbs, stated_hardware
 from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
                              Workload, candidates, feasible, plan_problems)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.pipefusion.stage import StageModel
+from .stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import Family, Marker, StageParams, TokenTable, count, fused, linear, linear_shapes, pre_hook

@@ -3,15 +3,21 @@ side's conditioning, reference latents, LoRAs, and no NaN or inf anywhere. Every
 input, the value and what the model takes."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from .. import wording
+from .. import families, wording
 from ..models.detect import CheckpointInfo
 from ..models.load import build_empty
 from ..models.lora import check_lora
+from ..models.load import COMPUTE_DTYPES
+from ..models.speed import ATTENTION
+from ..parallel.plan import EXPERT_PLACEMENTS
 from ..sampling.ksampler import reshape_mask
+from ..sampling.samplers import SAMPLERS
+from ..sampling.schedules import SCHEDULERS, FlowSampling
 
 FINITE_CHUNK = 1 << 22      # elements checked for NaN/inf at a time (the check's own memory stays small)
 
@@ -255,3 +261,89 @@ def check_noise_mask(mask, latent: torch.Tensor) -> None:
 
 def _shape(t) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
+REFERENCE_METHODS = tuple(dict.fromkeys(m for f in families.FAMILIES for m in f.reference_methods))
+
+
+def check_scalars(request) -> None:
+    """A GenerateRequest's checks that need neither a file nor a tensor (the ranks run them too), each naming the
+    field, the value and what works."""
+    if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not 0 <= request.seed < SEED_LIMIT:
+        raise ValueError(f"seed={request.seed!r} is invalid: use an integer in [0, 2**64)")
+    if isinstance(request.steps, bool) or not isinstance(request.steps, int) or not 1 <= request.steps <= 10000:
+        raise ValueError(f"steps={request.steps!r} is invalid: use an integer from 1 to 10000")
+    for name, low in (("cfg", 0.0), ("guidance", None), ("denoise", 0.0)):
+        value = getattr(request, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} is invalid: use a finite number")
+    if not request.cfg > 0:
+        raise ValueError(f"cfg={request.cfg} is invalid: use a value > 0 (1.0 for FLUX.1-dev/schnell)")
+    if not 0 < request.denoise <= 1:
+        raise ValueError(f"denoise={request.denoise} is invalid: use a value in (0, 1]")
+    for name, valid in (("dtype", COMPUTE_DTYPES), ("sampler", SAMPLERS), ("scheduler", SCHEDULERS),
+                        ("attention", ATTENTION), ("reference_latents_method", REFERENCE_METHODS),
+                        ("neg_reference_latents_method", REFERENCE_METHODS)):
+        if not isinstance(getattr(request, name), str):
+            raise ValueError(f"{name}={getattr(request, name)!r} is invalid: use one of {', '.join(valid)}")
+    if request.dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={request.dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
+    if request.sampler not in SAMPLERS:
+        raise ValueError(f"sampler={request.sampler!r} is not supported: use one of {list(SAMPLERS)}")
+    if request.scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler={request.scheduler!r} is not supported: use one of {list(SCHEDULERS)}")
+    if isinstance(request.cache_threshold, bool) or not isinstance(request.cache_threshold, (int, float)) \
+            or not 0 <= request.cache_threshold <= 1:
+        raise ValueError(f"cache_threshold={request.cache_threshold!r} is invalid: use a number in [0, 1] (0 is off; "
+                         f"0.05 to 0.2 skip useful numbers of steps)")
+    for name in ("compile", "fp8_matmul", "fp8_weights"):
+        if not isinstance(getattr(request, name), bool):
+            raise ValueError(f"{name}={getattr(request, name)!r} is invalid: use true or false")
+    if request.fp8_matmul and not request.fp8_weights:
+        raise ValueError("fp8_matmul=True needs fp8 weights: set fp8_weights (weight dtype fp8_e4m3fn)")
+    for name in ("patches", "warmup_steps"):
+        value = getattr(request, name)
+        if (value is not None or name == "warmup_steps") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} is invalid: use an integer >= 1")
+    if request.stage_blocks is not None and (
+            not isinstance(request.stage_blocks, (list, tuple)) or not request.stage_blocks
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in request.stage_blocks)):
+        raise ValueError(f"stage_blocks={request.stage_blocks!r} is invalid: use one block count >= 1 per stage")
+    for name in ("reference_latents_method", "neg_reference_latents_method"):
+        if getattr(request, name) not in REFERENCE_METHODS + ("",):
+            raise ValueError(f"{name}={getattr(request, name)!r} is invalid: use one of "
+                             f"{', '.join(REFERENCE_METHODS)}")
+    if request.attention not in ATTENTION:
+        raise ValueError(f"attention={request.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
+    if request.experts is not None and (isinstance(request.experts, bool) or not isinstance(request.experts, int)
+                                     or not 1 <= request.experts <= 4):
+        raise ValueError(f"experts={request.experts!r} is invalid: use the clip's transformer count, 1 to 4, or none "
+                         f"(the variant's)")
+    if request.expert_placement not in EXPERT_PLACEMENTS:
+        raise ValueError(f"expert_placement={request.expert_placement!r} is invalid: use one of "
+                         f"{', '.join(EXPERT_PLACEMENTS)}")
+    if not isinstance(request.loras, (list, tuple)) or any(
+            not isinstance(e, (list, tuple)) or len(e) != 2 or not isinstance(e[0], str) or not e[0]
+            or isinstance(e[1], bool) or not isinstance(e[1], (int, float)) or not math.isfinite(e[1])
+            for e in request.loras):
+        raise ValueError(f"loras={request.loras!r} is invalid: use a list of (path, strength) pairs with finite "
+                         f"strengths")
+    if request.batch_index is not None and (
+            not isinstance(request.batch_index, (list, tuple))
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < SEED_LIMIT
+                   for i in request.batch_index)):
+        raise ValueError(f"batch_index={request.batch_index!r} is invalid: use a list of non-negative integers")
+    if request.model_sampling is not None:
+        FlowSampling.from_dict(request.model_sampling)   # ValueError naming what is wrong
+    for name in ("start_step", "last_step"):
+        value = getattr(request, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10000):
+            raise ValueError(f"{name}={value!r} is invalid: use a step from 0 to 10000, or none")
+    for name in ("force_full_denoise", "add_noise"):
+        if not isinstance(getattr(request, name), bool):
+            raise ValueError(f"{name}={getattr(request, name)!r} is invalid: use true or false")
+    if isinstance(request.cfg_norm, bool) or not isinstance(request.cfg_norm, (int, float)) \
+            or not math.isfinite(request.cfg_norm) or not 0 <= request.cfg_norm <= 100:
+        raise ValueError(f"cfg_norm={request.cfg_norm!r} is invalid: use a CFGNorm strength from 0 (off) to 100")

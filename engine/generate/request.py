@@ -5,36 +5,30 @@ nodes build one. What the tensors must look like is the model family's to say (g
 machine is the cost model's (generate/admission.py)."""
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 import torch
 
-from .. import families, wording
+from .. import wording
 from ..errors import EngineError, PlanError
-from ..models.load import COMPUTE_DTYPES, inspect_model
+from ..models.load import inspect_model
 from ..models.lora import HeldPatches
-from ..models.speed import ATTENTION
 from ..parallel.devices import Hardware
-from ..runtime import bridge
+from ..parallel.memory import expert_placement
 from ..parallel.pipefusion.layout import layout_problems
-from ..parallel.cost import expert_placement
-from ..parallel.plan import AUTO, EXPERT_PLACEMENTS, TWO_EXPERTS, GiB, ParallelPlan, PlanChoice, Workload
+from ..parallel.plan import AUTO, TWO_EXPERTS, GiB, ParallelPlan, PlanChoice, Workload
 from ..parallel.planner import resolve_plan
 from ..sampling.ksampler import StepWindow
-from ..sampling.samplers import SAMPLERS
-from ..sampling.schedules import SCHEDULERS, FlowSampling
+from ..sampling.schedules import FlowSampling
 from . import admission
-from .inputs import (check_finite, check_image_inputs, check_latent, check_loras, check_noise_mask, check_references,
-                     check_side)
+from .inputs import (REFERENCE_METHODS, SEED_LIMIT, check_finite, check_image_inputs, check_latent,  # noqa: F401
+                     check_loras, check_noise_mask, check_references, check_scalars, check_side)
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
 LOCAL = {"local": True}     # stays with the client: not in the job document
 BROADCAST = "broadcast"     # the document's stand-in tensors (to_job(stand_ins=True)): name -> shape, dtype, value
-SEED_LIMIT = 2 ** 64        # ComfyUI's seed widget: 0 .. 2**64 - 1
-REFERENCE_METHODS = tuple(dict.fromkeys(m for f in families.FAMILIES for m in f.reference_methods))
 
 
 def default_dtype(device: str) -> str:
@@ -301,84 +295,8 @@ class GenerateRequest:
         return self.cfg != 1.0
 
     def check_scalars(self) -> None:
-        """The checks that need neither a file nor a tensor; the ranks run them too."""
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed={self.seed!r} is invalid: use an integer in [0, 2**64)")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or not 1 <= self.steps <= 10000:
-            raise ValueError(f"steps={self.steps!r} is invalid: use an integer from 1 to 10000")
-        for name, low in (("cfg", 0.0), ("guidance", None), ("denoise", 0.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} is invalid: use a finite number")
-        if not self.cfg > 0:
-            raise ValueError(f"cfg={self.cfg} is invalid: use a value > 0 (1.0 for FLUX.1-dev/schnell)")
-        if not 0 < self.denoise <= 1:
-            raise ValueError(f"denoise={self.denoise} is invalid: use a value in (0, 1]")
-        for name, valid in (("dtype", COMPUTE_DTYPES), ("sampler", SAMPLERS), ("scheduler", SCHEDULERS),
-                            ("attention", ATTENTION), ("reference_latents_method", REFERENCE_METHODS),
-                            ("neg_reference_latents_method", REFERENCE_METHODS)):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use one of {', '.join(valid)}")
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler={self.sampler!r} is not supported: use one of {list(SAMPLERS)}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler={self.scheduler!r} is not supported: use one of {list(SCHEDULERS)}")
-        if isinstance(self.cache_threshold, bool) or not isinstance(self.cache_threshold, (int, float)) \
-                or not 0 <= self.cache_threshold <= 1:
-            raise ValueError(f"cache_threshold={self.cache_threshold!r} is invalid: use a number in [0, 1] (0 is off; "
-                             f"0.05 to 0.2 skip useful numbers of steps)")
-        for name in ("compile", "fp8_matmul", "fp8_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use true or false")
-        if self.fp8_matmul and not self.fp8_weights:
-            raise ValueError("fp8_matmul=True needs fp8 weights: set fp8_weights (weight dtype fp8_e4m3fn)")
-        for name in ("patches", "warmup_steps"):
-            value = getattr(self, name)
-            if (value is not None or name == "warmup_steps") and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} is invalid: use an integer >= 1")
-        if self.stage_blocks is not None and (
-                not isinstance(self.stage_blocks, (list, tuple)) or not self.stage_blocks
-                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.stage_blocks)):
-            raise ValueError(f"stage_blocks={self.stage_blocks!r} is invalid: use one block count >= 1 per stage")
-        for name in ("reference_latents_method", "neg_reference_latents_method"):
-            if getattr(self, name) not in REFERENCE_METHODS + ("",):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use one of "
-                                 f"{', '.join(REFERENCE_METHODS)}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention={self.attention!r} is invalid: use one of {', '.join(ATTENTION)}")
-        if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)
-                                         or not 1 <= self.experts <= 4):
-            raise ValueError(f"experts={self.experts!r} is invalid: use the clip's transformer count, 1 to 4, or none "
-                             f"(the variant's)")
-        if self.expert_placement not in EXPERT_PLACEMENTS:
-            raise ValueError(f"expert_placement={self.expert_placement!r} is invalid: use one of "
-                             f"{', '.join(EXPERT_PLACEMENTS)}")
-        if not isinstance(self.loras, (list, tuple)) or any(
-                not isinstance(e, (list, tuple)) or len(e) != 2 or not isinstance(e[0], str) or not e[0]
-                or isinstance(e[1], bool) or not isinstance(e[1], (int, float)) or not math.isfinite(e[1])
-                for e in self.loras):
-            raise ValueError(f"loras={self.loras!r} is invalid: use a list of (path, strength) pairs with finite "
-                             f"strengths")
-        if self.batch_index is not None and (
-                not isinstance(self.batch_index, (list, tuple))
-                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < SEED_LIMIT
-                       for i in self.batch_index)):
-            raise ValueError(f"batch_index={self.batch_index!r} is invalid: use a list of non-negative integers")
-        if self.model_sampling is not None:
-            FlowSampling.from_dict(self.model_sampling)   # ValueError naming what is wrong
-        for name in ("start_step", "last_step"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10000):
-                raise ValueError(f"{name}={value!r} is invalid: use a step from 0 to 10000, or none")
-        for name in ("force_full_denoise", "add_noise"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use true or false")
-        if isinstance(self.cfg_norm, bool) or not isinstance(self.cfg_norm, (int, float)) \
-                or not math.isfinite(self.cfg_norm) or not 0 <= self.cfg_norm <= 100:
-            raise ValueError(f"cfg_norm={self.cfg_norm!r} is invalid: use a CFGNorm strength from 0 (off) to 100")
+        """The checks that need neither a file nor a tensor; the ranks run them too (inputs.check_scalars)."""
+        check_scalars(self)
 
     # ---- across the process boundary ---------------------------------------------------------------------------
     def to_job(self, stand_ins: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -399,7 +317,7 @@ class GenerateRequest:
                 continue
             if f.metadata.get("tensor"):
                 if value is not None and stand_ins and value.numel() > 1 and not any(value.stride()):
-                    broadcast[f.name] = {"shape": list(value.shape), "dtype": bridge.dtype_name(value.dtype),
+                    broadcast[f.name] = {"shape": list(value.shape), "dtype": str(value.dtype).split(".")[-1],
                                          "value": value.reshape(-1)[0].item()}
                 elif value is not None:
                     inputs[f.name] = value
@@ -431,9 +349,12 @@ class GenerateRequest:
             spec, inputs = dict(spec), dict(inputs)
             for name, stand_in in (spec.pop(BROADCAST) or {}).items():
                 try:
-                    value = torch.full((), stand_in["value"], dtype=bridge.DTYPES[stand_in["dtype"]])
+                    dtype = getattr(torch, str(stand_in["dtype"]))
+                    if not isinstance(dtype, torch.dtype):
+                        raise TypeError(stand_in["dtype"])
+                    value = torch.full((), stand_in["value"], dtype=dtype)
                     inputs[name] = value.expand(*[int(d) for d in stand_in["shape"]])
-                except (KeyError, TypeError, ValueError, RuntimeError):
+                except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
                     raise ValueError(f"generate job document is malformed: stand-in {name}={stand_in!r} is not a "
                                      f"shape, dtype and value") from None
         scalar = {f.name for f in fields(cls)

@@ -87,7 +87,7 @@ class SequenceParallelAttention:
     communication benchmark at full model size on CPU ranks."""
 
     def __init__(self, mesh: Mesh, comm_only: bool = False, stale=None):
-        """stale: a PipeFusion K/V buffer (pipefusion/stage.py StaleKV) this layer attends through: the call's fresh keys
+        """stale: a PipeFusion K/V buffer (families/stage.py StaleKV) this layer attends through: the call's fresh keys
         are written into it and the queries see all of it (the other patches' keys from their latest call)."""
         self.mesh = mesh
         self.comm_only = comm_only

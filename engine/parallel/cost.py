@@ -20,7 +20,7 @@ The large-matrix rate comes from a one-GPU step: this engine's measured step (ca
 else rated x the efficiency table (devices.EFFICIENCY, with its sources); the validation against published runs gives
 the published one-GPU step instead (`estimate(one_gpu_ms=...)`). Each rate is the one at which the model's one-GPU
 step takes that time. The fitted constants are fitted together (least squares on the log of the time) to the
-published rows that published.py and published_video.py mark "fit", and judged on the others (published.py prints
+published rows that engine/published/images.py and video.py mark "fit", and judged on the others (images.py prints
 every residual). `TIE` is how close two estimates must be for the planner to call them equal.
 """
 from __future__ import annotations
@@ -29,11 +29,12 @@ import functools
 from dataclasses import dataclass, replace
 
 from . import calibration, launches
-from .devices import Hardware, Interconnect, efficiency, host_link_gbs, memory_gbs
-from .memory import host_gib_per_machine, memory_gib, stage_memory_gib
-from .pipefusion.layout import analytic_p2p_bytes
-from .plan import (DTYPE_BYTES, HOST, RESIDENT, ParallelPlan, Workload, items_per_rank, joint_text, shard_tokens,
-                   text_split)
+from .devices import Hardware, Interconnect, efficiency, memory_gbs
+from .memory import expert_placement, host_gib_per_machine, memory_gib, stage_memory_gib, swap_ms  # noqa: F401
+from .plan import HOST, ParallelPlan, Workload, items_per_rank, joint_text, shard_tokens, text_split
+# what each method sends (traffic.py), read through this module too
+from .traffic import (attention_bytes, comm_bytes, patches, pipefusion_attention_bytes,  # noqa: F401
+                      pipefusion_step_bytes, sp_gather_bytes)
 
 FP32_SLOWDOWN = 8        # fp32 matmuls leave the bf16 tensor path: 1/15 of bf16 on H100, 1/2 on GeForce cards
 TIE = 0.10               # estimates within 10% of the fastest are a tie: the plan that sends less wins, then the
@@ -119,85 +120,6 @@ ATTN_HALF_KEYS = 1024.0
 LAUNCH_US = 13.6
 # torch.compile fuses a block's elementwise chains: this share of its eager launches remains.
 COMPILED_LAUNCH_SHARE = 0.448
-
-
-# ---- what each method sends (the closed forms `bench comm` checks against the engine's own counts) -----------
-def attention_bytes(image_tokens: int, text_tokens: int, heads: int, head_dim: int, layers: int, text_split: bool,
-                    plan, batch: int, elem_bytes: int = 2) -> dict[str, int]:
-    """Bytes one rank sends per model call in `layers` sequence-parallel attention layers, per collective kind
-    (image tokens the degree does not divide travel padded to a multiple of it)."""
-    u, r, p = plan.ulysses, plan.ring, plan.ulysses * plan.ring
-    image_tokens = shard_tokens(image_tokens, p) * p
-    width = heads * head_dim * elem_bytes   # bytes per token per Q/K/V
-    split = text_split and text_tokens % p == 0
-    seq = image_tokens + (text_tokens if split else 0)
-    a2a = text = ring = 0
-    if u > 1:  # Q, K, V out and O back, each keeping 1/U of the rank's S/R tokens
-        a2a = 4 * batch * (seq // r) * width * (u - 1) // (u * u)
-        if not split:  # the text output of this rank's heads, to every other Ulysses rank
-            text = batch * text_tokens * (width // u) * (u - 1)
-    if r > 1:  # K and V of this rank's block, passed on R-1 times
-        ring = 2 * batch * (seq // p) * width * (r - 1)
-    return {"ulysses_all_to_all": a2a * layers, "ulysses_text_gather": text * layers, "ring_p2p": ring * layers}
-
-
-def pipefusion_attention_bytes(image_tokens: int, text_tokens: int, heads: int, head_dim: int, layers: int, plan,
-                               batch: int, patches: int, elem_bytes: int = 2) -> dict[str, int]:
-    """attention_bytes for a PipeFusion model call of `patches` patches (1: a warmup call on the whole latent). The
-    text is joint (it travels with patch 0). Ulysses exchanges each patch's own tokens, which add up to the whole
-    latent's; Ring's hops carry the layer's whole stale K/V share for every patch, since a patch's queries attend to
-    every patch's keys and a rank keeps only its own share of them: `patches` times a whole call's ring bytes."""
-    kinds = attention_bytes(image_tokens, text_tokens, heads, head_dim, layers, False, plan, batch, elem_bytes)
-    kinds["ring_p2p"] *= patches
-    return kinds
-
-
-def sp_gather_bytes(image_tokens: int, out_features: int, plan, batch: int, elem_bytes: int = 2) -> int:
-    """The velocity tokens each sequence-parallel rank sends to the others after the model's output projection."""
-    p = plan.ulysses * plan.ring
-    return (p - 1) * batch * shard_tokens(image_tokens, p) * out_features * elem_bytes
-
-
-def patches(plan, work) -> int:
-    """PipeFusion's patches per model call (1 without PipeFusion): the job's, else one per stage."""
-    return (work.patches or plan.pipefusion) if plan.pipefusion > 1 else 1
-
-
-def pipefusion_step_bytes(plan, work) -> int:
-    """What a PipeFusion stage before the last sends per steady step: each patch's header and its share of the
-    activations (pipefusion.layout.analytic_p2p_bytes, per model call after the warmup)."""
-    shape = dict(stages=plan.pipefusion, image_tokens=work.image_tokens, text_tokens=work.text_tokens,
-                 hidden=work.heads * work.head_dim, batch=items_per_rank(plan, work), latent=(16, 1, 1),
-                 patches=patches(plan, work), act_bytes=DTYPE_BYTES[work.dtype], warm_calls=1,
-                 sp=plan.ulysses * plan.ring)
-    return analytic_p2p_bytes(0, calls=2, **shape) - analytic_p2p_bytes(0, calls=1, **shape)
-
-
-def comm_bytes(plan, work) -> dict[str, int]:
-    """Bytes one rank sends per step, per collective kind."""
-    items, elem = items_per_rank(plan, work), DTYPE_BYTES[work.dtype]
-    if plan.pipefusion > 1:   # a steady step's patches
-        m = patches(plan, work)
-        kinds = pipefusion_attention_bytes(work.image_tokens, joint_text(work), work.heads, work.head_dim,
-                                           work.layers, plan, items, m, elem)
-        dual = pipefusion_attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, plan,
-                                          items, m, elem)
-    else:
-        kinds = attention_bytes(work.image_tokens, joint_text(work), work.heads, work.head_dim, work.layers,
-                                work.text_splits, plan, items, elem)
-        # SD3.5-medium's image-only attention goes through the same entry point
-        dual = attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, False, plan, items,
-                               elem)
-    kinds = {k: v + dual[k] for k, v in kinds.items()}
-    if plan.pipefusion > 1:   # a stage's sequence-parallel group runs only its share of the layers
-        kinds = {k: v // plan.pipefusion for k, v in kinds.items()}
-    kinds["sp_gather"] = sp_gather_bytes(work.image_tokens, work.out_features, plan, items, elem)
-    velocity = items * work.image_tokens * work.out_features * 4   # fp32, gathered so every rank holds the batch
-    kinds["cfg_gather"] = velocity if plan.cfg == 2 else 0
-    kinds["dp_gather"] = (plan.dp - 1) * velocity
-    if plan.pipefusion > 1:
-        kinds["pipefusion_p2p"] = pipefusion_step_bytes(plan, work)
-    return kinds
 
 
 # ---- compute -------------------------------------------------------------------------------------------------
@@ -494,28 +416,6 @@ def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: 
                     memory=memory, fits=fits, host_ms=host, exact=exact, job_ms=job + swap, steps=steps,
                     batch=work.batch, placement=placement, swap_ms=swap,
                     host_gib=host_gib_per_machine(plan, work) if placement == HOST else 0.0)
-
-
-# ---- a clip of several experts ------------------------------------------------------------------------------------
-def expert_placement(plan, work, memory_gib_limit: float | None) -> tuple[str, dict]:
-    """Where a clip's idle expert waits under `plan`, and the memory per GPU that takes: the workload's placement when
-    it names one; else both resident when they fit `memory_gib_limit` (no copies), else the idle one in host memory.
-    ("", the model's memory) for one model."""
-    if work.experts < 2:
-        return "", memory_gib(plan, work)
-    if work.placement != "auto":
-        return work.placement, memory_gib(plan, work, work.placement)
-    resident = memory_gib(plan, work, RESIDENT)
-    if memory_gib_limit is None or resident["total"] <= memory_gib_limit:
-        return RESIDENT, resident
-    return HOST, memory_gib(plan, work, HOST)
-
-
-def swap_ms(work, hw: Hardware) -> float:
-    """HOST placement, per clip after the first (which reads the files): each expert is copied to the GPU once and
-    back out once (the first expert returns at the clip's start while the last one leaves, the second replaces the
-    first at the switch), every rank over its own link at the host-to-device rate (devices.host_link_gbs)."""
-    return work.experts * 2 * work.weight_bytes / (host_link_gbs(hw.gpu) * 1e9) * 1e3
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:

@@ -27,7 +27,7 @@ DEFAULT_FAMILY = "flux"
 # What this engine's sequence-parallel entry point (attention.py) adds to an attention layer, counted by
 # `count_sp_ops` in bf16 with the text split: Ulysses' exchange of q, k and v and the output's way back; a ring's
 # setup per layer, and per hop its post, wait, block attention and log-sum-exp merge; a PipeFusion patch's write of
-# its fresh K/V into the layer's stale buffer (pipefusion/stage.py StaleKV.update: two index copies, read).
+# its fresh K/V into the layer's stale buffer (families/stage.py StaleKV.update: two index copies, read).
 ENGINE_SP_OPS = {"ulysses": 29, "ring_layer": 4, "ring_hop": 20, "pipefusion_layer": 2}
 
 

@@ -8,7 +8,8 @@ import math
 
 from ..models.synthetic import synthetic_info
 from .pipefusion.layout import balanced_split, block_lists, meta_model, reference_costs
-from .plan import DTYPE_BYTES, RESIDENT, GiB, items_per_rank, joint_text, shard_tokens, text_split
+from .devices import host_link_gbs
+from .plan import DTYPE_BYTES, HOST, RESIDENT, GiB, items_per_rank, joint_text, shard_tokens, text_split
 
 ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidden widths (input, fused projections,
                          # mlp, attention buffers): an upper bound for the image families, whose activations at their
@@ -151,3 +152,25 @@ def fit_stages(info, plan, work, memory_gib: float):
         return balanced, gib(balanced), True
     fitted = balanced_split(costs, plan.pipefusion, lambda st, a, b: need(st, a, b) <= memory_gib)
     return fitted, gib(fitted if fitted else balanced), False
+
+
+# ---- a clip of several experts ------------------------------------------------------------------------------------
+def expert_placement(plan, work, memory_gib_limit: float | None) -> tuple[str, dict]:
+    """Where a clip's idle expert waits under `plan`, and the memory per GPU that takes: the workload's placement when
+    it names one; else both resident when they fit `memory_gib_limit` (no copies), else the idle one in host memory.
+    ("", the model's memory) for one model."""
+    if work.experts < 2:
+        return "", memory_gib(plan, work)
+    if work.placement != "auto":
+        return work.placement, memory_gib(plan, work, work.placement)
+    resident = memory_gib(plan, work, RESIDENT)
+    if memory_gib_limit is None or resident["total"] <= memory_gib_limit:
+        return RESIDENT, resident
+    return HOST, memory_gib(plan, work, HOST)
+
+
+def swap_ms(work, hw) -> float:
+    """HOST placement, per clip after the first (which reads the files): each expert is copied to the GPU once and
+    back out once (the first expert returns at the clip's start while the last one leaves, the second replaces the
+    first at the switch), every rank over its own link at the host-to-device rate (devices.host_link_gbs)."""
+    return work.experts * 2 * work.weight_bytes / (host_link_gbs(hw.gpu) * 1e9) * 1e3

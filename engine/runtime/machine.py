@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
@@ -106,8 +107,19 @@ def _topology(gpus: list[int]) -> dict:
     return {"pairs": pairs, "source": "nvidia-smi topo -m" if topo else "CUDA peer access"}
 
 
+@dataclass(frozen=True)
+class MachineView:
+    """What the planner knows of a setup for one job, read once before it is planned and read-only after: the stored
+    figures (None: nothing measured) and the hardware with them applied. `Machine.view()` makes it; the job's plan,
+    its record and the Info node read it; `Machine.ensure` gives a new one when it measured more."""
+    setup: str
+    measured: Measured | None
+    hardware: Hardware
+
+
 class Machine:
-    """One engine setup on this machine and its stored figures. folder: where the file lives (None: default_folder)."""
+    """One engine setup on this machine and its stored figures: the only reader and writer of the machine's file.
+    folder: where the file lives (None: default_folder). Callers take a `view()` per job and pass it down."""
 
     def __init__(self, device: str, ranks: int, gpus=None, folder: str | None = None, pinned: bool = False):
         self.device, self.ranks = device, ranks
@@ -116,16 +128,22 @@ class Machine:
         self.pinned = pinned
         self.setup = setup_key(device, ranks, self.gpus, pinned)
         self.facts = machine_facts(device)
+        self.label = self.describe()   # the machine in words, as each Measured names it
         self.unsaved = ""          # why the file could not be written, if it could not
         self._data: dict = {}
+        self._read_at = None       # the file's (mtime, size) when _data was read from it
         digest = hashlib.sha1(json.dumps(self.facts, sort_keys=True).encode()).hexdigest()[:16]
         self.path = os.path.join(self.folder, f"machine-{digest}.json")
 
     # ---- the file
     def _read(self) -> dict:
+        """The file's data, read again only when the file changed (another process may measure too)."""
         if self.unsaved:   # the file could not be written: what this process measured is kept in memory
             return self._data
         try:
+            st = os.stat(self.path)
+            if self._read_at == (st.st_mtime_ns, st.st_size):
+                return self._data
             with open(self.path) as f:
                 data = json.load(f)
         except FileNotFoundError:
@@ -134,6 +152,7 @@ class Machine:
             return {"schema": SCHEMA, "machine": self.facts, "setups": {}, "replaced": f"{type(e).__name__}: {e}"}
         if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("setups"), dict):
             return {"schema": SCHEMA, "machine": self.facts, "setups": {}}
+        self._data, self._read_at = data, (st.st_mtime_ns, st.st_size)
         return data
 
     def _write(self, data: dict) -> None:
@@ -149,6 +168,8 @@ class Machine:
                 f.write("\n")
             os.replace(tmp, self.path)
             self.unsaved = ""
+            st = os.stat(self.path)
+            self._read_at = (st.st_mtime_ns, st.st_size)
         except OSError as e:
             self.unsaved = f"{self.path} could not be written ({e.strerror or e}): kept in memory only"
             if tmp:
@@ -166,7 +187,7 @@ class Machine:
 
     def measured(self) -> Measured | None:
         figures = self.figures()
-        return Measured(self.setup, figures, self.describe()) if figures else None
+        return Measured(self.setup, figures, self.label) if figures else None
 
     def describe(self) -> str:
         f = self.facts
@@ -175,11 +196,17 @@ class Machine:
         return f"{f['cpu']}, {f['cores']} core(s); torch {f['torch']}"
 
     # ---- the planner's view
-    def hardware(self) -> Hardware:
-        """The planner's hardware for this setup: detected (or CPU ranks), with the stored measurements applied."""
+    def view(self) -> MachineView:
+        """This setup as the planner sees it now: the stored figures and the hardware (detected, or CPU ranks) with
+        them applied."""
         base = hardware_for(self.device, self.ranks, self.gpus)
-        measured = self.measured()
-        return measured.apply(base) if measured else base
+        figures = self._read()["setups"].get(self.setup)
+        measured = Measured(self.setup, figures, self.label) if figures else None
+        return MachineView(self.setup, measured, measured.apply(base) if measured else base)
+
+    def hardware(self) -> Hardware:
+        """The planner's hardware for this setup (view().hardware)."""
+        return self.view().hardware
 
     # ---- measuring
     def calibrate(self, engine, jobs: list, *, link: bool = True, link_work: Workload | None = None,
@@ -197,7 +224,7 @@ class Machine:
         data["machine"] = self.facts
         data["setups"][self.setup] = figures
         self._write(data)
-        return Measured(self.setup, figures, self.describe())
+        return Measured(self.setup, figures, self.label)
 
     def measure_model(self, engine, jobs: list, should_cancel=None) -> Measured:
         """Add the compute curves of models not measured yet (no link, the rest kept)."""
@@ -210,43 +237,45 @@ class Machine:
             setup["compute_errors"] = figures["compute_errors"]
         setup.setdefault("devices", figures["devices"])
         self._write(data)
-        return Measured(self.setup, setup, self.describe())
+        return Measured(self.setup, setup, self.label)
 
-    def ensure(self, engine, request: GenerateRequest, should_cancel=None) -> bool:
-        """Before a job on `engine`: a GPU setup never measured is calibrated (memory, link, the job's model); a setup
-        that was measured (on CPU ranks: only by `python -m engine calibrate`) gets the job's model measured when it
-        was not. Returns True when new figures were stored (the caller plans again). should_cancel: the caller's
-        interrupt, honoured between the measurement's parts (JobCancelled; nothing is stored)."""
-        measured = self.measured()
+    def ensure(self, engine, request: GenerateRequest, view: MachineView, should_cancel=None) -> MachineView | None:
+        """Before a job on `engine`, planned on `view`: a GPU setup never measured is calibrated (memory, link, the
+        job's model); a setup that was measured (on CPU ranks: only by `python -m engine calibrate`) gets the job's
+        model measured when it was not. Returns the new view when new figures were stored (the caller plans again),
+        else None. should_cancel: the caller's interrupt, honoured between the measurement's parts (JobCancelled;
+        nothing is stored)."""
+        measured = view.measured
         if measured is None or not measured.calibrated:
             if self.device != "cuda":
-                return False
+                return None
             self.calibrate(engine, [job_of(request)], keep_jobs=True, should_cancel=should_cancel)
-            return True
+            return self.view()
         job = job_of(request)
         work = job[1]
         if work.compiled or any(c.get("key") == model_key(work) for c in measured.figures.get("compute", [])):
-            return False
+            return None
         if any(e.startswith(job[0] + ":") for e in measured.figures.get("compute_errors", [])):
-            return False   # measured once and could not be: modelled
+            return None   # measured once and could not be: modelled
         self.measure_model(engine, [job], should_cancel=should_cancel)
-        return True
+        return self.view()
 
     # ---- what jobs measured
-    def record_job(self, request: GenerateRequest, result, hardware: Hardware | None = None) -> dict | None:
+    def record_job(self, request: GenerateRequest, result, view: MachineView | None = None) -> dict | None:
         """Keep a finished generate job's steady step (the slowest rank's, after the first step) for the plan it ran,
-        beside the model's estimate for it. Jobs with the step cache (which skips calls) or of one step are not kept.
-        Returns the stored entry."""
+        beside the model's estimate for it (on `view`, the one the job was planned on). Jobs with the step cache
+        (which skips calls) or of one step are not kept. Returns the stored entry."""
         step_s = result.timings.get("step_s")
         if step_s is None or request.cache_threshold:
             return None
-        return self.record_step(request, step_s, hardware)
+        return self.record_step(request, step_s, view)
 
-    def record_step(self, request: GenerateRequest, step_s: float, hardware: Hardware | None = None) -> dict:
+    def record_step(self, request: GenerateRequest, step_s: float, view: MachineView | None = None) -> dict:
         """Keep one measured step (a model call of the request's whole batch) of the request's plan on its
-        workload: a generate job's steady step, or a model session's call as ComfyUI's sampler made it."""
+        workload: a generate job's steady step, or a model session's round trip as ComfyUI's sampler made it (the
+        model's time, as rank 0 measured it)."""
         work = request.workload(inspect_model(request.model))
-        hw = hardware or self.hardware()
+        hw = (view or self.view()).hardware
         # CPU ranks have an estimate only from measured compute (their modelled figures are a GPU's)
         known = hw.device == "cuda" or (hw.measured is not None and hw.measured.covers(work, request.plan.world_size))
         predicted = cost.estimate(request.plan, work, hw).step_ms if known else None

@@ -2,7 +2,7 @@
 samplers).
 
 The transformer's blocks are split into P stages, one per rank of a `pipefusion` group; each stage rank holds only
-its own blocks (models/load.py `keep`), and the family's stage model (pipefusion/stage.py) cuts its forward. The
+its own blocks (models/load.py `keep`), and the family's stage model (families/stage.py) cuts its forward. The
 latent is split into M row bands (patches, M >= P). The first W steps run synchronously: the whole latent goes
 through the stages in turn (every layer's K/V is then fresh everywhere). After the warmup, stage s computes patch m
 of model call k with fresh activations for patch m and, in attention, the K/V other patches left in that layer: this
@@ -49,7 +49,7 @@ from ..attention import SequenceParallelAttention
 from ..mesh import Mesh
 from ..parallelize import pass_groups
 from .layout import Layout, stage_blocks_named
-from .stage import PieceState, StaleKV
+from ...families.stage import PieceState, StaleKV
 from .transport import Call, Inbox, Link, Message, Outbox, call_schedule
 
 # header kinds

@@ -4,7 +4,7 @@ Each scenario is one source's runs of one model on one machine: its one-GPU time
 it (`cost.estimate(one_gpu_ms=...)`), so a row checks how the time scales with GPUs and plans, not the absolute rate.
 Each row is marked `fit` (the fitted constants are fitted to it, fitting.fit_constants) or held out, with the reason,
 and the split was fixed in this file before the constants were fitted. Image rows are here, video rows in
-published_video.py; `validation_table` prints both with every residual.
+video.py; `validation_table` prints both with every residual.
 
 What a published time holds beside the transformer loop, `outside_s`: whole-pipeline seconds include the text encoders
 and the VAE decode, which more GPUs do not shorten. xDiT publishes FLUX.1-schnell (4 steps) beside FLUX.1-dev (28
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import cost
-from .devices import stated_hardware
-from .fitted import names, value
-from .plan import ParallelPlan, Workload
-from .planner import pick, survey
-from .published_video import VIDEO_SCENARIOS
+from ..parallel import cost
+from ..parallel.devices import stated_hardware
+from ..parallel.fitted import names, value
+from ..parallel.plan import ParallelPlan, Workload
+from ..parallel.planner import pick, survey
+from .video import VIDEO_SCENARIOS
 from .runs import CACHE_DIT, L40_SERVER, PARAATTENTION, RAYLIGHT, Scenario, fit, held
 
 

@@ -1,5 +1,5 @@
-"""The cost model's fitted constants, fitted together to the published rows marked "fit" (published.py,
-published_video.py) and nowhere else: least squares on log(predicted / published), each constant within stated physical
+"""The cost model's fitted constants, fitted together to the published rows marked "fit" (images.py, video.py) and
+nowhere else: least squares on log(predicted / published), each constant within stated physical
 bounds, by coordinate descent (a golden-section search along one constant at a time, in log space, repeated until no
 constant moves). `fit_constants` re-derives them; the values shipped in the modules are its result, rounded.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from .fitted import CONSTANTS, Constant, applied, names, value, values  # noqa: F401 (read through this module too)
-from .published import all_scenarios, predicted_s
+from ..parallel.fitted import CONSTANTS, Constant, applied, names, value, values  # noqa: F401 (read through this module too)
+from .images import all_scenarios, predicted_s
 
 
 def fit_rows():

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import DTYPE_BYTES, Workload
+from ..parallel.plan import DTYPE_BYTES, Workload
 from .runs import L40_SERVER, PARAATTENTION, RAYLIGHT, Scenario, fit, held
 
 

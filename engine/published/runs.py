@@ -1,13 +1,13 @@
 """What a published multi-GPU run is to the cost model: a row (`Run`, marked fit or held out), a scenario (one source's
 runs of one model on one machine, with the code that ran them), the published codes priced with xDiT's counts and the
-links of xDiT's 8-GPU PCIe servers. The rows themselves are in published.py (images) and published_video.py (videos)."""
+links of xDiT's 8-GPU PCIe servers. The rows themselves are in images.py and video.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from . import cost
-from .fitted import value
-from .plan import Workload
+from ..parallel import cost
+from ..parallel.fitted import value
+from ..parallel.plan import Workload
 
 
 @dataclass(frozen=True)
