@@ -24,11 +24,20 @@ for folder in ("diffusion_models", "loras", "text_encoders", "vae"):
     folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
 folder_paths.add_model_folder_path("custom_nodes", pack_parent)
 asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
-report = {"registered": {n: nodes.NODE_DISPLAY_NAME_MAPPINGS.get(n) for n in nodes.NODE_CLASS_MAPPINGS
+import comfyui_version  # noqa: E402
+report = {"comfyui": comfyui_version.__version__,
+          "registered": {n: nodes.NODE_DISPLAY_NAME_MAPPINGS.get(n) for n in nodes.NODE_CLASS_MAPPINGS
                          if n.startswith("XDiT")}}
 E, L, S, I = (nodes.NODE_CLASS_MAPPINGS[n] for n in ("XDiTEngine", "XDiTLoRA", "XDiTSampler", "XDiTEngineInfo"))
 report["sampler_inputs"] = list(S.INPUT_TYPES()["required"])
 report["engine_inputs"] = {kind: list(E.INPUT_TYPES().get(kind, {})) for kind in ("required", "optional")}
+# what the frontend folds under "Show advanced inputs" (a ComfyUI whose inputs take the mark: 0.33), and gpus "all"
+report["engine_advanced"] = sorted(name for kind in ("required", "optional")
+                                   for name, (_, options) in E.INPUT_TYPES().get(kind, {}).items()
+                                   if isinstance(options, dict) and options.get("advanced"))
+report["gpus_all"] = list(E.EXECUTE_NORMALIZED(**dict(
+    {name: entry.get("default") for name, entry in RELEASED[0]["nodes"]["XDiTEngine"]["inputs"].items()},
+    model_name="tiny-flux-dev.safetensors", gpus="all")).args[0].gpus)
 
 # A prompt saved with each released version: ComfyUI's own validation (what POST /prompt runs) of a whole FLUX graph
 # (the text encoder and VAE names exist as files; nothing here loads them)

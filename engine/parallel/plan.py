@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, replace
 
 from .. import wording
 from ..errors import PlanError
 from ..models.synthetic import synthetic_info
 from .pipefusion.layout import pipefusion_problems
 
-DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
+DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")   # their product is the plan's ranks
+ALL_DEGREES = DEGREES + ("shard",)   # shard divides the ranks' weights among them: it adds no rank
 MAX_RANKS = 8
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2 ** 30
@@ -27,28 +28,40 @@ PLAN_MODES = (AUTO, FASTEST)
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """world = dp x cfg x pipefusion x ulysses x ring (the xDiT rule). cfg is 1 or 2."""
+    """world = dp x cfg x pipefusion x ulysses x ring (the xDiT rule). cfg is 1 or 2.
+
+    shard: the weights divided among groups of `shard` consecutive ranks (the fastest degrees first: a Ulysses group,
+    then what follows it), each rank holding 1/shard of every block's weights and gathering a block's whole weights
+    just before it runs. It overlaps the other degrees' groups (Ulysses 4 with each of the 4 GPUs holding a quarter
+    of the weights is ulysses4 x shard4) and adds no rank: it divides the world."""
 
     dp: int = 1
     cfg: int = 1
     pipefusion: int = 1
     ulysses: int = 1
     ring: int = 1
+    shard: int = 1
 
     def __post_init__(self):
-        for name in DEGREES:
+        for name in ALL_DEGREES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"plan degree {name}={value!r} is invalid: every degree is an integer >= 1")
         if self.cfg not in (1, 2):
             raise PlanError(f"plan degree cfg={self.cfg} is invalid: CFG parallel splits the positive and "
                             f"negative passes, so cfg is 1 (off) or 2")
+        if self.world_size % self.shard:
+            divisors = [d for d in range(2, self.world_size + 1) if self.world_size % d == 0]
+            raise PlanError(f"plan degree shard={self.shard} does not divide the plan's {self.world_size} rank(s) "
+                            f"(dp x cfg x pipefusion x ulysses x ring): the weights are divided among groups of "
+                            f"consecutive ranks; use " + (f"one of {', '.join(map(str, divisors))}" if divisors else
+                                                          "shard 1, or more ranks"))
 
     @classmethod
     def from_dict(cls, degrees: dict) -> "ParallelPlan":
-        unknown = sorted(set(degrees) - set(DEGREES))
+        unknown = sorted(set(degrees) - set(ALL_DEGREES))
         if unknown:
-            raise PlanError(f"plan has unknown degrees {unknown}: use {', '.join(DEGREES)}")
+            raise PlanError(f"plan has unknown degrees {unknown}: use {', '.join(ALL_DEGREES)}")
         return cls(**degrees)
 
     @property
@@ -77,10 +90,10 @@ class ParallelPlan:
         words = [w for w in re.split(r"\s*,\s*|\s+x\s+|\s+", text.strip().lower()) if w]
         degrees = {}
         for word in words:
-            m = re.fullmatch(r"(dp|cfg|pipefusion|ulysses|ring)=?(\d+)", word.strip())
+            m = re.fullmatch(r"(dp|cfg|pipefusion|ulysses|ring|shard)=?(\d+)", word.strip())
             if m is None or m.group(1) in degrees:
-                raise PlanError(f"plan {text!r} is invalid at {word.strip()!r}: give degrees such as ulysses4,ring2 or "
-                                f"cfg2,pipefusion2 (each of {', '.join(DEGREES)} at most once)")
+                raise PlanError(f"plan {text!r} is invalid at {word.strip()!r}: give degrees such as ulysses4,ring2, "
+                                f"cfg2,pipefusion2 or ulysses4,shard4 (each of {', '.join(ALL_DEGREES)} at most once)")
             degrees[m.group(1)] = int(m.group(2))
         if not degrees:
             raise PlanError(f"plan {text!r} is invalid: give degrees such as ulysses4,ring2")
@@ -90,8 +103,12 @@ class ParallelPlan:
         return asdict(self)
 
     def describe(self) -> str:
-        parts = [f"{n}{getattr(self, n)}" for n in DEGREES if getattr(self, n) > 1]
+        parts = [f"{n}{getattr(self, n)}" for n in ALL_DEGREES if getattr(self, n) > 1]
         return " x ".join(parts) if parts else "single rank"
+
+    def without_shard(self) -> "ParallelPlan":
+        """The same plan with every rank holding whole weights."""
+        return replace(self, shard=1)
 
 
 @dataclass(frozen=True)
@@ -223,6 +240,9 @@ def plan_problems(plan: ParallelPlan, work: Workload) -> list[str]:
     elif plan.pipefusion > 1:
         problems += pipefusion_problems(plan.pipefusion, work.patches or plan.pipefusion, work.warmup_steps,
                                         work.steps, work.layers, work.rows, work.image_tokens // work.rows, sp, None)
+    if plan.shard > 1 and plan.pipefusion > 1:
+        problems.append(f"shard {plan.shard} with pipefusion {plan.pipefusion}: PipeFusion's stages divide the blocks "
+                        f"among the GPUs already; use shard 1 with pipefusion, or ulysses, ring, cfg or dp with shard")
     return problems
 
 
@@ -233,9 +253,10 @@ def shard_tokens(image_tokens: int, sp: int) -> int:
 
 
 def candidates(world: int, pipefusion: bool = False) -> list[ParallelPlan]:
-    """Every plan for `world` ranks, simplest first (the order ties are broken in): CFG parallel (one velocity per
-    step), data parallel (one velocity per step), then Ulysses (all-to-all of Q/K/V/O), then Ring (K/V passed
-    around); with `pipefusion`, the PipeFusion plans and hybrids after them (approximate: stale activations)."""
+    """Every plan for `world` ranks, simplest first (the order ties are broken in): whole weights on every rank before
+    divided ones (a shard gathers each block every model call), then CFG parallel (one velocity per step), data
+    parallel (one velocity per step), then Ulysses (all-to-all of Q/K/V/O), then Ring (K/V passed around); with
+    `pipefusion`, the PipeFusion plans and hybrids after them (approximate: stale activations)."""
     out = []
     for dp in range(1, world + 1):
         for cfg in (1, 2):
@@ -243,8 +264,11 @@ def candidates(world: int, pipefusion: bool = False) -> list[ParallelPlan]:
                 for ulysses in range(1, world + 1):
                     for ring in range(1, world + 1):
                         if dp * cfg * stages * ulysses * ring == world:
-                            out.append(ParallelPlan(dp=dp, cfg=cfg, pipefusion=stages, ulysses=ulysses, ring=ring))
-    return sorted(out, key=lambda p: (p.pipefusion, -p.cfg, -p.dp, -p.ulysses, p.ring))
+                            for shard in (d for d in range(1, world + 1) if world % d == 0 and
+                                          (d == 1 or stages == 1)):
+                                out.append(ParallelPlan(dp=dp, cfg=cfg, pipefusion=stages, ulysses=ulysses, ring=ring,
+                                                        shard=shard))
+    return sorted(out, key=lambda p: (p.pipefusion, p.shard, -p.cfg, -p.dp, -p.ulysses, p.ring))
 
 
 def feasible(world: int, work: Workload, pipefusion: bool = False) -> list[ParallelPlan]:
