@@ -69,7 +69,7 @@ PHRASES: dict[str, dict[str, str]] = {
 
 # plan degree -> how the nodes' inputs set it (above 1), in the xDiT Engine's input order
 _NODE_DEGREES = {"ulysses": "ulysses {}", "ring": "ring {}", "cfg": "cfg_parallel true", "dp": "dp {}",
-                 "pipefusion": "pipefusion {}"}
+                 "pipefusion": "pipefusion {}", "shard": "shard {}"}
 
 
 def reader() -> str:

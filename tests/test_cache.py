@@ -56,15 +56,18 @@ def test_a_cache_that_skips_nothing_is_exact(tiny_models, engines, family, plan,
 THRESHOLD = 0.56
 
 
-def test_cfg_ranks_agree(tiny_models, engines):
-    """CFG parallel: each rank runs one pass, and the decision is agreed over both passes and both Ulysses ranks."""
-    _, infos = generate(engines, request(tiny_models, "flux", dict(cfg=2, ulysses=2), THRESHOLD, cfg=3.0))
-    print("cfg2 x ulysses2, per rank:", [(i["model_calls"], i["skipped_at"]) for i in infos])
+@pytest.mark.parametrize("plan", [dict(cfg=2, ulysses=2), dict(cfg=2, ulysses=2, shard=4)],
+                         ids=lambda p: ParallelPlan(**p).describe().replace(" ", ""))
+def test_cfg_ranks_agree(tiny_models, engines, plan):
+    """CFG parallel: each rank runs one pass, and the decision is agreed over both passes and both Ulysses ranks (with
+    the weights divided over all four, every rank skips the same blocks' gathers)."""
+    _, infos = generate(engines, request(tiny_models, "flux", plan, THRESHOLD, cfg=3.0))
+    print(f"{ParallelPlan(**plan).describe()}, per rank:", [(i["model_calls"], i["skipped_at"]) for i in infos])
     assert infos[0]["skipped_calls"] > 0
     assert all(i["skipped_at"] == infos[0]["skipped_at"] and i["changes"] == infos[0]["changes"] for i in infos)
 
 
-@pytest.mark.parametrize("plan", [dict(ulysses=2), dict(ring=2), dict(ulysses=2, ring=2)],
+@pytest.mark.parametrize("plan", [dict(ulysses=2), dict(ring=2), dict(ulysses=2, ring=2), dict(ulysses=2, shard=2)],
                          ids=lambda p: ParallelPlan(**p).describe().replace(" ", ""))
 def test_ranks_agree_and_match_one_rank(tiny_models, engines, plan):
     cfg = 1.0

@@ -97,6 +97,10 @@ PLANS = [
     ("flux", dict(pipefusion=2, ulysses=2), dict(patches=3, warmup_steps=1)),
     ("flux", dict(pipefusion=2, ring=2), dict(patches=2, warmup_steps=1, sampler="heun")),
     ("sd3", dict(pipefusion=2, cfg=2), dict(cfg=4.5, patches=2, warmup_steps=1)),
+    # the weights divided: every block gathered before it runs, the next one's gather posted ahead
+    ("flux", dict(ulysses=2, shard=2), {}),
+    ("flux", dict(cfg=2, shard=2), dict(cfg=3.0, sampler="heun")),
+    ("sd3", dict(ring=2, shard=2), dict(cfg=4.5, cache_threshold=0.1)),
 ]
 
 
@@ -125,6 +129,8 @@ def quantized_models(tmp_path_factory):
     ("Q6_K", dict(ring=2), dict(sampler="euler_ancestral")),
     ("Q8_0", dict(pipefusion=2), dict(sampler="heun", patches=2, warmup_steps=1)),
     ("fp8_scaled", dict(ulysses=2), dict(sampler="dpmpp_2m")),
+    ("Q4_K", dict(ulysses=2, shard=2), dict(sampler="euler")),
+    ("fp8_scaled", dict(cfg=2, shard=2), dict(sampler="euler", cfg=3.0)),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={w}" for k, w in v.items()))
 def test_quantized_files_sync_no_more_than_safetensors(tiny_models, quantized_models, counting, quant, plan,
                                                        settings):

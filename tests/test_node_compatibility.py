@@ -166,7 +166,7 @@ def test_the_first_release_prompt_fails_the_same_validation_when_later_inputs_ar
     added = [f.name for f in node_specs.engine_spec([MODEL]).inputs if f.name not in FIRST["nodes"]["XDiTEngine"]["inputs"]]
     assert errors == {"10": [f"Required input is missing: {name}" for name in added]}
     assert added == ["cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps",
-                     "expert_placement"]
+                     "expert_placement", "shard"]
 
 
 def test_the_validation_mirror_refuses_what_comfyui_refuses(node_specs):

@@ -24,7 +24,8 @@ ENGINE_INPUT = {   # EngineSettings field -> the xDiT Engine input it comes from
     "cfg_parallel": "cfg_parallel", "dp": "dp", "timeout_s": "timeout_s", "loras": "xDiT LoRA",
     "cache_threshold": "cache_threshold", "compile": "compile", "attention": "attention",
     "pipefusion": "pipefusion", "patches": "patches", "warmup_steps": "warmup_steps",
-    "sampling": "xDiT Model Sampling", "cfg_norm": "xDiT CFGNorm", "expert_placement": "expert_placement"}
+    "sampling": "xDiT Model Sampling", "cfg_norm": "xDiT CFGNorm", "expert_placement": "expert_placement",
+    "shard": "shard"}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_every_engine_setting_reaches_each_job_its_deadlines_or_a_new_rank_group
                "weight_dtype": "fp8_e4m3fn", "plan": "explicit", "ulysses": 2, "ring": 2, "cfg_parallel": True,
                "dp": 2, "timeout_s": 10, "loras": ((files["lora"], 0.5),), "cache_threshold": 0.2, "compile": True,
                "attention": "math", "pipefusion": 2, "patches": 4, "warmup_steps": 3,
-               "sampling": ("flux", 3.0, 1.0), "cfg_norm": 1.0, "expert_placement": "host"}
+               "sampling": ("flux", 3.0, 1.0), "cfg_norm": 1.0, "expert_placement": "host", "shard": 2}
     assert set(changed) == {f.name for f in dataclasses.fields(core.EngineSettings)} == set(ENGINE_INPUT)
 
     def job(s):   # the request as the job carries it (plan: the degrees asked for, resolved per job)
@@ -85,6 +86,8 @@ def test_every_engine_setting_reaches_each_job_its_deadlines_or_a_new_rank_group
         base_s = base
         if name in ("ulysses", "ring", "cfg_parallel", "dp", "pipefusion"):   # read with an explicit plan
             base_s = dataclasses.replace(base, plan="explicit")
+        elif name == "shard":                                               # ... dividing its 2 ranks
+            base_s = dataclasses.replace(base, plan="explicit", ulysses=2)
         elif name in ("patches", "warmup_steps"):                           # ... with PipeFusion stages
             base_s = dataclasses.replace(base, plan="explicit", pipefusion=2)
         s = dataclasses.replace(base_s, **{name: value})

@@ -491,7 +491,7 @@ def test_the_nodes_take_a_first_release_prompt_and_run_it_as_that_release_did(no
     spec = node_specs.engine_spec(["flux-a.safetensors"])
     later = {f.name: f.default for f in spec.inputs if f.name not in released}
     assert set(later) == {"cache_threshold", "compile", "attention", "pipefusion", "patches", "warmup_steps",
-                          "expert_placement"}
+                          "expert_placement", "shard"}
     signature = inspect.signature(n.XDiTEngine.execute).parameters
     for f in spec.inputs:   # what ComfyUI leaves out, the node's own default fills in: the spec's
         assert (signature[f.name].default if f.optional else inspect.Parameter.empty) == \

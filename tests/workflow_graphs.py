@@ -111,7 +111,7 @@ INFO_REPORT_BOX = (420, 364)
 
 def _engine(g: Graph, model, column=0):
     return g.add("XDiTEngine", [model, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0, False, "auto", 1,
-                                0, 1, "auto"], column)
+                                0, 1, "auto", 1], column)
 
 
 def _xdit_sampler(g, column, model, positive, negative, latent, steps, cfg, denoise=1.0, sampler="euler"):

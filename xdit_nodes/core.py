@@ -51,6 +51,7 @@ class EngineSettings:
     sampling: tuple = ()              # xDiT Model Sampling: (kind, shift, multiplier); () the family's default
     cfg_norm: float = 0.0             # xDiT CFGNorm's strength; 0: none
     expert_placement: str = "auto"    # a two-expert clip: where the idle expert waits (auto, resident, host)
+    shard: int = 1                    # explicit plan: the weights divided among groups of this many GPUs
 
     @speaking(NODES)
     def validate(self) -> None:
@@ -83,7 +84,7 @@ class EngineSettings:
         """What the engine's plan resolution gets: "auto", or the explicit degrees."""
         if self.plan == "explicit":
             return ParallelPlan(dp=self.dp, cfg=2 if self.cfg_parallel else 1, ulysses=self.ulysses, ring=self.ring,
-                                pipefusion=self.pipefusion)
+                                pipefusion=self.pipefusion, shard=self.shard)
         return FASTEST if self.plan == "fastest" else AUTO
 
     def with_sampling(self, method: str, shift: float) -> "EngineSettings":

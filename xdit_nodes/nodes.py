@@ -113,13 +113,13 @@ class XDiTEngine(io.ComfyNode):
     @classmethod
     def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
                 cache_threshold=0.0, compile=False, attention="auto", pipefusion=1, patches=0, warmup_steps=1,
-                expert_placement="auto"):
+                expert_placement="auto", shard=1):
         settings = core.EngineSettings(model_path=_model_path(model_name), gpus=_gpus(gpus), device=_device(),
                                        family=family, weight_dtype=weight_dtype, plan=plan, ulysses=ulysses, ring=ring,
                                        cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s,
                                        cache_threshold=cache_threshold, compile=compile, attention=attention,
                                        pipefusion=pipefusion, patches=patches, warmup_steps=warmup_steps,
-                                       expert_placement=expert_placement)
+                                       expert_placement=expert_placement, shard=shard)
         settings.validate()
         return io.NodeOutput(settings, engine_model(settings))
 

@@ -92,7 +92,12 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
                        "job's steps (or more) gives exactly the one-GPU result"),
          Field("expert_placement", "COMBO", "auto", EXPERT_PLACEMENTS, advanced=True, optional=True,
                tooltip="a clip of two experts (Wan 2.2 A14B): where the idle one waits. auto: on the GPUs beside the "
-                       "other where both fit, else in host memory (re-checked each job); resident; host")),
+                       "other where both fit, else in host memory (re-checked each job); resident; host"),
+         Field("shard", "INT", 1, min=1, max=8, advanced=True, optional=True,
+               tooltip="explicit plan: divide the weights among groups of this many GPUs (a divisor of the other "
+                       "degrees' product, e.g. ulysses 4 with shard 4): each GPU holds and reads 1/shard of them and "
+                       "gathers a block's whole weights as it runs, for models bigger than one card; auto divides "
+                       "them itself where they do not fit otherwise")),
         ((ENGINE_TYPE, "engine"), ("MODEL", "MODEL")))
 
 

@@ -29,7 +29,8 @@ from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_project, bench_soak, output
+from . import (bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_project, bench_shard,
+               bench_soak, output)
 from .bench_overhead import bench_overhead
 from .args import UsageError
 
@@ -42,7 +43,7 @@ def register(sub) -> None:
                    help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
     bench = p.add_subparsers(dest="what",
-                             metavar="{overhead,bridge,comm,scaling,cache,memory,project,gpu,guider,faults,soak}")
+                             metavar="{overhead,bridge,comm,scaling,cache,memory,shard,project,gpu,guider,faults,soak}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -80,6 +81,7 @@ def register(sub) -> None:
     c.set_defaults(run=lambda a: _emit(a, "comm", bench_comm(a.models)), parser=c)
     bench_plans.register(bench, _emit)
     bench_memory.register(bench, _emit)
+    bench_shard.register(bench, _emit)
     bench_project.register(bench, _emit)
     bench_gpu.register(bench, _emit)
     bench_guider.register(bench, _emit)
@@ -117,6 +119,8 @@ def _run_suite(a) -> int:
     print("\n## memory", flush=True)
     results["memory"] = bench_memory.bench_memory(["flux-dev"] if q else ["flux-dev", "sd3-medium"],
                                                   [1, 2] if q else [1, 2, 4], splits=("compute", "weights"))
+    print("\n## shard", flush=True)
+    results["shard"] = bench_shard.bench_shard("wan2.1-14b", [1, 2] if q else [1, 2, 4])
     print("\n## project", flush=True)
     results["project"] = bench_project.bench_project("flux-dev", "tiny", None, 256, 256, steps, "fp32",
                                                      [2] if q else [2, 4], 3 if q else 5,

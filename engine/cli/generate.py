@@ -15,6 +15,7 @@ from ..generate.request import GenerateRequest, default_dtype, empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
+from ..errors import PlanError
 from ..parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
 from ..runtime.client import Engine
 from ..runtime.machine import Machine
@@ -24,7 +25,7 @@ from . import args as types
 from . import output
 from .args import UsageError
 
-DEGREES = ("dp", "pipefusion", "ulysses", "ring")  # integer degree flags; --cfg-parallel sets cfg=2
+DEGREES = ("dp", "pipefusion", "ulysses", "ring", "shard")  # integer degree flags; --cfg-parallel sets cfg=2
 IMAGE_KEYS = ("clip_vision_output", "concat_latent_image", "concat_mask")   # a cond file's image-to-video tensors
 
 
@@ -84,6 +85,9 @@ def register(sub) -> None:
     p.add_argument("--dp", type=types.positive_int, help="data-parallel degree over the batch (explicit plan)")
     p.add_argument("--pipefusion", type=types.positive_int, help="PipeFusion stages (explicit plan): each rank holds "
                    "and runs only its stage's blocks")
+    p.add_argument("--shard", type=types.positive_int, help="divide the weights among groups of this many ranks "
+                   "(explicit plan; a divisor of the other degrees' product, e.g. --ulysses 4 --shard 4): each rank "
+                   "holds and reads 1/shard of them, a block's whole weights gathered as it runs")
     pf = p.add_argument_group("PipeFusion (with --pipefusion 2 or more)")
     pf.add_argument("--patches", type=types.request_field("patches", types.integer),
                     help="latent row bands, at least the stages (default: one per stage)")
@@ -138,13 +142,17 @@ def _some(names: list[str], shown: int = 2) -> str:
 
 
 def _plan(a) -> ParallelPlan | str:
-    given = [f"--{n}" for n in DEGREES if getattr(a, n) is not None] + (["--cfg-parallel"] if a.cfg_parallel else [])
+    given = [f"--{n}" for n in DEGREES if getattr(a, n) is not None] + (
+        ["--cfg-parallel"] if a.cfg_parallel else [])
     if a.plan in (AUTO, FASTEST) and given:
         raise UsageError(f"argument --plan: {a.plan} cannot be combined with {', '.join(given)}: drop --plan {a.plan} "
                          f"for the explicit plan those flags give, or drop them to let {a.plan} choose")
     if not given and a.plan != "explicit":
         return a.plan or AUTO
-    return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
+    try:
+        return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
+    except PlanError as e:   # a shard degree the other degrees' ranks do not divide
+        raise UsageError(f"argument --shard: {e}") from None
 
 
 def _latent(a, info) -> tuple[torch.Tensor, torch.Tensor | None]:

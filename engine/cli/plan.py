@@ -15,6 +15,7 @@ from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
 from ..parallel import cost, fits
 from ..published import images as published
+from ..published import sharding
 from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, PCIE_A2A_CONTENTION, find_gpu, host_link_gbs, stated_hardware
 from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
                              Workload, candidates, feasible, plan_problems)
@@ -110,6 +111,10 @@ def register(sub) -> None:
     p.add_argument("--fit-table", action="store_true",
                    help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
                         "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")
+    p.add_argument("--shard-table", action="store_true",
+                   help="print the sharding fit table (the plan auto picks, dividing the weights among the GPUs where "
+                        "that fits or is faster, for Wan 2.1 14B, the Wan 2.2 A14B pair, FLUX.2 [dev] and Qwen-Image "
+                        "in bf16, fp8 and GGUF on 2x16, 2x24, 4x24, 8x24 and 2x48 GB machines) and exit")
     p.set_defaults(run=run, parser=p)
 
 
@@ -213,11 +218,13 @@ def _required(a) -> None:
     missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
     if missing:
         raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate, "
-                         f"--memory-table or --fit-table alone)")
+                         f"--memory-table, --fit-table or --shard-table alone)")
 
 
 def _validate() -> int:
-    print("\n".join(published.validation_table() + [""] + published.summary()))
+    print("\n".join(published.validation_table() + [""]))
+    print("Weights divided among GPUs (FSDP): the gathers and memory against published runs (nothing fitted)")
+    print("\n".join(sharding.table() + [""] + published.summary()))
     return 0
 
 
@@ -229,6 +236,9 @@ def run(a) -> int:
         return 0
     if a.memory_table:
         print("\n".join(fits.memory_table()))
+        return 0
+    if a.shard_table:
+        print("\n".join(fits.shard_header() + fits.shard_table()))
         return 0
     if a.measured:
         if a.model is None:
@@ -281,8 +291,18 @@ def run(a) -> int:
         return 0
     print("\n".join(_header(info, work, hw, a)) + "\n")
     mine = sorted((e for e in found.estimates if e.ranks == a.gpus), key=lambda e: (not e.fits, e.job_ms))
+    # plans that divide the weights are listed where no plan with whole weights fits (or one of them is the choice)
+    whole_fits = any(e.fits and e.plan.shard == 1 for e in mine)
+    divided = [e for e in mine if e.plan.shard > 1 and e is not found.chosen]
+    if whole_fits and divided:
+        mine = [e for e in mine if e not in divided]
     if mine:
         print("\n".join(_table(mine)))
+    if whole_fits and divided:
+        fastest = min(divided, key=lambda e: e.job_ms)
+        print(f"not listed: {len(divided)} plans dividing the weights (shard), since whole weights fit; the fastest, "
+              f"{fastest.plan.describe()}, est. {fastest.s_per_image:.2f} s/image, {fastest.memory['total']:.1f} GiB "
+              f"(--json lists them all)")
     relevant = [p for p in candidates(a.gpus, pipefusion=True) if (p.cfg == 1 or work.negative_pass)
                 and work.batch % p.dp == 0]
     runs = feasible(a.gpus, work, pipefusion=True)

@@ -15,7 +15,8 @@ from ..models.speed import attention_kernels, compiled_graphs, release_model_mem
 from ..parallel.parallelize import parallelize
 from ..parallel.pipefusion.layout import make_layout, stage_keep
 from ..parallel.pipefusion.pipeline import Pipeline
-from .. import syncs
+from .. import families, syncs
+from ..parallel.shard import shard_spec
 from ..sampling.ksampler import ksample, reshape_mask, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
@@ -91,7 +92,12 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
     only what `keep` accepts. weight_patches: a ComfyUI MODEL's LoRA patches (models/lora.py WeightPatches), applied
     with the request's LoRA files."""
     models = ctx.cache.setdefault("models", {})   # model key -> its state, least recently used first
-    key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ())
+    for old in [k for k, s in models.items() if s.get("shard_mesh") is not None and s["shard_mesh"].destroyed]:
+        _drop(ctx, models, old)   # weights divided over a mesh since destroyed (jobs.py keeps the last few)
+    spec = shard_spec(mesh, families.get(inspect_model(request.model).family)) if not stage else None
+    # divided weights belong to their mesh's shard group: another plan's mesh loads its own division
+    key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ()) + (
+        ("shard", request.plan) if spec else ())
     state = models.pop(key, None)
     _make_room(ctx, models, request, resident=state is not None and not state.get("offloaded"))
     failure = None
@@ -104,7 +110,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
                             os.path.getsize(request.model))
             loaded = load_model(request.model, dtype=request.dtype, device=ctx.device,
                                 fp8_weights=request.fp8_weights, keep=stage[1] if stage else None,
-                                stop=ctx.cancel_requested)
+                                stop=ctx.cancel_requested, shard=spec)
         except LoadStopped:
             release_model_memory(ctx.device)
             ctx.stop_here(stopped=True)   # every rank of the job stops here with this one
@@ -114,7 +120,7 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
             release_model_memory(ctx.device)
         if failure is None:
             ctx.enter_phase("compute")
-            state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded)}
+            state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded), "shard_mesh": mesh if spec else None}
             ctx.info["loaded"] = loaded.stats
             ctx.info["model_source"] = "file"
     elif state.pop("offloaded", False):

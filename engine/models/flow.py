@@ -15,6 +15,7 @@ import torch
 from .. import families
 from ..families.base import pad_text
 from .load import LoadedTransformer
+from .sharded import gathered
 
 
 # A benchmark instrument (bench guider --stub-forward), read from the ranks' environment: each forward returns zeros of
@@ -161,7 +162,8 @@ class FlowModel:
             v = torch.zeros((x.shape[0], self.loaded.info.latent.channels) + tuple(x.shape[2:]), dtype=self.dtype,
                             device=self.device)
         else:
-            v = self.family.forward(self, x, timestep32.to(self.device), prepared)
+            with gathered(self.model):   # weights divided among ranks: the root's whole for the forward (sharded.py)
+                v = self.family.forward(self, x, timestep32.to(self.device), prepared)
         v = v if dtype is None else v.to(dtype)
         return v.unsqueeze(2) if x_model.ndim == 5 and not self.family.frames else v
 

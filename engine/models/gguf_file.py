@@ -199,7 +199,7 @@ class GGUFTensors:
 
     def __init__(self, path: str, header: dict[str, TensorInfo]):
         import gguf
-        self.name = os.path.basename(path)
+        self.name, self.path, self._raw = os.path.basename(path), path, None
         try:
             reader = gguf.GGUFReader(path, "r")
         except Exception as e:  # the header was checked above: this is a disagreement, said in one line
@@ -221,8 +221,28 @@ class GGUFTensors:
             return raw.view(torch.uint8).view(FLOATS[info.dtype][1]).reshape(info.shape)
         return raw.reshape(*info.shape[:-1], -1)
 
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor's dim 0 (a block type's: whole rows of blocks), read alone with a plain read
+        of their bytes (not through the map: a rank copying them into its share never holds their file pages too)."""
+        info, t = self.header[key], self.tensors[key]
+        rows = int(info.shape[0]) if info.shape else 1
+        row_bytes = int(t.n_bytes) // max(rows, 1)
+        raw = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
+        if raw.numel():
+            if self._raw is None:
+                self._raw = open(self.path, "rb")
+            self._raw.seek(int(t.data_offset) + start * row_bytes)
+            if self._raw.readinto(memoryview(raw.numpy())) != raw.numel():
+                raise CheckpointError(f"{self.name}: tensor {key!r} ends before rows {start}:{stop}; the file is "
+                                      f"truncated or damaged")
+        if info.dtype in FLOATS:
+            return raw.view(FLOATS[info.dtype][1]).reshape(stop - start, *info.shape[1:])
+        return raw.reshape(stop - start, *info.shape[1:-1], -1)
+
     def close(self) -> None:
         self.tensors = {}   # the reader's memory map goes with its last view
+        if self._raw is not None:
+            self._raw.close()
 
 
 def find_gguf_files(folders: list[str]) -> dict[str, str]:

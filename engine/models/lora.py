@@ -23,6 +23,7 @@ from safetensors import safe_open
 from .convert import apply_op, key_map
 from .detect import CheckpointInfo
 from .load import lora_owner, restore_weights
+from .sharded import held_rows, local
 from .safetensors_file import CheckpointError, read_header
 
 PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_",
@@ -359,7 +360,9 @@ def apply_loras(loaded, loras: list[tuple[str, float]], state: dict, patches: We
             if weight.shape != delta.shape:
                 raise CheckpointError(f"{label}: delta for {name} has shape {list(delta.shape)}, "
                                       f"the weight {list(weight.shape)}")
-            weight.copy_((weight.float() + strength * delta.to(weight.device)).to(weight.dtype))
+            start, stop = held_rows(weight, loaded.shard)   # weights divided among ranks: this rank's rows
+            held = local(weight)
+            held.copy_((held.float() + strength * delta[start:stop].to(held.device)).to(held.dtype))
             touched.add(name)
     state.update(applied=wanted, touched=touched)
     return {"lora_changed": True, "lora_layers_touched": len(touched), "lora_layers_on_top": on_top,

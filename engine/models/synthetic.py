@@ -52,13 +52,18 @@ def init_random_(model: torch.nn.Module, seed: int) -> None:
     tensor draws from its own generator, seeded from `seed` and its name: a model that holds only some tensors (the
     rest on the meta device) holds the values the whole model has."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta:
-            continue
-        gen = torch.Generator(device=t.device).manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
-        if t.ndim >= 2 and "pos_embed" not in name:
-            fan_in = t[0].numel()
-            t.normal_(0.0, fan_in ** -0.5, generator=gen)
-        elif name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
-            t.fill_(1.0)
-        else:
-            t.normal_(0.0, 0.02 if t.ndim == 1 else 0.5, generator=gen)
+        if not t.is_meta:
+            random_values_(name, t, seed)
+
+
+@torch.no_grad()
+def random_values_(name: str, t: torch.Tensor, seed: int) -> None:
+    """Fill the whole tensor `name` as init_random_ does (its values depend only on the seed, its name and shape)."""
+    gen = torch.Generator(device=t.device).manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    if t.ndim >= 2 and "pos_embed" not in name:
+        fan_in = t[0].numel()
+        t.normal_(0.0, fan_in ** -0.5, generator=gen)
+    elif name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+        t.fill_(1.0)
+    else:
+        t.normal_(0.0, 0.02 if t.ndim == 1 else 0.5, generator=gen)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from safetensors.torch import save_file
@@ -40,7 +40,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 FORMATS = ("safetensors", "fp8_scaled", "fp8_mixed", "gguf")
 
 
-def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32") -> dict[str, torch.Tensor]:
+def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32", dims=None) -> dict[str, torch.Tensor]:
     """Deterministic weights, scaled like a trained model's (1/sqrt(fan_in)) so activations stay sane.
 
     fp8_e4m3fn stores matrices in fp8 and vectors (biases, norm scales) in bf16, as fp8 FLUX files do.
@@ -49,7 +49,7 @@ def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32") -> dict
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(DTYPES)}")
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in shapes_for(variant).items():
+    for name, shape in shapes_for(variant, dims).items():
         if name.endswith((".scale", "ln_q.weight", "ln_k.weight")) or (
                 len(shape) == 1 and "norm" in name and name.endswith(".weight")):
             t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
@@ -150,7 +150,8 @@ def write_gguf(path: str, kind: str, weights: dict[str, torch.Tensor], quant: st
 
 
 def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: str = "fp32", seed: int = 0,
-               prefix: bool = False, full: bool = False, format: str = "safetensors", quant: str = "Q8_0") -> str:
+               prefix: bool = False, full: bool = False, format: str = "safetensors", quant: str = "Q8_0",
+               real_depth: bool = False) -> str:
     """Write one tiny checkpoint and return its path. `full` adds placeholder text-encoder / VAE tensors
     and the `model.diffusion_model.` prefix, as in a full ComfyUI checkpoint. format: safetensors (in `dtype`),
     fp8_scaled, fp8_mixed, or gguf (matrices in `quant`, see gguf_type)."""
@@ -168,12 +169,16 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
         raise ValueError("prefix/full apply to safetensors files: ComfyUI-GGUF files hold the bare transformer")
     if format == "gguf" and quant not in SUPPORTED:
         raise ValueError(f"quant={quant!r} is invalid: use one of {list(SUPPORTED)}")
-    dims = asdict(family.variant_dims(variant, "tiny"))
+    tiny = family.variant_dims(variant, "tiny")
+    if real_depth:   # tiny widths, the full model's block counts (what a per-block cost scales with)
+        full_dims = family.variant_dims(variant, "full")
+        tiny = replace(tiny, **{k: getattr(full_dims, k) for k in asdict(tiny) if k.startswith("depth")})
+    dims = asdict(tiny)
     metadata = {"format": "pt", "xdit.synthetic": json.dumps({"variant": variant, "seed": seed, "dims": dims})}
     os.makedirs(out_dir, exist_ok=True)
-    weights = make_state_dict(variant, seed=seed, dtype=dtype)
+    weights = make_state_dict(variant, seed=seed, dtype=dtype, dims=tiny)
     if format == "gguf":
-        path = os.path.join(out_dir, f"tiny-{variant}-{quant}.gguf")
+        path = os.path.join(out_dir, f"tiny-{variant}-{quant}{'-real-depth' if real_depth else ''}.gguf")
         write_gguf(path, family.gguf_arches[0], weights, quant, {"xdit.synthetic": metadata["xdit.synthetic"]})
         return path
     if format == "fp8_scaled":
@@ -188,6 +193,7 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
         for name in family.full_extras:
             weights[name] = torch.randn(8, 8, generator=gen).to(torch.float16)
     suffix = ("-full" if full else "-prefixed" if prefix else "") + ("" if dtype == "fp32" else f"-{dtype}")
+    suffix += "-real-depth" if real_depth else ""
     suffix += f"-{format}" if format != "safetensors" else ""
     path = os.path.join(out_dir, f"tiny-{variant}{suffix}.safetensors")
     save_file(weights, path, metadata=metadata)

@@ -70,12 +70,28 @@ class Code:
     text_split: bool = True      # the text splits with the image tokens where the model and degree allow (False:
     #                              every rank computes the whole text in every block)
     compiled_sp: bool = False    # torch.compile takes the sequence-parallel operations into its graphs too
+    shard_overlap: float = 0.0   # share of the compute of the block before it that a block's weight gather can hide
+    #                              behind (0: gathered when the block starts, as FSDP without explicit prefetch)
 
 
 def engine_code() -> Code:
     ops = launches.ENGINE_SP_OPS
     return Code("this engine", RING_OVERLAP, PIPEFUSION_OVERLAP, ULYSSES_CALLS_PER_LAYER, ops["ulysses"],
-                ops["ring_layer"], ops["ring_hop"], MERGE_BYTES, ops["pipefusion_layer"])
+                ops["ring_layer"], ops["ring_hop"], MERGE_BYTES, ops["pipefusion_layer"], shard_overlap=SHARD_OVERLAP)
+
+
+# Weights divided among ranks (parallel/shard.py, FSDP2): each block's gather is posted when the block before it
+# starts (explicit forward prefetch), on the shard group's own communicator, so it may take the whole of that block's
+# compute to arrive: 1. This is the design's figure, not a measurement (no GPU here; GPU_CHECKS measures it); the
+# contention of NCCL's kernels with the compute for SMs is left out. Without explicit prefetch a block's gather starts
+# when the block does: the published FSDP inference runs the model is checked on (engine/published/sharding.py) fit
+# no overlap, and a public FSDP measurement found 5% of the gathers overlapped without prefetch and 80% with one
+# block of it (mindspore-ai/hyper-parallel issue #705, 8 NPUs, training).
+SHARD_OVERLAP = 1.0
+# Host time FSDP2 adds per unit (a block, or the root) and forward: its pre- and post-forward hooks, the gather's
+# copy-in and copy-out, measured on this project's CPU host (a 1-rank group of 40 units: `bench shard` measures it
+# again and prints it beside this figure).
+SHARD_UNIT_US = 73.0
 
 
 # attention.py's _merge: the block's bf16 output widened to fp32 (2 read, 4 written), lerp reading it and the running
@@ -300,8 +316,29 @@ def merge_ms(plan, work, hw: Hardware, code: Code | None = None) -> float:
 
 
 def host_ms(plan, work, code: Code | None = None) -> float:
-    """The host's launch time of one rank's step: launches_per_step x LAUNCH_US."""
-    return launches_per_step(plan, work, code) * LAUNCH_US / 1e3
+    """The host's launch time of one rank's step: launches_per_step x LAUNCH_US, and a sharded plan's SHARD_UNIT_US per
+    unit it gathers (every block and the root, once a forward)."""
+    shard = (work.layers + 1) * SHARD_UNIT_US / 1e3 if plan.shard > 1 else 0.0
+    return launches_per_step(plan, work, code) * LAUNCH_US / 1e3 + shard
+
+
+def shard_gather_ms(plan, work, link: Interconnect, compute: float, code: Code | None = None) -> tuple[float, float]:
+    """(all, exposed) milliseconds of one forward's weight gathers under a sharded plan: each unit's all-gather moves
+    (shard - 1) / shard of its weights through every rank's link (a ring: shard - 1 hops of latency). The root's
+    (embedders, final layer) and the first block's are paid before the forward; each later block's hides behind the
+    compute of the block before it, up to the code's `shard_overlap` of it. One forward a step (the passes batched, or
+    one a CFG group); a clip's experts gather only the one that runs."""
+    if plan.shard == 1:
+        return 0.0, 0.0
+    code = code or engine_code()
+    n, blocks = plan.shard, max(1, work.layers)
+    latency = (n - 1) * link.latency_us / 1e3
+
+    def gather(nbytes: float) -> float:
+        return (n - 1) / n * nbytes / (link.bandwidth_gbs * 1e9) * 1e3 + latency
+    root, block = gather(work.weight_bytes - work.block_weight_bytes), gather(work.block_weight_bytes / blocks)
+    hidden = min(block, code.shard_overlap * compute / blocks)
+    return root + blocks * block, root + block + (blocks - 1) * (block - hidden)
 
 
 # ---- communication time ---------------------------------------------------------------------------------------
@@ -338,7 +375,7 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     if plan.pipefusion > 1:
         p2p = over(kinds["pipefusion_p2p"], link.bandwidth_gbs)
         ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * p2p_latency
-    return ms
+    return ms + shard_gather_ms(plan, work, link, compute, code)[1]
 
 
 # ---- one plan -------------------------------------------------------------------------------------------------
@@ -398,7 +435,7 @@ def estimate(plan, work, hw: Hardware, *, code: Code | None = None, one_gpu_ms: 
     placement, memory = expert_placement(plan, work, hw.memory_gib)
     fits = hw.memory_gib is None or memory["total"] <= hw.memory_gib
     exact, job = True, steps * step
-    swap = swap_ms(work, hw) if placement == HOST else 0.0
+    swap = swap_ms(work, hw, plan) if placement == HOST else 0.0
     if plan.pipefusion > 1:
         stage_gib, fits = stage_memory_gib(plan, work, hw.memory_gib)
         memory = dict(memory, total=max(stage_gib), stages=stage_gib)

@@ -31,7 +31,7 @@ class GPU:
 # H100 SXM 989 / PCIe 756 / NVL 835 (H100 datasheet), H200 989 / H200 NVL 835 (H200 datasheet), H20 148 (H20
 # datasheet), A100 and A800 312 (A100 / A800 datasheets), L40S 362, L40 181, L20 119.5, L4 121, A40 149.7, A10 125
 # (their datasheets), RTX 6000 Ada 364.2 (Ada whitepaper), RTX A6000 154.8 and RTX 3090 71 (Ampere GA102
-# whitepaper), RTX 4090 165.2 (Ada whitepaper), RTX 5090 209.5 (Blackwell GB202 whitepaper: 838.4 sparse fp16
+# whitepaper), RTX 4090 165.2 and RTX 4080 97.5 (Ada whitepaper), RTX 5090 209.5 (Blackwell GB202 whitepaper: 838.4 sparse fp16
 # accumulate, halved twice), RTX PRO 6000 Blackwell 503.8 (RTX Blackwell whitepaper). GeForce cards run bf16 with fp32
 # accumulate at half their fp16-accumulate rate; the halved rate is the one listed, since torch's bf16 matmuls
 # accumulate in fp32. NVLink: H100 SXM / H200 / H20 900 GB/s, H100 NVL and H100 PCIe bridges 600, H200 NVL bridge
@@ -60,13 +60,14 @@ GPUS = {g.name: g for g in (
     GPU("RTX A6000", 154.8, 48, (("a6000",),), "ampere", 112.5),
     GPU("RTX 5090", 209.5, 32, (("5090",),), "blackwell", 0, 5),
     GPU("RTX 4090", 165.2, 24, (("4090",),), "ada"),
+    GPU("RTX 4080", 97.5, 16, (("4080",),), "ada"),
     GPU("RTX 3090", 71, 24, (("3090",),), "ampere", 112.5),
 )}
 # Memory bandwidth, GB/s, from the same datasheets and whitepapers: what a ring's log-sum-exp merges stream at (cost.py).
 MEMORY_GBS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100 SXM": 3350, "H200 NVL": 4800, "H200": 4800, "H20": 4000,
               "A100 40GB": 1555, "A100 80GB": 2039, "A800 40GB": 1555, "A800 80GB": 2039, "L40S": 864, "L40": 864,
               "L20": 864, "L4": 300, "A40": 696, "A10": 600, "RTX PRO 6000": 1792, "RTX 6000 Ada": 960,
-              "RTX A6000": 768, "RTX 5090": 1792, "RTX 4090": 1008, "RTX 3090": 936}
+              "RTX A6000": 768, "RTX 5090": 1792, "RTX 4090": 1008, "RTX 4080": 716.8, "RTX 3090": 936}
 UNKNOWN_MEMORY_GBS = 2039   # an A100's, as UNKNOWN_GPU_TFLOPS
 
 

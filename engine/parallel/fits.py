@@ -77,6 +77,41 @@ def fit_table() -> list[str]:
     return lines
 
 
+# ---- weights divided among the GPUs (the sharding fit table) ------------------------------------------------------
+SHARD_MACHINES = (Machine("2x16 GB", 2, "RTX 4080", "pcie-no-peer"), Machine("2x24 GB", 2, "RTX 4090", "pcie-no-peer"),
+                  Machine("4x24 GB", 4, "RTX 4090", "pcie-no-peer"), Machine("8x24 GB", 8, "RTX 4090", "pcie-no-peer"),
+                  Machine("2x48 GB", 2, "RTX 6000 Ada", "pcie-bridge"))
+SHARD_WEIGHTS = (("bf16", {}), ("fp8", {"fp8_weights": True}),
+                 ("GGUF Q8_0", {"bytes_per_weight": BLOCKS["Q8_0"][2] / BLOCKS["Q8_0"][1]}),
+                 ("GGUF Q4_K", {"bytes_per_weight": BLOCKS["Q4_K"][2] / BLOCKS["Q4_K"][1]}))
+SHARD_MODELS = (("Wan 2.1 14B", "wan2.1-14b", (1280, 720, 81), {}),
+                ("Wan 2.2 A14B (both experts)", "wan2.2-a14b", (1280, 720, 81), {}),
+                ("Wan 2.2 A14B (both experts)", "wan2.2-a14b", (832, 480, 81), {}),
+                ("FLUX.2 [dev]", "flux2-dev", (1024, 1024, 1), {"negative_pass": False}),
+                ("Qwen-Image (cfg 2.5)", "qwen-image", (1328, 1328, 1), {}))
+
+
+def shard_header() -> list[str]:
+    return [f"Each cell: the plan auto picks (\"shardN\": each GPU holds 1/N of the weights), GiB per GPU, est. seconds "
+            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's 1, eager, bf16 compute; transformer only), the "
+            f"idle expert's host GiB per machine where auto keeps it there; \"no (X)\": no plan fits, the least needs "
+            f"X GiB per GPU. 16 GB: RTX 4080, 24 GB: RTX 4090 (PCIe, no peer access), 48 GB: RTX 6000 Ada (PCIe).", ""]
+
+
+def shard_table() -> list[str]:
+    """Markdown, one row per model, size and weights, one column per machine of SHARD_MACHINES."""
+    lines = ["| model | weights | size | " + " | ".join(m.label for m in SHARD_MACHINES) + " |",
+             "|---|---|---|" + "---|" * len(SHARD_MACHINES)]
+    for title, variant, (w, h, frames), kw in SHARD_MODELS:
+        for weights, wkw in SHARD_WEIGHTS:
+            work = Workload.for_variant(variant, w, h, frames=frames, steps=STEPS,
+                                        **{"negative_pass": True, **kw, **wkw})
+            size = f"{w}x{h}x{frames}" if frames > 1 else f"{w}x{h}"
+            cells = " | ".join(cell(work, m) for m in SHARD_MACHINES)
+            lines.append(f"| {title} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {size} | {cells} |")
+    return lines
+
+
 # ---- memory per GPU (the Requirements table) ------------------------------------------------------------------------
 MEMORY_MODELS = (("FLUX.1-dev / schnell", "flux-dev", False, True), ("SD3-medium", "sd3-medium", True, True),
                  ("SD3.5-medium", "sd3.5-medium", True, True), ("SD3.5-large", "sd3.5-large", True, True),

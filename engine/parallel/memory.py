@@ -36,6 +36,11 @@ RUNTIME_GIB = 1.5
 # more, on GPUs that have the memory.
 NCCL_BUFFER_BYTES = 4 * 2**20 + 512 * 2**10
 NCCL_CHANNELS = 2
+# Weights divided among a group (plan.shard, parallel/shard.py: FSDP2): while a forward runs, a GPU holds beside its
+# share the root's weights whole (embedders, final layer: gathered for the whole forward) and this many blocks'
+# whole weights: the block running and the next one's gather posted ahead (FSDP2 copies a gather's output into the
+# block's parameters and frees it before it posts the following one, and frees a block's after its forward).
+IN_FLIGHT_BLOCKS = 2
 
 
 def act_widths(work) -> float:
@@ -53,6 +58,8 @@ def memory_gib(plan, work, placement: str | None = None) -> dict[str, float]:
     placement = placement or work.placement
     held = work.experts if placement == RESIDENT else 1
     weights = held * (work.weight_bytes - work.block_weight_bytes + work.block_weight_bytes / plan.pipefusion)
+    if plan.shard > 1:   # 1/shard of every expert held; one forward's root and IN_FLIGHT_BLOCKS blocks whole
+        weights = held * work.weight_bytes / plan.shard + gathered_bytes(work)
     p = plan.ulysses * plan.ring
     text = joint_text(work)
     tokens = shard_tokens(work.image_tokens, p) + (text / p if text_split(plan, work) else text)
@@ -63,10 +70,17 @@ def memory_gib(plan, work, placement: str | None = None) -> dict[str, float]:
     return dict(parts, total=sum(parts.values()))
 
 
+def gathered_bytes(work) -> float:
+    """What a GPU of a sharded plan holds whole while a forward runs, beside its share: the root's weights and
+    IN_FLIGHT_BLOCKS blocks'."""
+    root = work.weight_bytes - work.block_weight_bytes
+    return root + IN_FLIGHT_BLOCKS * work.block_weight_bytes / max(1, work.layers)
+
+
 def host_gib_per_machine(plan, work) -> float:
     """Host memory the idle experts take on the machine (HOST placement): one expert per rank, as each rank moves its
-    own copy out."""
-    return plan.world_size * (work.experts - 1) * work.weight_bytes / GiB
+    own copy out (its share of it under a sharded plan)."""
+    return plan.world_size * (work.experts - 1) * work.weight_bytes / plan.shard / GiB
 
 
 def nccl_gib(plan) -> float:
@@ -169,8 +183,10 @@ def expert_placement(plan, work, memory_gib_limit: float | None) -> tuple[str, d
     return HOST, memory_gib(plan, work, HOST)
 
 
-def swap_ms(work, hw) -> float:
+def swap_ms(work, hw, plan=None) -> float:
     """HOST placement, per clip after the first (which reads the files): each expert is copied to the GPU once and
     back out once (the first expert returns at the clip's start while the last one leaves, the second replaces the
-    first at the switch), every rank over its own link at the host-to-device rate (devices.host_link_gbs)."""
-    return work.experts * 2 * work.weight_bytes / (host_link_gbs(hw.gpu) * 1e9) * 1e3
+    first at the switch), every rank over its own link at the host-to-device rate (devices.host_link_gbs); a sharded
+    plan's ranks each copy their share."""
+    share = plan.shard if plan is not None else 1
+    return work.experts * 2 * work.weight_bytes / share / (host_link_gbs(hw.gpu) * 1e9) * 1e3

@@ -70,9 +70,10 @@ class Group:
 
 
 class Mesh:
-    def __init__(self, plan: ParallelPlan, rank: int, world: int):
+    def __init__(self, plan: ParallelPlan, rank: int, world: int, device_type: str = "cpu"):
         plan.check_engine(world)
         self.plan, self.rank, self.world = plan, rank, world
+        self.device_type = device_type   # the ranks' device kind ("cpu", "cuda"): a DeviceMesh over a group needs it
         self.active = rank < plan.world_size   # this rank runs the job (the ranks past the plan's idle)
         self.shape = tuple(getattr(plan, n) for n in ORDER)
         self.coords = dict(zip(ORDER, self._unravel(rank))) if self.active else {}
@@ -90,6 +91,13 @@ class Mesh:
                 if rank in members:
                     self.groups[name] = Group(name, members, members.index(rank), pg)
         self._pipefusion_links(rank, world)
+        # the weights divided among groups of plan.shard consecutive ranks of the plan's (parallel/shard.py), on a
+        # communicator of their own: a block's gather, posted ahead, never queues behind the sequence group's traffic
+        for start in range(0, plan.world_size, plan.shard):
+            members = list(range(start, start + plan.shard))
+            pg = self._group(members, shared=False) if len(members) > 1 and world > 1 else None
+            if rank in members:
+                self.groups["shard"] = Group("shard", members, members.index(rank), pg)
         # the ranks that run the job agree on its per-step decisions (cancel) among themselves: the whole world's
         # group when the plan uses every rank, else a group of the first world_size ranks (None: one rank)
         job = plan.world_size
@@ -127,6 +135,14 @@ class Mesh:
         self.groups.clear()
         self._shared.clear()
         self.job_pg = self.control_pg = None
+        self.destroyed = True
+
+    destroyed = False
+
+    def spans(self, group: str, dim: str) -> bool:
+        """Do `group`'s members differ in their `dim` coordinate (a shard group across CFG groups, say)?"""
+        g = self.groups.get(group)
+        return g is not None and len({self._unravel(r)[ORDER.index(dim)] for r in g.ranks}) > 1
 
     def _pipefusion_links(self, rank: int, world: int) -> None:
         """PipeFusion's stages pass messages round a ring (stage s -> s+1, the last -> the first). Each link gets a

@@ -260,6 +260,12 @@ class ParallelFlow:
             return None if out is None else [out]
         cfg = self.mesh["cfg"]
         mine = {i: self._rows(*parts[i]) for i in range(cfg.rank, len(parts), cfg.size)}
+        if len(parts) % cfg.size and self.mesh.spans("shard", "cfg"):
+            # weights divided across CFG groups: every forward gathers each block over members of both, so every
+            # group runs as many forwards; a group one short runs its first part again (it would wait idle as long)
+            rounds = -(-len(parts) // cfg.size)
+            if len(mine) < rounds:
+                self._rows(*parts[cfg.rank % len(parts)], answer=False)
         if any(v is None for v in mine.values()):
             return None
         if cfg.rank:
@@ -278,16 +284,18 @@ class ParallelFlow:
             mine[i] = by_member[i % cfg.size].pop(0)
         return [mine[i] for i in range(len(parts))]
 
-    def _rows(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared) -> torch.Tensor | None:
+    def _rows(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared,
+              answer: bool = True) -> torch.Tensor | None:
         """One CFG group's rows: data parallel splits them when its degree divides them; the output (the model's
-        dtype) on the group's first rank (its sequence-parallel and dp coordinates 0), None on the others."""
+        dtype) on the group's first rank (its sequence-parallel and dp coordinates 0), None on the others. answer
+        False: the forward only (its output dropped, nothing gathered)."""
         n = x_model.shape[0]
         dp = self.mesh["dp"]
         split_dp = dp.size > 1 and n % dp.size == 0
         per = n // dp.size if split_dp else n
         items = slice(dp.rank * per, dp.rank * per + per) if split_dp else slice(0, n)
         out = self.flow.output(x_model[items], timestep[items], prepared.rows(items), dtype=None)
-        if self.mesh["sp"].rank:   # every member of the sequence group holds the whole output: the first answers
+        if self.mesh["sp"].rank or not answer:   # every member of the sequence group holds the whole output: the first answers
             return None
         if split_dp:
             out = self.mesh.gather_to_first(out, "dp", kind="dp_gather")

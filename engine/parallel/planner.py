@@ -32,6 +32,9 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
         parts.append(f"K/V passed around a ring of {plan.ring}")
     if plan.pipefusion > 1:
         parts.append(f"{work.layers} blocks in {plan.pipefusion} pipelined stages, each GPU holding its own")
+    if plan.shard > 1:
+        parts.append(f"weights divided {plan.shard} ways, each GPU holding 1/{plan.shard} of every block and "
+                     f"gathering a block's whole weights as it runs")
     return "; ".join(parts) if parts else "one rank runs the whole job"
 
 
@@ -51,10 +54,11 @@ def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
     blocks between the GPUs, cannot run the model when it cannot. "" for one model."""
     if work.experts < 2:
         return ""
-    one = work.weight_bytes / GiB
+    one = work.weight_bytes / e.plan.shard / GiB   # what a GPU keeps of one expert (its share under a sharded plan)
+    share = f" (1/{e.plan.shard} of each)" if e.plan.shard > 1 else ""
     both = memory_gib(e.plan, work, RESIDENT)["total"]
     if e.placement == RESIDENT:
-        note = (f"the {work.experts} experts both resident on every GPU ({work.experts} x {one:.1f} GiB, "
+        note = (f"the {work.experts} experts both resident on every GPU{share} ({work.experts} x {one:.1f} GiB, "
                 f"{both:.1f} GiB per GPU with the activations): no copies between clips")
     else:
         why = (f"both need {both:.1f} GiB per GPU, more than {hw.memory_gib:g}" if hw.memory_gib is not None
@@ -68,6 +72,22 @@ def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
     return note
 
 
+def shard_note(best: cost.Estimate, found: "Survey", work: Workload, hw: Hardware) -> str:
+    """Why auto divided the weights: no plan of whole weights fits (with the least they need), or the divided plan
+    is faster than the fastest whole one."""
+    whole = [e for e in found.estimates if e.ranks == best.ranks and e.plan.shard == 1]
+    fitting = [e for e in whole if e.fits]
+    gathered = cost.shard_gather_ms(best.plan, work, hw.link, best.compute_ms)[1]
+    if not fitting:
+        least = min((e.memory["total"] for e in whole), default=float("nan"))
+        return (f"the weights are divided {best.plan.shard} ways because no plan with whole weights on every GPU fits "
+                f"{hw.memory_gib:g} GiB (the least needs {least:.1f} GiB); each GPU holds "
+                f"{best.memory['weights']:.1f} GiB of weights, and the gathers add about {gathered:.0f} ms a step")
+    fastest = min(fitting, key=lambda e: e.job_ms)
+    return (f"the weights are divided {best.plan.shard} ways: faster than {fastest.plan.describe()} with whole weights "
+            f"(est. {fastest.step_ms:.0f} ms/step)")
+
+
 def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
     """What would bring `work` on `ranks` GPUs under `gib` per GPU: fp8 weights, an explicit PipeFusion plan (it
     divides the blocks' weights between the GPUs), more GPUs. Empty when none of these would."""
@@ -78,7 +98,13 @@ def memory_helps(ranks: int, work: Workload, gib: float) -> list[str]:
                             "block_weight_bytes": work.block_weight_bytes // per, "fp8_weights": True})
         if min(memory_gib(p, light)["total"] for p in feasible(ranks, light)) <= gib:
             helps.append(wording.say("fp8 would fit", gib=light.weight_bytes / GiB))
-    if ranks > 1:
+    if ranks > 1:   # the weights divided among the GPUs: the least memory of each plan, all of them sharded
+        divided = [p for p in feasible(ranks, work) if p.shard == ranks]
+        if divided:
+            least = min(divided, key=lambda p: memory_gib(p, work)["total"])
+            if memory_gib(least, work)["total"] <= gib:
+                helps.append(wording.say("plan would fit", plan=wording.plan(least), detail=f"each GPU holds 1/{ranks} "
+                                         f"of the weights, {memory_gib(least, work)['total']:.1f} GiB in all"))
         info = synthetic_info(f"synthetic:{work.variant}")
         for p in range(2, min(ranks, work.layers) + 1):
             plan = ParallelPlan(pipefusion=p, dp=ranks // p) if ranks % p == 0 else None
@@ -106,10 +132,11 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
                   if work.pipefusion_conflict else "no PipeFusion split of the blocks fits either")
     held = (f" (the idle one of its {work.experts} experts in host memory)" if work.experts > 1 and
             best.placement != RESIDENT else "")
+    divided = (f"with the weights divided {best.plan.shard} ways the blocks in flight and the root stay whole" if
+               best.plan.shard > 1 else "sequence, CFG and data parallel keep a full copy of the weights on every GPU")
     return (f"no parallel plan fits {work.variant}{held} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the "
             f"least needs {m['total']:.1f} GiB ({wording.plan(best.plan)}: weights {m['weights']:.1f}, activations "
-            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; sequence, CFG and data parallel keep a full copy of "
-            f"the weights on every GPU, and {pipefusion}); " + "; ".join(helps))
+            f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; {divided}, and {pipefusion}); " + "; ".join(helps))
 
 
 def rank_plans(ranks: int, work: Workload, hardware: Hardware, pipefusion: bool = False) -> list[cost.Estimate]:
@@ -218,6 +245,8 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         if fewer:
             near = min(fewer, key=lambda e: e.job_ms)
             reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
+    if best.plan.shard > 1:
+        reason += f"; {shard_note(best, found, work, hw)}"
     if work.experts > 1:
         reason += f"; {experts_note(best, work, hw)}"
     if hw.measured is not None:

@@ -81,4 +81,7 @@ def comm_bytes(plan, work) -> dict[str, int]:
     kinds["dp_gather"] = (plan.dp - 1) * velocity
     if plan.pipefusion > 1:
         kinds["pipefusion_p2p"] = pipefusion_step_bytes(plan, work)
+    # weights divided among ranks: one forward a step gathers every block and the root once; a ring all-gather sends
+    # (shard - 1) / shard of them from each rank
+    kinds["shard_gather"] = (plan.shard - 1) * work.weight_bytes // plan.shard
     return kinds

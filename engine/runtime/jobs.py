@@ -93,7 +93,7 @@ class JobContext:
                 _, dropped = meshes.popitem(last=False)
                 dropped.destroy()
                 self.cache["meshes_destroyed"] = self.cache.get("meshes_destroyed", 0) + 1
-            meshes[plan] = Mesh(plan, self.rank, self.world)
+            meshes[plan] = Mesh(plan, self.rank, self.world, self.device.type)
         mesh = meshes[plan]
         self.info["meshes"] = {"kept": len(meshes), "destroyed": self.cache.get("meshes_destroyed", 0),
                                "plan_communicators": mesh.communicators,

@@ -11,6 +11,7 @@ from . import bridge
 from .protocol import Channel
 
 PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MMAP_THRESHOLD_BYTES = 2 ** 20
 
 
 def rank_env(gpus: list[int] | None) -> dict[str, str]:
@@ -20,6 +21,11 @@ def rank_env(gpus: list[int] | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([PACK_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # a local engine talks over loopback only
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    # glibc raises its mmap threshold to the size of each large block freed, after which blocks of that size come from
+    # the heap and their memory is kept when freed: a rank that gathers each block's weights (a sharded plan) and frees
+    # them after would keep growing to the whole model's size in host memory. A fixed threshold (1 MiB) gives every
+    # larger buffer back when it is freed. A value the user set is kept.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     return env
