@@ -123,8 +123,11 @@ for name, file, cfg, steps in GRAPHS:
     if "fp8" in file:   # how far ComfyUI's own fp8 layers are from the file's exact values (ComfyUI 0.3.64: 2e-3)
         exact = ksampler(chain(native_model(file, dequantize=True), steps), pos, neg, cfg, latent=latent)
         entry["comfyui_fp8_vs_exact_rel_l2"] = rel(want, exact)
-    for gpus in ("0", "0,1"):
-        eng, model = engine(file, gpus)
+    # 1 and 2 ranks as auto plans them, and 2 ranks with the weights divided between them (explicit: CFG parallel where
+    # there is a negative pass, else Ulysses, each with shard 2)
+    divided = dict(plan="explicit", shard=2, **(dict(cfg_parallel=True) if cfg != 1.0 else dict(ulysses=2)))
+    for gpus, kw in (("0", {}), ("0,1", {}), ("0,1 shard2", divided)):
+        eng, model = engine(file, gpus.split()[0], **kw)
         t0 = time.perf_counter()
         got = ksampler(chain(model, steps), pos, neg, cfg, latent=latent)
         plan, route, _ = last_job(eng)
@@ -153,8 +156,8 @@ WAN_LATENT = {"samples": torch.zeros(1, 16, 3, 8, 8)}   # 9 frames of 64x64
 pos, neg = conds_for("tiny-wan2.1-1.3b.safetensors")
 want = wan_ksampler(shift8(native_model("tiny-wan2.1-1.3b.safetensors")), pos, neg, WAN_LATENT)
 entry = {}
-for gpus in ("0", "0,1"):
-    eng, model = engine("tiny-wan2.1-1.3b.safetensors", gpus)
+for gpus, kw in (("0", {}), ("0,1", {}), ("0,1 shard2", dict(plan="explicit", cfg_parallel=True, shard=2))):
+    eng, model = engine("tiny-wan2.1-1.3b.safetensors", gpus.split()[0], **kw)
     entry[f"ksampler gpus={gpus}"] = {"rel_l2": rel(wan_ksampler(shift8(model), pos, neg, WAN_LATENT), want),
                                       "plan": last_job(eng)[0], "route": last_job(eng)[1]}
     fast = call("XDiTSampler", model=shift8(model), seed=3, steps=3, cfg=5.0, sampler_name="euler",
@@ -183,6 +186,12 @@ report["graphs"]["wan2.2 a14b two experts, KSamplerAdvanced"] = {"rel_l2": rel(e
 report["graphs"]["wan2.2 a14b two experts, xDiT Sampler (Advanced)"] = {
     "rel_l2": rel(experts(high, low, "XDiTSamplerAdvanced"), want), "plan": last_job(eng_low)[0],
     "route": last_job(eng_low)[1]}
+# both experts with their weights divided over the two ranks (each rank keeps half of each)
+divided = dict(plan="explicit", cfg_parallel=True, shard=2)
+eng_high2, high2 = engine("tiny-wan2.2-a14b.safetensors", "0,1", **divided)
+eng_low2, low2 = engine("tiny-wan2.2-a14b-low.safetensors", "0,1", **divided)
+report["graphs"]["wan2.2 a14b two experts divided, KSamplerAdvanced"] = {"rel_l2": rel(experts(high2, low2), want),
+                                                                         "plan": last_job(eng_low2)[0]}
 
 # the same two experts in SamplerCustomAdvanced's form: BasicScheduler's sigmas split at step 2 (SplitSigmas), each
 # half through ComfyUI's CFGGuider on its expert, the second half without added noise (DisableNoise)

@@ -182,6 +182,9 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
             server.kill()
 
 
+GRAPHS_WITH_SHARD = 6   # at least: the image graphs run on 2 ranks with shard 2 through KSampler and xDiT Sampler
+
+
 @pytest.mark.timeout(900)
 def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
     """The loader swapped for the xDiT Engine (its MODEL through ComfyUI's sampling, CFGNorm and LoRA nodes into
@@ -235,6 +238,11 @@ def test_stock_graphs_with_the_engines_model_equal_comfyui_own(setup):
                             "wan2.1 t2v KSampler, cfg2, text lengths 24 and 10"}
     for name, run in unequal.items():   # two calls a step, one round trip a step, each pass on its CFG group
         assert run["plan"] == "cfg2" and run["model_calls"] == 2 * run["round_trips"] > 0, (name, run)
+    # the weights divided between the two ranks, on both routes, every family, and both Wan 2.2 experts
+    divided = {(name, k): v["plan"] for name, e in report["graphs"].items() for k, v in e.items()
+               if isinstance(v, dict) and "shard2" in k}
+    assert len(divided) >= 2 * GRAPHS_WITH_SHARD and all(p.endswith("x shard2") for p in divided.values()), divided
+    assert report["graphs"]["wan2.2 a14b two experts divided, KSamplerAdvanced"]["plan"] == "cfg2 x shard2"
     two = {k: v["plan"] for k, v in report["graphs"]["sd3.5-medium cfg4"].items() if isinstance(v, dict)}
     assert two["ksampler gpus=0,1"] == "cfg2" and two["xdit sampler gpus=0,1"] == "cfg2"   # the batched passes split
     routes = {v["route"] for e in report["graphs"].values() for v in e.values() if isinstance(v, dict) and "route" in v}
