@@ -178,7 +178,7 @@ def test_cpu_ranks_without_measured_compute_keep_sending_the_least():
 
 def test_measured_free_memory_refuses_a_plan_that_the_cards_size_would_fit():
     """FLUX.1-dev bf16 under ulysses2 needs 24.0 GiB: a 24 GiB 4090 fits it on paper, not with the 23.4 GiB it has
-    free once a CUDA context exists."""
+    free once a CUDA context exists; then no plan with whole weights fits, and auto divides them."""
     flux = Workload.for_variant("flux-dev")
     stated = stated_hardware(2, "RTX 4090", "pcie")
     assert resolve_plan("auto", 2, flux, stated).plan == ParallelPlan(ulysses=2)
@@ -186,7 +186,7 @@ def test_measured_free_memory_refuses_a_plan_that_the_cards_size_would_fit():
     measured = Measured("cuda:0,1", fig).apply(stated)
     choice = resolve_plan("auto", 2, flux, measured)
     print(choice.reason)
-    assert measured.memory_gib == 23.4 and choice.plan.ulysses * choice.plan.ring == 1
+    assert measured.memory_gib == 23.4 and choice.plan.shard == 2 and "no plan with whole weights on every GPU fits 23.4 GiB" in choice.reason
     assert "memory measured (free once a CUDA context exists)" in choice.reason
     assert "link modelled" in choice.reason and "compute modelled" in choice.reason
 

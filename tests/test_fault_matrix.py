@@ -30,7 +30,7 @@ def test_an_out_of_memory_rank_is_named_and_the_engine_recovers(point, tmp_path)
     row = rank_fault("other", point, "oom", str(tmp_path))
     print(f"OOM of rank 2 at {row['phase']}: detected in {row['detected_s']:.2f} s; {row['error']}")
     assert row["recovered"], row["error"]
-    assert "rank 2 ran out of memory" in row["error"]
+    assert "rank 2 (cpu) ran out of memory" in row["error"]
 
 
 @pytest.mark.parametrize("point", list(PHASES))

@@ -557,7 +557,8 @@ def test_the_planner_says_which_plans_fit_flux2_dev_on_the_gpus_people_own():
     """FLUX.2 [dev] at 1024^2, 28 steps, over PCIe: the plan auto picks on 2x48, 4x24 and 4x16 GB in bf16, fp8 and
     GGUF Q4_K, or that none fits. Checked against bounds from the diffusers model's parameter counts alone: a plan
     that keeps the whole model (no PipeFusion) needs every weight on each GPU, a PipeFusion stage at least its
-    share of the blocks plus the shared layers; nothing fits only where even the smallest share does not."""
+    share of the blocks plus the shared layers, a plan dividing the weights N ways 1/N of them plus the shared layers
+    and two blocks whole; nothing fits only where even the smallest share does not."""
     from engine.errors import PlanError
     from engine.parallel import cost
     from engine.parallel.devices import stated_hardware
@@ -583,6 +584,10 @@ def test_the_planner_says_which_plans_fit_flux2_dev_on_the_gpus_people_own():
                 continue
             e = cost.estimate(plan, work, hw)
             share = (params - blocks + blocks / plan.pipefusion) * per / GiB
+            if plan.shard > 1:
+                units = len({".".join(n.split(".")[:2]) for n, _ in model.named_parameters()
+                             if "transformer_blocks." in n})
+                share = (params / plan.shard + params - blocks + 2 * blocks / units) * per / GiB
             rows.append(f"| {gpus}x {memory} GB | {label} | {plan.describe()} | {e.s_per_image:.1f} | "
                         f"{e.memory['total']:.1f} | {share:.1f} |")
             assert e.fits and share < e.memory["total"] <= memory

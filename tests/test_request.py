@@ -93,9 +93,10 @@ def test_scalar_checks_run_before_the_file_is_read_and_on_the_ranks_too(sd3, fie
 
 
 def test_the_checkpoint_header_is_read_once_and_again_only_when_the_file_changes(sd3, monkeypatch):
+    from engine.models import reader
     reads = []
-    original = load.read_header
-    monkeypatch.setattr(load, "read_header", lambda path: reads.append(path) or original(path))
+    original = reader.read_header
+    monkeypatch.setattr(reader, "read_header", lambda path: reads.append(path) or original(path))
     load._INFO_CACHE.clear()
     for ranks in (1, 2, 4):
         request(sd3).validate(ranks=ranks)

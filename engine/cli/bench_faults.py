@@ -124,7 +124,7 @@ def rank_fault(role: str, point: str, action: str, tmp: str) -> dict:
         if error is None:
             checks.append("no error")
         elif action == "oom":
-            if not (error.oom and f"rank {rank} ran out of memory" in str(error)):
+            if not (error.oom and f"rank {rank} (cpu) ran out of memory" in str(error)):
                 checks.append("the error does not name the rank's out-of-memory")
         elif f"rank {rank}" not in str(error).splitlines()[0]:
             checks.append(f"the error does not name rank {rank}")

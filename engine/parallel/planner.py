@@ -166,8 +166,12 @@ def pick(estimates: list[cost.Estimate], approximate: bool = False) -> tuple[cos
     that fit ("exact"), all that fit when `approximate` ("approximate allowed"), all that fit when no exact plan does
     ("no exact plan fits"). The rank count: the fastest (fewer GPUs when within FEWER_RANKS_TIE), so never a plan
     slower than fewer GPUs; on it, among the plans within TIE of its fastest and no slower than any fewer GPUs'
-    fastest: the exact one, then the one that sends least, then the earliest (simplest)."""
-    fitting = [e for e in estimates if e.fits]
+    fastest: the exact one, then the one that sends least, then the earliest (simplest). A plan dividing the weights
+    is weighed only where the same plan with whole weights does not fit."""
+    # a plan that divides the weights only where the same plan with whole weights does not fit: with them whole it
+    # computes the same and gathers nothing (a measured step of the whole plan speaks for its divided forms too)
+    whole_fits = {e.plan for e in estimates if e.fits and e.plan.shard == 1}
+    fitting = [e for e in estimates if e.fits and not (e.plan.shard > 1 and e.plan.without_shard() in whole_fits)]
     pool, label = [e for e in fitting if e.exact], "exact"
     if approximate:
         pool, label = fitting, "approximate allowed"
