@@ -61,13 +61,13 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
     first = list(RELEASED[0]["nodes"]["XDiTEngine"]["inputs"])
     assert report["engine_inputs"] == {"required": first, "optional": ["cache_threshold", "compile", "attention",
                                                                        "pipefusion", "patches", "warmup_steps",
-                                                                       "expert_placement"]}
+                                                                       "expert_placement", "shard"]}
     assert report["first_release_engine_inputs"] == sorted(first)
     # gpus "all" on ComfyUI's --cpu: one CPU rank per two cores; the advanced inputs folded where the frontend can
     assert report["gpus_all"] == list(range(max(1, (os.cpu_count() or 1) // 2)))[:8]
     if report.get("comfyui", "") != "0.3.64":
         assert {"ulysses", "ring", "cfg_parallel", "dp", "timeout_s", "compile", "attention", "pipefusion", "patches",
-                "warmup_steps", "expert_placement"} <= set(report["engine_advanced"]), report["engine_advanced"]
+                "warmup_steps", "expert_placement", "shard"} <= set(report["engine_advanced"]), report["engine_advanced"]
     else:
         assert report["engine_advanced"] == []
     # a prompt saved with each release passes ComfyUI's own validation, the guider's graph included
@@ -141,12 +141,12 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
         engine = listed["XDiTEngine"]["input"]
         assert "tiny-flux-dev.safetensors" in json.dumps(engine["required"]["model_name"])
         assert set(engine["optional"]) == {"cache_threshold", "compile", "attention", "pipefusion", "patches",
-                                           "warmup_steps", "expert_placement"}
+                                           "warmup_steps", "expert_placement", "shard"}
         # /object_info tells the frontend which inputs fold under "Show advanced inputs" (ComfyUI 0.33 and later)
         advanced = {name for kind in ("required", "optional") for name, spec in engine.get(kind, {}).items()
                     if len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("advanced")}
         print("advanced engine inputs in /object_info:", sorted(advanced))
-        assert not advanced or {"ulysses", "ring", "expert_placement"} <= advanced
+        assert not advanced or {"ulysses", "ring", "expert_placement", "shard"} <= advanced
         # a prompt saved with the first release: its engine and Info inputs only, queued and run through the API
         first = RELEASED[0]["nodes"]
         inputs = {name: entry.get("default") for name, entry in first["XDiTEngine"]["inputs"].items()}
