@@ -275,3 +275,13 @@ def test_the_fp8_weight_option_divides_the_fp8_matrices(files, engines):
     assert ranks[0]["loaded"]["held_bytes"] < 0.6 * one["held_bytes"]
     assert report("flux fp8 weights ulysses2 x shard2 vs one rank", (got - want).abs().max(),
                   bound(want, files["flux"], 1.0))
+
+
+@pytest.mark.parametrize("degrees,words", [("3", "3: plan ulysses3 cannot run this job"), ("9", "9: ranks=9 is invalid")])
+def test_bench_shard_refuses_a_degree_it_cannot_run_in_one_line_before_any_rank_starts(degrees, words):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "engine", "bench", "shard", "--degrees", degrees], capture_output=True,
+                       text=True, timeout=120)
+    print(p.stderr.strip())
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr

@@ -4,7 +4,6 @@ segment takes its pages before it is written through its mapping, so a full tmpf
 dying of SIGBUS; the rank group stays up either way."""
 import errno
 import os
-import subprocess
 import types
 
 import pytest
@@ -62,31 +61,32 @@ def test_an_answer_segment_that_cannot_take_its_pages_raises_one_line(tmp_path, 
     assert not os.path.exists(tmp_path / "answers")
 
 
-def _mount_tmpfs(path, size: str) -> bool:
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+# Run by the ranks before anything else (a sitecustomize on their path): the OS refuses to give a file pages past
+# 2 MiB, as a full tmpfs does (ENOSPC from posix_fallocate), without a tmpfs of that size to mount (which needs root).
+FULL_SHM = """import errno, os
+_fallocate = os.posix_fallocate
+def posix_fallocate(fd, offset, length):
+    if offset + length > 2 * 2 ** 20:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _fallocate(fd, offset, length)
+os.posix_fallocate = posix_fallocate
+"""
 
 
-def test_a_rank_whose_answer_fills_a_real_small_tmpfs_reports_it_and_the_group_stays(tmp_path, monkeypatch):
-    """A 4 MiB tmpfs as the engine's shared memory (XDIT_SHM_DIR): a 2.5 MiB call fits beside nothing else, its answer
-    (held while the call's input is still mapped) does not. Needs a tmpfs mount (root); skipped without one."""
-    where = tmp_path / "shm"
-    if not _mount_tmpfs(where, "4m"):
-        pytest.skip("no tmpfs can be mounted here (needs root): the answer segment's ENOSPC is checked above")
-    try:
-        monkeypatch.setattr(bridge, "SHM_ROOT", str(where))
-        with Engine(2, device="cpu", deadlines=FAST) as e:
-            x = torch.randn(640 * 1024)   # 2.5 MiB
-            with e.session("echo_calls", {}, {}) as s:
-                with pytest.raises(Exception) as info:
-                    s.call({"x": x})
-            message = str(info.value)
-            print(message)
-            assert "shared memory" in message and "--shm-size" in message and "SIGBUS" not in message
-            assert not e.restarts and e.running
-            assert torch.equal(e.submit("echo", {}, {"x": torch.ones(3)}).outputs["x"], torch.ones(3))
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+def test_a_rank_whose_answer_finds_shared_memory_full_reports_it_and_the_group_stays(tmp_path):
+    """A rank's answer segment cannot take its pages (its posix_fallocate fails with ENOSPC past 2 MiB, as on a full
+    tmpfs): the call ends in one error naming the shared memory, never a rank dead of SIGBUS, and the same rank group
+    answers the next job."""
+    from engine.runtime.launch import rank_env
+    (tmp_path / "sitecustomize.py").write_text(FULL_SHM)
+    path = os.pathsep.join([str(tmp_path), rank_env(None)["PYTHONPATH"]])
+    with Engine(2, device="cpu", deadlines=FAST, env={"PYTHONPATH": path}) as e:
+        x = torch.randn(640 * 1024)   # 2.5 MiB: the answer does not get its pages
+        with e.session("echo_calls", {}, {}) as s:
+            with pytest.raises(Exception) as info:
+                s.call({"x": x})
+        message = str(info.value)
+        print(message)
+        assert "shared memory" in message and "--shm-size" in message and "SIGBUS" not in message
+        assert not e.restarts and e.running
+        assert torch.equal(e.submit("echo", {}, {"x": torch.ones(3)}).outputs["x"], torch.ones(3))

@@ -16,6 +16,7 @@ from ..parallel import cost
 from ..parallel.plan import ParallelPlan
 from ..runtime.client import Engine
 from . import args as types
+from .args import UsageError
 from .tables import markdown
 
 MiB = 2 ** 20
@@ -49,10 +50,16 @@ def bench_shard(variant: str, degrees: list[int]) -> list[dict]:
               f"fp32, 2 steps", flush=True)
         runs = [ParallelPlan()] + [p for n in degrees if n > 1
                                    for p in (ParallelPlan(ulysses=n), ParallelPlan(ulysses=n, shard=n))]
-        for plan in runs:
-            n = plan.world_size
-            r = GenerateRequest.random_conditioning(path, 256, 256, text_tokens=32, steps=2, plan=plan,
-                                                    frames=5 if info.spec.frames else 1).validate(n)
+        requests = []
+        for plan in runs:   # every job checked before any rank starts
+            try:
+                requests.append(GenerateRequest.random_conditioning(
+                    path, 256, 256, text_tokens=32, steps=2, plan=plan,
+                    frames=5 if info.spec.frames else 1).validate(plan.world_size))
+            except ValueError as e:
+                raise UsageError(f"argument --degrees: {plan.world_size}: {e}") from None
+        for r in requests:
+            plan, n = r.plan, r.plan.world_size
             with Engine(n, device="cpu") as engine:
                 result = engine.submit("generate", *r.to_job())
             ranks = result.ranks

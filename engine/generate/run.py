@@ -94,15 +94,16 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
     models = ctx.cache.setdefault("models", {})   # model key -> its state, least recently used first
     for old in [k for k, s in models.items() if s.get("shard_mesh") is not None and s["shard_mesh"].destroyed]:
         _drop(ctx, models, old)   # weights divided over a mesh since destroyed (jobs.py keeps the last few)
-    spec = shard_spec(mesh, families.get(inspect_model(request.model).family)) if not stage else None
+    divided = request.plan.shard > 1 and not stage
     # divided weights belong to their mesh's shard group: another plan's mesh loads its own division
     key = model_key(request.model, request.dtype, request.fp8_weights) + ((stage[0],) if stage else ()) + (
-        ("shard", request.plan) if spec else ())
+        ("shard", request.plan) if divided else ())
     state = models.pop(key, None)
     _make_room(ctx, models, request, resident=state is not None and not state.get("offloaded"))
     failure = None
     if state is None:
         inspect_model(request.model).spec.model_class()  # diffusers' modules imported before the baseline
+        spec = shard_spec(mesh, families.get(inspect_model(request.model).family)) if divided else None
         ctx.info["rss_before_load_gib"] = ctx.memory().get("rss_gib")
         try:   # a cancel asked during the load (minutes for a large file) ends it at the next tensor
             # the load's deadline grows with the file (Deadlines.load_s + load_s_per_gib per GiB)
@@ -120,7 +121,8 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
             release_model_memory(ctx.device)
         if failure is None:
             ctx.enter_phase("compute")
-            state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded), "shard_mesh": mesh if spec else None}
+            state = {"key": key, "loaded": loaded, "flow": FlowModel(loaded),
+                     "shard_mesh": mesh if divided else None}
             ctx.info["loaded"] = loaded.stats
             ctx.info["model_source"] = "file"
     elif state.pop("offloaded", False):

@@ -30,7 +30,14 @@ class LoadStopped(Exception):
 # (a file of many GB), so that what happens during a long load can be tested on a tiny file. Unset: no wait.
 LOAD_DELAY_ENV = "XDIT_LOAD_DELAY_MS"
 LOAD_DELAY_S = max(0.0, float(os.environ.get(LOAD_DELAY_ENV) or 0)) / 1e3
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def held_dtype(stored: torch.dtype | None, ndim: int, compute: torch.dtype, fp8_weights: bool) -> torch.dtype:
+    """The dtype a plain (not block-quantized) tensor stored as `stored` is held in: a matrix stored in fp8 stays in
+    its fp8, any matrix is fp8_e4m3fn with fp8_weights, the rest is the compute dtype."""
+    if ndim == 2 and stored in FP8:
+        return stored
+    return torch.float8_e4m3fn if ndim == 2 and fp8_weights else compute
 
 
 @dataclass
@@ -253,10 +260,8 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
                         raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix "
                                               f"(shape {list(t.shape)}); only Linear weights are scaled")
                     scales[dst] = _scale_of(path, where, scale_key, info, scale, src, dst, op).to(device)
-                keep_fp8 = t.ndim == 2 and (t.dtype in FP8 or fp8_weights)
-                if keep_fp8 and t.dtype not in FP8:
-                    t = t.to(torch.float8_e4m3fn)
-                keep(state, dst, t.to(device=device, dtype=t.dtype if keep_fp8 else compute).contiguous())
+                held = held_dtype(t.dtype, t.ndim, compute, fp8_weights)
+                keep(state, dst, t.to(device=device, dtype=held).contiguous())
             del raw
     finally:
         for h in handles.values():

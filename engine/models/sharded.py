@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .reader import (FP8, LoadedTransformer, held_bytes, install_quantized, stream, wrap_fp8_linears)
+from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, stream, wrap_fp8_linears)
 from .detect import SCALE_KEYS
 from .quantized import BLOCKS
 from .safetensors_file import TORCH_DTYPES, CheckpointError
@@ -85,10 +85,10 @@ def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, 
             _, block, nbytes = BLOCKS[tinfo.dtype]
             plan[dst] = (torch.uint8, (shape[0], shape[1] // block * nbytes), "gguf", tinfo.dtype)
             continue
-        stored = TORCH_DTYPES.get(tinfo.dtype)
-        fp8 = len(shape) == 2 and tinfo.dtype not in BLOCKS and (stored in FP8 or fp8_weights)
-        plan[dst] = ((stored if stored in FP8 else torch.float8_e4m3fn) if fp8 else compute, shape,
-                     "fp8" if fp8 else "plain", None)
+        # a tensor in blocks that is no matrix (a vector, a kernel) is expanded to the compute dtype as it is read
+        dtype = compute if tinfo.dtype in BLOCKS else held_dtype(TORCH_DTYPES.get(tinfo.dtype), len(shape), compute,
+                                                                   fp8_weights)
+        plan[dst] = (dtype, shape, "fp8" if dtype in FP8 else "plain", None)
     return plan
 
 
