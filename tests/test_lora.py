@@ -1,7 +1,6 @@
 """LoRAs inside the ranks: every format users have gives the same model as the LoRA merged into the checkpoint
 itself (the reference: W + s * up @ down * alpha / rank, written into the BFL/SAI file and loaded normally);
 chained LoRAs add up; removing them restores the base weights exactly; a LoRA for another model is refused."""
-import json
 
 import pytest
 import torch

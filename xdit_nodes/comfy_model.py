@@ -76,8 +76,8 @@ def engine_model(settings: core.EngineSettings):
         since = info.spec.comfyui_since(info.variant)
         message = (f"this ComfyUI ({_comfyui_version()}) does not know {info.variant} ({info.spec.title}) models, so "
                    f"the xDiT Engine's MODEL output cannot describe it: update ComfyUI to "
-                   f"{since + ' or newer' if since else 'a release that has it'}, or use the xDiT Engine's engine "
-                   f"output with xDiT Sampler")
+                   f"{since + ' or newer' if since else 'a release that has it'}"
+                   + ("" if info.spec.packed_streams else ", or use the xDiT Engine's engine output with xDiT Sampler"))
         return comfy.model_patcher.ModelPatcher(_Unavailable(message), load_device=device, offload_device=device,
                                                 size=1)
     config.set_inference_dtype(torch.float32, None)

@@ -280,9 +280,11 @@ def model_link(settings: EngineSettings, *, before_job=None, should_cancel=None,
         info = inspect_model(settings.model_path)
         return model_request(settings, calls, latent_channels=info.latent.channels, hardware=view.hardware,
                              job_request=job_request)
+    info = inspect_model(settings.model_path)
+    # packed streams (audio + video): the output is shaped like the packed input
     return EngineLink(settings, registry, request_for, before_job,
-                      out_channels=inspect_model(settings.model_path).latent.channels, should_cancel=should_cancel,
-                      on_cancelled=on_cancelled)
+                      out_channels=0 if info.spec.packed_streams else info.latent.channels,
+                      should_cancel=should_cancel, on_cancelled=on_cancelled)
 
 
 COMFY_DEVICE_MARGIN = GiB // 2   # kept free on ComfyUI's GPU beyond the job's estimate

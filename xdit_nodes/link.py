@@ -19,6 +19,8 @@ from .model import ModelPatchError, check_chain, check_transformer_options, weig
 
 
 CONDITIONING_KWARGS = ("y", "guidance", "ref_latents", "ref_latents_method", "clip_fea")
+# a packed audio-video model's per-call tensors (model.py EngineTransformer builds them from ComfyUI's own inputs)
+PACKED_KWARGS = ("av_shape", "audio_scale", "sigma_shift", "token_tags")
 APPLIED_KWARGS = ("denoise_mask",)   # used by ComfyUI's model before the call (WAN22's per-frame timestep), not in it
 CALC_COND_BATCH = "calc_cond_batch"   # comfy.patcher_extension.WrappersMP.CALC_COND_BATCH (0.3.64 and 0.33)
 
@@ -84,7 +86,7 @@ class EngineLink:
                     continue   # a mask that masks nothing
                 raise ModelPatchError("the conditioning carries a text attention mask that masks tokens, which the "
                                       "xDiT engine does not apply; encode one prompt per conditioning")
-            if name not in CONDITIONING_KWARGS:
+            if name not in CONDITIONING_KWARGS + PACKED_KWARGS:
                 raise ModelPatchError(f"the MODEL is called with {name!r} (from a node that adds conditioning the "
                                       f"xDiT engine does not take: e.g. an inpainting, control or regional node); "
                                       f"remove that node")
@@ -264,7 +266,9 @@ def model_request(settings, calls: list[ModelCall], *, latent_channels: int, har
     if plan == FASTEST:   # PipeFusion runs only inside the engine's own loop
         plan = AUTO
     x = pos_call.x
-    latent = torch.zeros(()).expand(b, latent_channels, *x.shape[2:])
+    shape = pos_call.conditioning.get("av_shape")   # packed streams: the video stream is the latent planned for
+    grid = tuple(int(v) for v in shape[0, 1:4].tolist()) if shape is not None else tuple(x.shape[2:])
+    latent = torch.zeros(()).expand(b, latent_channels, *grid)
     negative_pass = negative is not None
     request = job_request(replace(settings, plan="auto") if plan == AUTO else settings, side(pos_call, pos_rows),
                           side(negative[0], negative[1][0]) if negative_pass else None, latent,

@@ -66,7 +66,53 @@ class EngineTransformer(torch.nn.Module):
             destination[prefix + key] = torch.empty(shape, dtype=dtype, device="meta")
 
     def forward(self, x, timestep, context=None, control=None, transformer_options=None, **kwargs):
+        if isinstance(x, (list, tuple)):   # several latent streams (audio + video), unpacked by ComfyUI's model
+            return self._packed_streams(list(x), timestep, context, control, transformer_options or {}, kwargs)
         return self.link.call(x, timestep, context, control, transformer_options or {}, kwargs)
+
+    def preprocess_text_embeds(self, text_states):
+        """MiniMax-H3's model refines the text once per sampling run through this; the engine's model refines it in
+        each forward (the same arithmetic), so the text crosses as the encoder gave it."""
+        return text_states
+
+    def _packed_streams(self, streams, timestep, context, control, transformer_options: dict, kwargs: dict):
+        """An audio-video model's call (MiniMax-H3): the streams packed as ComfyUI's sampler packs them
+        (comfy.utils.pack_latents), what its model reads of ComfyUI's payload and options as float32 tensors, and the
+        engine's packed output unpacked into the streams again."""
+        shapes = [tuple(t.shape) for t in streams]
+        if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
+            raise ModelPatchError(f"the MODEL got latent streams of shapes {[list(s) for s in shapes]}: the xDiT "
+                                  f"engine takes a video latent [B, C, T, H, W] and an audio latent [B, C, 2, T] "
+                                  f"(EmptyMiniMaxH3LatentAV)")
+        payload = dict(kwargs.pop("minimax_payload", None) or {})
+        taken = [k for k in ("keyframes", "refs", "cond_video_latents", "cond_audio_latents") if payload.get(k)]
+        taken += [k for k in ("denoise_mask", "audio_denoise_mask") if kwargs.pop(k, None) is not None]
+        if taken:
+            raise ModelPatchError(
+                f"the conditioning carries MiniMax-H3 {', '.join(taken)} (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide, "
+                f"MiniMaxH3ReferenceToVideo or a noise mask), which the xDiT engine does not run yet: text-to-video "
+                f"with audio runs on it; use ComfyUI's own loader for guided and reference graphs")
+        n = shapes[0][0]
+        meta = self.__dict__.get("_meta")
+        shift_v = float(transformer_options.get("minimax_h3_sigma_shift_video",
+                                                getattr(meta, "sigma_shift_video", 12.0)))
+        shift_a = float(transformer_options.get("minimax_h3_sigma_shift_audio",
+                                                getattr(meta, "sigma_shift_audio", 3.0)))
+        extras = {"av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=torch.float32)
+                  .expand(n, -1),
+                  "audio_scale": torch.full((n,), float(payload.get("audio_scale", 1.0))),
+                  "sigma_shift": torch.tensor([[shift_v, shift_a]]).expand(n, -1)}
+        tags = payload.get("text_token_tags")
+        if tags is not None:
+            extras["token_tags"] = torch.as_tensor(tags).reshape(1, -1).float().expand(n, -1)
+        packed = torch.cat([t.reshape(t.shape[0], 1, -1) for t in streams], dim=-1)
+        out = self.link.call(packed, timestep, context, control, transformer_options, {**kwargs, **extras})
+        parts, start = [], 0
+        for shape in shapes:
+            size = math.prod(shape[1:])
+            parts.append(out[:, :, start:start + size].reshape(shape).to(streams[0].dtype))
+            start += size
+        return parts
 
 
 # ---- a MODEL chain's patches ------------------------------------------------------------------------------------------

@@ -167,6 +167,8 @@ def _run_sampler(engine, model, seed, steps, cfg, sampler_name, scheduler, posit
         weight_patches = engine_model_parts.weight_patches(chain)
     if isinstance(latent_image, dict) and latent_image.get("noise_mask") is not None:
         reasons.append("the latent has a noise mask")   # ComfyUI's sampler masks the denoising itself
+    if core.inspect_model(settings.model_path).spec.packed_streams:
+        reasons.append("its latent packs audio and video")   # the engine's own loop samples one latent stream
     if reasons or not specs.engine_loop_runs(sampler_name, scheduler):
         # ComfyUI's own KSampler on the engine's MODEL: one model call at a time, the same result
         core.check_per_call(settings)

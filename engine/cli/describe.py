@@ -5,7 +5,7 @@ import torch
 
 from ..models.detect import CheckpointInfo
 
-LAYOUTS = {"bfl": "BFL", "sai": "SAI MMDiT", "diffusers": "diffusers", "synthetic": "synthetic"}
+LAYOUTS = {"bfl": "BFL", "sai": "SAI MMDiT", "minimax": "ComfyUI (Comfy-Org)", "diffusers": "diffusers", "synthetic": "synthetic"}
 
 
 def blocks(info: CheckpointInfo) -> str:
@@ -15,8 +15,9 @@ def blocks(info: CheckpointInfo) -> str:
 def summary(info: CheckpointInfo) -> str:
     """e.g. "flux-dev, BFL layout: hidden 128, 4 heads x 32, 4 double + 4 single blocks"."""
     c = info.config
+    hidden = c.get("hidden_size") or c["num_attention_heads"] * c["attention_head_dim"]
     return (f"{info.variant}, {LAYOUTS.get(info.layout, info.layout)} layout: hidden "
-            f"{c['num_attention_heads'] * c['attention_head_dim']}, {info.heads} heads x {c['attention_head_dim']}, "
+            f"{hidden}, {info.heads} heads x {c['attention_head_dim']}, "
             f"{blocks(info)}")
 
 
@@ -28,7 +29,7 @@ def conditioning(info: CheckpointInfo) -> str:
 def latent_rule(info: CheckpointInfo) -> str:
     """The LATENT the model samples, and the image sizes it takes."""
     fmt = info.latent
-    video = f", F = (frames - 1) // {fmt.temporal_downscale} + 1" if info.spec.frames else ""
+    video = f", {fmt.frames_formula()}" if info.spec.frames else ""
     rule = (f"{fmt.shape_rule(info.spec.frames)} for a W x H {'video' if video else 'image'}{video}, W and H "
             f"multiples of {info.latent_patch * fmt.downscale} px (raw VAE space)")
     side = info.spec.max_latent_side(info.config)

@@ -194,6 +194,10 @@ def build_request(a) -> GenerateRequest:
         info = inspect_model(a.model)
     except ValueError as e:   # CheckpointError: the model file is not one the engine reads
         raise UsageError(f"argument --model: {e}") from None
+    if info.spec.packed_streams:
+        raise UsageError(f"argument --model: {a.model} is {info.spec.title}, which samples audio and video together; "
+                         f"generate runs the engine's own loop, which samples one latent: run it in ComfyUI (its "
+                         f"KSampler on the xDiT Engine's MODEL), or plan it with `python -m engine plan`")
     cond, names = _read(a.cond, "--cond", ("cond", "pooled", "neg_cond", "neg_pooled") + IMAGE_KEYS
                         + tuple("neg_" + k for k in IMAGE_KEYS))
     refs = {side: [n for n in names if n.startswith(side) and n[len(side):].isdigit()] for side in ("ref_", "neg_ref_")}

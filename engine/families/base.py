@@ -53,6 +53,10 @@ class TokenTable:
     #                                                 [n, C, F, h, w]): flattened from that dim and split, for a model
     #                                                 that flattens them itself (a flatten of one dim is a no-op)
     blocks: tuple[str, ...] = ()                    # the block lists, in order (stages and step caches split here)
+    split_args: tuple[tuple[str, int, int], ...] = ()  # (module, positional argument, token dim): an input of a
+    #                                                 module split as it enters (a sequence the model builds inside
+    #                                                 its forward, e.g. one packed from several streams); a module
+    #                                                 path ending in ".*" names every module of a list
     reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
     #                                                 many per forward): split with them or joint
     kwargs_name: str = "joint_attention_kwargs"     # the model's forward argument that reaches the processors
@@ -138,6 +142,18 @@ class Family:
     rebuild_off_meta: Callable[[torch.nn.Module], None] = lambda model: None
 
     variant_aliases: dict = field(default_factory=dict)   # other names make-tiny takes for a variant
+
+    # ---- several latent streams in one LATENT (audio + video): ComfyUI's sampler carries them packed into one
+    # [B, 1, N] tensor (comfy.utils.pack_latents) and its model receives them unpacked; the engine's calls take the
+    # packed tensor, the streams' shapes and what else the family's forward reads per call among `extras` (names of
+    # float32 tensors [n, ...] a model call's conditioning carries, Prepared.extras)
+    packed_streams: bool = False
+    extras: tuple[str, ...] = ()
+    # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
+    # frames) -> count (MiniMax-H3: both audio channels' frames)
+    extra_tokens: Callable[[dict, int], int] = lambda config, latent_frames: 0
+    text_cross: bool | None = None   # the text reached by cross-attention (None: as the diffusers config says, no
+    #                                  joint_attention_dim); False: the text in the sequence
 
     # ---- words for `demo`, `make-tiny` and the nodes
     describe_blocks: Callable[[dict], str] = lambda config: ""

@@ -188,18 +188,19 @@ def check_loras(model: str, loras, info: CheckpointInfo) -> None:
 def check_frames(info: CheckpointInfo, frames: int) -> None:
     """A video's frame count (as ComfyUI's video nodes count them: length) for this model: 1 for a model of still
     images; for a family that takes frames, one its latent format makes whole latent frames of (4k + 1 for Wan)."""
-    fmt, step = info.latent, info.latent.temporal_downscale
+    fmt = info.latent
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
         raise ValueError(f"{frames!r} frames is invalid: give a count >= 1")
     if not info.spec.frames:
         if frames != 1:
             raise ValueError(f"{frames} frames: {info.variant} makes still images; leave out the frame count (1)")
         return
-    if (frames - 1) % step:
-        below = frames - (frames - 1) % step
+    near = fmt.nearest_frames(frames)
+    if near:
+        below, above = near
+        use = f"{below} or {above}" if below >= 1 else f"{above}"
         raise ValueError(f"{frames} frames is not a count ComfyUI's video nodes make for {info.variant}: its "
-                         f"{fmt.name} latent holds {step}k + 1 frames (1, {1 + step}, {1 + 2 * step}, ...): use "
-                         f"{below} or {below + step}")
+                         f"{fmt.name} latent holds {fmt.frames_rule()}: use {use}")
 
 
 def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, latent: torch.Tensor) -> None:

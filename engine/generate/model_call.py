@@ -90,7 +90,12 @@ class ModelSession:
         check_per_call(request)
         self.request = request
         self._dtype = COMPUTE_DTYPES[request.dtype]
-        self._channels = inspect_model(request.model).latent.channels
+        info = inspect_model(request.model)
+        self._channels = info.latent.channels
+        # a family whose LATENT packs several streams (audio + video) takes the packed [N, 1, values] tensor as it is,
+        # with the streams' shapes and its own per-call tensors (float32) among the conditioning
+        self._packed = info.spec.packed_streams
+        self._extras = info.spec.extras
         spec, inputs = request.to_job(stand_ins=True)   # the ranks read the shapes: stand-ins cross as shapes
         self._patches = patches or WeightPatches.none()
         self._held_patches = HeldPatches.on_client(engine)
@@ -146,7 +151,8 @@ class ModelSession:
         sent = sum(t.numel() * t.element_size() for t in tensors.values())
         self.sent_bytes += sent
         # the answer: each call's output (at most float32) in rank 0's one answer segment
-        answer = sum(x.shape[0] * self._channels * math.prod(x.shape[2:]) * 4 for x, _, _ in calls)
+        answer = sum((x.numel() if self._packed else x.shape[0] * self._channels * math.prod(x.shape[2:])) * 4
+                     for x, _, _ in calls)
         try:
             out = self._session.call(tensors, output_bytes=answer, should_cancel=should_cancel, parts=parts)
         except EngineError as e:
@@ -168,12 +174,12 @@ class ModelSession:
         if timestep.ndim not in (1, 2) or timestep.shape[0] != n or not torch.isfinite(timestep).all():
             raise ValueError(f"timestep of shape {list(timestep.shape)} is invalid for {n} rows: give one finite value "
                              f"per row, or per row and frame")
-        unknown = set(conditioning) - set(TENSORS + LISTS + STRINGS)
+        unknown = set(conditioning) - set(TENSORS + LISTS + STRINGS + self._extras)
         if unknown:
             raise ValueError(f"the model call carries {sorted(unknown)}, which the engine does not take")
         x = x.detach().to("cpu")
         values = dict(conditioning)
-        if x.shape[1] > self._channels:   # c_concat attached by ComfyUI's model: the clip's image channels and mask
+        if not self._packed and x.shape[1] > self._channels:   # c_concat attached by ComfyUI's model: the clip's image channels and mask
             values[CONCAT] = x[:, self._channels:]
             x = x[:, :self._channels]
         tensors = {"x": x.to(self._dtype).contiguous(), "timestep": timestep.contiguous()}
@@ -189,7 +195,7 @@ class ModelSession:
                 if not isinstance(t, torch.Tensor) or t.shape[0] != n:
                     shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"{key} of shape {shape} does not have the call's {n} rows")
-                dtype = torch.float32 if name in FLOAT32 else self._dtype
+                dtype = torch.float32 if name in FLOAT32 or name in self._extras else self._dtype
                 slot, new = self._held.place(key, t.detach().to("cpu", dtype))
                 held[key] = slot
                 if new is not None:
@@ -231,9 +237,11 @@ def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepar
     if refs and method not in flow.family.reference_methods:
         raise ValueError(f"reference latents method {method!r} is not one this model places references by: use one of "
                          f"{list(flow.family.reference_methods)}")
+    extras = {k: conditioning[k] for k in flow.family.extras if k in conditioning}
     return Prepared(conditioning["context"], conditioning.get("y"),
                     guidance if guidance is not None else torch.full((n,), 3.5, device=flow.device),
-                    tuple(frame(conditioning[k]) for k in refs), method, image_context=conditioning.get("clip_fea"))
+                    tuple(frame(conditioning[k]) for k in refs), method, image_context=conditioning.get("clip_fea"),
+                    extras=extras or None)
 
 
 def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str, torch.Tensor] | None:
@@ -260,7 +268,9 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
             clock = CallClock(ctx.device)
             for key, t in tensors.items():
                 if "@" in key:   # a copy: the call's buffer is not kept alive by what the session holds
-                    held[key] = t.to(torch.float32 if key.split("@")[0] in FLOAT32 else flow.dtype, copy=True)
+                    name = key.split("@")[0]
+                    held[key] = t.to(torch.float32 if name in FLOAT32 or name in flow.family.extras else flow.dtype,
+                                     copy=True)
             parts = []
             for i, part in enumerate(meta["parts"]):
                 conditioning = {name: held[f"{name}@{slot}"] for name, slot in part["held"].items()}

@@ -220,6 +220,11 @@ class GenerateRequest:
         """Run this validated request as a generate job on `engine` (kwargs: Engine.submit's callbacks).
         weight_patches: a ComfyUI MODEL's LoRA patches (models/lora.py WeightPatches) applied with the LoRA files. A
         rank that runs out of memory fails the job with what it held and the plans and settings that need less."""
+        info = inspect_model(self.model)
+        if info.spec.packed_streams:
+            raise ValueError(f"{info.spec.title} samples audio and video together, which the engine's own loop does "
+                             f"not: sample it with ComfyUI's KSampler (or SamplerCustomAdvanced) on the xDiT Engine's "
+                             f"MODEL, whose calls run on the ranks")
         spec, inputs = self.to_job()
         held = HeldPatches.on_client(engine)
         if weight_patches is not None and weight_patches.entries:

@@ -64,6 +64,7 @@ class Prepared:
     #                                             latent's channels by velocity (a MODEL call hands x with it attached)
     denoise_mask: torch.Tensor | None = None    # ComfyUI's denoise_mask [rows, C, ...] (1: denoise), for the family's
     #                                             process_timestep
+    extras: dict | None = None                  # the family's own per-call tensors (Family.extras), [rows, ...]
 
     def rows(self, items: slice) -> "Prepared":
         """The conditioning of batch rows `items` (each row has its own)."""
@@ -71,7 +72,8 @@ class Prepared:
             return None if t is None else t[items]
         return Prepared(self.cond[items], take(self.pooled), self.guidance[items],
                         tuple(r[items] for r in self.references), self.reference_method, take(self.image_context),
-                        take(self.concat), take(self.denoise_mask))
+                        take(self.concat), take(self.denoise_mask),
+                        None if self.extras is None else {k: take(v) for k, v in self.extras.items()})
 
 
 def rows(t: torch.Tensor, batch: int, items: slice, name: str = "conditioning") -> torch.Tensor:

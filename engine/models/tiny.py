@@ -50,7 +50,9 @@ def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32", dims=No
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in shapes_for(variant, dims).items():
-        if name.endswith((".scale", "ln_q.weight", "ln_k.weight")) or (
+        if name == "rope.inv_freq":   # a computed table the file carries (MiniMax-H3): theta 10000 over 2 x its length
+            t = 1.0 / 10000.0 ** (torch.arange(0, 2 * shape[0], 2, dtype=torch.float32) / (2 * shape[0]))
+        elif name.endswith((".scale", "ln_q.weight", "ln_k.weight")) or (
                 len(shape) == 1 and "norm" in name and name.endswith(".weight")):
             t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
         elif name == "pos_embed":

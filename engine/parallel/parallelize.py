@@ -74,6 +74,10 @@ class ParallelFlow:
                 lambda module, args, out, first=first, name=name: self._shard_image(out.flatten(first), first, name)))
         for name, item, dim in table.split_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(self._split_output(name, item, dim)))
+        for name, index, dim in table.split_args:
+            modules = list(model.get_submodule(name[:-2])) if name.endswith(".*") else [model.get_submodule(name)]
+            for module in modules:
+                self._hooks.append(module.register_forward_pre_hook(self._split_arg(name, index, dim)))
         for name, item, dim in table.text_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(
                 self._split_output(name, item, dim, text=True)))
@@ -93,6 +97,16 @@ class ParallelFlow:
             if item is None:
                 return shard(out)
             return tuple(shard(o) if i == item else o for i, o in enumerate(out))
+        return hook
+
+    def _split_arg(self, name: str, index: int, dim: int):
+        """A forward pre-hook that keeps this rank's shard of a module's positional input `index` (image tokens,
+        padded to an equal share as `_shard_image` pads them)."""
+        def hook(module, args):
+            if len(args) <= index:
+                raise ValueError(f"{name} was called with {len(args)} positional inputs; the family's token table "
+                                 f"splits input {index}")
+            return args[:index] + (self._shard_image(args[index], dim, name),) + args[index + 1:]
         return hook
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:

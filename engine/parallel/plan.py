@@ -174,7 +174,8 @@ class Workload:
             bytes_per_weight = info.quantized_bytes / info.quantized_parameters   # the file's: 1 for fp8, ~0.56 Q4_K
         per_parameter = bytes_per_weight if bytes_per_weight is not None else 1 if fp8 else DTYPE_BYTES[dtype]
         return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
-                   image_tokens=frames * (latent_h // patch) * (latent_w // patch), negative_pass=negative_pass,
+                   image_tokens=frames * (latent_h // patch) * (latent_w // patch)
+                   + family.extra_tokens(info.config, frames), negative_pass=negative_pass,
                    head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=round(info.parameters * per_parameter),
@@ -185,7 +186,8 @@ class Workload:
                    out_features=info.latent.channels * patch * patch,
                    # diffusers names a joint-attention transformer's text width `joint_attention_dim`; one without it
                    # (Wan: `text_dim`) attends to the text by cross-attention
-                   text_cross="joint_attention_dim" not in info.config, experts=experts, placement=placement)
+                   text_cross=("joint_attention_dim" not in info.config) if family.text_cross is None
+                   else family.text_cross, experts=experts, placement=placement)
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,

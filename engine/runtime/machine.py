@@ -298,5 +298,5 @@ def job_of(request: GenerateRequest) -> tuple[str, Workload, int, int, int]:
     lat = request.latent_raw
     down = info.latent.downscale
     frames = lat.shape[2] if info.spec.frames and lat.ndim == 5 else 1
-    pixel_frames = (frames - 1) * info.latent.temporal_downscale + 1 if info.spec.frames else 1
+    pixel_frames = info.latent.pixel_frames(frames) if info.spec.frames else 1
     return request.model, work, lat.shape[-1] * down, lat.shape[-2] * down, pixel_frames

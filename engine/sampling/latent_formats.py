@@ -65,6 +65,24 @@ class LatentFormat:
         """Latent frames of a video of `frames` frames (ComfyUI's empty video latents: (frames - 1) // 4 + 1)."""
         return (frames - 1) // self.temporal_downscale + 1
 
+    def pixel_frames(self, latent_frames: int) -> int:
+        """The frames a video of `latent_frames` latent frames has (latent_frames undone)."""
+        return (latent_frames - 1) * self.temporal_downscale + 1
+
+    def frames_rule(self) -> str:
+        """The frame counts ComfyUI's video nodes make for this format, in words."""
+        step = self.temporal_downscale
+        return f"{step}k + 1 frames (1, {1 + step}, {1 + 2 * step}, ...)"
+
+    def nearest_frames(self, frames: int) -> tuple[int, int] | None:
+        """None when ComfyUI's video nodes make `frames` frames for this format, else the counts below and above."""
+        step = self.temporal_downscale
+        off = (frames - 1) % step
+        return None if not off else (frames - off, frames - off + step)
+
+    def frames_formula(self) -> str:
+        return f"F = (frames - 1) // {self.temporal_downscale} + 1"
+
 
 @functools.lru_cache(maxsize=32)
 def _stats_on(mean: tuple, std: tuple, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,189 @@
+"""MiniMax-H3 (audio + video in one packed sequence): a file in ComfyUI's layout detected and loaded as ComfyUI reads
+it, the packed sequence laid out as ComfyUI's model lays it out, the engine's MODEL packing ComfyUI's two streams and
+reading its payload, and every plan on real rank processes equal to one rank. ComfyUI's own MiniMaxH3Model against
+the engine is in the live checks (tests/comfyui_h3_check.py, skipped without COMFYUI_PATH)."""
+import importlib
+import inspect
+import math
+import types
+
+import pytest
+import torch
+
+from engine.families import minimax_h3
+from engine.families.minimax_h3_layout import DIMS, infer, shapes
+from engine.generate.model_call import ModelSession
+from engine.generate.request import GenerateRequest
+from engine.models.flow import FlowModel, Prepared
+from engine.models.load import inspect_model, load_model
+from engine.models.tiny import write_tiny
+from engine.parallel.plan import ParallelPlan
+
+from conftest import PACK_NAME, load_pack
+from tolerance import fp32_bound, report
+
+TEXT = DIMS["tiny"]["minimax-h3"].text_dim
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny("minimax-h3", str(tmp_path_factory.mktemp("h3")))
+
+
+@pytest.fixture(scope="module")
+def local(path):
+    return FlowModel(load_model(path, dtype="fp32", device=torch.device("cpu")))
+
+
+def test_the_released_models_shapes_give_diffusers_own_config_and_a_tiny_file_loads_every_tensor(path, local):
+    """ComfyUI's detection reads heads as qkv rows / 3 / head width, the text width from condition_proj and the RoPE
+    length from rope.inv_freq: the released model's shapes give diffusers' defaults (its config is the released one)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    config, variant = infer("minimax", shapes(DIMS["full"]["minimax-h3"]), {})
+    defaults = {k: p.default for k, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
+                if k != "self"}
+    assert {k: defaults[k] for k in config} == config and variant == "minimax-h3"
+    assert (config["num_attention_heads"], config["hidden_size"], config["num_layers"]) == (56, 5376, 50)
+    info = inspect_model(path)
+    assert (info.family, info.variant, info.layout) == ("minimax-h3", "minimax-h3", "minimax")
+    # the file's RoPE frequencies are what the model uses (ComfyUI reads them from the file; they load here too)
+    assert torch.equal(local.model.rope.inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    assert all(not p.is_meta for p in local.model.parameters())
+
+
+def test_diffusers_own_single_file_converter_gives_the_weights_the_engine_loads(path, local):
+    """diffusers' converter for Comfy-Org's MiniMax-H3 files (stacked q, k, v rows; fc1's gate half first) is an
+    independent reading of the layout: every tensor it makes equals the engine's, bit for bit (both only move the
+    file's values). It drops rope.inv_freq to recompute it; the engine loads the file's, as ComfyUI does."""
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+    converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(load_file(path), dict(local.model.config))
+    mine = {k: v for k, v in local.model.state_dict().items() if k != "rope.inv_freq"}
+    assert set(converted) == set(mine)
+    assert all(torch.equal(converted[k], mine[k]) for k in mine)
+
+
+def test_the_packed_sequence_is_laid_out_as_comfyuis_model_lays_it_out():
+    """[text | audio left, audio right | video]: text at (l, 0, 0); audio frames from the text length on, pinned at
+    the outermost column coordinates; video frames 5/3 x (1, 4, ...) pixel frames apart, rows and columns
+    area-normalised x 32. The figures below are worked by hand for 2 text tokens, 2 audio frames and a 2-frame latent
+    of 2 x 4 pixels (one row of two patches): area sqrt(8); row axis ratio 2/sqrt(8), one point; column axis ratio
+    4/sqrt(8), two points."""
+    r = 2 / math.sqrt(8)
+    row = (1 - r) / 2 * 32
+    c = 4 / math.sqrt(8)
+    cols = [((1 - c) / 2) * 32, (c / 2 + (1 - c) / 2) * 32]
+    want = torch.tensor([[0, 0, 0], [1, 0, 0],
+                         [2, 0, cols[0]], [3, 0, cols[0]], [2, 0, cols[1]], [3, 0, cols[1]],
+                         [2, row, cols[0]], [2, row, cols[1]], [2 + 5 / 3, row, cols[0]], [2 + 5 / 3, row, cols[1]]],
+                        dtype=torch.float64)
+    assert torch.allclose(minimax_h3.positions(2, 2, 2, 4, 2), want, atol=1e-12, rtol=0)
+    # rows: frames, then patch rows, then patch columns; features (channel, patch row, patch column)
+    video = torch.arange(3 * 2 * 4 * 6, dtype=torch.float32).reshape(1, 3, 2, 4, 6)
+    rows = minimax_h3.patchify(video)
+    for t, i, j in ((0, 0, 0), (1, 1, 2), (0, 1, 1)):
+        token = rows[0, t * 2 * 3 + i * 3 + j]
+        assert torch.equal(token, video[0, :, t, 2 * i:2 * i + 2, 2 * j:2 * j + 2].reshape(-1))
+    assert torch.equal(minimax_h3.unpatchify(rows, 3, 2, 4, 6), video)
+    # the audio schedule from the video sigma: shift 12 -> base grid -> shift 3, and identity at the ends
+    sigma = torch.tensor([0.0, 0.5, 1.0])
+    base = 0.5 / (12 - 0.5 * 11)
+    assert torch.allclose(minimax_h3.time_shift_sigma(sigma, 12.0, 3.0),
+                          torch.tensor([0.0, 3 * base / (1 + 2 * base), 1.0]))
+
+
+def h3_call(seed=0, text=9, frames=3, h=4, w=6, audio=7, scale=4.0):
+    g = torch.Generator().manual_seed(seed)
+    video, sound = torch.randn(1, 24, frames, h, w, generator=g), torch.randn(1, 32, 2, audio, generator=g)
+    x = torch.cat([video.reshape(1, 1, -1), sound.reshape(1, 1, -1)], dim=-1)
+    conditioning = {"context": torch.randn(1, text, TEXT, generator=g),
+                    "av_shape": torch.tensor([[24, frames, h, w, 32, 2, audio]], dtype=torch.float32),
+                    "audio_scale": torch.tensor([scale]), "sigma_shift": torch.tensor([[12.0, 3.0]])}
+    return x, torch.tensor([700.0]), conditioning
+
+
+def reference(flow, x, t, c):
+    extras = {k: v for k, v in c.items() if k in minimax_h3.EXTRAS}
+    return flow.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras))
+
+
+def request(path, c, plan, neg=None):
+    frames, h, w = (int(v) for v in c["av_shape"][0, 1:4].tolist())
+    return GenerateRequest(model=path, cond=c["context"], latent_raw=torch.zeros(()).expand(1, 24, frames, h, w),
+                           cfg=2.0 if neg is not None else 1.0, neg_cond=neg, plan=plan).validate(plan.world_size)
+
+
+def bound(want):
+    d = DIMS["tiny"]["minimax-h3"]
+    return fp32_bound(want.abs().max(), reduction=max(d.ffn, d.inner), depth=d.depth + d.refiner)
+
+
+@pytest.mark.parametrize("world,plan", [
+    (1, ParallelPlan()), (2, ParallelPlan(ulysses=2)), (2, ParallelPlan(ring=2)),
+    (2, ParallelPlan(ulysses=2, shard=2)), (4, ParallelPlan(ulysses=2, ring=2))],
+    ids=["single", "ulysses2", "ring2", "ulysses2-shard2", "ulysses2-ring2"])
+def test_every_sequence_plan_splits_the_packed_sequence_and_equals_one_rank(engines, path, local, world, plan):
+    """9 text + 14 audio + 18 video rows = 41, which no degree divides: the last rank's share is padded (the padded
+    keys dropped before every softmax), every row of the three streams split with the video's."""
+    x, t, c = h3_call()
+    want = reference(local, x, t, c)
+    with ModelSession(engines(world), request(path, c, plan)) as s:
+        got = s.call(x, t, c)
+    assert got.shape == want.shape == x.shape
+    assert report(f"MiniMax-H3 model call, {plan.describe()}", (got - want).abs().max(), bound(want))
+
+
+def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
+    """ComfyUI calls H3's positive and negative one at a time (its model takes a batch of one): the step's two calls
+    reach the ranks as one request, each on its CFG group, with the text encoder's token tags on the positive."""
+    x, t, pos = h3_call(seed=1, text=9)
+    _, _, neg = h3_call(seed=2, text=5)
+    pos["token_tags"] = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1, 1]], dtype=torch.float32)
+    want = [reference(local, x, t, c) for c in (pos, neg)]
+    with ModelSession(engines(2), request(path, pos, ParallelPlan(cfg=2), neg=neg["context"])) as s:
+        got = s.call_group([(x, t, pos), (x, t, neg)])
+    for name, g, w in zip(("positive (9 tokens, tagged)", "negative (5 tokens)"), got, want):
+        assert report(f"MiniMax-H3 cfg2: {name}", (g - w).abs().max(), bound(w))
+    tagged = reference(local, x, t, {**pos, "token_tags": torch.ones(1, 9)})
+    assert (tagged - want[0]).abs().max() > 1e-3   # the tags reach the modulation
+
+
+# ---- the ComfyUI side: the engine's MODEL receives ComfyUI's two streams and payload --------------------------------
+class Link:
+    def __init__(self):
+        self.calls = []
+
+    def call(self, x, timestep, context, control, transformer_options, kwargs):
+        self.calls.append((x, timestep, context, transformer_options, kwargs))
+        return -x
+
+
+@pytest.fixture(scope="module")
+def model_parts():
+    load_pack()
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.model")
+
+
+def test_the_engines_model_packs_comfyuis_streams_and_reads_its_payload_and_shift_options(model_parts):
+    link = Link()
+    meta = types.SimpleNamespace(sigma_shift_video=12.0, sigma_shift_audio=3.0)
+    t = model_parts.EngineTransformer(link, {}, meta=meta)
+    video, audio = torch.randn(1, 24, 2, 4, 6), torch.randn(1, 32, 2, 5)
+    context = torch.randn(1, 7, TEXT)
+    assert t.preprocess_text_embeds(context) is context   # the ranks refine the text in each forward
+    tags = torch.tensor([[1, 0, 0, 1, 1, 1, 1]])
+    out = t([video, audio], torch.tensor([500.0]), context,
+            transformer_options={"minimax_h3_sigma_shift_video": 10.0, "minimax_h3_sigma_shift_audio": 2.5},
+            minimax_payload={"audio_scale": 4.0, "seed": 3, "text_token_tags": tags, "layout": object()})
+    x, _, _, _, kwargs = link.calls[0]
+    assert torch.equal(x, torch.cat([video.reshape(1, 1, -1), audio.reshape(1, 1, -1)], dim=-1))
+    assert kwargs["av_shape"].tolist() == [[24, 2, 4, 6, 32, 2, 5]]
+    assert kwargs["audio_scale"].tolist() == [4.0] and kwargs["sigma_shift"].tolist() == [[10.0, 2.5]]
+    assert torch.equal(kwargs["token_tags"], tags.float())
+    assert isinstance(out, list) and torch.equal(out[0], -video) and torch.equal(out[1], -audio)
+    for payload, kw, words in (
+            ({"keyframes": [{"latent": video}], "cond_video_latents": [video]}, {}, "keyframes"),
+            ({"refs": [{"kind": "image"}]}, {}, "refs"),
+            ({}, {"denoise_mask": torch.ones(1, 1, 2, 4, 6)}, "denoise_mask")):
+        with pytest.raises(model_parts.ModelPatchError, match=words):
+            t([video, audio], torch.tensor([500.0]), context, minimax_payload=payload, **kw)
