@@ -71,6 +71,25 @@ pos = [[torch.randn(1, 9, TEXT, generator=g), {}]]
 neg = [[torch.randn(1, 6, TEXT, generator=g), {}]]
 tagged = [[pos[0][0], {"minimax_token_tags": torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1, 1]])}]]
 latent = call("EmptyMiniMaxH3LatentAV", width=96, height=64, length=22)[0]
+
+
+def r(*shape):
+    return torch.randn(*shape, generator=g)
+
+
+# MiniMaxH3ImageToVideo's first and last frames, MiniMaxH3AddGuide's 5-frame clip with its soundtrack at frame 5 and
+# an audio guide at frame 12, as those nodes put them in the conditioning (VAE latents of the canvas's size)
+keyframes = [{"resolved_frame_index": 0, "latent": r(1, 24, 1, 4, 6)},
+             {"resolved_frame_index": 21, "latent": r(1, 24, 1, 4, 6)},
+             {"resolved_frame_index": 5, "latent": r(1, 24, 2, 4, 6), "audio_latent": r(1, 32, 2, 8)},
+             {"resolved_frame_index": 12, "audio_latent": r(1, 32, 2, 6)}]
+guided = [[pos[0][0], {"minimax_keyframes": keyframes, "minimax_visual_cond_noise_aug": 0.95}]]
+# MiniMaxH3ReferenceToVideo's blocks: an image, an audio, a video with its soundtrack (each at its own size)
+refs = [{"kind": "image", "latent_h": 2, "latent_w": 4, "latent": r(1, 24, 1, 2, 4)},
+        {"kind": "audio", "ref_audio_t": 6, "audio_latent": r(1, 32, 2, 6)},
+        {"kind": "video_audio", "latent_t": 2, "latent_h": 4, "latent_w": 2, "ref_audio_t": 5,
+         "latent": r(1, 24, 2, 4, 2), "audio_latent": r(1, 32, 2, 5)}]
+referenced = [[pos[0][0], {"minimax_refs": refs, "minimax_token_tags": torch.tensor([[1, 0, 0, 0, 2, 2, 1, 1, 1]])}]]
 video, audio = latent["samples"].unbind()
 report["latent"] = {"video": list(video.shape), "audio": list(audio.shape)}
 
@@ -81,11 +100,21 @@ GRAPHS = [
       ("ulysses2 shard2", "0,1", dict(plan="explicit", ulysses=2, shard=2))]),
     ("h3 t2va cfg4, negative, SigmaShift 10/2.5, token tags", tagged, neg, 4.0, (10.0, 2.5),
      [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2))]),
+    ("h3 fl2va: first and last frames, a guide clip with its audio, an audio guide", guided, neg, 1.0, None,
+     [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {}), ("ring2", "0,1", dict(plan="explicit", ring=2))]),
+    ("h3 ref2va: image, audio and video+soundtrack references, cfg 3", referenced, neg, 3.0, None,
+     [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2)),
+      ("ring2 shard2", "0,1", dict(plan="explicit", ring=2, shard=2))]),
 ]
+plain = None
 for name, p, n, cfg, shift, runs in GRAPHS:
     t0 = time.perf_counter()
     want = sample(native_model(FILE), p, n, cfg, latent, shift)
     entry = {"native_s": round(time.perf_counter() - t0, 2)}
+    plain = plain or want
+    # how far the graph's conditioning moves ComfyUI's own result from the plain text-to-video one (what a dropped
+    # keyframe or reference would show as)
+    entry["native_vs_t2va_rel_l2"] = rel(want[0], plain[0]) + rel(want[1], plain[1])
     for label, gpus, kw in runs:
         eng, model = engine(gpus, **kw)
         t0 = time.perf_counter()
@@ -100,12 +129,14 @@ for name, p, n, cfg, shift, runs in GRAPHS:
     report["graphs"][name] = entry
     print(name, json.dumps(entry), flush=True)
 
-# what the engine does not run yet is refused in one line, never run differently
+# what the engine does not run yet is refused in one line, never run differently: a noise mask on the AV latent
+import comfy.nested_tensor  # noqa: E402 (0.33 and newer)
 eng, model = engine("0")
-guided = [[pos[0][0], {"minimax_keyframes": [{"latent": torch.zeros(1, 24, 1, 4, 6), "resolved_frame_index": 0}]}]]
+masked = dict(latent, noise_mask=comfy.nested_tensor.NestedTensor((torch.ones(1, 1, 7, 4, 6), torch.ones(1, 1, 2, 37))))
+masked["noise_mask"].unbind()[0][:, :, 0] = 0.0
 try:
-    sample(model, guided, neg, 1.0, latent)
-    report["refusals"]["keyframes"] = "ran"
+    sample(model, pos, neg, 1.0, masked)
+    report["refusals"]["noise_mask"] = "ran"
 except Exception as e:  # noqa: BLE001 (the message is the check)
-    report["refusals"]["keyframes"] = str(e).splitlines()[0]
+    report["refusals"]["noise_mask"] = str(e).splitlines()[0]
 print("REPORT " + json.dumps(report), flush=True)

@@ -90,6 +90,15 @@ def test_the_packed_sequence_is_laid_out_as_comfyuis_model_lays_it_out():
     base = 0.5 / (12 - 0.5 * 11)
     assert torch.allclose(minimax_h3.time_shift_sigma(sigma, 12.0, 3.0),
                           torch.tensor([0.0, 3 * base / (1 + 2 * base), 1.0]))
+    # a first frame (at the target's timeline origin) and an image reference (before it, one time unit): the
+    # reference moves the targets' timeline by its span; the keyframe's rows share the target frame grid
+    first = minimax_h3.Block("keyframe", 0, frames=1, h=2, w=4, has_video=True)
+    ref = minimax_h3.Block("image", h=2, w=2, has_video=True)
+    segments = minimax_h3.layout(2, 2, 2, 4, 2, (first, ref))
+    assert [k for k, _ in segments] == ["text", "cond", "ref_img", "audio", "video"]
+    cond, ref_rows, video = segments[1][1], segments[2][1], segments[4][1]
+    assert cond[:, 0].tolist() == [3.0, 3.0] and ref_rows[:, 0].tolist() == [2.0]   # text 2 + reference span 1
+    assert torch.equal(cond[:, 1:], video[:2, 1:]) and video[0, 0] == 3.0
 
 
 def h3_call(seed=0, text=9, frames=3, h=4, w=6, audio=7, scale=4.0):
@@ -133,6 +142,39 @@ def test_every_sequence_plan_splits_the_packed_sequence_and_equals_one_rank(engi
     assert report(f"MiniMax-H3 model call, {plan.describe()}", (got - want).abs().max(), bound(want))
 
 
+def guided_call(seed=3):
+    """A call with ComfyUI's payload of a first frame, a 2-latent-frame guide clip with its soundtrack at frame 5, an
+    image reference and a video reference with its soundtrack (call_extras builds what the ranks take)."""
+    x, t, c = h3_call(seed=seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    payload = {"keyframes": [{"resolved_frame_index": 0, "latent": torch.randn(1, 24, 1, 4, 6, generator=g)},
+                             {"resolved_frame_index": 5, "latent": torch.randn(1, 24, 2, 4, 6, generator=g),
+                              "audio_latent": torch.randn(1, 32, 2, 4, generator=g)}],
+               "refs": [{"kind": "image", "latent_h": 2, "latent_w": 4,
+                         "latent": torch.randn(1, 24, 1, 2, 4, generator=g)},
+                        {"kind": "video_audio", "latent_t": 2, "latent_h": 2, "latent_w": 2, "ref_audio_t": 3,
+                         "latent": torch.randn(1, 24, 2, 2, 2, generator=g),
+                         "audio_latent": torch.randn(1, 32, 2, 3, generator=g)}],
+               "seed": 77, "audio_scale": 4.0, "visual_cond_noise_aug": 0.9}
+    extras = minimax_h3.call_extras([(1, 24, 3, 4, 6), (1, 32, 2, 7)], payload, {}, (12.0, 3.0), 1)
+    return x, t, {"context": c["context"], **extras}
+
+
+@pytest.mark.parametrize("world,plan", [(2, ParallelPlan(ulysses=2)), (2, ParallelPlan(ring=2))],
+                         ids=["ulysses2", "ring2"])
+def test_keyframes_and_references_join_the_split_sequence_and_equal_one_rank(engines, path, local, world, plan):
+    """Condition rows (a first frame, a guide clip and its audio) and reference blocks (an image, a video with its
+    soundtrack) lengthen the packed sequence; they are split with it and the target rows come back whole."""
+    x, t, c = guided_call()
+    want = reference(local, x, t, c)
+    plain = reference(local, x, t, {k: v for k, v in c.items() if k in ("context", "av_shape", "audio_scale")})
+    assert (want - plain).abs().max() > 1e-3   # the conditions reach the model
+    with ModelSession(engines(world), request(path, c, plan)) as s:
+        got = s.call(x, t, c)
+    assert report(f"MiniMax-H3 with keyframes and references, {plan.describe()}", (got - want).abs().max(),
+                  bound(want))
+
+
 def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
     """ComfyUI calls H3's positive and negative one at a time (its model takes a batch of one): the step's two calls
     reach the ranks as one request, each on its CFG group, with the text encoder's token tags on the positive."""
@@ -167,7 +209,7 @@ def model_parts():
 def test_the_engines_model_packs_comfyuis_streams_and_reads_its_payload_and_shift_options(model_parts):
     link = Link()
     meta = types.SimpleNamespace(sigma_shift_video=12.0, sigma_shift_audio=3.0)
-    t = model_parts.EngineTransformer(link, {}, meta=meta)
+    t = model_parts.EngineTransformer(link, {}, meta=meta, family=minimax_h3.FAMILY)
     video, audio = torch.randn(1, 24, 2, 4, 6), torch.randn(1, 32, 2, 5)
     context = torch.randn(1, 7, TEXT)
     assert t.preprocess_text_embeds(context) is context   # the ranks refine the text in each forward
@@ -181,9 +223,20 @@ def test_the_engines_model_packs_comfyuis_streams_and_reads_its_payload_and_shif
     assert kwargs["audio_scale"].tolist() == [4.0] and kwargs["sigma_shift"].tolist() == [[10.0, 2.5]]
     assert torch.equal(kwargs["token_tags"], tags.float())
     assert isinstance(out, list) and torch.equal(out[0], -video) and torch.equal(out[1], -audio)
-    for payload, kw, words in (
-            ({"keyframes": [{"latent": video}], "cond_video_latents": [video]}, {}, "keyframes"),
-            ({"refs": [{"kind": "image"}]}, {}, "refs"),
-            ({}, {"denoise_mask": torch.ones(1, 1, 2, 4, 6)}, "denoise_mask")):
-        with pytest.raises(model_parts.ModelPatchError, match=words):
-            t([video, audio], torch.tensor([500.0]), context, minimax_payload=payload, **kw)
+    assert "blocks" not in kwargs   # no keyframes, no references
+    # a first frame and an audio guide at frame 5 (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide), then an image reference
+    first, sound = torch.randn(1, 24, 1, 4, 6), torch.randn(1, 32, 2, 3)
+    ref = torch.randn(1, 24, 1, 2, 4)
+    payload = {"keyframes": [{"resolved_frame_index": 0, "latent": first},
+                             {"resolved_frame_index": 5, "audio_latent": sound}],
+               "refs": [{"kind": "image", "latent_h": 2, "latent_w": 4, "latent": ref}], "seed": 2 ** 63 + 12345}
+    t([video, audio], torch.tensor([500.0]), context, minimax_payload=payload)
+    kwargs = link.calls[-1][4]
+    assert kwargs["blocks"][0].tolist() == [[0, 0, 1, 4, 6, 0, 1, 0], [0, 5, 0, 0, 0, 3, 0, 1], [1, 0, 1, 2, 4, 0, 1, 0]]
+    assert torch.equal(kwargs["cond_latents"][0], torch.cat([first.reshape(-1), ref.reshape(-1), sound.reshape(-1)]))
+    assert sum(int(v) << s for v, s in zip(kwargs["cond_seed"][0].tolist(), (0, 16, 32, 48))) == 2 ** 63 + 12345
+    assert kwargs["cond_aug"].tolist() == [[0.999, 1.0]]
+    with pytest.raises(model_parts.ModelPatchError, match="noise mask"):
+        t([video, audio], torch.tensor([500.0]), context, denoise_mask=torch.ones(1, 1, 2, 4, 6))
+    with pytest.raises(model_parts.ModelPatchError, match="takes a video latent"):
+        t([video, audio, audio], torch.tensor([500.0]), context)

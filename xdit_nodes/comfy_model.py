@@ -86,7 +86,8 @@ def engine_model(settings: core.EngineSettings):
     link = core.model_link(settings, before_job=lambda request: _make_room(settings, request),
                            should_cancel=mm.processing_interrupted,
                            on_cancelled=mm.throw_exception_if_processing_interrupted)
-    model.diffusion_model = engine_model_parts.EngineTransformer(link, keys, meta=model.diffusion_model)
+    model.diffusion_model = engine_model_parts.EngineTransformer(link, keys, meta=model.diffusion_model,
+                                                                 family=core.inspect_model(settings.model_path).spec)
     link.owner = weakref.ref(model)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
     link.base_patcher = weakref.ref(patcher)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..engine.families import FAMILIES
 from ..engine.errors import SESSION_IDLE, EngineError, JobCancelled
 from ..engine.generate.request import GenerateRequest
 from ..engine.models.load import inspect_model
@@ -20,7 +21,7 @@ from .model import ModelPatchError, check_chain, check_transformer_options, weig
 
 CONDITIONING_KWARGS = ("y", "guidance", "ref_latents", "ref_latents_method", "clip_fea")
 # a packed audio-video model's per-call tensors (model.py EngineTransformer builds them from ComfyUI's own inputs)
-PACKED_KWARGS = ("av_shape", "audio_scale", "sigma_shift", "token_tags")
+PACKED_KWARGS = tuple(sorted({name for family in FAMILIES for name in family.extras}))
 APPLIED_KWARGS = ("denoise_mask",)   # used by ComfyUI's model before the call (WAN22's per-frame timestep), not in it
 CALC_COND_BATCH = "calc_cond_batch"   # comfy.patcher_extension.WrappersMP.CALC_COND_BATCH (0.3.64 and 0.33)
 

@@ -46,11 +46,13 @@ class EngineTransformer(torch.nn.Module):
 
     dtype = torch.float32   # ComfyUI hands the inputs over in float32; the ranks cast to their compute dtype
 
-    def __init__(self, link, keys: dict[str, tuple[tuple, torch.dtype]], meta=None):   # link: link.EngineLink
+    def __init__(self, link, keys: dict[str, tuple[tuple, torch.dtype]], meta=None,
+                 family=None):   # link: link.EngineLink; family: the file's engine Family
         super().__init__()
         self.link = link
         self._keys = dict(keys)
         self.__dict__["_meta"] = meta   # not a submodule: not in named_modules, parameters or state_dict
+        self.__dict__["_family"] = family
 
     def __getattr__(self, name):
         try:
@@ -77,34 +79,24 @@ class EngineTransformer(torch.nn.Module):
 
     def _packed_streams(self, streams, timestep, context, control, transformer_options: dict, kwargs: dict):
         """An audio-video model's call (MiniMax-H3): the streams packed as ComfyUI's sampler packs them
-        (comfy.utils.pack_latents), what its model reads of ComfyUI's payload and options as float32 tensors, and the
-        engine's packed output unpacked into the streams again."""
-        shapes = [tuple(t.shape) for t in streams]
-        if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
-            raise ModelPatchError(f"the MODEL got latent streams of shapes {[list(s) for s in shapes]}: the xDiT "
-                                  f"engine takes a video latent [B, C, T, H, W] and an audio latent [B, C, 2, T] "
-                                  f"(EmptyMiniMaxH3LatentAV)")
-        payload = dict(kwargs.pop("minimax_payload", None) or {})
-        taken = [k for k in ("keyframes", "refs", "cond_video_latents", "cond_audio_latents") if payload.get(k)]
-        taken += [k for k in ("denoise_mask", "audio_denoise_mask") if kwargs.pop(k, None) is not None]
-        if taken:
-            raise ModelPatchError(
-                f"the conditioning carries MiniMax-H3 {', '.join(taken)} (MiniMaxH3ImageToVideo, MiniMaxH3AddGuide, "
-                f"MiniMaxH3ReferenceToVideo or a noise mask), which the xDiT engine does not run yet: text-to-video "
-                f"with audio runs on it; use ComfyUI's own loader for guided and reference graphs")
-        n = shapes[0][0]
+        (comfy.utils.pack_latents), what its model reads of ComfyUI's payload and options as the family's float32
+        tensors (Family.call_extras), and the engine's packed output unpacked into the streams again."""
+        family = self.__dict__.get("_family")
+        if family is None or family.call_extras is None:
+            raise ModelPatchError("the MODEL got several latent streams, which this model's family does not take")
+        masks = [k for k in ("denoise_mask", "audio_denoise_mask") if kwargs.pop(k, None) is not None]
+        if masks:
+            raise ModelPatchError(f"the latent carries a noise mask ({', '.join(masks)}: SetLatentNoiseMask or an "
+                                  f"inpainting node), which the xDiT engine does not apply to {family.title}'s audio "
+                                  f"and video yet; remove that node")
         meta = self.__dict__.get("_meta")
-        shift_v = float(transformer_options.get("minimax_h3_sigma_shift_video",
-                                                getattr(meta, "sigma_shift_video", 12.0)))
-        shift_a = float(transformer_options.get("minimax_h3_sigma_shift_audio",
-                                                getattr(meta, "sigma_shift_audio", 3.0)))
-        extras = {"av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=torch.float32)
-                  .expand(n, -1),
-                  "audio_scale": torch.full((n,), float(payload.get("audio_scale", 1.0))),
-                  "sigma_shift": torch.tensor([[shift_v, shift_a]]).expand(n, -1)}
-        tags = payload.get("text_token_tags")
-        if tags is not None:
-            extras["token_tags"] = torch.as_tensor(tags).reshape(1, -1).float().expand(n, -1)
+        shapes = [tuple(t.shape) for t in streams]
+        try:
+            extras = family.call_extras(shapes, dict(kwargs.pop("minimax_payload", None) or {}), transformer_options,
+                                        (float(getattr(meta, "sigma_shift_video", 12.0)),
+                                         float(getattr(meta, "sigma_shift_audio", 3.0))), shapes[0][0])
+        except ValueError as e:
+            raise ModelPatchError(str(e)) from None
         packed = torch.cat([t.reshape(t.shape[0], 1, -1) for t in streams], dim=-1)
         out = self.link.call(packed, timestep, context, control, transformer_options, {**kwargs, **extras})
         parts, start = [], 0

@@ -149,6 +149,9 @@ class Family:
     # float32 tensors [n, ...] a model call's conditioning carries, Prepared.extras)
     packed_streams: bool = False
     extras: tuple[str, ...] = ()
+    # (stream shapes, ComfyUI's payload dict, transformer_options, the model's default sigma shifts, rows) -> the
+    # call's `extras` tensors (run on the ComfyUI side, on what ComfyUI's model would read)
+    call_extras: Callable | None = None
     # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
     # frames) -> count (MiniMax-H3: both audio channels' frames)
     extra_tokens: Callable[[dict, int], int] = lambda config, latent_frames: 0

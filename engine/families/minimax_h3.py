@@ -81,11 +81,16 @@ def audio_frames(pixel_frames: int) -> int:
     """Audio latent frames of a clip (temporal_shape: its duration at 40 a second)."""
     return round(pixel_frames / FPS * AUDIO_FPS)
 
-# what a model call's extra conditioning holds for this family (ComfyUI side: xdit_nodes/link.py): each [n, ...]
-# float32. av_shape: (video C, T, H, W, audio C, audio channels, audio T) of the packed streams; audio_scale: the
-# sampler's carry factor (ModelSamplingAV.audio_scale); sigma_shift: (video, audio) shifts; token_tags: the text
-# encoder's per-token modality tags (absent: all text)
-EXTRAS = ("av_shape", "audio_scale", "sigma_shift", "token_tags")
+# what a model call's extra conditioning holds for this family, each [n, ...] float64 (ComfyUI's Python floats exactly) (built from ComfyUI's own inputs
+# by `call_extras`, on the ComfyUI side): av_shape: (video C, T, H, W, audio C, audio channels, audio T) of the packed
+# streams; audio_scale: the sampler's carry factor (ModelSamplingAV.audio_scale); sigma_shift: (video, audio) shifts;
+# token_tags: the text encoder's per-token modality tags (absent: all text); blocks: the keyframes and reference blocks
+# (BLOCK_FIELDS each), their latents flattened in `cond_latents` (video ones, then audio ones, in block order);
+# cond_aug: (video, audio) condition noise augmentation; cond_seed: the sampler's seed in four 16-bit limbs
+EXTRAS = ("av_shape", "audio_scale", "sigma_shift", "token_tags", "blocks", "cond_latents", "cond_aug", "cond_seed")
+VISUAL_COND_T, AUDIO_COND_T = 0.999, 1.0   # model.py VISUAL_COND_TIMESTEP, AUDIO_COND_TIMESTEP
+BLOCK_KINDS = ("keyframe", "image", "audio", "video", "video_audio")
+BLOCK_FIELDS = 8   # kind, frame index, latent T, H, W, audio T, has video, has audio
 
 
 def time_shift_sigma(sigma: torch.Tensor, from_shift: float, to_shift: float) -> torch.Tensor:
@@ -94,30 +99,106 @@ def time_shift_sigma(sigma: torch.Tensor, from_shift: float, to_shift: float) ->
     return to_shift * base / (1.0 + (to_shift - 1.0) * base)
 
 
+# ---- the packed sequence: positions, as ComfyUI's PackedLayout builds them ----------------------------------------
 def _axis(dim: int, sqrt_area: float) -> torch.Tensor:
     """A frame axis's patch coordinates, area-normalised: dim // 2 points over (1 - r) / 2 .. (1 + r) / 2, x 32."""
     ratio, n = dim / sqrt_area, dim // 2
     return (torch.arange(n, dtype=torch.float64) * (ratio / n) + (1.0 - ratio) / 2.0) * 32.0
 
 
-def positions(text: int, frames: int, h: int, w: int, audio_frames: int) -> torch.Tensor:
-    """[S, 3] float64 (t, h, w) of the sequence [text | audio (both channels) | video] for a latent of frames x h x w
-    (whole 2x2 patches) and audio_frames audio latent frames."""
+def _frame(h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) coordinates of one latent frame's patches [h/2 * w/2, 2], and the column axis."""
     area = math.sqrt(h * w)
     rows, cols = _axis(h, area), _axis(w, area)
     hh, ww = torch.meshgrid(rows, cols, indexing="ij")
-    frame = torch.stack([hh.reshape(-1), ww.reshape(-1)], dim=-1)
-    out = torch.zeros(text + 2 * audio_frames + frames * frame.shape[0], 3, dtype=torch.float64)
-    out[:text, 0] = torch.arange(text, dtype=torch.float64)
-    a = out[text:text + 2 * audio_frames]
-    a[:, 0] = (text + torch.arange(audio_frames, dtype=torch.float64)).repeat(2)
-    a[:audio_frames, 2], a[audio_frames:, 2] = float(cols[0]), float(cols[-1])
-    spans = torch.tensor([FRAME_RESCALE * FRAME_PER_TOKEN[k % 5] for k in range(frames)], dtype=torch.float64)
-    starts = float(text) + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
-    v = out[text + 2 * audio_frames:].view(frames, frame.shape[0], 3)
-    v[:, :, 0] = starts[:, None]
-    v[:, :, 1:] = frame[None]
+    return torch.stack([hh.reshape(-1), ww.reshape(-1)], dim=-1), cols
+
+
+def _spans(frames: int) -> list[float]:
+    return [FRAME_RESCALE * FRAME_PER_TOKEN[k % 5] for k in range(frames)]
+
+
+def _video_grid(frames: int, frame: torch.Tensor, t0: float) -> torch.Tensor:
+    spans = torch.tensor(_spans(frames), dtype=torch.float64)
+    starts = float(t0) + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
+    g = torch.empty(frames, frame.shape[0], 3, dtype=torch.float64)
+    g[:, :, 0] = starts[:, None]
+    g[:, :, 1:] = frame[None]
+    return g.reshape(-1, 3)
+
+
+def _audio_grid(t0: float, frames: int, w_low: float, w_high: float) -> torch.Tensor:
+    """Both channels' rows, left then right: time from t0 a latent frame each, at the outermost column coordinates."""
+    g = torch.zeros(2 * frames, 3, dtype=torch.float64)
+    g[:, 0] = (t0 + torch.arange(frames, dtype=torch.float64)).repeat(2)
+    g[:frames, 2], g[frames:, 2] = w_low, w_high
+    return g
+
+
+@dataclass(frozen=True)
+class Block:
+    """A keyframe (MiniMaxH3ImageToVideo's first / last frame, MiniMaxH3AddGuide's image, clip or audio at a frame) or a
+    reference block (MiniMaxH3ReferenceToVideo: image, audio, video, video with its soundtrack)."""
+    kind: str
+    frame_index: int = 0
+    frames: int = 0           # video latent frames (0: no video latent)
+    h: int = 0
+    w: int = 0
+    audio_frames: int = 0     # audio latent frames (0: no audio latent)
+    has_video: bool = False
+    has_audio: bool = False
+
+
+def _ref_span(b: Block) -> float:
+    if b.kind == "image":
+        return 1.0
+    if b.kind == "audio":
+        return float(b.audio_frames)
+    return max(float(b.audio_frames), sum(_spans(b.frames)))
+
+
+def layout(text: int, frames: int, h: int, w: int, audio: int, blocks: tuple[Block, ...] = ()) -> list:
+    """The packed sequence's segments in order, [(kind, positions [n, 3] float64)]: text, each keyframe's condition
+    rows (video, then audio) at its frame, each reference block's rows, the target audio, the target video (ComfyUI's
+    PackedLayout for a latent of frames x h x w, whole 2x2 patches, and `audio` audio latent frames)."""
+    frame, cols = _frame(h, w)
+    low, high = float(cols[0]), float(cols[-1])
+    g = torch.zeros(text, 3, dtype=torch.float64)
+    g[:, 0] = torch.arange(text, dtype=torch.float64)
+    out = [("text", g)]
+    keyframes = [b for b in blocks if b.kind == "keyframe"]
+    refs = [b for b in blocks if b.kind != "keyframe"]
+    cursor = float(text) + sum(_ref_span(b) for b in refs)   # the targets' timeline starts after the references
+    for b in keyframes:
+        t0 = cursor + FRAME_RESCALE * b.frame_index
+        if b.has_video:
+            out.append(("cond", _video_grid(b.frames, frame, t0)))
+        if b.has_audio:
+            out.append(("cond_audio", _audio_grid(t0, b.audio_frames, low, high)))
+    ref_cursor = float(text)
+    for b in refs:
+        if b.kind == "image":
+            r, _ = _frame(b.h, b.w)
+            g = torch.empty(r.shape[0], 3, dtype=torch.float64)
+            g[:, 0], g[:, 1:] = ref_cursor, r
+            out.append(("ref_img", g))
+        elif b.kind == "audio":
+            if b.audio_frames:
+                out.append(("ref_audio", _audio_grid(ref_cursor, b.audio_frames, low, high)))
+        else:   # a video, with its soundtrack's rows first
+            r, rc = _frame(b.h, b.w)
+            if b.audio_frames:
+                out.append(("ref_audio", _audio_grid(ref_cursor, b.audio_frames, float(rc[0]), float(rc[-1]))))
+            out.append(("ref_img", _video_grid(b.frames, r, ref_cursor)))
+        ref_cursor += _ref_span(b)
+    out.append(("audio", _audio_grid(cursor, audio, low, high)))
+    out.append(("video", _video_grid(frames, frame, cursor)))
     return out
+
+
+def positions(text: int, frames: int, h: int, w: int, audio_frames: int) -> torch.Tensor:
+    """[S, 3] float64 (t, h, w) of a text-to-video sequence [text | audio (both channels) | video]."""
+    return torch.cat([g for _, g in layout(text, frames, h, w, audio_frames)])
 
 
 def patchify(video: torch.Tensor) -> torch.Tensor:
@@ -132,6 +213,11 @@ def unpatchify(rows: torch.Tensor, c: int, t: int, h: int, w: int) -> torch.Tens
     return x.reshape(1, c, t, h, w)
 
 
+def pack_audio(audio: torch.Tensor) -> torch.Tensor:
+    """[1, C, 2, T] -> rows [1, 2T, C], channel-major (the left channel's frames, then the right's)."""
+    return audio[0].permute(1, 2, 0).reshape(1, -1, audio.shape[1])
+
+
 def split_streams(x: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """One packed row [1, N] -> (video [1, C, T, H, W], audio [1, Ca, 2, Ta]) as comfy.utils.unpack_latents cuts it."""
     cv, t, h, w, ca, ch, ta = (int(v) for v in shape.tolist())
@@ -142,6 +228,97 @@ def split_streams(x: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., :nv].reshape(1, cv, t, h, w), x[..., nv:nv + na].reshape(1, ca, ch, ta)
 
 
+# ---- ComfyUI's payload <-> the call's float32 tensors -------------------------------------------------------------
+def call_extras(shapes: list[tuple], payload: dict, transformer_options: dict, shifts: tuple[float, float],
+                rows: int) -> dict[str, torch.Tensor]:
+    """What a call of ComfyUI's MiniMaxH3Model reads besides x, timestep and context, as the engine's float64 tensors
+    [rows, ...]: the streams' shapes, the audio carry factor, the sigma shifts (MiniMaxH3SigmaShift's, else the
+    model's), the token tags, and the keyframes and reference blocks with their latents (ComfyUI's payload). ValueError
+    for a stream layout the model does not take."""
+    if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
+        raise ValueError(f"latent streams of shapes {[list(s) for s in shapes]}: MiniMax-H3 takes a video latent "
+                         f"[B, C, T, H, W] and an audio latent [B, C, 2, T] (EmptyMiniMaxH3LatentAV)")
+
+    def per_row(t):
+        return t.reshape(1, *t.shape).expand(rows, *t.shape).contiguous()
+    shift_v = float(transformer_options.get("minimax_h3_sigma_shift_video", shifts[0]))
+    shift_a = float(transformer_options.get("minimax_h3_sigma_shift_audio", shifts[1]))
+    f64 = torch.float64
+    out = {"av_shape": per_row(torch.tensor(list(shapes[0][1:]) + list(shapes[1][1:]), dtype=f64)),
+           "audio_scale": torch.full((rows,), float(payload.get("audio_scale", 1.0)), dtype=f64),
+           "sigma_shift": per_row(torch.tensor([shift_v, shift_a], dtype=f64))}
+    tags = payload.get("text_token_tags")
+    if tags is not None:
+        out["token_tags"] = per_row(torch.as_tensor(tags).reshape(-1).to(f64))
+    blocks, videos, audios = [], [], []
+    for kf in payload.get("keyframes") or ():
+        v, a = kf.get("latent"), kf.get("audio_latent")
+        blocks.append(_block_row("keyframe", int(kf["resolved_frame_index"]), v, a))
+        videos += [v] if v is not None else []
+        audios += [a] if a is not None else []
+    for ref in payload.get("refs") or ():
+        v, a = ref.get("latent"), ref.get("audio_latent")
+        row = _block_row(ref["kind"], 0, v, a)
+        row[3:5] = torch.tensor([float(ref.get("latent_h", row[3])), float(ref.get("latent_w", row[4]))])
+        row[5] = float(ref.get("ref_audio_t", row[5]))
+        blocks.append(row)
+        videos += [v] if v is not None else []
+        audios += [a] if a is not None else []
+    if blocks:
+        out["blocks"] = per_row(torch.stack(blocks))
+        out["cond_latents"] = per_row(torch.cat([t.detach().float().reshape(-1) for t in videos + audios]).to(f64))
+        out["cond_aug"] = per_row(torch.tensor([float(payload.get("visual_cond_noise_aug", VISUAL_COND_T)),
+                                                float(payload.get("audio_cond_noise_aug", AUDIO_COND_T))], dtype=f64))
+        seed = int(payload.get("seed", 0)) % 2 ** 64
+        out["cond_seed"] = per_row(torch.tensor([(seed >> s) & 0xFFFF for s in (0, 16, 32, 48)], dtype=f64))
+    return out
+
+
+def _block_row(kind: str, frame_index: int, video, audio) -> torch.Tensor:
+    if kind not in BLOCK_KINDS:
+        raise ValueError(f"a MiniMax-H3 reference block of kind {kind!r}: ComfyUI's nodes make {BLOCK_KINDS[1:]}")
+    if video is not None and (video.ndim != 5 or video.shape[0] != 1):
+        raise ValueError(f"a MiniMax-H3 {kind} latent of shape {list(video.shape)}: give one [1, 24, T, H, W]")
+    vt, h, w = (video.shape[2:] if video is not None else (0, 0, 0))
+    rt = audio.shape[-1] if audio is not None else 0
+    return torch.tensor([BLOCK_KINDS.index(kind), frame_index, vt, h, w, rt, video is not None, audio is not None],
+                        dtype=torch.float64)
+
+
+def _blocks(extras: dict) -> tuple[tuple[Block, ...], list[torch.Tensor], list[torch.Tensor]]:
+    """The call's keyframes and reference blocks, and their video and audio latents (each on the CPU, float32, as
+    ComfyUI's model takes them)."""
+    if "blocks" not in extras:
+        return (), [], []
+    rows = extras["blocks"].reshape(-1, BLOCK_FIELDS).cpu().tolist()
+    blocks = tuple(Block(BLOCK_KINDS[int(r[0])], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), bool(r[6]),
+                         bool(r[7])) for r in rows)
+    flat, start, videos, audios = extras["cond_latents"].reshape(-1).cpu().float(), 0, [], []
+    for b in blocks:
+        if b.has_video:
+            n = 24 * b.frames * b.h * b.w
+            videos.append(flat[start:start + n].reshape(1, 24, b.frames, b.h, b.w))
+            start += n
+    for b in blocks:
+        if b.has_audio:
+            n = 32 * 2 * b.audio_frames
+            audios.append(flat[start:start + n].reshape(1, 32, 2, b.audio_frames))
+            start += n
+    if start != flat.numel():
+        raise ValueError(f"the MiniMax-H3 condition latents hold {flat.numel()} values, their blocks {start}")
+    return blocks, videos, audios
+
+
+def _augmented(rows: torch.Tensor, aug: float, seed: int) -> torch.Tensor:
+    """ComfyUI's condition noise augmentation of one condition's rows: the same CPU generator stream restarted for each
+    (aug x rows + (1 - aug) x noise), none at aug 1."""
+    if aug >= 1.0:
+        return rows
+    noise = torch.randn(rows.shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    return aug * rows + (1.0 - aug) * noise
+
+
+# ---- the one forward ------------------------------------------------------------------------------------------------
 def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
     """The packed velocity [n, 1, N] for packed latents x [n, 1, N] (ComfyUI's pack_latents of the video and audio
     streams, as ComfyUI's sampler carries them) at ComfyUI's model timestep (sigma x 1000): per row, what ComfyUI's
@@ -155,7 +332,7 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
 
 
 def _one(flow, x, timestep, context, extras) -> torch.Tensor:
-    model, dtype = flow.model, flow.dtype
+    model, dtype, device = flow.model, flow.dtype, flow.device
     video, audio_carried = split_streams(x.reshape(1, -1), extras["av_shape"])
     shift_v, shift_a = (float(v) for v in extras["sigma_shift"].tolist()) if "sigma_shift" in extras \
         else (SHIFT, AUDIO_SHIFT)
@@ -165,40 +342,52 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
     sigma_a = time_shift_sigma(sigma_v, shift_v, shift_a)
     audio = audio_carried
     if scale != 1.0:   # the sampler's carried audio -> the stream's own latent
-        carry = (sigma_a / sigma_v).to(audio.dtype)
-        audio = audio_carried * carry
+        audio = audio_carried * (sigma_a / sigma_v).to(audio.dtype)
     frames, h0, w0 = video.shape[2:]
     video = F.pad(video, (0, -w0 % 2, 0, -h0 % 2, 0, 0), mode="circular") if h0 % 2 or w0 % 2 else video
     h, w = video.shape[3:]
-    ta = audio.shape[-1]
-    text = context.shape[1]
+    text, ta = context.shape[1], audio.shape[-1]
+    blocks, cond_videos, cond_audios = _blocks(extras)
+    vis_aug, aud_aug = (float(v) for v in extras["cond_aug"].tolist()) if "cond_aug" in extras \
+        else (VISUAL_COND_T, AUDIO_COND_T)
+    seed = sum(int(v) << s for v, s in zip(extras["cond_seed"].tolist(), (0, 16, 32, 48))) \
+        if "cond_seed" in extras else 0
     t_v, t_a = float(1.0 - sigma_v), float(1.0 - sigma_a)
-    levels = sorted({t_v, t_a})
-    row = {t: i for i, t in enumerate(levels)}
-    n_video = frames * (h // 2) * (w // 2)
-    seq = text + 2 * ta + n_video
-    device = flow.device
-    t_index = torch.empty(seq, dtype=torch.long)
-    t_index[:text] = row[t_v]
-    t_index[text:text + 2 * ta] = row[t_a]
-    t_index[text + 2 * ta:] = row[t_v]
-    tags = torch.empty(seq, dtype=torch.long)
-    tags[:text] = TEXT_TAG if "token_tags" not in extras else extras["token_tags"].reshape(-1)[:text].long().cpu()
-    tags[text:text + 2 * ta] = AUDIO_TAG
-    tags[text + 2 * ta:] = VIDEO_TAG
-    idx = torch.arange(seq)
-    video_rows = patchify(video)
-    audio_rows = audio[0].permute(1, 2, 0).reshape(1, 2 * ta, audio.shape[1])   # channel-major, as pack_audio
+    level = {"text": t_v, "video": t_v, "audio": t_a, "cond": max(t_v, vis_aug), "ref_img": max(t_v, vis_aug),
+             "cond_audio": max(t_a, aud_aug), "ref_audio": max(t_a, aud_aug)}
+    tag = {"text": TEXT_TAG, "video": VIDEO_TAG, "cond": VIDEO_TAG, "ref_img": VIDEO_TAG, "audio": AUDIO_TAG,
+           "cond_audio": AUDIO_TAG, "ref_audio": AUDIO_TAG}
+    segments = layout(text, frames, h, w, ta, blocks)
+    levels = sorted({t_v, t_a} | {level[kind] for kind, _ in segments})
+    index = {t: i for i, t in enumerate(levels)}
+    # the rows of each stream in sequence order: the conditions' (augmented, each from the same generator stream),
+    # then the target's
+    video_rows = [_augmented(patchify(v), vis_aug, seed) for v in cond_videos] + [patchify(video)]
+    audio_rows = [_augmented(pack_audio(a), aud_aug, seed + 1) for a in cond_audios] + [pack_audio(audio)]
+    t_index, tags, where = [], [], {"video": [], "audio": [], "text": []}
+    start = 0
+    for kind, g in segments:
+        n = g.shape[0]
+        t_index.append(torch.full((n,), index[level[kind]], dtype=torch.long))
+        if kind == "text" and "token_tags" in extras:
+            tags.append(extras["token_tags"].reshape(-1)[:n].long().cpu())
+        else:
+            tags.append(torch.full((n,), tag[kind], dtype=torch.long))
+        stream = "text" if kind == "text" else "video" if tag[kind] == VIDEO_TAG else "audio"
+        where[stream].append(torch.arange(start, start + n))
+        start += n
     v_out, a_out = model(
-        hidden_states=video_rows.to(device), audio_hidden_states=audio_rows.to(device),
+        hidden_states=torch.cat([r.float() for r in video_rows], dim=1).to(device),   # ComfyUI's rows: float32
+        audio_hidden_states=torch.cat([r.float() for r in audio_rows], dim=1).to(device),
         encoder_hidden_states=context.to(device, dtype),
         timestep=torch.tensor(levels, dtype=torch.float32, device=device),
-        timestep_indices=t_index.to(device), token_tags=tags.to(device),
-        position_ids=positions(text, frames, h, w, ta).to(device),
-        video_indices=idx[text + 2 * ta:].to(device), audio_indices=idx[text:text + 2 * ta].to(device),
-        text_indices=idx[:text].to(device), return_dict=False)
-    v = -unpatchify(v_out, video.shape[1], frames, h, w)[:, :, :, :h0, :w0].to(x.dtype)
-    a = -a_out.reshape(2, ta, -1).permute(2, 0, 1).unsqueeze(0).to(x.dtype)
+        timestep_indices=torch.cat(t_index).to(device), token_tags=torch.cat(tags).to(device),
+        position_ids=torch.cat([g for _, g in segments]).to(device),
+        video_indices=torch.cat(where["video"]).to(device), audio_indices=torch.cat(where["audio"]).to(device),
+        text_indices=torch.cat(where["text"]).to(device), return_dict=False)
+    n_video, n_audio = frames * (h // 2) * (w // 2), 2 * ta   # the target rows: each stream's last
+    v = -unpatchify(v_out[:, -n_video:], video.shape[1], frames, h, w)[:, :, :, :h0, :w0].to(x.dtype)
+    a = -a_out[:, -n_audio:].reshape(2, ta, -1).permute(2, 0, 1).unsqueeze(0).to(x.dtype)
     if scale != 1.0:   # d/d(sigma_v) of the carried variable, as ComfyUI converts it
         a = (1.0 - scale) * audio + (1.0 + (scale - 1.0) * sigma_a).to(a.dtype) * a
     return torch.cat([v.reshape(1, 1, -1), a.reshape(1, 1, -1)], dim=-1)
@@ -289,7 +478,7 @@ FAMILY = Family(
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width, modulation=("adaln_proj",), text_stream=("token_refiner",),
     native_layout="minimax", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load,
-    packed_streams=True, extras=EXTRAS, text_splits=True, text_cross=False,
+    packed_streams=True, extras=EXTRAS, call_extras=call_extras, text_splits=True, text_cross=False,
     extra_tokens=lambda config, latent_frames: 2 * audio_frames(H3_VIDEO.pixel_frames(latent_frames)),
     describe_blocks=lambda c: f"{c['num_layers']} blocks over one packed sequence (text, audio, video)",
     describe_conditioning=lambda c: (f"cond [1, N, {c['text_dim']}] (Qwen3-VL hidden states), no pooled output; "

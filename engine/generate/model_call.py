@@ -93,7 +93,7 @@ class ModelSession:
         info = inspect_model(request.model)
         self._channels = info.latent.channels
         # a family whose LATENT packs several streams (audio + video) takes the packed [N, 1, values] tensor as it is,
-        # with the streams' shapes and its own per-call tensors (float32) among the conditioning
+        # with the streams' shapes and its own per-call tensors (float64) among the conditioning
         self._packed = info.spec.packed_streams
         self._extras = info.spec.extras
         spec, inputs = request.to_job(stand_ins=True)   # the ranks read the shapes: stand-ins cross as shapes
@@ -195,7 +195,8 @@ class ModelSession:
                 if not isinstance(t, torch.Tensor) or t.shape[0] != n:
                     shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"{key} of shape {shape} does not have the call's {n} rows")
-                dtype = torch.float32 if name in FLOAT32 or name in self._extras else self._dtype
+                # a family's own tensors cross in float64: ComfyUI's model reads them as Python floats
+                dtype = torch.float64 if name in self._extras else torch.float32 if name in FLOAT32 else self._dtype
                 slot, new = self._held.place(key, t.detach().to("cpu", dtype))
                 held[key] = slot
                 if new is not None:
@@ -269,8 +270,8 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
             for key, t in tensors.items():
                 if "@" in key:   # a copy: the call's buffer is not kept alive by what the session holds
                     name = key.split("@")[0]
-                    held[key] = t.to(torch.float32 if name in FLOAT32 or name in flow.family.extras else flow.dtype,
-                                     copy=True)
+                    held[key] = t.to(torch.float64 if name in flow.family.extras else
+                                     torch.float32 if name in FLOAT32 else flow.dtype, copy=True)
             parts = []
             for i, part in enumerate(meta["parts"]):
                 conditioning = {name: held[f"{name}@{slot}"] for name, slot in part["held"].items()}
