@@ -268,7 +268,8 @@ def test_minimax_h3_graphs_with_the_engines_model_equal_comfyui_own(setup):
         return
     assert set(report["graphs"]) == {"h3 t2va turbo cfg1", "h3 t2va cfg4, negative, SigmaShift 10/2.5, token tags",
                                      "h3 fl2va: first and last frames, a guide clip with its audio, an audio guide",
-                                     "h3 ref2va: image, audio and video+soundtrack references, cfg 3"}
+                                     "h3 ref2va: image, audio and video+soundtrack references, cfg 3",
+                                     "h3 v2va: a noise mask keeps the first frames and audio, half a frame regenerated"}
     for name, entry in report["graphs"].items():   # each graph's conditioning changes ComfyUI's own result
         assert name == "h3 t2va turbo cfg1" or entry["native_vs_t2va_rel_l2"] > 1e-2, (name, entry)
     plans = set()
@@ -280,7 +281,6 @@ def test_minimax_h3_graphs_with_the_engines_model_equal_comfyui_own(setup):
             assert run["video_rel_l2"] < 1e-5 and run["audio_rel_l2"] < 1e-5, (name, key, run)
             plans.add(run["plan"])
     assert {"single rank", "ulysses2", "ring2", "ulysses2 x shard2", "cfg2"} <= plans, plans
-    assert "noise mask" in report["refusals"]["noise_mask"] and "yet" in report["refusals"]["noise_mask"]
 
 
 @pytest.mark.timeout(1300)   # every sampler name, twice, through ComfyUI's sampler on CPU ranks: minutes

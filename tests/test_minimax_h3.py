@@ -142,9 +142,10 @@ def test_every_sequence_plan_splits_the_packed_sequence_and_equals_one_rank(engi
     assert report(f"MiniMax-H3 model call, {plan.describe()}", (got - want).abs().max(), bound(want))
 
 
-def guided_call(seed=3):
+def guided_call(seed=3, masked=True):
     """A call with ComfyUI's payload of a first frame, a 2-latent-frame guide clip with its soundtrack at frame 5, an
-    image reference and a video reference with its soundtrack (call_extras builds what the ranks take)."""
+    image reference and a video reference with its soundtrack, and noise masks keeping the first latent frame and two
+    audio frames, half regenerating part of another frame (call_extras builds what the ranks take)."""
     x, t, c = h3_call(seed=seed)
     g = torch.Generator().manual_seed(seed + 10)
     payload = {"keyframes": [{"resolved_frame_index": 0, "latent": torch.randn(1, 24, 1, 4, 6, generator=g)},
@@ -156,22 +157,27 @@ def guided_call(seed=3):
                          "latent": torch.randn(1, 24, 2, 2, 2, generator=g),
                          "audio_latent": torch.randn(1, 32, 2, 3, generator=g)}],
                "seed": 77, "audio_scale": 4.0, "visual_cond_noise_aug": 0.9}
-    extras = minimax_h3.call_extras([(1, 24, 3, 4, 6), (1, 32, 2, 7)], payload, {}, (12.0, 3.0), 1)
+    video_mask, audio_mask = torch.ones(1, 1, 3, 4, 6), torch.ones(1, 1, 2, 7)
+    video_mask[:, :, 0], video_mask[:, :, 1, :2], audio_mask[..., :2] = 0.0, 0.5, 0.0
+    masks = {"denoise_mask": video_mask, "audio_denoise_mask": audio_mask} if masked else None
+    extras = minimax_h3.call_extras([(1, 24, 3, 4, 6), (1, 32, 2, 7)], payload, {}, (12.0, 3.0), 1, masks)
     return x, t, {"context": c["context"], **extras}
 
 
 @pytest.mark.parametrize("world,plan", [(2, ParallelPlan(ulysses=2)), (2, ParallelPlan(ring=2))],
                          ids=["ulysses2", "ring2"])
-def test_keyframes_and_references_join_the_split_sequence_and_equal_one_rank(engines, path, local, world, plan):
+def test_keyframes_references_and_masks_join_the_split_sequence_and_equal_one_rank(engines, path, local, world, plan):
     """Condition rows (a first frame, a guide clip and its audio) and reference blocks (an image, a video with its
     soundtrack) lengthen the packed sequence; they are split with it and the target rows come back whole."""
     x, t, c = guided_call()
     want = reference(local, x, t, c)
     plain = reference(local, x, t, {k: v for k, v in c.items() if k in ("context", "av_shape", "audio_scale")})
     assert (want - plain).abs().max() > 1e-3   # the conditions reach the model
+    unmasked = reference(local, *guided_call(masked=False))
+    assert (want - unmasked).abs().max() > 1e-3   # and the masks' per-row timesteps
     with ModelSession(engines(world), request(path, c, plan)) as s:
         got = s.call(x, t, c)
-    assert report(f"MiniMax-H3 with keyframes and references, {plan.describe()}", (got - want).abs().max(),
+    assert report(f"MiniMax-H3 with keyframes, references and masks, {plan.describe()}", (got - want).abs().max(),
                   bound(want))
 
 
@@ -236,7 +242,10 @@ def test_the_engines_model_packs_comfyuis_streams_and_reads_its_payload_and_shif
     assert torch.equal(kwargs["cond_latents"][0], torch.cat([first.reshape(-1), ref.reshape(-1), sound.reshape(-1)]))
     assert sum(int(v) << s for v, s in zip(kwargs["cond_seed"][0].tolist(), (0, 16, 32, 48))) == 2 ** 63 + 12345
     assert kwargs["cond_aug"].tolist() == [[0.999, 1.0]]
-    with pytest.raises(model_parts.ModelPatchError, match="noise mask"):
-        t([video, audio], torch.tensor([500.0]), context, denoise_mask=torch.ones(1, 1, 2, 4, 6))
+    mask = torch.rand(1, 1, 2, 4, 6)
+    t([video, audio], torch.tensor([500.0]), context, denoise_mask=mask)
+    assert torch.equal(link.calls[-1][4]["video_mask"][0], mask.reshape(-1).double())
+    with pytest.raises(model_parts.ModelPatchError, match="does not cover"):
+        t([video, audio], torch.tensor([500.0]), context, audio_denoise_mask=torch.ones(1, 1, 2, 4))
     with pytest.raises(model_parts.ModelPatchError, match="takes a video latent"):
         t([video, audio, audio], torch.tensor([500.0]), context)

@@ -84,17 +84,13 @@ class EngineTransformer(torch.nn.Module):
         family = self.__dict__.get("_family")
         if family is None or family.call_extras is None:
             raise ModelPatchError("the MODEL got several latent streams, which this model's family does not take")
-        masks = [k for k in ("denoise_mask", "audio_denoise_mask") if kwargs.pop(k, None) is not None]
-        if masks:
-            raise ModelPatchError(f"the latent carries a noise mask ({', '.join(masks)}: SetLatentNoiseMask or an "
-                                  f"inpainting node), which the xDiT engine does not apply to {family.title}'s audio "
-                                  f"and video yet; remove that node")
+        masks = {k: kwargs.pop(k, None) for k in ("denoise_mask", "audio_denoise_mask")}
         meta = self.__dict__.get("_meta")
         shapes = [tuple(t.shape) for t in streams]
         try:
             extras = family.call_extras(shapes, dict(kwargs.pop("minimax_payload", None) or {}), transformer_options,
                                         (float(getattr(meta, "sigma_shift_video", 12.0)),
-                                         float(getattr(meta, "sigma_shift_audio", 3.0))), shapes[0][0])
+                                         float(getattr(meta, "sigma_shift_audio", 3.0))), shapes[0][0], masks)
         except ValueError as e:
             raise ModelPatchError(str(e)) from None
         packed = torch.cat([t.reshape(t.shape[0], 1, -1) for t in streams], dim=-1)

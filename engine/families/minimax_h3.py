@@ -87,7 +87,8 @@ def audio_frames(pixel_frames: int) -> int:
 # token_tags: the text encoder's per-token modality tags (absent: all text); blocks: the keyframes and reference blocks
 # (BLOCK_FIELDS each), their latents flattened in `cond_latents` (video ones, then audio ones, in block order);
 # cond_aug: (video, audio) condition noise augmentation; cond_seed: the sampler's seed in four 16-bit limbs
-EXTRAS = ("av_shape", "audio_scale", "sigma_shift", "token_tags", "blocks", "cond_latents", "cond_aug", "cond_seed")
+EXTRAS = ("av_shape", "audio_scale", "sigma_shift", "token_tags", "blocks", "cond_latents", "cond_aug", "cond_seed",
+          "video_mask", "audio_mask")   # ComfyUI's denoise_mask / audio_denoise_mask flattened: [T*H*W], [2*T']
 VISUAL_COND_T, AUDIO_COND_T = 0.999, 1.0   # model.py VISUAL_COND_TIMESTEP, AUDIO_COND_TIMESTEP
 BLOCK_KINDS = ("keyframe", "image", "audio", "video", "video_audio")
 BLOCK_FIELDS = 8   # kind, frame index, latent T, H, W, audio T, has video, has audio
@@ -230,11 +231,12 @@ def split_streams(x: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- ComfyUI's payload <-> the call's float32 tensors -------------------------------------------------------------
 def call_extras(shapes: list[tuple], payload: dict, transformer_options: dict, shifts: tuple[float, float],
-                rows: int) -> dict[str, torch.Tensor]:
+                rows: int, masks: dict | None = None) -> dict[str, torch.Tensor]:
     """What a call of ComfyUI's MiniMaxH3Model reads besides x, timestep and context, as the engine's float64 tensors
     [rows, ...]: the streams' shapes, the audio carry factor, the sigma shifts (MiniMaxH3SigmaShift's, else the
-    model's), the token tags, and the keyframes and reference blocks with their latents (ComfyUI's payload). ValueError
-    for a stream layout the model does not take."""
+    model's), the token tags, the keyframes and reference blocks with their latents (ComfyUI's payload), and the noise
+    masks ComfyUI's model passes (`masks`: denoise_mask [1, 1, T, H, W] and audio_denoise_mask [1, 1, 2, T'], pooled
+    to the token grid by its extra_conds). ValueError for a stream layout the model does not take."""
     if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
         raise ValueError(f"latent streams of shapes {[list(s) for s in shapes]}: MiniMax-H3 takes a video latent "
                          f"[B, C, T, H, W] and an audio latent [B, C, 2, T] (EmptyMiniMaxH3LatentAV)")
@@ -250,6 +252,15 @@ def call_extras(shapes: list[tuple], payload: dict, transformer_options: dict, s
     tags = payload.get("text_token_tags")
     if tags is not None:
         out["token_tags"] = per_row(torch.as_tensor(tags).reshape(-1).to(f64))
+    for name, key, size in (("denoise_mask", "video_mask", math.prod(shapes[0][2:])),
+                            ("audio_denoise_mask", "audio_mask", math.prod(shapes[1][2:]))):
+        mask = (masks or {}).get(name)
+        if mask is None:
+            continue
+        if mask.numel() != size:
+            raise ValueError(f"{name} of shape {list(mask.shape)} does not cover the {key.split('_')[0]} latent's "
+                             f"{size} values")
+        out[key] = per_row(mask.detach().reshape(-1).to(f64))
     blocks, videos, audios = [], [], []
     for kf in payload.get("keyframes") or ():
         v, a = kf.get("latent"), kf.get("audio_latent")
@@ -309,6 +320,14 @@ def _blocks(extras: dict) -> tuple[tuple[Block, ...], list[torch.Tensor], list[t
     return blocks, videos, audios
 
 
+def mask_rows(mask: torch.Tensor, frames: int, h: int, w: int) -> torch.Tensor | None:
+    """A video noise mask [T, H, W] (1 generates) -> one value per 2x2 patch row (its largest, the frame padded as the
+    latent is, replicating its edge), None when every row generates (ComfyUI's mask_row_values)."""
+    m = F.pad(mask[None], (0, w - mask.shape[-1], 0, h - mask.shape[-2]), mode="replicate")[0]
+    values = m.reshape(frames, h // 2, 2, w // 2, 2).amax(dim=(2, 4)).reshape(-1)
+    return None if bool((values >= 1.0 - 1e-3).all()) else values
+
+
 def _augmented(rows: torch.Tensor, aug: float, seed: int) -> torch.Tensor:
     """ComfyUI's condition noise augmentation of one condition's rows: the same CPU generator stream restarted for each
     (aug x rows + (1 - aug) x noise), none at aug 1."""
@@ -357,8 +376,24 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
              "cond_audio": max(t_a, aud_aug), "ref_audio": max(t_a, aud_aug)}
     tag = {"text": TEXT_TAG, "video": VIDEO_TAG, "cond": VIDEO_TAG, "ref_img": VIDEO_TAG, "audio": AUDIO_TAG,
            "cond_audio": AUDIO_TAG, "ref_audio": AUDIO_TAG}
+    # masked rows run at their own strength: a mask value m puts a row at m x its stream's sigma (its timestep 1 - m x
+    # sigma), fully kept rows at the condition timestep
+    per_row = {}
+    if "video_mask" in extras:
+        m = mask_rows(extras["video_mask"].float().cpu().reshape(frames, h0, w0), frames, h, w)
+        if m is not None:
+            per_row["video"] = (1.0 - m * sigma_v.cpu()).clamp(max=max(t_v, VISUAL_COND_T))
+    if "audio_mask" in extras:
+        m = extras["audio_mask"].float().cpu().reshape(-1)
+        if not bool((m >= 1.0 - 1e-3).all()):
+            per_row["audio"] = (1.0 - m * (1.0 - t_a)).clamp(max=max(t_a, AUDIO_COND_T))
+    for kind, values in list(per_row.items()):   # one level for the whole stream: as a plain level
+        if values.unique().numel() == 1:
+            level[kind] = float(values[0])
+            del per_row[kind]
     segments = layout(text, frames, h, w, ta, blocks)
-    levels = sorted({t_v, t_a} | {level[kind] for kind, _ in segments})
+    levels = sorted({t_v, t_a} | {level[kind] for kind, _ in segments}
+                    | {v for values in per_row.values() for v in values.unique().tolist()})
     index = {t: i for i, t in enumerate(levels)}
     # the rows of each stream in sequence order: the conditions' (augmented, each from the same generator stream),
     # then the target's
@@ -368,7 +403,10 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
     start = 0
     for kind, g in segments:
         n = g.shape[0]
-        t_index.append(torch.full((n,), index[level[kind]], dtype=torch.long))
+        if kind in per_row:
+            t_index.append(torch.tensor([index[v] for v in per_row[kind].tolist()], dtype=torch.long))
+        else:
+            t_index.append(torch.full((n,), index[level[kind]], dtype=torch.long))
         if kind == "text" and "token_tags" in extras:
             tags.append(extras["token_tags"].reshape(-1)[:n].long().cpu())
         else:
