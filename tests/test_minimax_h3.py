@@ -181,6 +181,27 @@ def test_keyframes_references_and_masks_join_the_split_sequence_and_equal_one_ra
                   bound(want))
 
 
+def test_a_pruned_file_reads_its_time_embedding_off_the_curve_table_on_every_plan(engines, tmp_path):
+    """Comfy-Org's pruned files carry adaln_t_table instead of a time embedder: t in [0, 1] read off its rows by
+    linear interpolation (t = 1 on the last interval), the modulations taking it without an activation (ComfyUI's
+    use_adaln_curves); the same split sequence on two ranks equals one."""
+    pruned = write_tiny("minimax-h3", str(tmp_path), variant="minimax-h3-pruned")
+    info = inspect_model(pruned)
+    assert (info.variant, info.config["adaln_curve_grid"], info.config["time_embed_dim"]) == ("minimax-h3-pruned",
+                                                                                              33, 16)
+    flow = FlowModel(load_model(pruned, dtype="fp32", device=torch.device("cpu")))
+    table = flow.model.time_embedder.table
+    got = flow.model.time_embedder(torch.tensor([0.0, 0.5, 1.0, 0.51]))
+    frac = 0.51 * 32 - 16
+    want = torch.stack([table[0], table[16], table[32], table[16] + frac * (table[17] - table[16])])
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    x, t, c = h3_call(seed=4)
+    want = reference(flow, x, t, c)
+    with ModelSession(engines(2), request(pruned, c, ParallelPlan(ulysses=2))) as s:
+        out = s.call(x, t, c)
+    assert report("MiniMax-H3 pruned file, ulysses2", (out - want).abs().max(), bound(want))
+
+
 def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
     """ComfyUI calls H3's positive and negative one at a time (its model takes a batch of one): the step's two calls
     reach the ranks as one request, each on its CFG group, with the text encoder's token tags on the positive."""

@@ -470,16 +470,62 @@ def _after_load(model) -> None:
     model.set_attn_processor(H3Processor())
 
 
+# ---- pruned files: the time embedding read off a table, the modulations without an activation --------------------
+class _Timesteps(torch.nn.Module):
+    """Stands for diffusers' sinusoid in a pruned model: the distinct timesteps pass through unchanged."""
+
+    def forward(self, t):
+        return t
+
+
+class _CurveTable(torch.nn.Module):
+    """Stands for the time embedder in a pruned model (ComfyUI's use_adaln_curves): each timestep t in [0, 1] read off
+    the table's rows by linear interpolation, float32, t = 1 on the last interval."""
+
+    def __init__(self, grid: int, width: int):
+        super().__init__()
+        self.register_buffer("table", torch.empty(grid, width, dtype=torch.float32))
+
+    def forward(self, t):
+        table = self.table.float()
+        pos = t.float().clamp(0.0, 1.0) * (table.shape[0] - 1)
+        i0 = pos.floor().long().clamp(max=table.shape[0] - 2)
+        return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
+
+
+def _modulation_without_activation(module, args, out):
+    """diffusers' block modulation recomputed without its SiLU (a pruned model's curve is the modulations' input as
+    it is): six [levels x 3, hidden] tensors."""
+    linear = module.linear
+    x = linear(args[0].to(linear.weight.dtype))
+    return x.view(-1, 6 * module.hidden_size).chunk(6, dim=-1)
+
+
+def _norm_out_without_activation(module, args, out):
+    """diffusers' output norm and modulation recomputed without the SiLU on the curve."""
+    hidden, temb, index = args[:3]
+    shift, scale = module.linear(temb.to(module.linear.weight.dtype)).chunk(2, dim=-1)
+    return module.norm(hidden) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+
+
 def _model_class():
     from diffusers import MiniMaxH3Transformer3DModel
 
-    def build(**config):
+    def build(adaln_curve_grid: int = 0, **config):
         """The unmodified diffusers model, its rope.inv_freq (computed by diffusers, not saved) held in the state dict
-        so it loads from the file as ComfyUI reads it (the same forward)."""
+        so it loads from the file as ComfyUI reads it (the same forward). A pruned file's model (adaln_curve_grid):
+        the time embedding a table lookup and the modulations without their SiLU, as ComfyUI runs it (forward hooks
+        on diffusers' modulation modules, whose weights are the file's)."""
         model = MiniMaxH3Transformer3DModel(**config)
         inv_freq = model.rope.inv_freq
         del model.rope.inv_freq
         model.rope.register_buffer("inv_freq", inv_freq, persistent=True)
+        if adaln_curve_grid:
+            model.time_proj = _Timesteps()
+            model.time_embedder = _CurveTable(adaln_curve_grid, config["time_embed_dim"])
+            for block in model.transformer_blocks:
+                block.adaln_proj.register_forward_hook(_modulation_without_activation)
+            model.norm_out.register_forward_hook(_norm_out_without_activation)
         return model
     build.model_class = MiniMaxH3Transformer3DModel
     return build
@@ -499,7 +545,7 @@ def _linear_width(config: dict) -> float:
 
 FAMILY = Family(
     name="minimax-h3", title="MiniMax-H3", variants=tuple(DIMS["full"]),
-    variant_aliases={"h3": "minimax-h3"},
+    variant_aliases={"h3": "minimax-h3", "h3-pruned": "minimax-h3-pruned"},
     markers=(Marker("audio_patch_proj.weight", "minimax"),),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("minimax_h3",),
     layers=lambda config: config["num_layers"],

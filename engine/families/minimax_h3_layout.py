@@ -26,6 +26,8 @@ class H3Dims:
     rope_freqs: int = 16        # rotary frequencies per axis (t, h, w): 2 x 3 x 16 = 96 of 128 channels rotate
     video_channels: int = 24
     audio_channels: int = 32
+    curve_grid: int = 0         # pruned files: an adaln_t_table of this many rows replaces the time embedder (its
+    #                             width is time_dim), and the block modulations read it without an activation
 
     @property
     def inner(self) -> int:
@@ -40,6 +42,11 @@ DIMS = {
     "tiny": {"minimax-h3": H3Dims(hidden=64, heads=4, head_dim=32, ffn=96, depth=4, refiner=2, text_dim=48,
                                   freq_dim=64, time_hidden=64, time_dim=32, rope_freqs=4)},
 }
+# the pruned form (Comfy-Org's "pruned" files, e.g. the fl2va int8 one ComfyUI's template loads): the curve's grid
+# and width are read from each file; these are the tiny test file's, and a stand-in for the released one's
+DIMS["full"]["minimax-h3-pruned"] = H3Dims(time_dim=64, curve_grid=1001)
+DIMS["tiny"]["minimax-h3-pruned"] = H3Dims(**{**DIMS["tiny"]["minimax-h3"].__dict__, "time_dim": 16,
+                                              "curve_grid": 33})
 
 
 def shapes(d: H3Dims) -> dict[str, tuple]:
@@ -48,8 +55,11 @@ def shapes(d: H3Dims) -> dict[str, tuple]:
     linear_shapes(s, "video_patch_proj", d.hidden, d.video_channels * 4)
     linear_shapes(s, "audio_patch_proj", d.hidden, d.audio_channels)
     linear_shapes(s, "condition_proj", d.hidden, d.text_dim)
-    linear_shapes(s, "time_embedder.proj_in", d.time_hidden, d.freq_dim)
-    linear_shapes(s, "time_embedder.proj_out", d.time_dim, d.time_hidden)
+    if d.curve_grid:
+        s["adaln_t_table"] = (d.curve_grid, d.time_dim)
+    else:
+        linear_shapes(s, "time_embedder.proj_in", d.time_hidden, d.freq_dim)
+        linear_shapes(s, "time_embedder.proj_out", d.time_dim, d.time_hidden)
     s["rope.inv_freq"] = (d.rope_freqs,)
 
     def block(b: str, adaln: bool) -> None:
@@ -101,7 +111,11 @@ def key_map(layout: str, config: dict) -> list | None:
     d = dims_of(config)
     m: list = []
     for src, dst in TOP.items():
+        if src.startswith("time_embedder.") and d.curve_grid:
+            continue
         linear(m, dst, src)
+    if d.curve_grid:
+        m.append(("time_embedder.table", "adaln_t_table", None))
     m.append(("rope.inv_freq", "rope.inv_freq", None))
     for i in range(d.refiner):
         _block(m, f"token_refiner.blocks.{i}", f"token_refiner.refiner_blocks.{i}", d, adaln=False)
@@ -118,15 +132,13 @@ def dims_of(config: dict) -> H3Dims:
                   refiner=config["num_refiner_layers"], text_dim=config["text_dim"], freq_dim=config["freq_dim"],
                   time_hidden=config["time_embed_hidden_dim"], time_dim=config["time_embed_dim"],
                   rope_freqs=config["rope_freq_dim"], video_channels=config["in_channels"],
-                  audio_channels=config["audio_in_channels"])
+                  audio_channels=config["audio_in_channels"], curve_grid=config.get("adaln_curve_grid", 0))
 
 
 def infer(layout: str, s: dict, metadata: dict) -> tuple[dict, str]:
     """The diffusers config of a file in ComfyUI's layout, from its shapes as model_detection reads them (and the
     `config` header's transformer entries, which ComfyUI lets override them)."""
-    if "adaln_t_table" in s:
-        raise CheckpointError("a MiniMax-H3 file with adaln curve tables (adaln_t_table, no time embedder): the "
-                              "engine runs the files with a time embedder (Comfy-Org's bf16 and fp8 releases)")
+    curve = s.get("adaln_t_table")
     head_dim = s["blocks.0.attn.q_norm.weight"][0]
     stated = {}
     if metadata.get("config"):
@@ -148,11 +160,13 @@ def infer(layout: str, s: dict, metadata: dict) -> tuple[dict, str]:
         "in_channels": s["final_layer.video_out.weight"][0] // 4,
         "audio_in_channels": s["final_layer.audio_out.weight"][0],
         "text_dim": s["condition_proj.weight"][1],
-        "freq_dim": s["time_embedder.proj_in.weight"][1],
-        "time_embed_hidden_dim": s["time_embedder.proj_in.weight"][0],
-        "time_embed_dim": s["time_embedder.proj_out.weight"][0],
+        "freq_dim": curve[1] if curve else s["time_embedder.proj_in.weight"][1],
+        "time_embed_hidden_dim": curve[1] if curve else s["time_embedder.proj_in.weight"][0],
+        "time_embed_dim": curve[1] if curve else s["time_embedder.proj_out.weight"][0],
         "rope_freq_dim": rope, "rope_theta": 10000.0,
         "norm_eps": float(stated.get("norm_eps", 1e-5)), "qk_norm_eps": float(stated.get("qk_norm_eps", 1e-5)),
         "final_norm_eps": float(stated.get("final_norm_eps", 1e-5)),
     }
-    return config, "minimax-h3"
+    if curve:
+        config["adaln_curve_grid"] = curve[0]
+    return config, "minimax-h3-pruned" if curve else "minimax-h3"
