@@ -20,13 +20,15 @@ comfy.options.enable_args_parsing()
 import folder_paths  # noqa: E402
 import nodes  # noqa: E402
 
-folder_paths.add_model_folder_path("diffusion_models", os.path.join(models, "diffusion_models"))
+for folder in ("diffusion_models", "loras"):
+    folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
 folder_paths.add_model_folder_path("custom_nodes", pack_parent)
 asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
 import comfyui_version  # noqa: E402
 from comfyui_live_common import call, native_model, rel  # noqa: E402 (tests/, this file's folder)
 
 FILE = "tiny-minimax-h3.safetensors"
+LORA = "tiny-minimax-h3-lora.safetensors"   # LoRA factors on fused q/k/v, the SwiGLU's up and a modulation
 report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
 
 
@@ -141,6 +143,35 @@ for name, p, n, cfg, shift, runs in GRAPHS:
                                       "plan": last_plan(eng)}
     report["graphs"][name] = entry
     print(name, json.dumps(entry), flush=True)
+
+# ComfyUI's own MiniMax-H3 template's sampling: the turbo LoRA (LoraLoaderModelOnly), BasicGuider, BasicScheduler,
+# KSamplerSelect res_multistep, RandomNoise, SamplerCustomAdvanced (its MiniMaxH3ImageToVideo needs a text encoder and
+# a VAE, so the conditioning it would make stands here: a first frame keyframe)
+def template(model):
+    model = call("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=1.0)[0]
+    guider = call("BasicGuider", model=model, conditioning=guided)[0]
+    sigmas = call("BasicScheduler", model=model, scheduler="simple", steps=3, denoise=1.0)[0]
+    out = call("SamplerCustomAdvanced", noise=call("RandomNoise", noise_seed=42)[0], guider=guider,
+               sampler=call("KSamplerSelect", sampler_name="res_multistep")[0], sigmas=sigmas,
+               latent_image=latent)[0]["samples"]
+    return out.unbind()
+
+
+want = template(native_model(FILE))
+entry = {}
+for label, gpus, kw in (("gpus=0", "0", {}), ("gpus=0,1", "0,1", {})):
+    eng, model = engine(gpus, **kw)
+    got = template(model)
+    entry[label] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
+                    "plan": last_plan(eng)}
+no_lora = call("SamplerCustomAdvanced", noise=call("RandomNoise", noise_seed=42)[0],
+               guider=call("BasicGuider", model=native_model(FILE), conditioning=guided)[0],
+               sampler=call("KSamplerSelect", sampler_name="res_multistep")[0],
+               sigmas=call("BasicScheduler", model=native_model(FILE), scheduler="simple", steps=3, denoise=1.0)[0],
+               latent_image=latent)[0]["samples"].unbind()
+entry["native_lora_effect_rel_l2"] = rel(want[0], no_lora[0]) + rel(want[1], no_lora[1])
+report["graphs"]["h3 template: turbo LoRA, BasicGuider, res_multistep, SamplerCustomAdvanced"] = entry
+print("h3 template", json.dumps(entry), flush=True)
 
 # a noise mask on the AV latent (extending a clip: its first latent frames and audio frames kept, one frame half
 # regenerated): ComfyUI's model gives masked rows their own timesteps

@@ -263,6 +263,14 @@ def test_minimax_h3_graphs_with_the_engines_model_equal_comfyui_own(setup):
     for variant in ("minimax-h3", "minimax-h3-pruned"):
         shutil.copy(write_tiny("minimax-h3", str(folder), variant=variant),
                     setup["models"] / "diffusion_models" / f"tiny-{variant}.safetensors")
+    g = torch.Generator().manual_seed(3)   # ComfyUI's LoRA key names for the H3 layout, as its turbo LoRAs have
+    save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.randn(2, 64, generator=g) * 0.2,
+               "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.randn(384, 2, generator=g) * 0.2,
+               "diffusion_model.blocks.1.mlp.fc1.lora_down.weight": torch.randn(4, 64, generator=g) * 0.2,
+               "diffusion_model.blocks.1.mlp.fc1.lora_up.weight": torch.randn(192, 4, generator=g) * 0.2,
+               "diffusion_model.blocks.2.adaln_proj.linear.lora_down.weight": torch.randn(2, 32, generator=g) * 0.2,
+               "diffusion_model.blocks.2.adaln_proj.linear.lora_up.weight": torch.randn(1152, 2, generator=g) * 0.2},
+              str(setup["models"] / "loras" / "tiny-minimax-h3-lora.safetensors"))
     report = run_check("comfyui_h3_check.py", setup, 560)
     if report["comfyui"] == "0.3.64":   # older than MiniMax-H3: the engine's MODEL names the release to update to
         assert "update ComfyUI to 0.33 or newer" in report["older"], report
@@ -271,9 +279,13 @@ def test_minimax_h3_graphs_with_the_engines_model_equal_comfyui_own(setup):
                                      "h3 fl2va: first and last frames, a guide clip with its audio, an audio guide",
                                      "h3 ref2va: image, audio and video+soundtrack references, cfg 3",
                                      "h3 v2va: a noise mask keeps the first frames and audio, half a frame regenerated",
-                                     "h3 pruned file: t2va cfg 4", "h3 pruned file: fl2va"}
+                                     "h3 pruned file: t2va cfg 4", "h3 pruned file: fl2va",
+                                     "h3 template: turbo LoRA, BasicGuider, res_multistep, SamplerCustomAdvanced"}
     for name, entry in report["graphs"].items():   # each graph's conditioning changes ComfyUI's own result
-        assert name == "h3 t2va turbo cfg1" or "pruned" in name or entry["native_vs_t2va_rel_l2"] > 1e-2, (name, entry)
+        assert name == "h3 t2va turbo cfg1" or "pruned" in name or "template" in name \
+            or entry["native_vs_t2va_rel_l2"] > 1e-2, (name, entry)
+    assert report["graphs"]["h3 template: turbo LoRA, BasicGuider, res_multistep, SamplerCustomAdvanced"][
+        "native_lora_effect_rel_l2"] > 1e-2   # the LoRA changes ComfyUI's own result
     plans = set()
     for name, entry in report["graphs"].items():
         for key, run in entry.items():

@@ -1,5 +1,6 @@
 """The example workflows in workflows/: each UI (drag-and-drop) file is a well-formed ComfyUI graph of known nodes
-(the pack's, from xdit_nodes/specs.py; the stock and the frontend's own ones, from tests/comfyui_stock_nodes.py), its
+(the pack's, from xdit_nodes/specs.py; the stock and the frontend's own ones, from tests/comfyui_stock_nodes.py and
+the MiniMax-H3 workflows' stock nodes in tests/workflow_nodes.py), its
 links join outputs to inputs of the same type, its widget values fit their widgets, its nodes are drawn without
 overlapping or cutting a text short, and its api/ twin is exactly its translation to the API prompt format. The files
 are what tests/make_workflows.py writes from tests/workflow_graphs.py. Pure JSON checks: no engine starts."""
@@ -20,8 +21,9 @@ from workflow_nodes import current_title, definitions as node_definitions, socke
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
              "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "wan2.1-t2v-1.3b",
-             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
-VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
+             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v")
+VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v",
+                   "minimax-h3-i2v")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
                "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
                "flux1-kontext-dev": "flux1-kontext-dev.safetensors", "qwen-image": "qwen_image_fp8_e4m3fn.safetensors",
@@ -31,20 +33,27 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "flux2-dev-multi-reference": "flux2_dev_fp8mixed.safetensors",
                "flux2-klein-4b": "flux-2-klein-4b.safetensors",
                # Comfy-Org's repackaged Wan files (split_files/diffusion_models)
-               "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors"}
+               "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors",
+               # Comfy-Org's MiniMax-H3 bf16 file (the templates' int8_convrot file is not one the engine reads)
+               "minimax-h3-t2v": "minimax_h3_fl2va_bf16.safetensors",
+               "minimax-h3-i2v": "minimax_h3_fl2va_bf16.safetensors"}
 # Two-expert models: an engine per expert, (high noise, low noise), each with its own sampler
 EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
                                              for noise in ("high", "low")) for kind in ("t2v", "i2v")}
-# The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2.
-NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2"}
-MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm")   # stock MODEL -> MODEL nodes the templates use
+# The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2, MiniMax-H3
+# (its nodes, text encoder type and VAEs) in 0.33.0.
+NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
+                 "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0"}
+# stock MODEL -> MODEL nodes the templates use
+MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm", "LoraLoaderModelOnly")
 SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced")
 # model-file widgets and the models/ folders their files belong in
 MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints"),
                  ("VAELoader", "vae_name"): ("vae",), ("CLIPLoader", "clip_name"): ("text_encoders",),
+                 ("LoraLoaderModelOnly", "lora_name"): ("loras",),
                  **{(t, f"clip_name{i}"): ("text_encoders",)
                     for t, n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3)) for i in range(1, n + 1)}}
-FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",),
+FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",), "loras": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
 
 
@@ -724,6 +733,53 @@ def test_wan22_ti2v_5b_starts_from_the_image_latent_with_its_noise_mask():
     assert latent["inputs"]["vae"] == only(api, "VAEDecode")[1]["inputs"]["vae"]
     _wan_common(api, sampler_id, "wan2.2_vae.safetensors")
     assert only(api, "CreateVideo")[1]["inputs"]["fps"] == 24.0
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_minimax_h3_is_comfyuis_template_with_the_turbo_lora_on_the_engines_model(kind):
+    """ComfyUI's MiniMax-H3 templates (video_minimax_h3_t2v.json, video_minimax_h3_i2v.json), their subgraph flattened:
+    the Qwen3-VL text encoder through CLIPLoader type minimax into MiniMaxH3ImageToVideo (864x480 for text to video,
+    640x640 with Load Image on first_frame for image to video; 124 frames, 5 s on the 17k + 5 grid), whose
+    conditioning feeds BasicGuider and whose audio + video latent is sampled; the engine's MODEL through the 8-step
+    turbo LoRA (strength 1) into BasicGuider and BasicScheduler (simple, 8 steps), RandomNoise 42, KSamplerSelect
+    res_multistep; the video VAE decodes the frames, the audio VAE the sound, both into Create Video at 24 fps."""
+    _, api = load(f"minimax-h3-{kind}")
+    sampler_id, _ = only(api, "SamplerCustomAdvanced")
+    assert source(api, sampler_id, "noise")[1]["inputs"]["noise_seed"] == 42
+    assert source(api, sampler_id, "sampler")[1]["inputs"] == {"sampler_name": "res_multistep"}
+    guider_id, guider = source(api, sampler_id, "guider")
+    assert guider["class_type"] == "BasicGuider"
+    sigmas = source(api, sampler_id, "sigmas")[1]
+    assert sigmas["class_type"] == "BasicScheduler"
+    assert {k: v for k, v in sigmas["inputs"].items() if k != "model"} == \
+        {"scheduler": "simple", "steps": 8, "denoise": 1.0}
+    (lora_id, lora), (_, engine) = model_chain(api, guider_id)
+    assert lora["class_type"] == "LoraLoaderModelOnly" and engine["class_type"] == "XDiTEngine"
+    assert lora["inputs"]["lora_name"] == "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"
+    assert lora["inputs"]["strength_model"] == 1.0
+    assert sigmas["inputs"]["model"] == guider["inputs"]["model"] == [lora_id, 0]   # the schedule of the same model
+
+    av_id, av = source(api, sampler_id, "latent_image")
+    assert av["class_type"] == "MiniMaxH3ImageToVideo" and api[sampler_id]["inputs"]["latent_image"] == [av_id, 1]
+    assert guider["inputs"]["conditioning"] == [av_id, 0]
+    size = (640, 640) if kind == "i2v" else (864, 480)
+    assert (av["inputs"]["width"], av["inputs"]["height"], av["inputs"]["length"]) == size + (124,)
+    assert av["inputs"]["prompt"].strip() and "last_frame" not in av["inputs"]
+    if kind == "i2v":
+        assert source(api, av_id, "first_frame")[1]["class_type"] == "LoadImage"
+    else:
+        assert "first_frame" not in av["inputs"] and "LoadImage" not in {n["class_type"] for n in api.values()}
+    assert source(api, av_id, "clip")[1]["inputs"] == {"clip_name": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors",
+                                                       "type": "minimax", "device": "default"}
+
+    decode_id, decode = only(api, "VAEDecode")
+    audio_id, audio = only(api, "VAEDecodeAudio")
+    assert decode["inputs"]["samples"] == audio["inputs"]["samples"] == [sampler_id, 0]
+    assert av["inputs"]["vae"] == decode["inputs"]["vae"]
+    assert source(api, decode_id, "vae")[1]["inputs"]["vae_name"] == "minimax_h3_video_vae_fp16.safetensors"
+    assert source(api, audio_id, "vae")[1]["inputs"]["vae_name"] == "minimax_h3_audio_vae_fp32.safetensors"
+    _, video = only(api, "CreateVideo")
+    assert video["inputs"] == {"images": [decode_id, 0], "audio": [audio_id, 0], "fps": 24.0, "bit_depth": 8}
 
 
 # ---- the checks themselves -----------------------------------------------------------------------------------------

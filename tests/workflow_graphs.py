@@ -68,6 +68,17 @@ MODEL_SOURCES = {
         ("Wan_2.1_ComfyUI_repackaged", "text_encoders", "umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
         ("Wan_2.1_ComfyUI_repackaged", "vae", "wan_2.1_vae.safetensors"),
         ("Wan_2.2_ComfyUI_Repackaged", "vae", "wan2.2_vae.safetensors"))},
+    # MiniMax-H3: Comfy-Org's files as ComfyUI's MiniMax-H3 templates link them (video_minimax_h3_t2v.json,
+    # video_minimax_h3_i2v.json), and the templates' 8-step turbo LoRA from lightx2v. The engine's model is the bf16
+    # file of the same repository (the templates load its pruned int8_convrot file, which the engine does not read)
+    **{name: (HF + f"Comfy-Org/MiniMax-H3/resolve/main/{folder}/{name}", folder) for folder, name in (
+        ("diffusion_models", "minimax_h3_fl2va_bf16.safetensors"),
+        ("text_encoders", "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"),
+        ("vae", "minimax_h3_video_vae_fp16.safetensors"),
+        ("vae", "minimax_h3_audio_vae_fp32.safetensors"))},
+    "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors": (
+        HF + "lightx2v/Minimax-h3-Turbo/resolve/main/minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors",
+        "loras"),
 }
 
 
@@ -381,6 +392,47 @@ def _wan22_ti2v_5b() -> Graph:
     return g
 
 
+H3_PROMPT_BOX = (430, 550)    # the MiniMax-H3 templates' MiniMaxH3ImageToVideo: room for their long prompts
+
+
+def _minimax_h3(image: bool) -> Graph:
+    """ComfyUI's MiniMax-H3 templates (video_minimax_h3_t2v.json, video_minimax_h3_i2v.json: one "Image to Video
+    (MiniMax H3)" subgraph, flattened here with the values its node sets): the Qwen3-VL text encoder through
+    CLIPLoader type minimax, MiniMaxH3ImageToVideo (prompt, the video VAE; text to video without images, image to
+    video with Load Image on first_frame) giving the conditioning and the empty audio + video latent; the model through
+    the 8-step turbo LoRA (LoraLoaderModelOnly, strength 1) into BasicGuider and BasicScheduler (simple, 8 steps),
+    RandomNoise, KSamplerSelect res_multistep, SamplerCustomAdvanced; VAE Decode (video VAE) and VAE Decode Audio
+    (audio VAE) into Create Video at 24 fps -> Save Video. The templates' helper nodes are their values here:
+    ResolutionSelector (16:9 or 1:1 at 0.4 megapixels, multiples of 32: 864x480, 640x640), the duration of 5 s
+    through ComfyMathExpression (124 frames, the 17k + 5 grid), the turbo switch on (the LoRA and its 8 steps)."""
+    kind = "i2v" if image else "t2v"
+    g = Graph(f"minimax-h3-{kind}", needs_comfyui="0.33.0")
+    _version_note(g, 0, "MiniMax-H3: MiniMaxH3ImageToVideo, its Qwen3-VL text encoder under CLIPLoader type minimax "
+                        "and its audio VAE")
+    clip = g.add("CLIPLoader", ["qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "minimax", "default"], 0)
+    engine = _engine(g, "minimax_h3_fl2va_bf16.safetensors")
+    video_vae = g.add("VAELoader", ["minimax_h3_video_vae_fp16.safetensors"], 0)
+    audio_vae = g.add("VAELoader", ["minimax_h3_audio_vae_fp32.safetensors"], 0)
+    turbo = g.add("LoraLoaderModelOnly", ["minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", 1.0], 1,
+                  model=engine.out(1))
+    frames = {"first_frame": g.add("LoadImage", ["example.png", "image"], 1, size=LOAD_BOX)} if image else {}
+    width, height = (640, 640) if image else (864, 480)
+    av = g.add("MiniMaxH3ImageToVideo", [PROMPTS[g.name], width, height, 124], 2, size=H3_PROMPT_BOX, clip=clip,
+               vae=video_vae, **frames)
+    noise = g.add("RandomNoise", [SEED, "fixed"], 3)
+    guider = g.add("BasicGuider", [], 3, model=turbo, conditioning=av.out(0))
+    select = g.add("KSamplerSelect", ["res_multistep"], 3)
+    sigmas = g.add("BasicScheduler", ["simple", 8, 1.0], 3, model=turbo)
+    sampler = g.add("SamplerCustomAdvanced", [], 4, noise=noise, guider=guider, sampler=select, sigmas=sigmas,
+                    latent_image=av.out(1))
+    decode = g.add("VAEDecode", [], 4, samples=sampler.out(0), vae=video_vae)
+    audio = g.add("VAEDecodeAudio", [], 4, samples=sampler.out(0), vae=audio_vae)
+    _info(g, 4, engine, sampler.out(0))
+    video = g.add("CreateVideo", [24.0, 8], 5, images=decode, audio=audio)
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], 5, size=SAVE_BOX, video=video)
+    return g
+
+
 PROMPTS = {
     "flux1-dev": "a red fox curled up asleep on a mossy stone in a misty pine forest at dawn, soft golden light, "
                  "shallow depth of field, highly detailed photograph",
@@ -410,6 +462,53 @@ PROMPTS = {
                       "rough textures. He wears an old jacket, playing guitar with focus. Commuters hurry by, and a "
                       "small crowd gathers to listen. The camera slowly moves right, capturing the blend of music and "
                       "city noise, with old subway signs and mottled walls in the background.",
+    # the MiniMax-H3 templates' own prompts (the text the subgraph node sets; the image-to-video one without its
+    # trailing U+2028 line separator)
+    "minimax-h3-t2v": ("Realistic live-action cinematic look, action movie trailer: practical film photography "
+                       "style, a post-rain dusk metropolis, anamorphic lens, shallow depth of field, film grain, "
+                       "city volumetric fog, flying-car traffic between the towers, restrained grading for a "
+                       "premium feel, powerful natural movement.\n\n"
+                       "Scene overview: at dusk on a cluster of skyscrapers, the protagonist is being chased, "
+                       "sprinting and leaping across rooftops, jumping from one building's roof to the next with "
+                       "pursuers closing in behind. This is the escape sequence of an action movie trailer: every "
+                       "leap is life-or-death, thrilling and fluid.\n\n"
+                       "Storyboard (each shot a separate scene, rapid cuts, all landing on the musical beats):\n"
+                       "[0s-1.5s] Shot 1: high side angle: the protagonist sprinting at the roof edge, pursuers "
+                       "appearing in the rooftop doorway behind him, wind catching his coat.\n"
+                       "[1s-2.5s] Shot 2: the protagonist leaps across the gap between buildings, body stretching "
+                       "mid-air, towers and flying-car light trails behind him, a slight slow-motion feel.\n"
+                       "[2.5s-4s] Shot 3: he lands, rolls and rises, low-angle shot, tower shadows and fog behind "
+                       "him, he keeps running.\n"
+                       "[4s-5s] Shot 4: freeze: the instant he hits the edge of the next roof and launches into the "
+                       "jump, silhouette, holding.\n\n"
+                       "Camera: each shot its own angle, cuts clean and hard, no dissolves, a slight frame jitter "
+                       "on the jumps.\n\n"
+                       "Audio: wind, rapid footsteps, city ambience, low score underneath, an accent hit on each "
+                       "leap, the score bursting at 4s, closing the last 1s.\n\n"
+                       "No text, subtitles, logos or watermarks of any kind, no animation or cartoon rendering, no "
+                       "overly-CG look, keep the live-action texture."),
+    "minimax-h3-i2v": ("Editorial tech product film. The transparent gaming mouse from <Picture 1> in its original "
+                       "scene: a pitch-black studio void with a dark, subtle reflective surface, lit by dramatic "
+                       "duotone vibrant blue and warm neon orange rim lighting, deep soft shadow falloff into pure "
+                       "black. Monochromatic dark palette with electric blue and amber accents. Material motif: "
+                       "glowing internal metallic micro-components and glossy acrylic refractions. The environment "
+                       "is constant throughout.\n"
+                       "SHOT 1: The scene opens exactly on image 1, the mouse resting confidently on the dark "
+                       "surface; the blue and orange lights slowly pulse brighter, refracting deeply through the "
+                       "transparent acrylic shell as the camera executes a slow, deliberate push-in to reveal the "
+                       "intricate circuitry.\n"
+                       "SHOT 2: Cut to an extreme macro profile of the ridged scroll wheel and layered internal "
+                       "micro-components; the camera glides slowly along the side as a sharp beam of warm orange "
+                       "light sweeps across the metallic textures, contrasting perfectly against the deep blue "
+                       "ambient glow.\n"
+                       "SHOT 3: Cut to a low-angle beauty shot: the mouse levitates weightlessly a few centimeters "
+                       "above the dark reflective surface, rotating in a slow, precise orbit; the duotone lighting "
+                       "flares gently along the glassy transparent edges before fading slowly into a sleek "
+                       "silhouette.\n"
+                       "Audio: deep pulsing sub-bass room tone, sharp tactile mechanical clicks, a sweeping glassy "
+                       "whoosh on cuts, and a rising electronic swell that resolves to near-silence on the final "
+                       "fade."),
+
 }
 PROMPTS["flux1-schnell"] = PROMPTS["flux1-dev"]
 PROMPTS["flux2-klein-4b"] = PROMPTS["flux2-dev"]
@@ -426,4 +525,5 @@ def graphs() -> list[Graph]:
             _sd35(),
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
-            _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b()]
+            _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
+            _minimax_h3(image=False), _minimax_h3(image=True)]

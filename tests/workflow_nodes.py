@@ -1,7 +1,8 @@
 """The nodes a workflow in workflows/ may use, in one shape: ours from xdit_nodes/specs.py, ComfyUI's stock ones and
-the frontend's own from tests/comfyui_stock_nodes.py. Inputs come in the order ComfyUI's frontend builds a node's
-sockets and widgets (getOrderedInputSpecs: the required inputs in declaration order, then the optional ones), which
-is the order a UI workflow saves them in."""
+the frontend's own from tests/comfyui_stock_nodes.py, and the stock nodes the MiniMax-H3 workflows add (LATER_NODES
+below, in the same shape). Inputs come in the order ComfyUI's frontend builds a node's sockets and widgets
+(getOrderedInputSpecs: the required inputs in declaration order, then the optional ones), which is the order a UI
+workflow saves them in."""
 import importlib
 
 import comfyui_stock_nodes as stock
@@ -11,6 +12,106 @@ WIDGET_TYPES = ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
 NEWEST_FRONTEND = "1.49.6"
 SEED_CONTROL = {"name": "control_after_generate", "values": ("fixed", "increment", "decrement", "randomize")}
 _KINDS = {"COMBO": "combo", "INT": "number", "FLOAT": "number", "STRING": "text", "BOOLEAN": "toggle"}
+
+
+# The stock nodes of ComfyUI's MiniMax-H3 templates (comfyui-workflow-templates-json 0.1.50: video_minimax_h3_t2v.json,
+# video_minimax_h3_i2v.json) that tests/comfyui_stock_nodes.py lacks, as ComfyUI 0.33.0 defines them (its source and
+# GET /object_info agree; comfyui_version.py "0.33.0"). The three older ones are the same in 0.3.64 (nodes.py,
+# comfy_extras/nodes_custom_sampler.py and nodes_audio.py there, V1), whose display names they keep, as
+# comfyui_stock_nodes.py does; the frontends' titles are in LATER_TITLES.
+LATER_NODES = {
+    # nodes.py, class LoraLoaderModelOnly(LoraLoader): "model": ("MODEL",), "lora_name":
+    # (folder_paths.get_filename_list("loras"),), "strength_model": ("FLOAT", {"default": 1.0, "min": -100.0,
+    # "max": 100.0, "step": 0.01}); RETURN_TYPES = ("MODEL",). Display name "Load LoRA" in 0.33.0 (none in 0.3.64)
+    "LoraLoaderModelOnly": {
+        "display_name": "LoraLoaderModelOnly",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "lora_name", "type": "COMBO", "widget": "combo", "folder": "loras"},
+            {"name": "strength_model", "type": "FLOAT", "widget": "number", "default": 1.0, "min": -100.0,
+             "max": 100.0, "step": 0.01},
+        ),
+        "outputs": (("MODEL", "MODEL"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, BasicScheduler (V3 in 0.33.0, no display_name): io.Model.Input("model"),
+    # io.Combo.Input("scheduler", options=comfy.samplers.SCHEDULER_NAMES), io.Int.Input("steps", default=20, min=1,
+    # max=10000), io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01); io.Sigmas.Output()
+    "BasicScheduler": {
+        "display_name": "BasicScheduler",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "scheduler", "type": "COMBO", "widget": "combo", "options": stock.SCHEDULER_NAMES},
+            {"name": "steps", "type": "INT", "widget": "number", "default": 20, "min": 1, "max": 10000},
+            {"name": "denoise", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 1.0,
+             "step": 0.01},
+        ),
+        "outputs": (("SIGMAS", "SIGMAS"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_audio.py, VAEDecodeAudio: display_name "VAE Decode Audio"; IO.Latent.Input("samples"),
+    # IO.Vae.Input("vae"); IO.Audio.Output() (0.33.0 decodes the last stream of a nested latent: H3's audio)
+    "VAEDecodeAudio": {
+        "display_name": "VAE Decode Audio",
+        "source": "comfy_extras/nodes_audio.py",
+        "inputs": (
+            {"name": "samples", "type": "LATENT"},
+            {"name": "vae", "type": "VAE"},
+        ),
+        "outputs": (("AUDIO", "AUDIO"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_minimax_h3.py (0.33.0), MiniMaxH3ImageToVideo: display_name "MiniMax H3 Image to Video";
+    # io.Clip.Input("clip"), io.Vae.Input("vae"), io.String.Input("prompt", multiline=True, dynamic_prompts=True),
+    # io.Int.Input("width", default=1344, min=32, max=nodes.MAX_RESOLUTION, step=32), "height" (default 768)
+    # likewise, io.Int.Input("length", default=124, min=5, max=3600, step=17), io.Image.Input("first_frame",
+    # optional=True), io.Image.Input("last_frame", optional=True); io.Conditioning.Output(display_name="positive"),
+    # io.Latent.Output() (the empty audio + video latent, its length snapped up to 17k + 5 frames at 24 fps; the
+    # keyframes' latents in the conditioning)
+    "MiniMaxH3ImageToVideo": {
+        "display_name": "MiniMax H3 Image to Video",
+        "source": "comfy_extras/nodes_minimax_h3.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "clip", "type": "CLIP"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "prompt", "type": "STRING", "widget": "multiline"},
+            {"name": "width", "type": "INT", "widget": "number", "default": 1344, "min": 32,
+             "max": stock.MAX_RESOLUTION, "step": 32},
+            {"name": "height", "type": "INT", "widget": "number", "default": 768, "min": 32,
+             "max": stock.MAX_RESOLUTION, "step": 32},
+            {"name": "length", "type": "INT", "widget": "number", "default": 124, "min": 5, "max": 3600, "step": 17},
+            {"name": "first_frame", "type": "IMAGE", "optional": True},
+            {"name": "last_frame", "type": "IMAGE", "optional": True},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("LATENT", "LATENT")),
+        "output_node": False,
+    },
+}
+# nodes.py (0.33.0), CLIPLoader's type list: comfyui_stock_nodes.py's (v0.12.1) and the types added since, "minimax"
+# (MiniMax-H3's Qwen3-VL text encoder) among them; the rest of the node as there
+CLIP_TYPES_0_33 = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
+                   "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image", "flux2",
+                   "ovis", "longcat_image", "cogvideox", "lens", "pixeldit", "ideogram4", "boogu", "krea2",
+                   "joyimage", "mage", "minimax")
+# The frontends' titles for them where they differ from the display name (each one's en locale, nodeDefs: 1.27.10
+# names BasicScheduler and LoraLoaderModelOnly so and VAEDecodeAudio "VAE Decode Audio"; 1.49.6 names
+# LoraLoaderModelOnly "Load LoRA" and has no entry for MiniMaxH3ImageToVideo, shown under 0.33.0's display name)
+LATER_TITLES = {"1.27.10": {}, "1.49.6": {"LoraLoaderModelOnly": "Load LoRA"}}
+
+
+def _clip_loader(d):
+    """CLIPLoader offering 0.33.0's type list (a superset of comfyui_stock_nodes.py's)."""
+    types = next(i for i in d["inputs"] if i["name"] == "type")
+    assert set(types["options"]) <= set(CLIP_TYPES_0_33)
+    return dict(d, inputs=tuple(dict(i, options=CLIP_TYPES_0_33) if i is types else i for i in d["inputs"]))
+
+
+def _frontend_titles(version) -> dict:
+    """{node type: title} a frontend version shows where it differs from the display name."""
+    return {**stock.FRONTEND_TITLES.get(version, {}), **LATER_TITLES.get(version, {})}
 
 
 def specs_module():
@@ -45,8 +146,11 @@ def definitions(model_names) -> dict:
             specs.sampler_advanced_spec(*lists), specs.INFO_SPEC, specs.GUIDER_SPEC, specs.SAMPLING_SPEC,
             specs.CFG_NORM_SPEC]
     defs = {spec.node_id: _from_spec(spec) for spec in ours}
-    assert not set(defs) & set(stock.STOCK_NODES) and not set(defs) & set(stock.FRONTEND_NODES)
-    for node_type, d in list(stock.STOCK_NODES.items()) + list(stock.FRONTEND_NODES.items()):
+    stock_nodes = dict(stock.STOCK_NODES, CLIPLoader=_clip_loader(stock.STOCK_NODES["CLIPLoader"]))
+    assert not set(LATER_NODES) & set(stock_nodes)
+    stock_nodes.update(LATER_NODES)
+    assert not set(defs) & set(stock_nodes) and not set(defs) & set(stock.FRONTEND_NODES)
+    for node_type, d in list(stock_nodes.items()) + list(stock.FRONTEND_NODES.items()):
         defs[node_type] = dict(d, inputs=_frontend_order(d["inputs"]), ours=False)
     return defs
 
@@ -61,13 +165,14 @@ def widgets(definition):
 
 def titles(node_type, definition) -> set:
     """Every title a frontend shows for a node of this type that has no title of its own."""
-    return {definition["display_name"]} | {t[node_type] for t in stock.FRONTEND_TITLES.values() if node_type in t}
+    versions = set(stock.FRONTEND_TITLES) | set(LATER_TITLES)
+    return {definition["display_name"]} | {t[node_type] for t in map(_frontend_titles, versions) if node_type in t}
 
 
 def current_title(node_type, definition) -> str:
     """The title the newest frontend checked shows for a node of this type that has no title of its own (and puts in
     the API prompt's _meta)."""
-    return stock.FRONTEND_TITLES[NEWEST_FRONTEND].get(node_type, definition["display_name"])
+    return _frontend_titles(NEWEST_FRONTEND).get(node_type, definition["display_name"])
 
 
 def drawn_outputs(node_type, definition):

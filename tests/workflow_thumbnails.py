@@ -3,10 +3,11 @@ custom node template's card picture as <name>.jpg beside its JSON): the graph as
 Chromium, on a ComfyUI started here with this pack, placeholder model files of the names the workflows use (so no
 node shows a missing-model error) and ComfyUI's example.png as every image the workflows load.
 
-    python tests/workflow_thumbnails.py COMFYUI_DIR [--python PYTHON] [--port 8189]
+    python tests/workflow_thumbnails.py COMFYUI_DIR [--python PYTHON] [--port 8189] [--only NAME ...]
 
 PYTHON runs ComfyUI (default: this one) and needs selenium and Pillow here; Chromium and chromedriver are taken
-from PATH (or CHROMIUM / CHROMEDRIVER). Run it after tests/make_workflows.py when a graph changes."""
+from PATH (or CHROMIUM / CHROMEDRIVER). Run it after tests/make_workflows.py when a graph changes; --only redraws
+just the named workflows (each workflow's picture needs a ComfyUI that has its nodes: the MiniMax-H3 ones 0.33.0)."""
 import argparse
 import glob
 import io
@@ -125,7 +126,14 @@ def main(argv) -> int:
     parser.add_argument("comfyui", help="a ComfyUI checkout (its main.py and input/example.png)")
     parser.add_argument("--python", default=sys.executable, help="the Python that runs ComfyUI")
     parser.add_argument("--port", type=int, default=8189)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="redraw only these workflows (default: all)")
     args = parser.parse_args(argv)
+    names = workflow_names()
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            raise SystemExit(f"no workflows/NAME.json for {', '.join(unknown)}")
+        names = [n for n in names if n in args.only]
     from PIL import Image
     base = tempfile.mkdtemp(prefix="thumbnails-comfyui-")
     prepare_base(base, os.path.abspath(args.comfyui))
@@ -140,7 +148,7 @@ def main(argv) -> int:
             time.sleep(0.5)
         time.sleep(3)
         close_dialogs(driver)
-        for name in workflow_names():
+        for name in names:
             with open(os.path.join(WORKFLOW_DIR, f"{name}.json")) as f:
                 workflow = json.load(f)
             area = driver.execute_async_script(DRAW, workflow, name, SCALE, MARGIN, BADGE_ROOM, SCREEN_AT)
