@@ -861,6 +861,22 @@ def test_plan_shard_table_prints_the_big_models_on_consumer_cards_and_the_readme
     assert not missing, "README's shard table differs from `python -m engine plan --shard-table`: " + missing[0]
 
 
+def test_plan_av_table_prints_minimax_h3_with_and_without_divided_weights_and_the_readme_holds_it(capsys):
+    import os
+    assert main(["plan", "--av-table"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 2 * len(fits.AV_JOBS) * len(fits.SHARD_WEIGHTS) == 33
+    by = {(r.split(" | ")[0], r.split(" | ")[1], r.split(" | ")[2]): r.split(" | ")[3:] for r in rows[1:]}
+    # bf16 (61.7 GiB) fits no 24 GB card whole, and runs on four of them with the weights divided
+    job = "| 864x480x124, 8 steps, turbo, cfg 1"
+    assert all(c.startswith("no (") for c in by[(job, "bf16 (61.7 GiB)", "never")][:3])
+    assert "shard" in by[(job, "bf16 (61.7 GiB)", "where needed (auto)")][1]
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        readme = f.read()
+    missing = [r for r in rows if r not in readme]
+    assert not missing, "README's audio-video table differs from `python -m engine plan --av-table`: " + missing[0]
+
+
 def test_the_gather_and_memory_terms_against_published_fsdp_inference_runs(capsys):
     """Nothing is fitted to these rows: the residuals are printed, and bounded only as far as the model's simple
     terms (link rate, no overlap without explicit prefetch, whole root and two blocks in flight) are expected to

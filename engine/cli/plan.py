@@ -111,6 +111,10 @@ def register(sub) -> None:
     p.add_argument("--fit-table", action="store_true",
                    help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
                         "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")
+    p.add_argument("--av-table", action="store_true",
+                   help="print the MiniMax-H3 fit table (audio + video: the plan auto picks, dividing the weights where "
+                        "whole weights do not fit, and the fastest with whole weights, GiB per GPU and est. seconds a "
+                        "clip, in bf16, fp8 and GGUF on 2x24, 4x24, 8x24, 2x48, 4x48 and 1-8x80 GB machines) and exit")
     p.add_argument("--shard-table", action="store_true",
                    help="print the sharding fit table (the plan auto picks, dividing the weights among the GPUs where "
                         "that fits or is faster, for Wan 2.1 14B, the Wan 2.2 A14B pair, FLUX.2 [dev] and Qwen-Image "
@@ -218,7 +222,7 @@ def _required(a) -> None:
     missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
     if missing:
         raise UsageError(f"the following arguments are required: {', '.join(missing)} (or give --validate, "
-                         f"--memory-table, --fit-table or --shard-table alone)")
+                         f"--memory-table, --fit-table, --shard-table or --av-table alone)")
 
 
 def _validate() -> int:
@@ -239,6 +243,9 @@ def run(a) -> int:
         return 0
     if a.shard_table:
         print("\n".join(fits.shard_header() + fits.shard_table()))
+        return 0
+    if a.av_table:
+        print("\n".join(fits.av_header() + fits.av_table()))
         return 0
     if a.measured:
         if a.model is None:

@@ -143,3 +143,50 @@ def memory_table() -> list[str]:
             cells = " | ".join(memory_cell(work, ParallelPlan.parse(p)) for p in MEMORY_PLANS)
             lines.append(f"| {title} | {weights[0]} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {cells} |")
     return lines
+
+
+# ---- MiniMax-H3 (audio + video): with and without the weights divided ----------------------------------------------
+AV_MACHINES = (Machine("2x24 GB", 2, "RTX 4090", "pcie-no-peer"), Machine("4x24 GB", 4, "RTX 4090", "pcie-no-peer"),
+               Machine("8x24 GB", 8, "RTX 4090", "pcie-no-peer"), Machine("2x48 GB", 2, "RTX 6000 Ada", "pcie-bridge"),
+               Machine("4x48 GB", 4, "RTX 6000 Ada", "pcie-bridge"), Machine("1x80 GB", 1, "H100 SXM", "nvlink"),
+               Machine("2x80 GB", 2, "H100 SXM", "nvlink"), Machine("4x80 GB", 4, "H100 SXM", "nvlink"),
+               Machine("8x80 GB", 8, "H100 SXM", "nvlink"))
+# (title, width, height, frames, steps, negative pass): ComfyUI's template preview size with the 8-step turbo LoRA
+# (cfg 1), and the native 768p canvas at 5 s and 15 s, turbo and full (cfg > 1, ComfyUI's template's 20 steps)
+AV_JOBS = (("turbo, cfg 1", 864, 480, 124, 8, False), ("turbo, cfg 1", 1344, 768, 124, 8, False),
+           ("full, cfg > 1", 1344, 768, 124, 20, True), ("turbo, cfg 1", 1344, 768, 362, 8, False))
+
+
+def whole_cell(work: Workload, m: Machine) -> str:
+    """The fastest plan that keeps the whole weights on every GPU (no shard) and fits, or "no (X)" with the least a GPU
+    would need."""
+    hw = stated_hardware(m.gpus, m.gpu, m.link)
+    plans = [p for k in range(1, m.gpus + 1) for p in feasible(k, work) if p.shard == 1]
+    estimates = [cost.estimate(p, work, hw) for p in plans]
+    fitting = [e for e in estimates if e.memory["total"] <= hw.memory_gib]
+    if not fitting:
+        return f"no ({min(e.memory['total'] for e in estimates):.1f})"
+    best = min(fitting, key=lambda e: e.s_per_image)
+    return f"{best.plan.describe()}: {best.memory['total']:.1f}, {best.s_per_image:.0f} s"
+
+
+def av_header() -> list[str]:
+    return ["Each cell: the plan, GiB per GPU, est. seconds a clip (eager, bf16 compute; transformer only): first as "
+            "auto picks it (\"shardN\": each GPU holds 1/N of the weights, where whole weights do not fit), then the "
+            "fastest with whole weights on every GPU; \"no (X)\": no plan fits, the least needs X GiB per GPU. 24 GB: "
+            "RTX 4090 (PCIe, no peer access), 48 GB: RTX 6000 Ada (PCIe), 80 GB: H100 SXM (NVLink). A clip's tokens "
+            "count its audio rows (both channels, 40 a second) and its text with the video's.", ""]
+
+
+def av_table(variant: str = "minimax-h3") -> list[str]:
+    """Markdown, one row per job, weights and placement (auto / whole), one column per machine of AV_MACHINES."""
+    lines = ["| job | weights | weights divided | " + " | ".join(m.label for m in AV_MACHINES) + " |",
+             "|---|---|---|" + "---|" * len(AV_MACHINES)]
+    for title, w, h, frames, steps, negative in AV_JOBS:
+        for weights, wkw in SHARD_WEIGHTS:
+            work = Workload.for_variant(variant, w, h, frames=frames, steps=steps, negative_pass=negative, **wkw)
+            job = f"{w}x{h}x{frames}, {steps} steps, {title}"
+            for label, fn in (("where needed (auto)", cell), ("never", whole_cell)):
+                cells = " | ".join(fn(work, m) for m in AV_MACHINES)
+                lines.append(f"| {job} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {label} | {cells} |")
+    return lines
