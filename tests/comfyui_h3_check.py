@@ -33,6 +33,17 @@ report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
 
 
 PRUNED = "tiny-minimax-h3-pruned.safetensors"   # the pruned form: adaln curve table instead of a time embedder
+MIXED = "tiny-minimax-h3-fp8_mixed.safetensors"  # ComfyUI's mixed-precision fp8: the blocks' matrices fp8 + scales
+
+
+def native(file):
+    """UNETLoader's model of a tiny file; a mixed-precision fp8 file through ComfyUI's loader with its header (whose
+    quantization metadata UNETLoader reads)."""
+    if file == MIXED:
+        import comfy.sd
+        return comfy.sd.load_diffusion_model(folder_paths.get_full_path("diffusion_models", file),
+                                             model_options={"dtype": torch.float32})
+    return native_model(file)
 
 
 def engine(gpus, file=FILE, **kw):
@@ -116,12 +127,15 @@ GRAPHS += [
      [("gpus=0", "0", dict(file=PRUNED)), ("gpus=0,1", "0,1", dict(file=PRUNED)),
       ("ulysses2", "0,1", dict(file=PRUNED, plan="explicit", ulysses=2))]),
     ("h3 pruned file: fl2va", guided, neg, 1.0, None,
-     [("gpus=0", "0", dict(file=PRUNED)), ("ring2", "0,1", dict(file=PRUNED, plan="explicit", ring=2))])]
+     [("gpus=0", "0", dict(file=PRUNED)), ("ring2", "0,1", dict(file=PRUNED, plan="explicit", ring=2))]),
+    ("h3 fp8 mixed file: t2va cfg 4", pos, neg, 4.0, None,
+     [("gpus=0", "0", dict(file=MIXED)), ("gpus=0,1", "0,1", dict(file=MIXED)),
+      ("ulysses2 shard2", "0,1", dict(file=MIXED, plan="explicit", ulysses=2, shard=2))])]
 plain = None
 for name, p, n, cfg, shift, runs in GRAPHS:
     t0 = time.perf_counter()
     file = runs[0][2].get("file", FILE)
-    want = sample(native_model(file), p, n, cfg, latent, shift)
+    want = sample(native(file), p, n, cfg, latent, shift)
     entry = {"native_s": round(time.perf_counter() - t0, 2)}
     plain = plain or want
     if file != FILE:   # another model: compared with its own plain graph

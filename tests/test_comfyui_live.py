@@ -263,6 +263,8 @@ def test_minimax_h3_graphs_with_the_engines_model_equal_comfyui_own(setup):
     for variant in ("minimax-h3", "minimax-h3-pruned"):
         shutil.copy(write_tiny("minimax-h3", str(folder), variant=variant),
                     setup["models"] / "diffusion_models" / f"tiny-{variant}.safetensors")
+    shutil.copy(write_tiny("minimax-h3", str(folder), format="fp8_mixed"),
+                setup["models"] / "diffusion_models" / "tiny-minimax-h3-fp8_mixed.safetensors")
     g = torch.Generator().manual_seed(3)   # ComfyUI's LoRA key names for the H3 layout, as its turbo LoRAs have
     save_file({"diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight": torch.randn(2, 64, generator=g) * 0.2,
                "diffusion_model.blocks.0.attn.qkv_proj.lora_up.weight": torch.randn(384, 2, generator=g) * 0.2,
@@ -280,9 +282,10 @@ def test_minimax_h3_graphs_with_the_engines_model_equal_comfyui_own(setup):
                                      "h3 ref2va: image, audio and video+soundtrack references, cfg 3",
                                      "h3 v2va: a noise mask keeps the first frames and audio, half a frame regenerated",
                                      "h3 pruned file: t2va cfg 4", "h3 pruned file: fl2va",
+                                     "h3 fp8 mixed file: t2va cfg 4",
                                      "h3 template: turbo LoRA, BasicGuider, res_multistep, SamplerCustomAdvanced"}
     for name, entry in report["graphs"].items():   # each graph's conditioning changes ComfyUI's own result
-        assert name == "h3 t2va turbo cfg1" or "pruned" in name or "template" in name \
+        assert name == "h3 t2va turbo cfg1" or "file" in name or "template" in name \
             or entry["native_vs_t2va_rel_l2"] > 1e-2, (name, entry)
     assert report["graphs"]["h3 template: turbo LoRA, BasicGuider, res_multistep, SamplerCustomAdvanced"][
         "native_lora_effect_rel_l2"] > 1e-2   # the LoRA changes ComfyUI's own result

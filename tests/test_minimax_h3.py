@@ -202,6 +202,33 @@ def test_a_pruned_file_reads_its_time_embedding_off_the_curve_table_on_every_pla
     assert report("MiniMax-H3 pruned file, ulysses2", (out - want).abs().max(), bound(want))
 
 
+@pytest.mark.parametrize("fmt", ["fp8_mixed", "fp8_scaled"])
+def test_fp8_files_run_their_exact_dequantized_weights(tmp_path, fmt):
+    """ComfyUI's fp8 files (the blocks' matrices fp8 with a scale each): the engine's model from the fp8 file equals
+    the model from a float32 file of its dequantized values (fp8 x scale, written here), within fp32 rounding. (The
+    family's forward casts each input to its layer's compute dtype, not to the fp8 bytes diffusers' get_parameter_dtype
+    would name.)"""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    path = write_tiny("minimax-h3", str(tmp_path), format=fmt)
+    stored = load_file(path)
+    with safe_open(path, "pt") as f:
+        metadata = {k: v for k, v in (f.metadata() or {}).items() if k == "xdit.synthetic"}
+    scales = {k: v for k, v in stored.items() if k.endswith(("weight_scale", "scale_weight"))}
+    exact = {}
+    for k, v in stored.items():
+        if k in scales or k.endswith("scale_input") or k == "scaled_fp8":
+            continue
+        layer = k[:-len("weight")]
+        scale = scales.get(layer + "weight_scale", scales.get(layer + "scale_weight")) if k.endswith("weight") else None
+        exact[k] = v.float() * scale.float() if scale is not None else v.float()
+    save_file(exact, str(tmp_path / "exact.safetensors"), metadata=metadata)
+    x, t, c = h3_call(seed=5)
+    want = reference(FlowModel(load_model(str(tmp_path / "exact.safetensors"))), x, t, c)
+    got = reference(FlowModel(load_model(path)), x, t, c)
+    assert report(f"MiniMax-H3 {fmt} file vs its dequantized values", (got - want).abs().max(), bound(want))
+
+
 def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
     """ComfyUI calls H3's positive and negative one at a time (its model takes a batch of one): the step's two calls
     reach the ranks as one request, each on its CFG group, with the text encoder's token tags on the positive."""

@@ -464,10 +464,27 @@ class H3Processor:
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(q)))
 
 
+class _ComputeDtype:
+    """What diffusers' get_parameter_dtype reads first (a layerwise-casting hook's compute dtype): the model's forward
+    casts each input to its projection's parameter dtype, which in an fp8 or GGUF file is the stored weights' (fp8
+    bytes); the engine's quantized layers take the compute dtype and dequantize themselves."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.compute_dtype = dtype
+
+    def get_hook(self, name: str):
+        return self if name == "layerwise_casting" else None
+
+
 def _after_load(model) -> None:
     for block in model.token_refiner.refiner_blocks:
         block.attn.xdit_local = True
     model.set_attn_processor(H3Processor())
+    compute = model.norm_out.norm.weight.dtype   # a norm's weight: held in the compute dtype in every format
+    casts = [model.proj_in, model.audio_proj_in, model.context_embedder, model.time_embedder, model.proj_out,
+             model.audio_proj_out, model.norm_out.linear] + [b.adaln_proj.linear for b in model.transformer_blocks]
+    for module in casts:
+        module._diffusers_hook = _ComputeDtype(compute)
 
 
 # ---- pruned files: the time embedding read off a table, the modulations without an activation --------------------
