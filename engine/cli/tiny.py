@@ -29,8 +29,10 @@ def register(sub) -> None:
     p.add_argument("--format", default="safetensors", choices=list(FORMATS),
                    help="safetensors (in --dtype); fp8_scaled: fp8 matrices with a scale_weight each, as ComfyUI's "
                         "fp8_scaled releases; fp8_mixed: the blocks' matrices fp8 with a weight_scale, the rest bf16, "
-                        "as ComfyUI's mixed-precision releases (e.g. fp8mixed); gguf: as ComfyUI-GGUF's files, "
-                        "matrices in --quant")
+                        "as ComfyUI's mixed-precision releases (e.g. fp8mixed); int8_convrot: the blocks' matrices "
+                        "int8_tensorwise, ConvRot-rotated, with a per-row weight_scale, the rest bf16, as Comfy-Org's "
+                        "MiniMax-H3 *_int8_convrot releases; int8: the same without the rotation; gguf: as "
+                        "ComfyUI-GGUF's files, matrices in --quant")
     p.add_argument("--quant", choices=list(SUPPORTED),
                    help="with --format gguf: GGUF type of the matrices (default Q8_0; vectors stay F32; a matrix whose "
                         "rows are not whole blocks of the type falls back to Q8_0)")
@@ -49,6 +51,8 @@ def run(a) -> int:
     info = inspect_model(path)
     weights = {"safetensors": f"{a.dtype} weights", "fp8_scaled": "fp8_scaled weights",
                "fp8_mixed": "ComfyUI mixed-precision fp8 weights",
+               "int8": f"ComfyUI int8_tensorwise weights: {info.quantization}",
+               "int8_convrot": f"ComfyUI int8_tensorwise weights: {info.quantization}",
                "gguf": f"GGUF: {info.quantization}"}[a.format]
     print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {weights})")
     print(f"model   {describe.summary(info)}")

@@ -2,7 +2,9 @@
 tensor at a time (no full-file read, no text encoders or VAE, no hub). fp8 weights stay fp8 in memory and
 are cast to the compute dtype per layer call, as ComfyUI does with fp8 files; fp8_scaled layers keep their
 scale_weight (ComfyUI's mixed-precision fp8 layers their weight_scale) and GGUF block-quantized layers their blocks,
-all dequantized per layer call (models/quantized.py)."""
+all dequantized per layer call (models/quantized.py). ComfyUI's int8_tensorwise layers (ConvRot or not) are
+dequantized once, as they are read, into the compute dtype (fp8 with fp8_weights), as a plain file's matrices are
+held."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,8 @@ import torch
 from .convert import key_map
 from .detect import SCALE_KEYS, CheckpointInfo, detect
 from .reader import (FP8, LOAD_DELAY_ENV, LoadedTransformer, LoadStopped, checkpoint_files,  # noqa: F401 (also
-                     held_bytes, install_quantized, read_headers, stream, wrap_fp8_linears)    # read through here)
+                     held_bytes, install_quantized, int8_count, read_headers, stream,           # read through here)
+                     wrap_fp8_linears)
 from .safetensors_file import TORCH_DTYPES, CheckpointError
 from .sharded import held_rows, is_divided, load_sharded, local, random_sharded
 from .synthetic import init_random_, is_synthetic, synthetic_info
@@ -100,9 +103,9 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     unexpected = present - sources
     if unexpected:
         raise CheckpointError(f"{path}: {info.variant} ({info.layout} layout) has {len(unexpected)} unexpected keys: "
-                              f"{_few(unexpected)}; merged files and quantized formats other than fp8_scaled, fp8 "
-                              f"mixed and GGUF (e.g. bitsandbytes NF4) are not supported: use a plain, fp8_scaled or "
-                              f"GGUF release")
+                              f"{_few(unexpected)}; merged files and quantized formats other than fp8_scaled, "
+                              f"ComfyUI's mixed precision (fp8, int8) and GGUF (e.g. bitsandbytes NF4) are not "
+                              f"supported: use a plain, fp8_scaled, fp8 or int8 mixed or GGUF release")
     orphans = [k for k in where if info.format in SCALE_KEYS and k.startswith(info.prefix)
                and k.endswith(SCALE_KEYS[info.format])
                and k[len(info.prefix):].rsplit(".", 1)[0] + ".weight" not in present]
@@ -133,7 +136,8 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     info.spec.rebuild_off_meta(model)
     model.eval().requires_grad_(False)
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
-             "scaled_linears": len(scales), "gguf_linears": quantized_layers, "format": info.format,
+             "scaled_linears": len(scales), "gguf_linears": quantized_layers,
+             "int8_linears": int8_count(where, info, wanted), "format": info.format,
              "files": len(files), "ignored_tensors": info.ignored, "held_bytes": held_bytes(model)}
     if info.quantization:
         stats["quantization"] = info.quantization

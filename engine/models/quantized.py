@@ -154,6 +154,93 @@ def quantized_bytes(qtype: str, shape: tuple[int, ...]) -> int:
     return numel // size * nbytes
 
 
+# ---- ComfyUI's int8_tensorwise layers (comfy/ops.py MixedPrecisionOps; the math is comfy_kitchen's) -------------
+# A layer's weight is stored int8 (q) with a float32 `weight_scale` s (one number, or one per output row): the weight
+# is q x s. ConvRot files (Comfy-Org's MiniMax-H3 int8 releases) quantized W rotated group-wise along its input
+# dimension by the normalized regular Hadamard matrix H of the layer's `convrot_groupsize` (a power of 4, default 256),
+# so the weight is rotate(q x s). The engine expands each such weight once, at load (`dequantize_int8`).
+INT8_FORMAT = "int8_tensorwise"
+CONVROT_GROUP = 256   # ComfyUI's default convrot_groupsize
+_ROTATE_CHUNK = 1 << 22   # values rotated at a time: the float64 work stays small beside a large matrix
+
+
+def convrot_group_ok(group) -> bool:
+    """Whether `group` is a size the regular Hadamard matrix has: a power of 4, at least 4."""
+    return isinstance(group, int) and not isinstance(group, bool) and group >= 4 \
+        and group & (group - 1) == 0 and group.bit_length() % 2 == 1
+
+
+_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))   # ConvRot's regular Hadamard matrix of 4
+
+
+def _signs(size: int, device: torch.device) -> torch.Tensor:
+    """H4 x H4 x ... (Kronecker) of `size` rows (a power of 4; 1: [[1]]), its +-1 entries in float64 on `device`:
+    made there once and reused by every layer."""
+    key = ("convrot", size, device)
+    h = _CONSTANTS.get(key)
+    if h is None:
+        h4 = torch.tensor(_H4, dtype=torch.float64, device=device)
+        h = torch.ones((1, 1), dtype=torch.float64, device=device)
+        while h.shape[0] < size:
+            h = torch.kron(h, h4)
+        _CONSTANTS[key] = h
+    return h
+
+
+def convrot(w: torch.Tensor, group: int) -> torch.Tensor:
+    """w (rows, n) rotated group-wise along dim 1 by ConvRot's H = (H4 x ... x H4) / sqrt(group), H4 = [[1,1,1,-1],
+    [1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]: each group of `group` values x becomes x @ H^T, as float32. H is symmetric and
+    orthogonal, so the rotation is its own inverse: it both makes a file's rotated weight and undoes it.
+
+    Computed in float64 with H's +-1 entries (one matmul by the group x group matrix up to 64; above, H = A x B with A
+    and B of about sqrt(group) rows, each group as a matrix X becoming A X B^T: two small matmuls instead of one large
+    one), then the power-of-two normalization, then one rounding to float32. For a dequantized row (q x s: float32
+    values whose exponents lie within 8 of each other) every product and partial sum is an integer multiple of the
+    row's smallest unit, below 2^53 of them for any group up to 4^10, so exact in float64 whatever the order or the
+    device's matmul: the result is the exact rotation rounded once, however the rows are divided (each row is rotated
+    alone)."""
+    rows, cols = w.shape
+    if not convrot_group_ok(group) or cols % group:
+        raise ValueError(f"ConvRot groups of {group} do not divide rows of {cols} values")
+    digits = group.bit_length() // 2   # group = 4 ** digits = size_a * size_b, sqrt(group) = 2 ** digits
+    size_a = 4 ** (digits // 2) if group > 64 else 1
+    a, b = _signs(size_a, w.device), _signs(group // size_a, w.device)
+    out = torch.empty((rows, cols), dtype=torch.float32, device=w.device)
+    step = max(1, _ROTATE_CHUNK // max(cols, 1))
+    for start in range(0, rows, step):
+        x = w[start:start + step].to(torch.float64).reshape(-1, size_a, group // size_a) @ b.T
+        if size_a > 1:
+            x = a @ x
+        out[start:start + step] = (x * 2.0 ** -digits).reshape(-1, cols)
+    return out
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, group: int | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An int8_tensorwise weight (rows, n) in `dtype`: q x scale in float32 (scale: one number, or a column of one per
+    row), as comfy_kitchen's dequantize_int8_simple computes it, then for ConvRot (`group`: its size; None: not
+    rotated) the rotation undone exactly (`convrot`), then rounded to `dtype` from the float32 value (as ComfyUI's
+    dequantize_int8_*_dtype does). A few rows at a time, so no float32 copy of the whole weight is made."""
+    rows, cols = q.shape
+    scale = scale.to(device=q.device, dtype=torch.float32)
+    out = torch.empty((rows, cols), dtype=dtype, device=q.device)
+    step = max(1, _ROTATE_CHUNK // max(cols, 1))
+    for start in range(0, rows, step):
+        w = q[start:start + step].to(torch.float32) * (scale if scale.ndim == 0 else scale[start:start + step])
+        out[start:start + step] = convrot(w, group) if group else w
+    return out
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight (rows, n) as an int8_tensorwise file stores it (for test files, make-tiny): rotated by ConvRot first
+    when `group` is given, then per row q = round(W / s) with s = the row's largest magnitude / 127 (float32, a column
+    of one per row)."""
+    x = convrot(w.float(), group) if group else w.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=2.0 ** -126)
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
 class LoraOnTop:
     """For layers whose weight stays quantized: LoRAs are kept as their low-rank factors and added to the
     dequantized float32 weight per call, so applying or removing one never touches (or re-reads) the weight."""

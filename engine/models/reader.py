@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from .convert import apply_op
-from .detect import SCALE_KEYS, CheckpointInfo
+from .detect import LOADED_FORMATS, MIXED_FORMATS, SCALE_KEYS, CheckpointInfo, int8_group
 from .gguf_file import GGUFTensors, is_gguf, read_gguf_header
-from .quantized import BLOCKS, CastLinear, GGUFLinear, dequantize
+from .quantized import BLOCKS, INT8_FORMAT, CastLinear, GGUFLinear, dequantize, dequantize_int8
 from .safetensors_file import TORCH_DTYPES, CheckpointError, TensorInfo, read_header
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -145,21 +145,39 @@ def _scale_of(path, where, key, info, raw, src, dst, op):
                           f"per output row of {src} ({where[info.prefix + src][1].shape[0]})")
 
 
-def _check_layer_format(path, where, scale_key, read) -> None:
-    """ComfyUI's mixed-precision files may name each layer's format in a `comfy_quant` tensor (JSON bytes) instead
-    of the header: an fp8 format is what the engine loads."""
-    quant_key = scale_key[:-len("weight_scale")] + "comfy_quant" if scale_key and scale_key.endswith(
-        ".weight_scale") else None
-    if quant_key not in where:
-        return
-    try:
-        fmt = json.loads(bytes(read(quant_key)[0].to(torch.uint8).tolist())).get("format")
-    except (ValueError, AttributeError):
-        raise CheckpointError(f"{path}: {quant_key} is not ComfyUI's layer JSON; the file is damaged") from None
-    if fmt not in ("float8_e4m3fn", "float8_e5m2"):
-        raise CheckpointError(f"{path}: layer {quant_key[:-len('.comfy_quant')]} is quantized as {fmt!r}; the engine "
-                              f"loads ComfyUI's mixed-precision layers in float8_e4m3fn or float8_e5m2: use an fp8 "
-                              f"release")
+def _layer_config(path, where, info, src, scale_key, read) -> dict | None:
+    """A mixed-precision layer's config: the header's (info.layer_quant: ComfyUI's loader puts it over any other), else
+    its `comfy_quant` tensor (JSON bytes), as files saved by newer ComfyUI carry it; None for a plain layer. A format
+    the engine does not load, in either, is said in one line."""
+    if not (scale_key and scale_key.endswith(".weight_scale")):
+        return None
+    layer = src[:-len(".weight")]
+    quant_key = scale_key[:-len("weight_scale")] + "comfy_quant"
+    own = None
+    if quant_key in where:
+        try:
+            own = json.loads(bytes(read(quant_key)[0].to(torch.uint8).tolist()))
+            own.get("format")
+        except (ValueError, AttributeError):
+            raise CheckpointError(f"{path}: {quant_key} is not ComfyUI's layer JSON; the file is damaged") from None
+    for conf in (own, info.layer_quant.get(layer)):
+        if conf is not None and conf.get("format") not in MIXED_FORMATS:
+            raise CheckpointError(f"{path}: layer {layer} is quantized as {conf.get('format')!r}; the engine loads "
+                                  f"ComfyUI's mixed-precision layers in {LOADED_FORMATS}: use an fp8 or int8 release")
+    return info.layer_quant.get(layer, own)
+
+
+def _int8_layer(path, info, src, tinfo, scale, conf) -> int | None:
+    """An int8 weight's ConvRot group (None: not rotated), its layer checked as detect checks the header's (a weight
+    scale, a config naming int8_tensorwise, a group that divides its input width), configs from comfy_quant too."""
+    layer = src[:-len(".weight")]
+    if conf is None or conf.get("format") != INT8_FORMAT:
+        raise CheckpointError(f"{path}: layer {layer} stores its weight as int8 but its format is "
+                              f"{(conf or {}).get('format', 'not given')!r}, not {INT8_FORMAT}; the file is damaged")
+    if scale is None:
+        raise CheckpointError(f"{path}: layer {layer} is {INT8_FORMAT} but has no weight_scale; the file is damaged "
+                              f"or incomplete")
+    return int8_group(path, layer, conf, tuple(tinfo.shape))
 
 
 def stream(path, where, info, mapping, expected, compute, device, fp8_weights, stop=None,
@@ -223,7 +241,12 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
             scale_key = (info.prefix + src[:-len("weight")] + SCALE_KEYS[info.format][0][1:]
                          if src.endswith(".weight") and info.format in SCALE_KEYS else None)
             scale = read(scale_key)[0] if scale_key in where else None
-            _check_layer_format(path, where, scale_key, read)
+            conf = _layer_config(path, where, info, src, scale_key, read)
+            if conf is not None and conf.get("format") == INT8_FORMAT and tinfo.dtype != "I8":
+                raise CheckpointError(f"{path}: layer {src[:-len('.weight')]} is {INT8_FORMAT} but its weight is "
+                                      f"stored as {tinfo.dtype}, not int8; the file is damaged")
+            # ComfyUI's int8_tensorwise: expanded here, at load, into the held dtype (see below)
+            int8 = _int8_layer(path, info, src, tinfo, scale, conf) if tinfo.dtype == "I8" else False
             for (dst, op), w in zip(outs, wanted):
                 try:
                     if raw is not None:
@@ -249,6 +272,19 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
                     continue
                 if raw is not None and w is not None:   # the whole source was read: this rank's rows of it
                     t = t[w[0]:w[1]]
+                if int8 is not False:
+                    # q x weight_scale in float32, the ConvRot rotation undone (each row alone: a rank's rows are
+                    # its rows of the whole), then the dtype a plain matrix is held in (the compute dtype, or fp8
+                    # with fp8_weights)
+                    if t.ndim != 2:
+                        raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix (shape "
+                                              f"{list(t.shape)}); only Linear weights are int8")
+                    factor = _scale_of(path, where, scale_key, info, scale, src, dst, op)
+                    if w is not None and factor.ndim:
+                        factor = factor[w[0]:w[1]]
+                    keep(state, dst, dequantize_int8(t.to(device), factor.to(device), int8,
+                                                     held_dtype(None, 2, compute, fp8_weights)))
+                    continue
                 if blocks:
                     if sink is not None:
                         sink(dst, t.to(device).contiguous())
@@ -267,6 +303,11 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
         for h in handles.values():
             h.close()
     return state, quantized, scales, bytes_read
+
+
+def int8_count(where, info, mapping) -> int:
+    """The model's matrices read from int8_tensorwise weights (and expanded at load) of `mapping`'s."""
+    return sum(1 for _, src, _ in mapping if where[info.prefix + src][1].dtype == "I8")
 
 
 def install_quantized(model: torch.nn.Module, quantized: dict, compute: torch.dtype) -> int:

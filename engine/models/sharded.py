@@ -2,8 +2,9 @@
 each rank's share: the model is built on the meta device with the layers its file's storage needs (fp8 matrices,
 fp8_scaled scales, GGUF blocks), cut into units by the parallel layer (`ShardSpec.wrap`: torch's FSDP2, parallel/
 shard.py), given storage for this rank's rows only, and filled from the file reading only those rows of each tensor
-(reader.stream's `rows`). No rank holds or reads more of the weights than its share (and the buffers, which every
-rank keeps whole: an fp8_scaled file's scales, the small tensors a family rebuilds).
+(reader.stream's `rows`; an int8_tensorwise matrix's rows are expanded alone, ConvRot rotating within each row). No
+rank holds or reads more of the weights than its share (and the buffers, which every rank keeps whole: an fp8_scaled
+file's scales, the small tensors a family rebuilds).
 
 A parameter of n rows is divided as torch.chunk divides it (and FSDP2 with it): ceil(n / size) rows a rank, the last
 ranks' shares shorter or empty; the share of a fused source (FLUX's qkv) is its slice's rows."""
@@ -17,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, stream, wrap_fp8_linears)
+from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, int8_count, stream,
+                     wrap_fp8_linears)
 from .detect import SCALE_KEYS
 from .quantized import BLOCKS
 from .safetensors_file import TORCH_DTYPES, CheckpointError
@@ -75,8 +77,8 @@ def gathered(model: torch.nn.Module):
 
 def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, tuple]:
     """{diffusers name: (dtype, shape, kind, qtype)} as the loader stores each tensor of this file: GGUF matrices as
-    their block rows (uint8), fp8 matrices (and every matrix with fp8_weights) in fp8, the rest in the compute dtype,
-    as reader.stream produces them."""
+    their block rows (uint8), fp8 matrices (and every matrix with fp8_weights) in fp8, the rest (int8_tensorwise
+    matrices too, expanded as they are read) in the compute dtype, as reader.stream produces them."""
     plan = {}
     for dst, src, _ in mapping:
         tinfo = where[info.prefix + src][1]
@@ -93,14 +95,14 @@ def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, 
 
 
 def _scale_shapes(where, info, mapping) -> dict[str, tuple]:
-    """{diffusers name: its scale's shape} for an fp8_scaled or mixed file's scaled matrices: one number, or one per
-    output row of the diffusers matrix."""
+    """{diffusers name: its scale's shape} for an fp8_scaled or mixed file's scaled fp8 matrices: one number, or one per
+    output row of the diffusers matrix. (An int8 layer's weight_scale is applied as the weight is read: no buffer.)"""
     out = {}
     if info.format not in SCALE_KEYS:
         return out
     for dst, src, op in mapping:
         key = info.prefix + src[:-len("weight")] + SCALE_KEYS[info.format][0][1:] if src.endswith(".weight") else None
-        if key in where:
+        if key in where and where[info.prefix + src][1].dtype != "I8":   # an int8 layer's is applied at load
             numel = math.prod(where[key][1].shape)
             rows = op[2][op[1]] if isinstance(op, tuple) else where[info.prefix + src][1].shape[0]
             out[dst] = () if numel == 1 else (rows, 1)
@@ -159,7 +161,8 @@ def load_sharded(path, files, where, info, model, expected, mapping, compute, de
     info.spec.rebuild_off_meta(model)
     model.eval()
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
-             "scaled_linears": len(scale_values), "gguf_linears": quantized_layers, "format": info.format,
+             "scaled_linears": len(scale_values), "gguf_linears": quantized_layers,
+             "int8_linears": int8_count(where, info, mapping), "format": info.format,
              "files": len(files), "ignored_tensors": info.ignored, "held_bytes": held_bytes(model),
              "shard": {"size": spec.size, "rank": spec.rank, "ranks": list(spec.ranks)}}
     if info.quantization:

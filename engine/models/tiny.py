@@ -7,8 +7,9 @@ deterministic random weights, at least 4 heads and 4 blocks of each kind, so 4-w
 
 Besides plain safetensors, the same weights as ComfyUI's fp8_scaled files hold them (fp8 matrices, a float32
 scale_weight per layer, the `scaled_fp8` marker), as its mixed-precision fp8 files do (the blocks' matrices fp8 with a
-weight_scale, the layers listed in `_quantization_metadata`, the rest bf16) and as ComfyUI-GGUF's .gguf files (arch
-field, the native keys, matrices in one block type, vectors in F32).
+weight_scale, the layers listed in `_quantization_metadata`, the rest bf16), as its int8_tensorwise files do (the same
+with int8 matrices, a per-row weight_scale, ConvRot-rotated or not: Comfy-Org's MiniMax-H3 int8 releases) and as
+ComfyUI-GGUF's .gguf files (arch field, the native keys, matrices in one block type, vectors in F32).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import families
-from .quantized import BLOCKS, FP8_MAX, SUPPORTED, quantize
+from .quantized import BLOCKS, CONVROT_GROUP, FP8_MAX, INT8_FORMAT, SUPPORTED, quantize, quantize_int8
 
 COMFY_PREFIX = "model.diffusion_model."
 
@@ -37,7 +38,7 @@ def variants(kind: str) -> tuple[str, ...]:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3fn": torch.float8_e4m3fn}
-FORMATS = ("safetensors", "fp8_scaled", "fp8_mixed", "gguf")
+FORMATS = ("safetensors", "fp8_scaled", "fp8_mixed", "int8", "int8_convrot", "gguf")
 
 
 def make_state_dict(variant: str, *, seed: int = 0, dtype: str = "fp32", dims=None) -> dict[str, torch.Tensor]:
@@ -110,6 +111,48 @@ def mixed_fp8(weights: dict[str, torch.Tensor], comfy_quant: bool = False) -> tu
     return out, metadata
 
 
+def convrot_group_for(width: int, largest: int = CONVROT_GROUP) -> int | None:
+    """The ConvRot group a converter can give a layer of `width` inputs: the largest power of 4 up to `largest`
+    (ComfyUI's 256) that divides it (tiny widths such as 96 take 16); None where none does."""
+    group = largest
+    while group >= 4:
+        if width % group == 0:
+            return group
+        group //= 4
+    return None
+
+
+def mixed_int8(weights: dict[str, torch.Tensor], convrot: bool = True, comfy_quant: bool = False,
+               group: int | None = None) -> tuple[dict, dict[str, str]]:
+    """fp32 weights as ComfyUI's int8_tensorwise files hold them (comfy/ops.py MixedPrecisionOps, Comfy-Org's
+    MiniMax-H3 `*_int8_convrot` releases): the blocks' matrices int8 with a float32 per-row `weight_scale` [rows, 1]
+    (the row's largest magnitude / 127), rotated first by ConvRot (quantized.convrot) in groups of `group`, or of the
+    largest power of 4 up to 256 that divides the layer's width (convrot_group_for); every other tensor in bf16. The
+    layers are listed in the header's `_quantization_metadata` ({"format": "int8_tensorwise", "convrot": true,
+    "convrot_groupsize": g}, as ComfyUI's own state_dict writes them) or (comfy_quant) each in a per-layer `comfy_quant`
+    tensor of JSON bytes. Returns (tensors, header metadata)."""
+    out, layers = {}, {}
+    for name, t in weights.items():
+        if t.ndim == 2 and name.endswith(".weight") and "blocks." in name:
+            layer = name[:-len(".weight")]
+            size = (group or convrot_group_for(t.shape[1])) if convrot else None
+            if convrot and (size is None or t.shape[1] % size):
+                raise ValueError(f"{layer}: no ConvRot group of {group or 'a power of 4'} divides its width "
+                                 f"{t.shape[1]}")
+            q, scale = quantize_int8(t.float(), size)
+            out[name], out[layer + ".weight_scale"] = q, scale
+            layers[layer] = {"format": INT8_FORMAT}
+            if convrot:
+                layers[layer].update(convrot=True, convrot_groupsize=size)
+            if comfy_quant:
+                out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(layers[layer]).encode()), dtype=torch.uint8)
+        else:
+            out[name] = t.to(torch.bfloat16)
+    metadata = {} if comfy_quant else {"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                                               "layers": layers})}
+    return out, metadata
+
+
 def gguf_type(name: str, shape: tuple, quant: str) -> str:
     """The GGUF type a converter gives each tensor: vectors and tiny tensors F32; matrices in `quant`, or, where a
     row is not a whole number of its blocks, Q8_0 (32-value blocks) as llama.cpp's fallback does, else F16."""
@@ -156,7 +199,8 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
                real_depth: bool = False) -> str:
     """Write one tiny checkpoint and return its path. `full` adds placeholder text-encoder / VAE tensors
     and the `model.diffusion_model.` prefix, as in a full ComfyUI checkpoint. format: safetensors (in `dtype`),
-    fp8_scaled, fp8_mixed, or gguf (matrices in `quant`, see gguf_type)."""
+    fp8_scaled, fp8_mixed, int8 / int8_convrot (ComfyUI's int8_tensorwise layers, see mixed_int8), or gguf (matrices in
+    `quant`, see gguf_type)."""
     if kind not in families.names():
         raise ValueError(f"kind={kind!r} is invalid: use one of {', '.join(families.names())}")
     family = families.get(kind)
@@ -188,8 +232,15 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
     if format == "fp8_mixed":
         weights, header = mixed_fp8(weights)
         metadata.update(header)
+    if format in ("int8", "int8_convrot"):
+        weights, header = mixed_int8(weights, convrot=format == "int8_convrot")
+        metadata.update(header)
     if prefix or full:
         weights = {COMFY_PREFIX + k: v for k, v in weights.items()}
+        if "_quantization_metadata" in metadata:   # named by the file's keys, as ComfyUI's checkpoint loader finds them
+            quant = json.loads(metadata["_quantization_metadata"])
+            quant["layers"] = {COMFY_PREFIX + k: v for k, v in quant["layers"].items()}
+            metadata["_quantization_metadata"] = json.dumps(quant)
     if full:
         gen = torch.Generator().manual_seed(seed + 1)
         for name in family.full_extras:
