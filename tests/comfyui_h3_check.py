@@ -34,12 +34,43 @@ report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
 
 PRUNED = "tiny-minimax-h3-pruned.safetensors"   # the pruned form: adaln curve table instead of a time embedder
 MIXED = "tiny-minimax-h3-fp8_mixed.safetensors"  # ComfyUI's mixed-precision fp8: the blocks' matrices fp8 + scales
+INT8 = "tiny-minimax-h3-pruned-int8_convrot.safetensors"   # Comfy-Org's release format: pruned, int8 ConvRot
+
+
+def dequantized_int8(file):
+    """The int8 file's exact weights as a plain float32 file, dequantized with ComfyUI's own kitchen (q x scale, ConvRot
+    undone), for ComfyUI's model without int8 arithmetic: ComfyUI's int8 layers also quantize each activation row to
+    int8 (comfy_kitchen int8_linear), which the engine does not."""
+    import comfy.utils
+    from comfy_kitchen.backends.eager.quantization import dequantize_int8_convrot_weight, dequantize_int8_simple
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    path = folder_paths.get_full_path("diffusion_models", file)
+    sd = comfy.utils.load_torch_file(path)
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+    layers = json.loads(meta.get("_quantization_metadata", "{}")).get("layers", {})
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".weight_scale"):
+            continue
+        layer = k[:-len(".weight")]
+        conf = layers.get(layer)
+        if conf is None:
+            out[k] = v.float()
+        elif conf.get("convrot"):
+            out[k] = dequantize_int8_convrot_weight(v, sd[layer + ".weight_scale"].float(), conf["convrot_groupsize"])
+        else:
+            out[k] = dequantize_int8_simple(v, sd[layer + ".weight_scale"].float())
+    name = file.replace(".safetensors", "-dequantized.safetensors")
+    save_file(out, os.path.join(models, "diffusion_models", name), metadata={"xdit.synthetic": meta["xdit.synthetic"]})
+    return name
 
 
 def native(file):
     """UNETLoader's model of a tiny file; a mixed-precision fp8 file through ComfyUI's loader with its header (whose
     quantization metadata UNETLoader reads)."""
-    if file == MIXED:
+    if file in (MIXED, INT8):
         import comfy.sd
         return comfy.sd.load_diffusion_model(folder_paths.get_full_path("diffusion_models", file),
                                              model_options={"dtype": torch.float32})
@@ -128,6 +159,9 @@ GRAPHS += [
       ("ulysses2", "0,1", dict(file=PRUNED, plan="explicit", ulysses=2))]),
     ("h3 pruned file: fl2va", guided, neg, 1.0, None,
      [("gpus=0", "0", dict(file=PRUNED)), ("ring2", "0,1", dict(file=PRUNED, plan="explicit", ring=2))]),
+    ("h3 pruned int8 ConvRot file (the templates' format): fl2va", guided, neg, 1.0, None,
+     [("gpus=0", "0", dict(file=INT8)), ("gpus=0,1", "0,1", dict(file=INT8)),
+      ("ulysses2 shard2", "0,1", dict(file=INT8, plan="explicit", ulysses=2, shard=2))]),
     ("h3 fp8 mixed file: t2va cfg 4", pos, neg, 4.0, None,
      [("gpus=0", "0", dict(file=MIXED)), ("gpus=0,1", "0,1", dict(file=MIXED)),
       ("ulysses2 shard2", "0,1", dict(file=MIXED, plan="explicit", ulysses=2, shard=2))])]
@@ -140,6 +174,10 @@ for name, p, n, cfg, shift, runs in GRAPHS:
     plain = plain or want
     if file != FILE:   # another model: compared with its own plain graph
         entry["native_vs_t2va_rel_l2"] = None
+    if file == INT8:   # how far ComfyUI's own int8 arithmetic is from the file's exact weights
+        exact = sample(native_model(dequantized_int8(file)), p, n, cfg, latent, shift)
+        entry["comfyui_int8_vs_exact_rel_l2"] = max(rel(want[0], exact[0]), rel(want[1], exact[1]))
+        entry["comfyui_exact"] = exact
     # how far the graph's conditioning moves ComfyUI's own result from the plain text-to-video one (what a dropped
     # keyframe or reference would show as)
     if file == FILE:
@@ -150,11 +188,15 @@ for name, p, n, cfg, shift, runs in GRAPHS:
         got = sample(model, p, n, cfg, latent, shift)
         entry[label] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
                         "plan": last_plan(eng), "s": round(time.perf_counter() - t0, 2)}
+        if "comfyui_exact" in entry:   # and against ComfyUI's model on the exact weights
+            exact = entry["comfyui_exact"]
+            entry[label]["vs_comfyui_exact_rel_l2"] = max(rel(got[0], exact[0]), rel(got[1], exact[1]))
     # xDiT Sampler on the engine's MODEL: ComfyUI's sampler drives it (the engine's own loop takes one latent stream)
     eng, model = engine("0,1", file=file)
     got = sample(model, p, n, cfg, latent, shift, node="XDiTSampler")
     entry["xdit sampler gpus=0,1"] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
                                       "plan": last_plan(eng)}
+    entry.pop("comfyui_exact", None)
     report["graphs"][name] = entry
     print(name, json.dumps(entry), flush=True)
 
