@@ -35,8 +35,8 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                # Comfy-Org's repackaged Wan files (split_files/diffusion_models)
                "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors",
                # Comfy-Org's MiniMax-H3 bf16 file (the templates' int8_convrot file is not one the engine reads)
-               "minimax-h3-t2v": "minimax_h3_fl2va_bf16.safetensors",
-               "minimax-h3-i2v": "minimax_h3_fl2va_bf16.safetensors"}
+               "minimax-h3-t2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+               "minimax-h3-i2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors"}
 # Two-expert models: an engine per expert, (high noise, low noise), each with its own sampler
 EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
                                              for noise in ("high", "low")) for kind in ("t2v", "i2v")}

@@ -69,10 +69,10 @@ MODEL_SOURCES = {
         ("Wan_2.1_ComfyUI_repackaged", "vae", "wan_2.1_vae.safetensors"),
         ("Wan_2.2_ComfyUI_Repackaged", "vae", "wan2.2_vae.safetensors"))},
     # MiniMax-H3: Comfy-Org's files as ComfyUI's MiniMax-H3 templates link them (video_minimax_h3_t2v.json,
-    # video_minimax_h3_i2v.json), and the templates' 8-step turbo LoRA from lightx2v. The engine's model is the bf16
-    # file of the same repository (the templates load its pruned int8_convrot file, which the engine does not read)
+    # video_minimax_h3_i2v.json), and the templates' 8-step turbo LoRA from lightx2v; the engine loads the templates'
+    # model file (pruned, int8 ConvRot)
     **{name: (HF + f"Comfy-Org/MiniMax-H3/resolve/main/{folder}/{name}", folder) for folder, name in (
-        ("diffusion_models", "minimax_h3_fl2va_bf16.safetensors"),
+        ("diffusion_models", "minimax_h3_fl2va_pruned_int8_convrot.safetensors"),
         ("text_encoders", "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"),
         ("vae", "minimax_h3_video_vae_fp16.safetensors"),
         ("vae", "minimax_h3_audio_vae_fp32.safetensors"))},
@@ -410,7 +410,7 @@ def _minimax_h3(image: bool) -> Graph:
     _version_note(g, 0, "MiniMax-H3: MiniMaxH3ImageToVideo, its Qwen3-VL text encoder under CLIPLoader type minimax "
                         "and its audio VAE")
     clip = g.add("CLIPLoader", ["qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "minimax", "default"], 0)
-    engine = _engine(g, "minimax_h3_fl2va_bf16.safetensors")
+    engine = _engine(g, "minimax_h3_fl2va_pruned_int8_convrot.safetensors")
     video_vae = g.add("VAELoader", ["minimax_h3_video_vae_fp16.safetensors"], 0)
     audio_vae = g.add("VAELoader", ["minimax_h3_audio_vae_fp32.safetensors"], 0)
     turbo = g.add("LoraLoaderModelOnly", ["minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", 1.0], 1,
