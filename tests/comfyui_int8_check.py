@@ -51,7 +51,7 @@ def ulp(t: torch.Tensor) -> torch.Tensor:
 
 
 files = sorted({p for sub in ("", "int8", "diffusion_models")
-                for p in glob.glob(os.path.join(folder, sub, "*int8*.safetensors"))})
+                for p in glob.glob(os.path.join(folder, sub, "*int8*.safetensors")) if "dequantized" not in p})
 report = {"comfyui": comfyui_version.__version__, "files": {}}
 for path in files:
     entry = report["files"][os.path.basename(path)] = {}

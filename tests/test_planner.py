@@ -618,7 +618,7 @@ def test_plan_without_a_model_names_the_missing_flags_in_one_line(capsys):
     assert main(["plan", "--gpus", "2"]) == 2
     err = capsys.readouterr().err
     assert err == ("python -m engine plan: error: the following arguments are required: --model, --interconnect (or "
-                   "give --validate, --memory-table, --fit-table or --shard-table alone)\n")
+                   "give --validate, --memory-table, --fit-table, --shard-table or --av-table alone)\n")
 
 
 def test_plan_help_shows_the_defaults(capsys):

@@ -56,7 +56,7 @@ def engine_model(settings: core.EngineSettings):
     import comfy.model_patcher
     from comfy.patcher_extension import CallbacksMP, WrappersMP
 
-    from ..engine.models.load import header_tensors
+    from ..engine.models.load import checkpoint_files, header_tensors, read_headers
 
     key = settings
     if key in _MODELS:
@@ -65,14 +65,20 @@ def engine_model(settings: core.EngineSettings):
           header_tensors(settings.model_path).items()}
     prefix = detection.unet_prefix_from_state_dict(sd)
     stripped = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)} or sd
-    config = detection.model_config_from_unet(stripped, "")
+    # the header's model config, which ComfyUI's loader hands its detection too (LTX-2.3 states its settings there)
+    header = read_headers(checkpoint_files(settings.model_path))[1]
+    stated = {"metadata": {"config": header["config"]}} if isinstance(header.get("config"), str) else {}
+    config = detection.model_config_from_unet(stripped, "", **stated)
     if config is None:
         converted = detection.convert_diffusers_mmdit(stripped, "")
         if converted is not None:
             stripped, config = converted, detection.model_config_from_unet(converted, "")
+    info = core.inspect_model(settings.model_path)
+    expected = info.spec.comfy_model(info.config)[1].get("image_model")
+    if config is not None and expected and getattr(config, "unet_config", {}).get("image_model") != expected:
+        config = None   # an older ComfyUI takes the file for another model (0.3.64: LTX-2.3 as the video-only LTXV)
     device = torch.device("cpu")   # ComfyUI's side of the MODEL holds no weights: its sampler runs on the CPU
     if config is None:
-        info = core.inspect_model(settings.model_path)
         since = info.spec.comfyui_since(info.variant)
         message = (f"this ComfyUI ({_comfyui_version()}) does not know {info.variant} ({info.spec.title}) models, so "
                    f"the xDiT Engine's MODEL output cannot describe it: update ComfyUI to "
@@ -87,7 +93,7 @@ def engine_model(settings: core.EngineSettings):
                            should_cancel=mm.processing_interrupted,
                            on_cancelled=mm.throw_exception_if_processing_interrupted)
     model.diffusion_model = engine_model_parts.EngineTransformer(link, keys, meta=model.diffusion_model,
-                                                                 family=core.inspect_model(settings.model_path).spec)
+                                                                 family=info.spec)
     link.owner = weakref.ref(model)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device, size=1)
     link.base_patcher = weakref.ref(patcher)

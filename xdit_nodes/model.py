@@ -72,25 +72,30 @@ class EngineTransformer(torch.nn.Module):
             return self._packed_streams(list(x), timestep, context, control, transformer_options or {}, kwargs)
         return self.link.call(x, timestep, context, control, transformer_options or {}, kwargs)
 
-    def preprocess_text_embeds(self, text_states):
-        """MiniMax-H3's model refines the text once per sampling run through this; the engine's model refines it in
-        each forward (the same arithmetic), so the text crosses as the encoder gave it."""
+    def preprocess_text_embeds(self, text_states, unprocessed=None):
+        """MiniMax-H3's model refines the text once per sampling run through this, LTX-2.3's runs its two text
+        connectors on it (unprocessed=True); the engine's model does so in each forward (the same arithmetic), so the
+        text crosses as the encoder gave it. A text LTX-2.3's model takes as already connected (unprocessed=False:
+        ComfyUI would not run the connectors) is refused: the ranks would run them again."""
+        if unprocessed is False:
+            raise ModelPatchError("the conditioning is not marked unprocessed_ltxav_embeds (its text connectors "
+                                  "already ran): the xDiT engine runs LTX-2.3's connectors on its ranks; encode the "
+                                  "prompt with the CLIP of LTXAVTextEncoderLoader")
         return text_states
 
     def _packed_streams(self, streams, timestep, context, control, transformer_options: dict, kwargs: dict):
-        """An audio-video model's call (MiniMax-H3): the streams packed as ComfyUI's sampler packs them
-        (comfy.utils.pack_latents), what its model reads of ComfyUI's payload and options as the family's float32
-        tensors (Family.call_extras), and the engine's packed output unpacked into the streams again."""
+        """An audio-video model's call (MiniMax-H3, LTX-2.3): the streams packed as ComfyUI's sampler packs them
+        (comfy.utils.pack_latents), what its model reads of ComfyUI's inputs, options and timestep as the family's
+        float64 tensors and the engine's timestep (Family.call_extras), and the engine's packed output unpacked into
+        the streams again."""
         family = self.__dict__.get("_family")
         if family is None or family.call_extras is None:
             raise ModelPatchError("the MODEL got several latent streams, which this model's family does not take")
-        masks = {k: kwargs.pop(k, None) for k in ("denoise_mask", "audio_denoise_mask")}
         meta = self.__dict__.get("_meta")
         shapes = [tuple(t.shape) for t in streams]
+        kwargs = dict(kwargs)
         try:
-            extras = family.call_extras(shapes, dict(kwargs.pop("minimax_payload", None) or {}), transformer_options,
-                                        (float(getattr(meta, "sigma_shift_video", 12.0)),
-                                         float(getattr(meta, "sigma_shift_audio", 3.0))), shapes[0][0], masks)
+            extras, timestep = family.call_extras(shapes, kwargs, transformer_options, timestep, meta)
         except ValueError as e:
             raise ModelPatchError(str(e)) from None
         packed = torch.cat([t.reshape(t.shape[0], 1, -1) for t in streams], dim=-1)

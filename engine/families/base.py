@@ -60,6 +60,11 @@ class TokenTable:
     reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
     #                                                 many per forward): split with them or joint
     kwargs_name: str = "joint_attention_kwargs"     # the model's forward argument that reaches the processors
+    gather_args: tuple[tuple[str, str, int], ...] = ()  # (module, keyword argument, token dim): an input of a module
+    #                                                 gathered whole as it enters (image tokens only; a tuple's tensors
+    #                                                 each; the pad rows dropped), for a module whose queries are not
+    #                                                 image tokens but attend to all of them (e.g. audio queries over
+    #                                                 the video); a module path with ".*" names every module of a list
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,8 @@ class Family:
     rebuild_off_meta: Callable[[torch.nn.Module], None] = lambda model: None
 
     variant_aliases: dict = field(default_factory=dict)   # other names make-tiny takes for a variant
+    # dims -> entries of the safetensors header the family's files carry (make-tiny writes them; e.g. LTX-2.3's config)
+    tiny_metadata: Callable[[Any], dict[str, str]] = lambda dims: {}
 
     # ---- several latent streams in one LATENT (audio + video): ComfyUI's sampler carries them packed into one
     # [B, 1, N] tensor (comfy.utils.pack_latents) and its model receives them unpacked; the engine's calls take the
@@ -149,8 +156,11 @@ class Family:
     # float32 tensors [n, ...] a model call's conditioning carries, Prepared.extras)
     packed_streams: bool = False
     extras: tuple[str, ...] = ()
-    # (stream shapes, ComfyUI's payload dict, transformer_options, the model's default sigma shifts, rows) -> the
-    # call's `extras` tensors (run on the ComfyUI side, on what ComfyUI's model would read)
+    # (stream shapes, the call's keyword inputs (a dict: the family removes what it reads; what is left meets the
+    # engine's usual checks), transformer_options, the timestep as ComfyUI's model passes it (a tensor, or a tuple of
+    # the streams'), ComfyUI's own diffusion model built on the meta device (its attributes) or None) -> (the call's
+    # `extras` tensors, the timestep the engine's call takes: [rows], or [rows, tokens]); run on the ComfyUI side, on
+    # what ComfyUI's model would read; a ValueError refuses the call in one line
     call_extras: Callable | None = None
     # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
     # frames) -> count (MiniMax-H3: both audio channels' frames)

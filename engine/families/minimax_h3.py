@@ -285,6 +285,16 @@ def call_extras(shapes: list[tuple], payload: dict, transformer_options: dict, s
     return out
 
 
+def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, timestep, meta=None):
+    """Family.call_extras: what a call of ComfyUI's MiniMaxH3Model reads besides x and context (its payload, the noise
+    masks, the sigma shifts: MiniMaxH3SigmaShift's, else the model's own), removed from `kwargs`, as (the call_extras
+    tensors, the timestep as ComfyUI passes it)."""
+    payload = dict(kwargs.pop("minimax_payload", None) or {})
+    masks = {k: kwargs.pop(k, None) for k in ("denoise_mask", "audio_denoise_mask")}
+    shifts = (float(getattr(meta, "sigma_shift_video", SHIFT)), float(getattr(meta, "sigma_shift_audio", AUDIO_SHIFT)))
+    return call_extras(shapes, payload, transformer_options, shifts, shapes[0][0], masks), timestep
+
+
 def _block_row(kind: str, frame_index: int, video, audio) -> torch.Tensor:
     if kind not in BLOCK_KINDS:
         raise ValueError(f"a MiniMax-H3 reference block of kind {kind!r}: ComfyUI's nodes make {BLOCK_KINDS[1:]}")
@@ -579,7 +589,7 @@ FAMILY = Family(
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width, modulation=("adaln_proj",), text_stream=("token_refiner",),
     native_layout="minimax", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load,
-    packed_streams=True, extras=EXTRAS, call_extras=call_extras, text_splits=True, text_cross=False,
+    packed_streams=True, extras=EXTRAS, call_extras=comfy_call, text_splits=True, text_cross=False,
     extra_tokens=lambda config, latent_frames: 2 * audio_frames(H3_VIDEO.pixel_frames(latent_frames)),
     describe_blocks=lambda c: f"{c['num_layers']} blocks over one packed sequence (text, audio, video)",
     describe_conditioning=lambda c: (f"cond [1, N, {c['text_dim']}] (Qwen3-VL hidden states), no pooled output; "

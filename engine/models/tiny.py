@@ -221,6 +221,7 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
         tiny = replace(tiny, **{k: getattr(full_dims, k) for k in asdict(tiny) if k.startswith("depth")})
     dims = asdict(tiny)
     metadata = {"format": "pt", "xdit.synthetic": json.dumps({"variant": variant, "seed": seed, "dims": dims})}
+    metadata.update(family.tiny_metadata(tiny))   # header entries the family's files carry (LTX-2.3: its config)
     os.makedirs(out_dir, exist_ok=True)
     weights = make_state_dict(variant, seed=seed, dtype=dtype, dims=tiny)
     if format == "gguf":

@@ -75,9 +75,12 @@ class ParallelFlow:
         for name, item, dim in table.split_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(self._split_output(name, item, dim)))
         for name, index, dim in table.split_args:
-            modules = list(model.get_submodule(name[:-2])) if name.endswith(".*") else [model.get_submodule(name)]
-            for module in modules:
+            for module in modules_at(model, name):
                 self._hooks.append(module.register_forward_pre_hook(self._split_arg(name, index, dim)))
+        for name, keyword, dim in table.gather_args:
+            for module in modules_at(model, name):
+                self._hooks.append(module.register_forward_pre_hook(self._gather_arg(name, keyword, dim),
+                                                                    with_kwargs=True))
         for name, item, dim in table.text_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(
                 self._split_output(name, item, dim, text=True)))
@@ -107,6 +110,28 @@ class ParallelFlow:
                 raise ValueError(f"{name} was called with {len(args)} positional inputs; the family's token table "
                                  f"splits input {index}")
             return args[:index] + (self._shard_image(args[index], dim, name),) + args[index + 1:]
+        return hook
+
+    def _gather_arg(self, name: str, keyword: str, dim: int):
+        """A forward pre-hook that gathers a module's keyword input `keyword` (this rank's image tokens along `dim`, or
+        a tuple of such tensors) whole from every sequence-parallel rank, the pad rows dropped: for a module whose
+        queries every rank holds whole but that attends to all the image tokens (e.g. audio queries over the
+        video)."""
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            if self._joint_references:
+                raise ValueError(f"{name}: its {keyword} cannot be gathered with joint reference tokens")
+            t = self.mesh.all_gather(t, "sp", dim=dim, kind="sp_gather")
+            return t.narrow(dim, 0, self._image_tokens) if self._pad else t
+
+        def hook(module, args, kwargs):
+            if keyword not in kwargs:
+                raise ValueError(f"{name} was called without the keyword input {keyword!r}, which the family's token "
+                                 f"table gathers")
+            value = kwargs[keyword]
+            if value is None:
+                return None
+            value = tuple(whole(t) for t in value) if isinstance(value, (tuple, list)) else whole(value)
+            return args, {**kwargs, keyword: value}
         return hook
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -314,6 +339,17 @@ class ParallelFlow:
         if split_dp:
             out = self.mesh.gather_to_first(out, "dp", kind="dp_gather")
         return out if dp.rank == 0 else None
+
+
+def modules_at(model: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+    """The modules a token table's path names: one module, or with ".*" every module of a list ("blocks.*") or the
+    same submodule of each ("blocks.*.attn")."""
+    if ".*" not in path:
+        return [model.get_submodule(path)]
+    head, _, tail = path.partition(".*")
+    listed = list(model.get_submodule(head))
+    tail = tail.lstrip(".")
+    return [m.get_submodule(tail) for m in listed] if tail else listed
 
 
 def parallelize(flow: FlowModel, mesh: Mesh) -> ParallelFlow:

@@ -1,0 +1,438 @@
+"""LTX-2.3 (Lightricks, audio + video): how the engine runs this family (its checkpoints' dims, layout and detection:
+ltx23_layout.py). The engine runs it as ComfyUI's diffusion model only (ComfyUI's KSampler / SamplerCustomAdvanced on
+the xDiT Engine's MODEL): its sampler carries the two latents packed, which the engine's own loop does not sample.
+
+ComfyUI's conventions, read from ComfyUI 0.33.0 (C = the ComfyUI checkout):
+- C/comfy/model_detection.py:419-429: `adaln_single.emb.timestep_embedder.linear_1.bias` marks Lightricks' LTX, with
+  `audio_adaln_single.linear.weight` the audio-video LTXAV; the tensors give the block count, attention_head_dim =
+  attn2.to_k rows / 32 and cross_attention_dim; every LTX-2.3 setting comes from the header's `config` -> `transformer`.
+- C/comfy/supported_models.py:913-958 (LTXV, LTXAV): sampling shift 2.37, latent format LTXAV, model_base.LTXAV, whose
+  model type FLUX (C/comfy/model_base.py:1172-1174, 132-134) makes the model sampling ModelSamplingFlux
+  (C/comfy/model_sampling.py:403-440: exponential shift, timestep(sigma) = sigma) with CONST's denoised = x - v sigma
+  (model_sampling.py:86-92): the model gets sigma in [0, 1] and its velocity is used as it is (not negated).
+- C/comfy/latent_formats.py:346-351, 486 (LTXV, LTXAV): 128 channels, no scale or shift;
+  C/comfy_extras/nodes_lt.py:63-84 (EmptyLTXVLatentVideo): [B, 128, (length - 1) // 8 + 1, H/32, W/32];
+  C/comfy_extras/nodes_lt_audio.py:93-160 (LTXVEmptyLatentAudio): [B, 8, round(frames / fps x 25), 16];
+  nodes_lt.py:747-819 (LTXVConcatAVLatent): the two as one NestedTensor, with a nested noise mask when either has one;
+  C/comfy/utils.py:1410-1430 (pack_latents): the sampler carries them as one [B, 1, N] row, video flattened first.
+- C/comfy/model_base.py:1176-1226 (LTXAV.extra_conds): the text through diffusion_model.preprocess_text_embeds (once a
+  sampling run, in ComfyUI's process: on LTX-2.3 both text connectors); frame_rate (a constant, 25 unless
+  LTXVConditioning sets it, nodes_lt.py:543-564); denoise_mask / audio_denoise_mask (the packed noise mask split by the
+  streams' shapes); keyframe_idxs, guide_attention_entries (LTXVAddGuide, nodes_lt.py:250-497), ref_audio.
+  model_base.py:1228-1237 (process_timestep): a (video, audio) tuple, each the model timestep [B] without a mask and
+  the patchified mask x timestep with one ([B, N_video, 1], [B, T_audio, 1]); model_base.py:1239-1240
+  (scale_latent_inpaint): the masked-out latent enters as it is; model_base.py:240-251 (_apply_model): the latent
+  unpacked into [video, audio] for the diffusion model and its [video, audio] output packed again.
+- C/comfy/ldm/lightricks/av_model.py:583-600 (preprocess_text_embeds) and embeddings_connector.py:282-313: the text
+  [B, L, video inner + audio inner] split by the inner widths, each half through its connector: learnable registers
+  appended up to ceil(max(1024, L) / 128) x 128 tokens, 1-D split RoPE over positions / 4096, gated blocks, a final RMS
+  norm; the diffusion model then splits the context the same way (av_model.py:849-869).
+- av_model.py:685-736 (_process_input) and symmetric_patchifier.py: one token per video latent voxel (patch 1), frames
+  then rows then columns, 128 features; audio rows `b c t f -> b t (c f)`. Positions (symmetric_patchifier.py:9-33,
+  63-93, 135-183; model.py:925-937; av_model.py:871-908): video (start, end) latent coordinates x (8, 32, 32), the
+  causal fix t = max(0, t + 1 - 8), then time x (1 / frame_rate) in float32; audio (start, end) in seconds, max(0, 4t-3)
+  x 160 / 16000 (AudioPatchifier, causal); the midpoint of each, as fractions of (20, 2048, 2048) and 20;
+  frequencies theta^linspace(0, 1) x pi / 2 in float64, cast to float32; split RoPE, cos 1 / sin 0 padding in front.
+  The audio-video cross-attention RoPE: time only, the video's (already / fps) and the audio's, over the audio
+  cross-attention width, max(20, 20), split by the audio head count.
+- av_model.py:738-847 (_prepare_timestep): the adaLN of each stream from its own timestep x 1000 (per token under a
+  mask); the text K/V modulation from the per-row max over tokens (model.py:571-590, compute_prompt_timestep); the
+  audio-video cross-attention scale/shift from each stream's own timestep, their gates crossed: the a2v gate from the
+  audio timestep's max, the v2a gate from the video's, each over the whole call (batch included) x av_ca / 1000
+  (av_model.py:803-814).
+- av_model.py:260-389 (BasicAVTransformerBlock.forward): video self-attention and text cross-attention, the same for
+  audio, then a2v (video queries over the audio), then v2a (audio queries over the video), the video normalised again
+  after the a2v update for v2a's keys and values (av_model.py:339-352), then both feed-forwards. model.py:425-503
+  (CrossAttention): q/k RMS norms over all heads with eps 1e-5, RoPE, per-head gates 2 sigmoid(to_gate_logits(x)).
+- av_model.py:1022-1059 (_process_output): LayerNorm (eps 1e-6, no affine) x (1 + scale) + shift from the embedded
+  timestep, proj_out, for each stream; returned as [video, audio].
+
+The engine drives the unmodified diffusers LTX2VideoTransformer3DModel (use_prompt_embeddings False, gated attention,
+cross-attention modulation, split RoPE) and two unmodified LTX2ConnectorTransformer1d, held by it as submodules,
+with ComfyUI's positions and timesteps as its forward arguments, and three compensations registered once at load:
+the q/k norms' eps set to ComfyUI's 1e-5 (diffusers' default 1e-6), forward pre-hooks that give the a2v and v2a gate
+embeddings ComfyUI's crossed timesteps (read from per-forward state the family sets), and hooks that give v2a the
+video normalised after the a2v update (diffusers normalises once before both). Measured against ComfyUI 0.33's own
+LTXAV on a tiny file: tests/comfyui_ltx_check.py.
+
+Conditioning the engine does not take yet (refused in one line on the MODEL route): LTXVAddGuide's guides
+(keyframe_idxs, guide_attention_entries), ref_audio (ID-LoRA), STG (stg_self_attn_blocks) and modality guidance
+(a2v_cross_attn / v2a_cross_attn, run_vx / run_ax off). A text ComfyUI did not mark unprocessed (its connectors
+already run) is refused too: the ranks run the connectors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..sampling.latent_formats import LatentFormat
+from ..sampling.schedules import FlowSampling
+from .base import Family, Marker, TokenTable
+from .ltx23_layout import DIMS, REGISTERS, infer, key_map, shapes, tiny_metadata
+
+SHIFT = 2.37                          # supported_models.LTXV.sampling_settings
+FPS = 25.0                            # LTXAV.extra_conds' frame_rate when none is set
+AUDIO_LATENTS_PER_SECOND = 25.0       # 16000 Hz / 160 hop / 4 (ComfyUI's audio VAE)
+AUDIO_CHANNELS, AUDIO_BINS = 8, 16    # av_model.py: num_audio_channels, audio_frequency_bins
+HOP, SAMPLE_RATE, AUDIO_DOWNSAMPLE = 160, 16000, 4   # AudioPatchifier's defaults
+TEXT_TOKENS = 1024                    # the connected text: registers fill it to at least 1024 tokens
+QK_EPS = 1e-5                         # ComfyUI's q/k RMSNorm eps (model.py CrossAttention)
+CONNECTOR_KEYS = ("connector_num_layers", "connector_num_attention_heads", "connector_attention_head_dim",
+                  "audio_connector_num_attention_heads", "audio_connector_attention_head_dim")
+
+
+@dataclass(frozen=True)
+class LtxLatent(LatentFormat):
+    """The video stream of ComfyUI's LTXAV latent (the one the engine plans and checks against; the audio rides with
+    it in the packed tensor, its rows counted by audio_frames)."""
+
+
+LTX_VIDEO = LtxLatent("LTXAV", channels=128, spatial_dims=3, downscale=32, temporal_downscale=8)
+
+
+def audio_frames(pixel_frames: int, fps: float = FPS) -> int:
+    """Audio latent frames of a clip (LTXVEmptyLatentAudio: its duration at 25 latents a second)."""
+    return round(pixel_frames / fps * AUDIO_LATENTS_PER_SECOND)
+
+
+# ---- the model: diffusers' transformer with its two text connectors as submodules ----------------------------------
+def build_model(**config):
+    """The unmodified diffusers LTX2VideoTransformer3DModel for `config`, with two unmodified LTX2ConnectorTransformer1d
+    (the text connectors ComfyUI's model holds) as its submodules `video_connector` and `audio_connector`, so the
+    loader fills them from the file with the rest."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
+    config = dict(config)
+    conn = {k: config.pop(k) for k in CONNECTOR_KEYS}
+    model = LTX2VideoTransformer3DModel(**config)
+    for name, heads, head_dim in (
+            ("video_connector", conn["connector_num_attention_heads"], conn["connector_attention_head_dim"]),
+            ("audio_connector", conn["audio_connector_num_attention_heads"],
+             conn["audio_connector_attention_head_dim"])):
+        setattr(model, name, LTX2ConnectorTransformer1d(
+            num_attention_heads=heads, attention_head_dim=head_dim, num_layers=conn["connector_num_layers"],
+            num_learnable_registers=REGISTERS, rope_type="split", rope_double_precision=True, gated_attention=True))
+    return model
+
+
+def _model_class():
+    build_model.model_class = __import__("diffusers").LTX2VideoTransformer3DModel
+    return build_model
+
+
+# ---- attention: diffusers' LTX2AudioVideoAttnProcessor, the video self-attention sequence parallel -----------------
+class LtxProcessor:
+    """What diffusers' LTX2AudioVideoAttnProcessor computes (per-head gates from the query input, q/k RMS norms over
+    all heads, split RoPE with separate query and key embeddings), the video self-attention (marked `xdit_sequence` at
+    load) through the sequence-parallel entry point when one is given; the text cross-attentions, the audio attentions,
+    a2v (video queries over the whole audio) and v2a (the audio over the video gathered whole: the token table's
+    gather_args) local. The text connectors' all-zero mask (diffusers replaces it so after filling the registers) is
+    no mask; any other is refused (ComfyUI's LTX text encoder gives none)."""
+
+    def __init__(self, attention=None):
+        self.attention = attention
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+                 key_rotary_emb=None):
+        from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+        if attention_mask is not None:
+            if not bool((attention_mask == 0).all()):
+                raise ValueError("LTX-2.3 attention takes no attention mask (ComfyUI's LTX text encoder gives none)")
+            attention_mask = None
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if query_rotary_emb is not None:
+            q = apply_split_rotary_emb(q, query_rotary_emb)
+            k = apply_split_rotary_emb(k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        if self.attention is not None and getattr(attn, "xdit_sequence", False):
+            out = self.attention(q, k, v)[0]
+        else:
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        out = out.flatten(2, 3).to(q.dtype)
+        if gate_logits is not None:
+            out = (out.unflatten(2, (attn.heads, -1)) * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+# ---- the compensations, registered once at load ------------------------------------------------------------------
+def _gate_hook(which: str):
+    """ComfyUI's crossed gate timestep for the a2v / v2a gate embedding: the other stream's max over the whole call,
+    expanded over this stream's entries and times av_ca / 1000 (diffusers passes this stream's own)."""
+    def hook(module, args):
+        state = getattr(module, "xdit_ltx_state", None)
+        if not state or which not in state:
+            return None
+        value, factor = state[which]
+        return (value.to(args[0].dtype).expand(args[0].shape) * factor,) + tuple(args[1:])
+    return hook
+
+
+def _v2a_renorm(block) -> None:
+    """ComfyUI normalises the video again for the v2a keys and values after the a2v update (av_model.py:339-352);
+    diffusers normalises it once before both (transformer_ltx2.py LTX2VideoTransformerBlock.forward). On the unmodified
+    block: the video is captured where audio_to_video_norm reads it, the a2v residual formed as the block forms it, and
+    video_to_audio_attn's keys and values replaced by that residual normalised and modulated with v2a's own scale and
+    shift (diffusers' arithmetic, in its order)."""
+    state: dict = {}
+    norm = block.audio_to_video_norm
+
+    def block_pre(module, args, kwargs):
+        state.clear()
+        state["scale_shift"], state["gate"] = kwargs["temb_ca_scale_shift"], kwargs["temb_ca_gate"]
+
+    def norm_pre(module, args):
+        state["video"] = args[0]
+
+    def a2v_out(module, args, kwargs, out):
+        gate = block.get_mod_params(block.video_a2v_cross_attn_scale_shift_table[4:, :], state.pop("gate"),
+                                    out.shape[0])[0].squeeze(2)
+        state["after"] = state.pop("video") + gate * out
+
+    def v2a_pre(module, args, kwargs):   # (what it read is let go: nothing of a forward is held past it)
+        after, scale_shift = state.pop("after", None), state.pop("scale_shift", None)
+        if after is None:   # a2v did not run (diffusers' use_a2v_cross_attention off): its input is the video's own
+            return None
+        mod = block.get_mod_params(block.video_a2v_cross_attn_scale_shift_table[:4, :], scale_shift, after.shape[0])
+        return args, {**kwargs, "encoder_hidden_states": norm.forward(after) * (1 + mod[2].squeeze(2))
+                      + mod[3].squeeze(2)}
+
+    block.register_forward_pre_hook(block_pre, with_kwargs=True)
+    norm.register_forward_pre_hook(norm_pre)
+    block.audio_to_video_attn.register_forward_hook(a2v_out, with_kwargs=True)
+    block.video_to_audio_attn.register_forward_pre_hook(v2a_pre, with_kwargs=True)
+
+
+def _after_load(model) -> None:
+    """ComfyUI's q/k eps on every attention (the transformer's and the connectors'), the engine's processor (the blocks'
+    video self-attention marked for sequence parallel), and the compensating hooks, each registered once."""
+    if getattr(model, "xdit_ltx_ready", False):
+        return
+    for name, module in model.named_modules():
+        if name.endswith(("norm_q", "norm_k")):
+            module.eps = QK_EPS
+    for block in model.transformer_blocks:
+        block.attn1.xdit_sequence = True
+        _v2a_renorm(block)
+    model.set_attn_processor(LtxProcessor())
+    state: dict = {}
+    model.xdit_ltx_state = state
+    for name, which in (("av_cross_attn_video_a2v_gate", "a2v"), ("av_cross_attn_audio_v2a_gate", "v2a")):
+        module = getattr(model, name)
+        module.xdit_ltx_state = state
+        module.register_forward_pre_hook(_gate_hook(which))
+    model.xdit_ltx_ready = True
+
+
+# ---- positions, as ComfyUI builds them -----------------------------------------------------------------------------
+def video_coords(frames: int, h: int, w: int, fps: float, rows: int = 1, scale=(8, 32, 32),
+                 device=None) -> torch.Tensor:
+    """[rows, 3, frames*h*w, 2] float32: each token's (start, end) pixel coordinates (time in seconds) as ComfyUI's
+    LTXAV model makes them: latent corners (patch 1, int64) x the VAE's scale factors, the causal fix on time, float32,
+    time x (1 / fps)."""
+    grid = torch.stack(torch.meshgrid(torch.arange(frames, device=device), torch.arange(h, device=device),
+                                      torch.arange(w, device=device), indexing="ij")).reshape(3, -1)
+    latent = torch.stack([grid, grid + 1], dim=-1)                       # [3, N, 2]
+    pixel = latent * torch.tensor(scale, device=device).view(3, 1, 1)
+    pixel[0] = (pixel[0] + 1 - scale[0]).clamp(min=0)
+    coords = pixel.to(torch.float32)
+    coords[0] = coords[0] * (1.0 / fps)
+    return coords.unsqueeze(0).expand(rows, -1, -1, -1).contiguous()
+
+
+def audio_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
+    """[rows, 1, frames, 2] float32: each audio latent's (start, end) in seconds as ComfyUI's AudioPatchifier computes
+    them (causal: max(0, 4 t + 1 - 4) mel frames x 160 / 16000)."""
+    def seconds(start, end):
+        mel = torch.arange(start, end, dtype=torch.float32, device=device) * AUDIO_DOWNSAMPLE
+        return (mel + 1 - AUDIO_DOWNSAMPLE).clip(min=0) * HOP / SAMPLE_RATE
+    coords = torch.stack([seconds(0, frames), seconds(1, frames + 1)], dim=-1)   # [T, 2]
+    return coords.reshape(1, 1, frames, 2).expand(rows, -1, -1, -1).contiguous()
+
+
+# ---- ComfyUI's call <-> the engine's tensors -------------------------------------------------------------------------
+# a model call's extra conditioning for this family, each [n, ...] float64 (ComfyUI's values exactly): av_shape (video
+# C, F, H, W, audio C, T, bins) of the packed streams; frame_rate; audio_t: the audio timestep ComfyUI's
+# process_timestep gives ([n], or [n, T] per token under a mask); gate_t: the (audio, video) timesteps' max over the
+# whole call (ComfyUI's crossed gates take it batch-wide). The video timestep is the call's timestep itself ([n], or
+# [n, F*H*W] per token under a mask).
+EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t")
+REFUSED_OPTIONS = {   # transformer_options ComfyUI's LTXAV model reads that the engine does not run yet
+    "stg_self_attn_blocks": "STG (spatio-temporal guidance: stg_self_attn_blocks)",
+    "a2v_cross_attn": "modality guidance (a2v_cross_attn off)", "v2a_cross_attn": "modality guidance (v2a_cross_attn "
+                                                                                  "off)",
+    "run_vx": "a pass without the video (run_vx off)", "run_ax": "a pass without the audio (run_ax off)"}
+
+
+def _per_row(t: torch.Tensor, rows: int, tokens: int, what: str) -> torch.Tensor:
+    """A timestep of the call ([rows], or per token [rows, tokens, 1]) as [rows] or [rows, tokens]."""
+    t = torch.as_tensor(t).detach()
+    if t.numel() == 1:
+        return t.reshape(1).expand(rows).to("cpu", torch.float32)
+    if t.ndim == 1 and t.shape[0] == rows:
+        return t.to("cpu", torch.float32)
+    if t.shape[0] == rows and t[0].numel() == tokens:
+        return t.reshape(rows, tokens).to("cpu", torch.float32)
+    raise ValueError(f"an LTX-2.3 {what} timestep of shape {list(t.shape)} fits neither {rows} rows nor their "
+                     f"{tokens} tokens")
+
+
+def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, timestep, meta=None):
+    """What a call of ComfyUI's LTXAVModel reads besides x and context, as the engine's tensors: (extras, the video
+    timestep). Reads (and removes from `kwargs`) frame_rate, the noise masks (ComfyUI's model reads them only for a
+    memory layout and for guides: their effect is the per-token timesteps process_timestep made) and the guide inputs;
+    ValueError, in one line, for what the engine does not run yet."""
+    if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
+        raise ValueError(f"latent streams of shapes {[list(s) for s in shapes]}: LTX-2.3 takes a video latent "
+                         f"[B, 128, F, H, W] and an audio latent [B, 8, T, 16] (LTXVConcatAVLatent of "
+                         f"EmptyLTXVLatentVideo and LTXVEmptyLatentAudio)")
+    for name, what in REFUSED_OPTIONS.items():
+        value = transformer_options.get(name)
+        if (name == "stg_self_attn_blocks" and value) or (name != "stg_self_attn_blocks" and value is False):
+            raise ValueError(f"the sampling asks for {what}, which the xDiT engine does not run for LTX-2.3 yet: "
+                             f"use a plain guider (CFGGuider) on the engine's MODEL")
+    keyframes = kwargs.pop("keyframe_idxs", None)
+    guides = kwargs.pop("guide_attention_entries", None)
+    if (keyframes is not None and keyframes.shape[2] > 0) or guides:
+        raise ValueError("the conditioning carries LTXVAddGuide's guide frames (keyframe_idxs, "
+                         "guide_attention_entries), which the xDiT engine does not run for LTX-2.3 yet: remove the "
+                         "guide nodes, or start from an image with LTXVImgToVideoInplace")
+    if kwargs.pop("ref_audio", None) is not None:
+        raise ValueError("the conditioning carries a reference audio (ref_audio, ID-LoRA), which the xDiT engine does "
+                         "not run for LTX-2.3 yet")
+    kwargs.pop("generated_keyframes", None)   # read only by LTX-2.5's keyframe embedding (a no-op on 2.3)
+    for name in ("denoise_mask", "audio_denoise_mask"):
+        kwargs.pop(name, None)
+    rate = kwargs.pop("frame_rate", FPS)
+    rate = float(rate.reshape(-1)[0]) if torch.is_tensor(rate) else float(rate)
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"frame_rate {rate}: give the clip's frames a second (LTXVConditioning)")
+    rows = shapes[0][0]
+    v_t, a_t = timestep if isinstance(timestep, (tuple, list)) and len(timestep) == 2 else (timestep, timestep)
+    video = _per_row(v_t, rows, math.prod(shapes[0][2:]), "video")
+    audio = _per_row(a_t, rows, shapes[1][2], "audio")
+    f64 = torch.float64
+    extras = {"av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=f64).expand(rows, -1),
+              "frame_rate": torch.full((rows,), rate, dtype=f64), "audio_t": audio.to(f64),
+              "gate_t": torch.tensor([[float(audio.max()), float(video.max())]], dtype=f64).expand(rows, -1)}
+    return {k: v.contiguous() for k, v in extras.items()}, video
+
+
+# ---- the one forward ------------------------------------------------------------------------------------------------
+def connect(connector, text: torch.Tensor) -> torch.Tensor:
+    """One text connector on [n, L, width] as ComfyUI's Embeddings1DConnector runs it: the text followed by the
+    learnable registers up to ceil(max(1024, L) / 128) x 128 tokens (diffusers' connector fills the masked tail with
+    them, by absolute position), every token attending to every other."""
+    n, length, _ = text.shape
+    total = math.ceil(max(1024, length) / REGISTERS) * REGISTERS
+    mask = torch.zeros(n, total, dtype=torch.float32, device=text.device)
+    mask[:, length:] = -1e4
+    return connector(F.pad(text, (0, 0, 0, total - length)), attention_mask=mask)[0]
+
+
+def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
+    """The packed velocity [n, 1, N] for packed latents x [n, 1, N] (ComfyUI's pack_latents of the video and audio
+    streams) at ComfyUI's video timestep ([n], or [n, F*H*W] per token under a noise mask): what ComfyUI's LTXAVModel
+    returns for the batch, through the unmodified diffusers transformer and connectors."""
+    extras = prepared.extras or {}
+    if "av_shape" not in extras:
+        raise ValueError("an LTX-2.3 model call needs the packed streams' shapes (ComfyUI's latent_shapes)")
+    model, dtype, device = flow.model, flow.dtype, flow.device
+    config = flow.loaded.info.config
+    n = x.shape[0]
+    cv, frames, h, w, ca, ta, bins = (int(v) for v in extras["av_shape"][0].tolist())
+    nv, na = cv * frames * h * w, ca * ta * bins
+    flat = x.reshape(n, -1)
+    if flat.shape[1] != nv + na:
+        raise ValueError(f"a packed LTX-2.3 latent of {flat.shape[1]} values does not hold a video of "
+                         f"{[cv, frames, h, w]} and an audio latent of {[ca, ta, bins]}")
+    rates = extras["frame_rate"].reshape(-1) if "frame_rate" in extras else None
+    if rates is not None and not bool((rates == rates[0]).all()):
+        raise ValueError("the rows of one LTX-2.3 model call have different frame rates")
+    fps = float(rates[0]) if rates is not None else FPS
+    video = flat[:, :nv].reshape(n, cv, frames, h, w).to(device, dtype)
+    audio = flat[:, nv:].reshape(n, ca, ta, bins).to(device, dtype)
+    v_rows = video.permute(0, 2, 3, 4, 1).reshape(n, frames * h * w, cv)
+    a_rows = audio.permute(0, 2, 1, 3).reshape(n, ta, ca * bins)
+    mult, cross = float(config["timestep_scale_multiplier"]), float(config["cross_attn_timestep_scale_multiplier"])
+    v_t = timestep.to(device, torch.float32)
+    a_t = extras["audio_t"].to(device, torch.float32) if "audio_t" in extras else v_t
+    if v_t.ndim == 2 and v_t.shape[1] != frames * h * w:
+        raise ValueError(f"an LTX-2.3 video timestep of {v_t.shape[1]} tokens for {frames * h * w} video tokens")
+    v_scaled, a_scaled = v_t * mult, a_t * mult
+    sigma = v_scaled.amax(dim=1) if v_scaled.ndim == 2 else v_scaled
+    audio_sigma = a_scaled.amax(dim=1) if a_scaled.ndim == 2 else a_scaled
+    gates = extras["gate_t"][0].to(device, torch.float32) if "gate_t" in extras \
+        else torch.stack([a_t.max(), v_t.max()])
+    text = prepared.cond.to(device, dtype)
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    state = model.xdit_ltx_state
+    state.update(a2v=(gates[0] * mult, cross / mult), v2a=(gates[1] * mult, cross / mult))
+    try:
+        v_out, a_out = model(
+            hidden_states=v_rows, audio_hidden_states=a_rows,
+            encoder_hidden_states=connect(model.video_connector, text[..., :inner]),
+            audio_encoder_hidden_states=connect(model.audio_connector, text[..., inner:]),
+            timestep=v_scaled, audio_timestep=a_scaled, sigma=sigma, audio_sigma=audio_sigma,
+            video_coords=video_coords(frames, h, w, fps, n, tuple(config["vae_scale_factors"]), device),
+            audio_coords=audio_coords(ta, n, device), return_dict=False)
+    finally:
+        state.clear()
+    v = v_out.reshape(n, frames, h, w, cv).permute(0, 4, 1, 2, 3)
+    a = a_out.reshape(n, ta, ca, bins).permute(0, 2, 1, 3)
+    return torch.cat([v.reshape(n, 1, -1), a.reshape(n, 1, -1)], dim=-1).to(x.dtype)
+
+
+def _comfy_model(config: dict) -> tuple[str, dict]:
+    return "LTXAV", {"image_model": "ltxav", "num_layers": config["num_layers"]}
+
+
+def _linear_width(config: dict) -> float:
+    """Weights a video token meets per block, in hidden^2: self-attention q, k, v, out (4), the text cross-attention's
+    q and out (2), a2v's q and out and v2a's k and v (4 x audio / video width), the 4x feed-forward (8)."""
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    audio = config["audio_num_attention_heads"] * config["audio_attention_head_dim"]
+    return 14 + 4 * audio / inner
+
+
+FAMILY = Family(
+    name="ltx23", title="LTX-2.3", variants=tuple(DIMS["full"]),
+    variant_aliases={"ltx23": "ltx-2.3", "ltx2.3": "ltx-2.3", "ltx-2.3-22b": "ltx-2.3"},
+    markers=(Marker("audio_adaln_single.linear.weight", "ltx"),),
+    infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("ltxv",),
+    layers=lambda config: config["num_layers"],
+    latent=LTX_VIDEO, latent_patch=lambda config: 1, frames=True,
+    sampling=lambda variant: FlowSampling.flux(SHIFT),
+    comfy_model=_comfy_model,
+    cond_width=lambda config: config["cross_attention_dim"] + config["audio_cross_attention_dim"],
+    pooled_width=lambda config: None,
+    takes_guidance=lambda config: False,
+    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
+    tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
+                      split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1)),
+                      gather_args=(("transformer_blocks.*.video_to_audio_attn", "encoder_hidden_states", 1),
+                                   ("transformer_blocks.*.video_to_audio_attn", "key_rotary_emb", 2)),
+                      blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
+    linear_width=_linear_width,
+    native_layout="ltx", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load, tiny_metadata=tiny_metadata,
+    full_extras=("text_embedding_projection.video_aggregate_embed.weight",
+                 "text_embedding_projection.audio_aggregate_embed.weight", "vae.decoder.conv_in.conv.weight",
+                 "audio_vae.decoder.conv_in.conv.weight", "vocoder.conv_pre.weight"),
+    packed_streams=True, extras=EXTRAS, call_extras=comfy_call,
+    extra_tokens=lambda config, latent_frames: audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
+    describe_blocks=lambda c: (f"{c['num_layers']} audio-video blocks (video {c['num_attention_heads']} x "
+                               f"{c['attention_head_dim']}, audio {c['audio_num_attention_heads']} x "
+                               f"{c['audio_attention_head_dim']}) and two {c['connector_num_layers']}-block text "
+                               f"connectors"),
+    describe_conditioning=lambda c: (f"cond [1, L, {c['cross_attention_dim'] + c['audio_cross_attention_dim']}] "
+                                     f"(Gemma 3 through the file's text projection, unprocessed), no pooled output; "
+                                     f"latent: ComfyUI's packed video [1, 128, F, H/32, W/32] and audio "
+                                     f"[1, 8, T, 16] (LTXVConcatAVLatent)"),
+    text_encoder=lambda variant: "Gemma 3 12B (LTXAVTextEncoderLoader, with the LTX-2.3 file's text projection)",
+    comfyui_since=lambda variant: "0.33",
+)

@@ -1,0 +1,176 @@
+"""Run inside a real ComfyUI's Python (by tests/test_comfyui_live.py): ComfyUI's own LTX-2.3 sampling (the stock
+template's: LTXVConditioning's frame rate, LTXVConcatAVLatent of the video and audio latents, CFGGuider,
+KSamplerSelect, ManualSigmas, SamplerCustomAdvanced; text-to-video with audio at cfg 1 and at cfg 3 with a negative,
+euler_cfg_pp and euler_ancestral_cfg_pp; image-to-video through LTXVImgToVideoInplace's noise mask on the first frame;
+the distilled LoRA through LoraLoaderModelOnly) on the model ComfyUI's own loader makes of a tiny LTX-2.3 file, and
+with the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (auto, Ulysses, Ring, CFG parallel, the weights
+divided); the video and audio latents compared each. The conditioning is built directly (no text encoder): random
+text of the LTX-2.3 text projection's width [1, L, video inner + audio inner], marked unprocessed as
+LTXAVTextEncoderLoader's CLIP marks it. Prints one JSON report.
+Usage: python comfyui_ltx_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
+import asyncio
+import json
+import os
+import sys
+import time
+
+comfyui, pack_parent, models = sys.argv[1:4]
+sys.argv = ["main.py", "--cpu"]
+sys.path.insert(0, comfyui)
+os.chdir(comfyui)
+import torch  # noqa: E402
+import comfy.options  # noqa: E402
+comfy.options.enable_args_parsing()
+import folder_paths  # noqa: E402
+import nodes  # noqa: E402
+
+for folder in ("diffusion_models", "loras"):
+    folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
+folder_paths.add_model_folder_path("custom_nodes", pack_parent)
+asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
+import comfyui_version  # noqa: E402
+from comfyui_live_common import call, rel  # noqa: E402 (tests/, this file's folder)
+
+FILE = "tiny-ltx-2.3.safetensors"
+LORA = "tiny-ltx-2.3-lora.safetensors"   # LoRA factors on a self-attention, a2v, v2a and a feed-forward
+report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
+
+
+def engine(gpus, **kw):
+    settings = dict(model_name=FILE, family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
+                    cfg_parallel=False, dp=1, timeout_s=600)
+    settings.update(kw)
+    return call("XDiTEngine", **settings)
+
+
+def last_plan(eng):
+    text = call("XDiTEngineInfo", engine=eng, unload=False)[0]
+    line = next((x for x in text.splitlines() if x.startswith("last job: plan ")), "")
+    return line[len("last job: plan "):].split(";")[0]
+
+
+if "LTXVConcatAVLatent" not in nodes.NODE_CLASS_MAPPINGS:   # a ComfyUI older than LTX-2.3's audio-video model
+    eng, model = engine("0")
+    try:
+        call("KSampler", model=model, seed=5, steps=1, cfg=1.0, sampler_name="euler", scheduler="simple",
+             positive=[[torch.zeros(1, 9, 96), {}]], negative=[[torch.zeros(1, 9, 96), {}]],
+             latent_image={"samples": torch.zeros(1, 128, 2, 2, 2)}, denoise=1.0)
+        report["older"] = "ran"
+    except Exception as e:  # noqa: BLE001 (the message is the check)
+        report["older"] = str(e).splitlines()[0]
+    print("REPORT " + json.dumps(report), flush=True)
+    sys.exit(0)
+
+import comfy.sd  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+path = folder_paths.get_full_path("diffusion_models", FILE)
+with safe_open(path, "pt") as f:
+    header = json.loads(f.metadata()["config"])["transformer"]
+    file_keys = set(f.keys())
+TEXT = header["cross_attention_dim"] + header["audio_cross_attention_dim"]   # the raw text's width
+FPS = 24.0
+
+
+def native():
+    """UNETLoader's model of the file (comfy.sd.load_diffusion_model: the header's config given to its detection), its
+    weights in float32."""
+    return comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
+
+
+# ComfyUI's own model holds exactly the file's tensors (its LTXAVModel's state dict: nothing missing or extra)
+own = native().model.diffusion_model.state_dict()
+report["keys"] = {"file": len(file_keys), "comfyui_model": len(own),
+                  "missing_in_file": sorted(set(own) - file_keys)[:5],
+                  "extra_in_file": sorted(file_keys - set(own))[:5]}
+
+g = torch.Generator().manual_seed(2)
+raw_pos = [[torch.randn(1, 9, TEXT, generator=g), {"unprocessed_ltxav_embeds": True}]]
+raw_neg = [[torch.randn(1, 5, TEXT, generator=g), {"unprocessed_ltxav_embeds": True}]]
+pos, neg = call("LTXVConditioning", positive=raw_pos, negative=raw_neg, frame_rate=FPS)[:2]
+video = call("EmptyLTXVLatentVideo", width=96, height=64, length=17, batch_size=1)[0]   # [1, 128, 3, 2, 3]
+audio = {"samples": torch.zeros(1, 8, round(17 / FPS * 25), 16)}   # LTXVEmptyLatentAudio's shape (25 latents a second)
+latent = call("LTXVConcatAVLatent", video_latent=video, audio_latent=audio)[0]
+# LTXVImgToVideoInplace at strength 0.7: the image's latent in frame 0, its noise mask 1 - 0.7 there
+first = video["samples"].clone()
+first[:, :, :1] = torch.randn(1, 128, 1, 2, 3, generator=g)
+mask = torch.ones(1, 1, first.shape[2], 1, 1)
+mask[:, :, :1] = 1.0 - 0.7
+image_latent = call("LTXVConcatAVLatent", video_latent={"samples": first, "noise_mask": mask}, audio_latent=audio)[0]
+report["latent"] = {"video": list(video["samples"].shape), "audio": list(audio["samples"].shape)}
+
+SIGMAS = "1.0, 0.99375, 0.909375, 0.725, 0.421875, 0.0"   # the template's first-stage ManualSigmas, fewer steps
+
+
+def sample(model, p, n, cfg, lat, sampler, lora=False):
+    if lora:
+        model = call("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=0.5)[0]
+    guider = call("CFGGuider", model=model, positive=p, negative=n, cfg=cfg)[0]
+    out = call("SamplerCustomAdvanced", noise=call("RandomNoise", noise_seed=42)[0], guider=guider,
+               sampler=call("KSamplerSelect", sampler_name=sampler)[0], sigmas=call("ManualSigmas", sigmas=SIGMAS)[0],
+               latent_image=lat)[0]["samples"]
+    return out.unbind()
+
+
+GRAPHS = [
+    # (name, cfg, latent, sampler, LoRA, runs: (label, gpus, engine settings))
+    ("ltx t2va cfg1 euler_cfg_pp", 1.0, latent, "euler_cfg_pp", False,
+     [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {}), ("ring2", "0,1", dict(plan="explicit", ring=2)),
+      ("ulysses2 shard2", "0,1", dict(plan="explicit", ulysses=2, shard=2))]),
+    ("ltx t2va cfg3 negative euler_ancestral_cfg_pp", 3.0, latent, "euler_ancestral_cfg_pp", False,
+     [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2)),
+      ("cfg2", "0,1", dict(plan="explicit", cfg_parallel=True))]),
+    ("ltx i2va: first frame through the noise mask (strength 0.7), cfg 3", 3.0, image_latent, "euler_cfg_pp", False,
+     [("gpus=0", "0", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2)),
+      ("ring2 shard2", "0,1", dict(plan="explicit", ring=2, shard=2)), ("cfg2", "0,1", dict(plan="explicit",
+                                                                                           cfg_parallel=True))]),
+    ("ltx template: distilled LoRA 0.5, cfg 1, euler", 1.0, latent, "euler", True,
+     [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {})]),
+]
+plain = None
+for name, cfg, lat, sampler, lora, runs in GRAPHS:
+    t0 = time.perf_counter()
+    want = sample(native(), pos, neg, cfg, lat, sampler, lora)
+    entry = {"native_s": round(time.perf_counter() - t0, 2)}
+    plain = plain or want
+    # how far the graph's conditioning moves ComfyUI's own result from the first graph's (what a dropped mask, cfg or
+    # LoRA would show as)
+    entry["native_vs_first_rel_l2"] = rel(want[0], plain[0]) + rel(want[1], plain[1])
+    if lora:
+        no_lora = sample(native(), pos, neg, cfg, lat, sampler)
+        entry["native_lora_effect_rel_l2"] = rel(want[0], no_lora[0]) + rel(want[1], no_lora[1])
+    for label, gpus, kw in runs:
+        eng, model = engine(gpus, **kw)
+        t0 = time.perf_counter()
+        got = sample(model, pos, neg, cfg, lat, sampler, lora)
+        entry[label] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
+                        "plan": last_plan(eng), "s": round(time.perf_counter() - t0, 2)}
+    report["graphs"][name] = entry
+    print(name, json.dumps(entry), flush=True)
+
+# xDiT Sampler on the engine's MODEL: its own loop samples one latent stream, so ComfyUI's KSampler drives the engine
+# (the same result as KSampler on ComfyUI's own model)
+def ksampler(model, node="KSampler"):
+    out = call(node, model=model, seed=5, steps=3, cfg=3.0, sampler_name="euler", scheduler="simple", positive=pos,
+               negative=neg, latent_image=latent, denoise=1.0)[0]["samples"]
+    return out.unbind()
+
+
+want = ksampler(native())
+eng, model = engine("0,1")
+got = ksampler(model, node="XDiTSampler")
+report["graphs"]["ltx t2va, xDiT Sampler (KSampler's route), cfg 3"] = {
+    "xdit sampler gpus=0,1": {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
+                              "plan": last_plan(eng)}}
+
+# what the engine does not run yet: one line each
+eng, model = engine("0")
+guided = [[pos[0][0], {**pos[0][1], "keyframe_idxs": torch.zeros(1, 3, 6, 2)}]]   # as LTXVAddGuide leaves it
+connected = [[pos[0][0], {k: v for k, v in pos[0][1].items() if k != "unprocessed_ltxav_embeds"}]]
+for label, p in (("guide", guided), ("connected text", connected)):
+    try:
+        sample(model, p, neg, 1.0, latent, "euler")
+        report["refusals"][label] = "ran"
+    except Exception as e:  # noqa: BLE001 (the message is the check)
+        report["refusals"][label] = str(e).splitlines()[0]
+print("REPORT " + json.dumps(report), flush=True)

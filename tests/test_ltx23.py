@@ -1,0 +1,313 @@
+"""LTX-2.3 (Lightricks, audio + video): a file in ComfyUI's layout recognised and read as ComfyUI reads it (its header's
+config required), the positions ComfyUI's LTXAV model gives the tokens, the engine's MODEL receiving ComfyUI's inputs
+(the (video, audio) timestep tuple, frame_rate, the noise masks) and refusing what it does not run, and every plan on
+real rank processes equal to one rank. ComfyUI's own LTXAV model against the engine is in the live check
+(tests/comfyui_ltx_check.py, skipped without COMFYUI_PATH)."""
+import contextlib
+import importlib
+import json
+import math
+import types
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine.errors import CheckpointError
+from engine.families import ltx23
+from engine.families.ltx23_layout import DIMS, header_config, infer, shapes, tiny_metadata, to_comfy, to_diffusers
+from engine.generate.model_call import ModelSession
+from engine.generate.request import GenerateRequest
+from engine.models.flow import FlowModel, Prepared
+from engine.models.load import inspect_model, load_model
+from engine.models.tiny import write_tiny
+from engine.parallel.plan import ParallelPlan
+
+from conftest import PACK_NAME, load_pack
+from tolerance import fp32_bound, report
+
+TINY = DIMS["tiny"]["ltx-2.3"]
+TEXT = TINY.inner + TINY.audio_inner   # the raw text: video inner + audio inner (the LTX-2.3 text projection's)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny("ltx23", str(tmp_path_factory.mktemp("ltx")))
+
+
+@pytest.fixture(scope="module")
+def local(path):
+    return FlowModel(load_model(path, dtype="fp32", device=torch.device("cpu")))
+
+
+# ---- the file --------------------------------------------------------------------------------------------------------
+def test_the_header_config_gives_the_config_and_every_tensor_is_one_rename(path, local):
+    """The released header (32 x 128 video heads, 32 x 64 audio, 48 blocks, 8-block connectors) gives diffusers' own
+    defaults for those (its LTX2VideoTransformer3DModel defaults are LTX-2.x's); the tiny file is recognised from its
+    keys, its config read from its header, and every tensor of the file is one rename of a diffusers tensor, the
+    connectors' included."""
+    from diffusers import LTX2VideoTransformer3DModel
+    import inspect
+    full = shapes(DIMS["full"]["ltx-2.3"])
+    config, variant = infer("ltx", full, tiny_metadata(DIMS["full"]["ltx-2.3"]))
+    defaults = {k: p.default for k, p in inspect.signature(LTX2VideoTransformer3DModel.__init__).parameters.items()}
+    for key in ("num_attention_heads", "attention_head_dim", "cross_attention_dim", "audio_num_attention_heads",
+                "audio_attention_head_dim", "audio_cross_attention_dim", "num_layers", "in_channels",
+                "audio_in_channels", "caption_channels", "pos_embed_max_pos", "base_height", "base_width",
+                "audio_pos_embed_max_pos", "rope_theta"):
+        assert config[key] == defaults[key], key
+    assert variant == "ltx-2.3" and config["connector_num_layers"] == 8
+    assert (config["gated_attn"], config["cross_attn_mod"], config["rope_type"], config["use_prompt_embeddings"]) == \
+        (True, True, "split", False)
+    info = inspect_model(path)
+    assert (info.family, info.variant, info.layout) == ("ltx23", "ltx-2.3", "ltx")
+    assert info.config["num_layers"] == TINY.depth and info.config["connector_num_layers"] == TINY.depth_connector
+    with safe_open(path, "pt") as f:
+        header = json.loads(f.metadata()["config"])["transformer"]
+        keys = set(f.keys())
+    assert header == header_config(TINY) and header["rope_type"] == "split"
+    mine = local.model.state_dict()
+    assert {to_comfy(k) for k in mine} == keys and all(to_diffusers(to_comfy(k)) == k for k in mine)
+    assert {k.split(".")[0] for k in mine} >= {"video_connector", "audio_connector", "prompt_adaln"}
+    assert to_diffusers("video_embeddings_connector.transformer_1d_blocks.1.attn1.q_norm.weight") == \
+        "video_connector.transformer_blocks.1.attn1.norm_q.weight"
+    assert to_diffusers("transformer_blocks.3.scale_shift_table_a2v_ca_audio") == \
+        "transformer_blocks.3.audio_a2v_cross_attn_scale_shift_table"
+    with safe_open(path, "pt") as f:   # loaded as the file holds them
+        for key in ("av_ca_v2a_gate_adaln_single.linear.weight", "audio_embeddings_connector.learnable_registers"):
+            assert torch.equal(mine[to_diffusers(key)], f.get_tensor(key))
+    # ComfyUI's q/k eps on every attention, the connectors' included
+    eps = {m.eps for n, m in local.model.named_modules() if n.endswith(("norm_q", "norm_k"))}
+    assert eps == {1e-5}
+
+
+def test_files_ltx_23_is_not_are_refused_in_one_line():
+    s = shapes(TINY)
+    metadata = tiny_metadata(TINY)
+    with pytest.raises(CheckpointError, match="without the `config`"):
+        infer("ltx", s, {})
+    with pytest.raises(CheckpointError, match="LTX-2.0"):
+        infer("ltx", {**s, "caption_projection.linear_1.weight": (64, 3840)}, metadata)
+    stated = json.loads(metadata["config"])
+    stated["transformer"].pop("cross_attention_adaln")
+    with pytest.raises(CheckpointError, match="LTX-2.0"):
+        infer("ltx", s, {"config": json.dumps(stated)})
+    stated = json.loads(metadata["config"])
+    stated["transformer"]["rope_type"] = "interleaved"
+    with pytest.raises(CheckpointError, match="rope_type"):
+        infer("ltx", s, {"config": json.dumps(stated)})
+    stated["transformer"].update(rope_type="split", audio_num_attention_heads=2, audio_attention_head_dim=16)
+    with pytest.raises(CheckpointError, match="equal counts"):
+        infer("ltx", s, {"config": json.dumps(stated)})
+
+
+# ---- positions -------------------------------------------------------------------------------------------------------
+def test_positions_are_comfyuis_worked_by_hand():
+    """Video: latent corners x (8, 32, 32), time max(0, t + 1 - 8) then / fps; audio: max(0, 4 t - 3) x 160 / 16000
+    seconds. Worked for 2 frames of 1 x 2 latent pixels at 24 fps and 3 audio latents."""
+    v = ltx23.video_coords(2, 1, 2, 24.0)
+    assert v.shape == (1, 3, 4, 2) and v.dtype == torch.float32
+    # tokens (f, h, w): (0,0,0) (0,0,1) (1,0,0) (1,0,1); time: frame 0 [0, 1] latent -> [0, 8] px -> [0, 1] causal;
+    # frame 1 [1, 2] -> [8, 16] -> [1, 9]
+    fps32 = torch.tensor(1 / 24, dtype=torch.float32)   # ComfyUI multiplies by the float32 of 1 / fps
+    assert torch.equal(v[0, 0], torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 9.0], [1.0, 9.0]]) * fps32)
+    assert v[0, 1].tolist() == [[0, 32]] * 4 and v[0, 2].tolist() == [[0, 32], [32, 64], [0, 32], [32, 64]]
+    a = ltx23.audio_coords(3)
+    # latent t: start mel max(0, 4t - 3) = 0, 1, 5; end (t + 1): 1, 5, 9; x 160 / 16000 = / 100
+    assert torch.allclose(a[0, 0], torch.tensor([[0.0, 0.01], [0.01, 0.05], [0.05, 0.09]]), rtol=0, atol=1e-9)
+    assert a.shape == (1, 1, 3, 2) and a.dtype == torch.float32
+
+
+# ---- one call --------------------------------------------------------------------------------------------------------
+def ltx_call(seed=0, text=7, frames=3, h=2, w=3, audio=7, fps=24.0, masked=False, sigma=0.7):
+    """A model call as ComfyUI's LTXAV model makes it: the packed streams, the text, and what call_extras reads of
+    its inputs (frame_rate; with `masked` the first latent frame kept by a noise mask at 0.3, ComfyUI's per-token
+    timesteps)."""
+    g = torch.Generator().manual_seed(seed)
+    video, sound = torch.randn(1, 128, frames, h, w, generator=g), torch.randn(1, 8, audio, 16, generator=g)
+    x = torch.cat([video.reshape(1, 1, -1), sound.reshape(1, 1, -1)], dim=-1)
+    t = torch.tensor([sigma])
+    timestep = t
+    if masked:
+        per_frame = torch.ones(frames)
+        per_frame[0] = 0.3
+        v_t = (per_frame[:, None].expand(frames, h * w).reshape(1, -1, 1) * t)
+        timestep = (v_t, t.reshape(1, 1, 1).expand(1, audio, 1))
+    extras, ts = ltx23.comfy_call([tuple(video.shape), tuple(sound.shape)], {"frame_rate": fps}, {}, timestep)
+    return x, ts, {"context": torch.randn(1, text, TEXT, generator=g), **extras}
+
+
+def reference(flow, x, t, c):
+    extras = {k: v for k, v in c.items() if k in ltx23.EXTRAS}
+    return flow.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras))
+
+
+def request(path, c, plan, neg=None):
+    frames, h, w = (int(v) for v in c["av_shape"][0, 1:4].tolist())
+    return GenerateRequest(model=path, cond=c["context"], latent_raw=torch.zeros(()).expand(1, 128, frames, h, w),
+                           cfg=2.0 if neg is not None else 1.0, neg_cond=neg, plan=plan).validate(plan.world_size)
+
+
+def bound(want):
+    return fp32_bound(want.abs().max(), reduction=4 * TINY.inner, depth=TINY.depth + TINY.depth_connector)
+
+
+@contextlib.contextmanager
+def without_pre_hooks(modules):
+    """The modules' forward pre-hooks taken off for a with-block (the family's compensations), then put back."""
+    saved = [(m, dict(m._forward_pre_hooks)) for m in modules]
+    for m, _ in saved:
+        m._forward_pre_hooks.clear()
+    try:
+        yield
+    finally:
+        for m, hooks in saved:
+            m._forward_pre_hooks.update(hooks)
+
+
+def test_the_compensations_and_the_per_token_timesteps_reach_the_model(local):
+    """Each of ComfyUI's conventions the unmodified diffusers modules are given moves the output: the per-token
+    timesteps of a noise mask, the crossed gate timesteps (with a mask the video's own per-token timestep differs from
+    the audio's max), the v2a re-normalisation and the frame rate; with the hooks back the output is the same."""
+    x, t, c = ltx_call(masked=True)
+    want = reference(local, x, t, c)
+    assert (want - reference(local, *ltx_call(masked=False))).abs().max() > 1e-3
+    assert (reference(local, *ltx_call(fps=12.0, masked=True)) - want).abs().max() > 1e-4
+    model = local.model
+    gates = [model.av_cross_attn_video_a2v_gate, model.av_cross_attn_audio_v2a_gate]
+    v2a = [b.video_to_audio_attn for b in model.transformer_blocks]
+    assert all(m._forward_pre_hooks for m in gates + v2a)
+    for modules in (gates, v2a):
+        with without_pre_hooks(modules):
+            assert (reference(local, x, t, c) - want).abs().max() > 1e-4
+    assert torch.equal(reference(local, x, t, c), want)
+
+
+@pytest.mark.parametrize("world,plan,masked", [
+    (1, ParallelPlan(), True), (2, ParallelPlan(ulysses=2), True), (2, ParallelPlan(ring=2), False),
+    (2, ParallelPlan(ulysses=2, shard=2), True)],
+    ids=["single", "ulysses2-masked", "ring2", "ulysses2-shard2-masked"])
+def test_every_sequence_plan_splits_the_video_and_equals_one_rank(engines, path, local, world, plan, masked):
+    """3 x 2 x 3 = 18 video tokens split across the ranks (Ulysses: the heads exchanged; Ring: the K/V passed on),
+    with their positions and per-token timesteps (masked: the first latent frame at 0.3 sigma); the audio (7 rows)
+    and the text held whole on every rank, v2a's video keys and values gathered whole."""
+    x, t, c = ltx_call(masked=masked)
+    want = reference(local, x, t, c)
+    with ModelSession(engines(world), request(path, c, plan)) as s:
+        got = s.call(x, t, c)
+    assert got.shape == want.shape == x.shape
+    assert report(f"LTX-2.3 model call, {plan.describe()}{' masked' if masked else ''}", (got - want).abs().max(),
+                  bound(want))
+
+
+def test_a_video_the_degree_does_not_divide_is_padded_and_its_pad_rows_never_reach_v2a(engines, path, local):
+    x, t, c = ltx_call(seed=5, frames=1, h=1, w=5, audio=4, masked=False)
+    want = reference(local, x, t, c)
+    with ModelSession(engines(2), request(path, c, ParallelPlan(ring=2))) as s:
+        got = s.call(x, t, c)
+    assert report("LTX-2.3, 5 video tokens on ring2", (got - want).abs().max(), bound(want))
+
+
+def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
+    x, t, pos = ltx_call(seed=1, text=9, masked=True)
+    _, _, neg = ltx_call(seed=2, text=4, masked=True)
+    want = [reference(local, x, t, c) for c in (pos, neg)]
+    with ModelSession(engines(2), request(path, pos, ParallelPlan(cfg=2), neg=neg["context"])) as s:
+        got = s.call_group([(x, t, pos), (x, t, neg)])
+    for name, g, w in zip(("positive (9 tokens)", "negative (4 tokens)"), got, want):
+        assert report(f"LTX-2.3 cfg2: {name}", (g - w).abs().max(), bound(w))
+
+
+# ---- the ComfyUI side: the engine's MODEL receives ComfyUI's inputs --------------------------------------------------
+class Link:
+    def __init__(self):
+        self.calls = []
+
+    def call(self, x, timestep, context, control, transformer_options, kwargs):
+        self.calls.append((x, timestep, context, transformer_options, kwargs))
+        return -x
+
+
+@pytest.fixture(scope="module")
+def model_parts():
+    load_pack()
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.model")
+
+
+def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(model_parts):
+    link = Link()
+    t = model_parts.EngineTransformer(link, {}, meta=types.SimpleNamespace(), family=ltx23.FAMILY)
+    video, audio = torch.randn(2, 128, 3, 2, 3), torch.randn(2, 8, 5, 16)
+    context = torch.randn(2, 6, TEXT)
+    assert t.preprocess_text_embeds(context, unprocessed=True) is context   # the ranks run the connectors
+    with pytest.raises(model_parts.ModelPatchError, match="unprocessed_ltxav_embeds"):
+        t.preprocess_text_embeds(context, unprocessed=False)
+    # no mask: process_timestep gives (t, t), each [B]
+    sigma = torch.tensor([0.6, 0.6])
+    out = t([video, audio], (sigma, sigma), context, frame_rate=24.0)
+    x, ts, _, _, kwargs = link.calls[-1]
+    assert torch.equal(x, torch.cat([video.reshape(2, 1, -1), audio.reshape(2, 1, -1)], dim=-1))
+    assert torch.equal(ts, sigma) and kwargs["av_shape"].tolist() == [[128, 3, 2, 3, 8, 5, 16]] * 2
+    assert kwargs["frame_rate"].tolist() == [24.0, 24.0] and torch.equal(kwargs["audio_t"], sigma.double())
+    assert kwargs["gate_t"].tolist() == [[0.6000000238418579] * 2] * 2
+    assert all(v.dtype == torch.float64 for k, v in kwargs.items() if k in ltx23.EXTRAS)
+    assert isinstance(out, list) and torch.equal(out[0], -video) and torch.equal(out[1], -audio)
+    # a noise mask on the first frame (LTXVImgToVideoInplace, strength 0.7): per-token timesteps [B, N, 1] for video,
+    # the masks themselves used by ComfyUI's model for a memory layout only: taken, not sent
+    v_t = torch.full((2, 18, 1), 0.6)
+    v_t[:, :6] = 0.3 * 0.6
+    a_t = torch.full((2, 5, 1), 0.6)
+    t([video, audio], (v_t, a_t), context, frame_rate=25, denoise_mask=torch.ones(2, 1, 3, 2, 3),
+      audio_denoise_mask=torch.ones(2, 8, 5, 16), keyframe_idxs=torch.zeros(2, 3, 0, 2), generated_keyframes=None)
+    x, ts, _, _, kwargs = link.calls[-1]
+    assert torch.equal(ts, v_t.reshape(2, 18)) and torch.equal(kwargs["audio_t"], a_t.reshape(2, 5).double())
+    assert kwargs["gate_t"][0].tolist() == [float(torch.tensor(0.6)), float(torch.tensor(0.6))]
+    assert "denoise_mask" not in kwargs and "keyframe_idxs" not in kwargs and kwargs["frame_rate"][0] == 25.0
+    # what the engine does not run yet: one line each
+    for extra, match in ((dict(keyframe_idxs=torch.zeros(2, 3, 6, 2)), "LTXVAddGuide"),
+                         (dict(guide_attention_entries=[{"pre_filter_count": 6}]), "LTXVAddGuide"),
+                         (dict(ref_audio={"tokens": torch.zeros(1, 3, 128)}), "ref_audio")):
+        with pytest.raises(model_parts.ModelPatchError, match=match):
+            t([video, audio], (sigma, sigma), context, **extra)
+    for options, match in (({"stg_self_attn_blocks": [3]}, "STG"), ({"a2v_cross_attn": False}, "modality"),
+                           ({"run_ax": False}, "without the audio")):
+        with pytest.raises(model_parts.ModelPatchError, match=match):
+            t([video, audio], (sigma, sigma), context, transformer_options=options)
+    with pytest.raises(model_parts.ModelPatchError, match="takes a video latent"):
+        t([video, audio, audio], sigma, context)
+    with pytest.raises(model_parts.ModelPatchError, match="fits neither"):
+        t([video, audio], (torch.ones(2, 7, 1), sigma), context)
+    assert len(link.calls) == 2
+
+
+def test_the_link_refuses_an_attention_mask_that_masks(model_parts):
+    """ComfyUI's LTX text encoder gives no attention mask; one that masks nothing passes, one that masks is refused
+    (the link's own check, before anything crosses)."""
+    link_module = importlib.import_module(PACK_NAME + ".xdit_nodes.link")
+    calls = []
+
+    class Probe(link_module.EngineLink):
+        def run(self, calls_):
+            calls.extend(calls_)
+            return [c.x for c in calls_]
+    probe = Probe(settings=None, registry=None, request_for=None)
+    t = model_parts.EngineTransformer(probe, {}, meta=None, family=ltx23.FAMILY)
+    video, audio = torch.randn(1, 128, 1, 2, 2), torch.randn(1, 8, 3, 16)
+    sigma = torch.tensor([0.5])
+    t([video, audio], (sigma, sigma), torch.randn(1, 4, TEXT), attention_mask=torch.ones(1, 4))
+    assert len(calls) == 1 and "attention_mask" not in calls[0].conditioning
+    with pytest.raises(model_parts.ModelPatchError, match="attention mask"):
+        t([video, audio], (sigma, sigma), torch.randn(1, 4, TEXT), attention_mask=torch.tensor([[1, 1, 0, 0]]))
+
+
+def test_the_planner_counts_the_audio_rows_and_the_engines_own_loop_refuses():
+    from engine.parallel.plan import Workload
+    info = inspect_model("synthetic:ltx-2.3")
+    assert info.config["num_layers"] == 48 and info.parameters > 20e9
+    work = Workload.from_info(info, 11, 20, batch=1, negative_pass=False, text_tokens=1024, frames=16)
+    # 16 latent frames = 121 pixel frames at 25 fps: 121 audio latents besides 16 x 11 x 20 video tokens
+    assert work.image_tokens == 16 * 11 * 20 + 121
+    assert math.isclose(ltx23.FAMILY.linear_width(info.config), 16.0)
+    latent = torch.zeros(1, 128, 2, 2, 2)
+    with pytest.raises(ValueError, match="samples audio and video together"):
+        GenerateRequest(model="synthetic:ltx-2.3:tiny", cond=torch.zeros(1, 4, TEXT), latent_raw=latent).submit(None)
