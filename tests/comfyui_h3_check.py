@@ -4,32 +4,22 @@ MiniMaxH3SigmaShift and the text encoder's token tags) on the model ComfyUI's UN
 with the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (Ulysses, Ring, CFG parallel, the weights divided);
 the video and audio latents compared each. Prints one JSON report.
 Usage: python comfyui_h3_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
-import asyncio
 import json
 import os
 import sys
 import time
 
-comfyui, pack_parent, models = sys.argv[1:4]
-sys.argv = ["main.py", "--cpu"]
-sys.path.insert(0, comfyui)
-os.chdir(comfyui)
+from comfyui_live_common import call, last_plan, native_model, rel, start  # tests/, this file's folder
+import comfyui_live_common as live
+
+models, VERSION = start(sys.argv)
 import torch  # noqa: E402
-import comfy.options  # noqa: E402
-comfy.options.enable_args_parsing()
 import folder_paths  # noqa: E402
 import nodes  # noqa: E402
 
-for folder in ("diffusion_models", "loras"):
-    folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
-folder_paths.add_model_folder_path("custom_nodes", pack_parent)
-asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
-import comfyui_version  # noqa: E402
-from comfyui_live_common import call, native_model, rel  # noqa: E402 (tests/, this file's folder)
-
 FILE = "tiny-minimax-h3.safetensors"
 LORA = "tiny-minimax-h3-lora.safetensors"   # LoRA factors on fused q/k/v, the SwiGLU's up and a modulation
-report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
+report = {"comfyui": VERSION, "graphs": {}, "refusals": {}}
 
 
 PRUNED = "tiny-minimax-h3-pruned.safetensors"   # the pruned form: adaln curve table instead of a time embedder
@@ -78,16 +68,9 @@ def native(file):
 
 
 def engine(gpus, file=FILE, **kw):
-    settings = dict(model_name=file, family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
-                    cfg_parallel=False, dp=1, timeout_s=600)
-    settings.update(kw)
-    return call("XDiTEngine", **settings)
+    return live.engine(file, gpus, **kw)
 
 
-def last_plan(eng):
-    text = call("XDiTEngineInfo", engine=eng, unload=False)[0]
-    line = next((x for x in text.splitlines() if x.startswith("last job: plan ")), "")
-    return line[len("last job: plan "):].split(";")[0]
 
 
 def chain(model, shift):

@@ -1,9 +1,53 @@
-"""What the check scripts that run inside a real ComfyUI share (imported after ComfyUI's modules are on the path):
-running a node as ComfyUI's executor does, the relative difference they report, and the model ComfyUI's own loader
-makes of a tiny file."""
+"""What the check scripts that run inside a real ComfyUI share: starting ComfyUI in the script's process with the
+pack loaded (`start`, before anything of ComfyUI is imported), running a node as ComfyUI's executor does, the xDiT
+Engine node's settings, the relative difference they report, and the model ComfyUI's own loader makes of a tiny
+file."""
+import asyncio
 import json
+import os
+import sys
 
 import torch
+
+
+def start(argv, folders=("diffusion_models", "loras")) -> tuple[str, str]:
+    """ComfyUI started in this process as a check script's argv names it (COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR):
+    its arguments parsed as `main.py --cpu`, MODELS_DIR's `folders` and the pack's parent folder registered, the custom
+    nodes loaded. Returns (MODELS_DIR, ComfyUI's version)."""
+    comfyui, pack_parent, models = argv[1:4]
+    sys.argv = ["main.py", "--cpu"]
+    sys.path.insert(0, comfyui)
+    os.chdir(comfyui)
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import folder_paths
+    import nodes
+    for folder in folders:
+        folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
+    folder_paths.add_model_folder_path("custom_nodes", pack_parent)
+    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
+    try:
+        import comfyui_version
+        version = comfyui_version.__version__
+    except ImportError:   # a ComfyUI older than its version file
+        version = "unknown"
+    return models, version
+
+
+def engine(file, gpus, **kw):
+    """The xDiT Engine node on `file` and `gpus` (its other inputs at their defaults, `kw` changing some): (engine,
+    MODEL)."""
+    settings = dict(model_name=file, family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
+                    cfg_parallel=False, dp=1, timeout_s=600)
+    settings.update(kw)
+    return call("XDiTEngine", **settings)
+
+
+def last_plan(eng) -> str:
+    """The plan the engine's last job ran, as its Info node says it."""
+    text = call("XDiTEngineInfo", engine=eng, unload=False)[0]
+    line = next((x for x in text.splitlines() if x.startswith("last job: plan ")), "")
+    return line[len("last job: plan "):].split(";")[0]
 
 
 def call(name, **kw):

@@ -8,45 +8,27 @@ divided); the video and audio latents compared each. The conditioning is built d
 text of the LTX-2.3 text projection's width [1, L, video inner + audio inner], marked unprocessed as
 LTXAVTextEncoderLoader's CLIP marks it. Prints one JSON report.
 Usage: python comfyui_ltx_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
-import asyncio
 import json
-import os
 import sys
 import time
 
-comfyui, pack_parent, models = sys.argv[1:4]
-sys.argv = ["main.py", "--cpu"]
-sys.path.insert(0, comfyui)
-os.chdir(comfyui)
+from comfyui_live_common import call, last_plan, rel, start  # tests/, this file's folder
+import comfyui_live_common as live
+
+models, VERSION = start(sys.argv)
 import torch  # noqa: E402
-import comfy.options  # noqa: E402
-comfy.options.enable_args_parsing()
 import folder_paths  # noqa: E402
 import nodes  # noqa: E402
 
-for folder in ("diffusion_models", "loras"):
-    folder_paths.add_model_folder_path(folder, os.path.join(models, folder))
-folder_paths.add_model_folder_path("custom_nodes", pack_parent)
-asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True))
-import comfyui_version  # noqa: E402
-from comfyui_live_common import call, rel  # noqa: E402 (tests/, this file's folder)
-
 FILE = "tiny-ltx-2.3.safetensors"
 LORA = "tiny-ltx-2.3-lora.safetensors"   # LoRA factors on a self-attention, a2v, v2a and a feed-forward
-report = {"comfyui": comfyui_version.__version__, "graphs": {}, "refusals": {}}
+report = {"comfyui": VERSION, "graphs": {}, "refusals": {}}
 
 
 def engine(gpus, **kw):
-    settings = dict(model_name=FILE, family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
-                    cfg_parallel=False, dp=1, timeout_s=600)
-    settings.update(kw)
-    return call("XDiTEngine", **settings)
+    return live.engine(FILE, gpus, **kw)
 
 
-def last_plan(eng):
-    text = call("XDiTEngineInfo", engine=eng, unload=False)[0]
-    line = next((x for x in text.splitlines() if x.startswith("last job: plan ")), "")
-    return line[len("last job: plan "):].split(";")[0]
 
 
 if "LTXVConcatAVLatent" not in nodes.NODE_CLASS_MAPPINGS:   # a ComfyUI older than LTX-2.3's audio-video model

@@ -81,3 +81,22 @@ def fresh_engine():
     e = Engine(2, device="cpu", deadlines=FAST)
     yield e
     e.close()
+
+
+class RecordingLink:
+    """Stands for the EngineLink behind an EngineTransformer (xdit_nodes/model.py): records each call (x, timestep,
+    context, transformer_options, the conditioning kwargs) and answers -x."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, x, timestep, context, control, transformer_options, kwargs):
+        self.calls.append((x, timestep, context, transformer_options, kwargs))
+        return -x
+
+
+@pytest.fixture(scope="module")
+def model_parts():
+    """The pack's xdit_nodes.model, loaded as ComfyUI loads the pack (no ComfyUI needed)."""
+    load_pack()
+    return importlib.import_module(PACK_NAME + ".xdit_nodes.model")

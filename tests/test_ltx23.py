@@ -23,7 +23,7 @@ from engine.models.load import inspect_model, load_model
 from engine.models.tiny import write_tiny
 from engine.parallel.plan import ParallelPlan
 
-from conftest import PACK_NAME, load_pack
+from conftest import PACK_NAME, RecordingLink
 from tolerance import fp32_bound, report
 
 TINY = DIMS["tiny"]["ltx-2.3"]
@@ -219,23 +219,8 @@ def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side
 
 
 # ---- the ComfyUI side: the engine's MODEL receives ComfyUI's inputs --------------------------------------------------
-class Link:
-    def __init__(self):
-        self.calls = []
-
-    def call(self, x, timestep, context, control, transformer_options, kwargs):
-        self.calls.append((x, timestep, context, transformer_options, kwargs))
-        return -x
-
-
-@pytest.fixture(scope="module")
-def model_parts():
-    load_pack()
-    return importlib.import_module(PACK_NAME + ".xdit_nodes.model")
-
-
 def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(model_parts):
-    link = Link()
+    link = RecordingLink()
     t = model_parts.EngineTransformer(link, {}, meta=types.SimpleNamespace(), family=ltx23.FAMILY)
     video, audio = torch.randn(2, 128, 3, 2, 3), torch.randn(2, 8, 5, 16)
     context = torch.randn(2, 6, TEXT)

@@ -2,7 +2,6 @@
 it, the packed sequence laid out as ComfyUI's model lays it out, the engine's MODEL packing ComfyUI's two streams and
 reading its payload, and every plan on real rank processes equal to one rank. ComfyUI's own MiniMaxH3Model against
 the engine is in the live checks (tests/comfyui_h3_check.py, skipped without COMFYUI_PATH)."""
-import importlib
 import inspect
 import math
 import types
@@ -19,7 +18,7 @@ from engine.models.load import inspect_model, load_model
 from engine.models.tiny import write_tiny
 from engine.parallel.plan import ParallelPlan
 
-from conftest import PACK_NAME, load_pack
+from conftest import RecordingLink
 from tolerance import fp32_bound, report
 
 TEXT = DIMS["tiny"]["minimax-h3"].text_dim
@@ -245,23 +244,8 @@ def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side
 
 
 # ---- the ComfyUI side: the engine's MODEL receives ComfyUI's two streams and payload --------------------------------
-class Link:
-    def __init__(self):
-        self.calls = []
-
-    def call(self, x, timestep, context, control, transformer_options, kwargs):
-        self.calls.append((x, timestep, context, transformer_options, kwargs))
-        return -x
-
-
-@pytest.fixture(scope="module")
-def model_parts():
-    load_pack()
-    return importlib.import_module(PACK_NAME + ".xdit_nodes.model")
-
-
 def test_the_engines_model_packs_comfyuis_streams_and_reads_its_payload_and_shift_options(model_parts):
-    link = Link()
+    link = RecordingLink()
     meta = types.SimpleNamespace(sigma_shift_video=12.0, sigma_shift_audio=3.0)
     t = model_parts.EngineTransformer(link, {}, meta=meta, family=minimax_h3.FAMILY)
     video, audio = torch.randn(1, 24, 2, 4, 6), torch.randn(1, 32, 2, 5)

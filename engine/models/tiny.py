@@ -89,6 +89,13 @@ def scaled_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _layers_header(layers: dict, comfy_quant: bool) -> dict[str, str]:
+    """The header metadata listing quantized layers as ComfyUI reads it (none where each carries a comfy_quant tensor)."""
+    if comfy_quant:
+        return {}
+    return {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+
+
 def mixed_fp8(weights: dict[str, torch.Tensor], comfy_quant: bool = False) -> tuple[dict, dict[str, str]]:
     """fp32 weights as ComfyUI's mixed-precision files hold them (comfy/ops.py MixedPrecisionOps): the blocks'
     matrices as float8_e4m3fn with a float32 `weight_scale` (largest magnitude / 448), every other tensor in bf16; the
@@ -106,9 +113,7 @@ def mixed_fp8(weights: dict[str, torch.Tensor], comfy_quant: bool = False) -> tu
                 out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(layers[layer]).encode()), dtype=torch.uint8)
         else:
             out[name] = t.to(torch.bfloat16)
-    metadata = {} if comfy_quant else {"_quantization_metadata": json.dumps({"format_version": "1.0",
-                                                                               "layers": layers})}
-    return out, metadata
+    return out, _layers_header(layers, comfy_quant)
 
 
 def convrot_group_for(width: int, largest: int = CONVROT_GROUP) -> int | None:
@@ -148,9 +153,7 @@ def mixed_int8(weights: dict[str, torch.Tensor], convrot: bool = True, comfy_qua
                 out[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(layers[layer]).encode()), dtype=torch.uint8)
         else:
             out[name] = t.to(torch.bfloat16)
-    metadata = {} if comfy_quant else {"_quantization_metadata": json.dumps({"format_version": "1.0",
-                                                                               "layers": layers})}
-    return out, metadata
+    return out, _layers_header(layers, comfy_quant)
 
 
 def gguf_type(name: str, shape: tuple, quant: str) -> str:
