@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import Family, Marker, TokenTable
-from .ltx23_layout import DIMS, REGISTERS, infer, key_map, shapes, tiny_metadata
+from .ltx23_layout import DIMS, REGISTERS, build_model, infer, key_map, shapes, tiny_metadata  # noqa: F401
 
 SHIFT = 2.37                          # supported_models.LTXV.sampling_settings
 FPS = 25.0                            # LTXAV.extra_conds' frame_rate when none is set
@@ -80,8 +80,6 @@ AUDIO_CHANNELS, AUDIO_BINS = 8, 16    # av_model.py: num_audio_channels, audio_f
 HOP, SAMPLE_RATE, AUDIO_DOWNSAMPLE = 160, 16000, 4   # AudioPatchifier's defaults
 TEXT_TOKENS = 1024                    # the connected text: registers fill it to at least 1024 tokens
 QK_EPS = 1e-5                         # ComfyUI's q/k RMSNorm eps (model.py CrossAttention)
-CONNECTOR_KEYS = ("connector_num_layers", "connector_num_attention_heads", "connector_attention_head_dim",
-                  "audio_connector_num_attention_heads", "audio_connector_attention_head_dim")
 
 
 @dataclass(frozen=True)
@@ -99,25 +97,6 @@ def audio_frames(pixel_frames: int, fps: float = FPS) -> int:
 
 
 # ---- the model: diffusers' transformer with its two text connectors as submodules ----------------------------------
-def build_model(**config):
-    """The unmodified diffusers LTX2VideoTransformer3DModel for `config`, with two unmodified LTX2ConnectorTransformer1d
-    (the text connectors ComfyUI's model holds) as its submodules `video_connector` and `audio_connector`, so the
-    loader fills them from the file with the rest."""
-    from diffusers import LTX2VideoTransformer3DModel
-    from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
-    config = dict(config)
-    conn = {k: config.pop(k) for k in CONNECTOR_KEYS}
-    model = LTX2VideoTransformer3DModel(**config)
-    for name, heads, head_dim in (
-            ("video_connector", conn["connector_num_attention_heads"], conn["connector_attention_head_dim"]),
-            ("audio_connector", conn["audio_connector_num_attention_heads"],
-             conn["audio_connector_attention_head_dim"])):
-        setattr(model, name, LTX2ConnectorTransformer1d(
-            num_attention_heads=heads, attention_head_dim=head_dim, num_layers=conn["connector_num_layers"],
-            num_learnable_registers=REGISTERS, rope_type="split", rope_double_precision=True, gated_attention=True))
-    return model
-
-
 def _model_class():
     build_model.model_class = __import__("diffusers").LTX2VideoTransformer3DModel
     return build_model

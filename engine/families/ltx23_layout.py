@@ -21,6 +21,8 @@ from ..errors import CheckpointError
 from .base import count
 
 REGISTERS = 128   # learnable registers of each text connector (ComfyUI's Embeddings1DConnector default)
+CONNECTOR_KEYS = ("connector_num_layers", "connector_num_attention_heads", "connector_attention_head_dim",
+                  "audio_connector_num_attention_heads", "audio_connector_attention_head_dim")
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,6 @@ def _diffusers_tensors(config_json: str) -> tuple[tuple[str, tuple], ...]:
     """(name, shape) of every tensor of the diffusers model (with its connectors) for a config, built on the meta
     device once per config."""
     import torch
-    from .ltx23 import build_model
     with torch.device("meta"):
         model = build_model(**json.loads(config_json))
     return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
@@ -267,3 +268,22 @@ def dims_of(config: dict) -> LtxDims:
                    in_channels=config["in_channels"], audio_in_channels=config["audio_in_channels"],
                    caption_channels=config["caption_channels"])
 
+
+# ---- the model: diffusers' transformer with its two text connectors as submodules ----------------------------------
+def build_model(**config):
+    """The unmodified diffusers LTX2VideoTransformer3DModel for `config`, with two unmodified LTX2ConnectorTransformer1d
+    (the text connectors ComfyUI's model holds) as its submodules `video_connector` and `audio_connector`, so the
+    loader fills them from the file with the rest."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
+    config = dict(config)
+    conn = {k: config.pop(k) for k in CONNECTOR_KEYS}
+    model = LTX2VideoTransformer3DModel(**config)
+    for name, heads, head_dim in (
+            ("video_connector", conn["connector_num_attention_heads"], conn["connector_attention_head_dim"]),
+            ("audio_connector", conn["audio_connector_num_attention_heads"],
+             conn["audio_connector_attention_head_dim"])):
+        setattr(model, name, LTX2ConnectorTransformer1d(
+            num_attention_heads=heads, attention_head_dim=head_dim, num_layers=conn["connector_num_layers"],
+            num_learnable_registers=REGISTERS, rope_type="split", rope_double_precision=True, gated_attention=True))
+    return model
