@@ -375,6 +375,28 @@ def test_bench_guider_refuses_a_pipefusion_plan_in_one_line_before_any_rank_star
     assert err.count("\n") == 0 and "plan pipefusion2 uses pipefusion" in err and "xDiT Sampler" in err, err
 
 
+def test_bench_av_times_both_audio_video_families_and_counts_only_each_calls_own_transfers(tmp_path):
+    """bench av (on a GPU: full size, eager and compiled) on one CPU rank with the tiny MiniMax-H3 and LTX-2.3: each
+    row's call goes through the engine's MODEL with the family's own call tensors, and the session that counts host
+    synchronisations finds two a call after the first, the call's own (its upload, its output's download)."""
+    out = run("bench", "--json", str(tmp_path / "av.json"), "av", "--models",
+              "synthetic:minimax-h3:tiny,synthetic:ltx-2.3:tiny", "--rows", "eager", "--calls", "1", "--width", "64",
+              "--height", "64")
+    print(out.stdout)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    rows = json.loads((tmp_path / "av.json").read_text())["av"]
+    assert [r["model"] for r in rows] == ["synthetic:minimax-h3:tiny", "synthetic:ltx-2.3:tiny"]
+    assert all(r["syncs_per_call"] == 2 and r["call_s"] >= r["model_s"] > 0 for r in rows), rows
+    # 39 frames of 64x64: MiniMax-H3 12 latent frames of 2x2 patches and 2 x 65 audio rows; LTX-2.3 7 of 2x2, 49
+    assert [(r["video_tokens"], r["audio_tokens"]) for r in rows] == [(12 * 2 * 2, 130), (7 * 2 * 2, 49)]
+
+
+def test_bench_av_refuses_a_model_without_audio_in_one_line_before_any_rank_starts(capsys):
+    assert main(["bench", "av", "--models", "synthetic:flux-dev:tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not an audio-video family" in err, err
+
+
 def test_bench_generate_compares_the_engine_with_a_plain_loop_on_the_same_synthetic_model():
     out = run("bench", "generate", "--model", "flux-schnell", "--steps", "2", "--repeats", "1", "--width", "64",
               "--height", "64")

@@ -371,3 +371,46 @@ def test_wan_video_syncs_no_more_than_flux1(wan_models, counting, variant, plan,
     r = wan_request(wan_models, variant, plan, **settings)
     counts, _ = counted(counting, r)
     check(f"{variant} {r.plan.describe()} {settings}", counts, STEPS)
+
+
+@pytest.fixture(scope="module")
+def av_models(tmp_path_factory):
+    """A tiny MiniMax-H3 and LTX-2.3 checkpoint."""
+    from engine.models.tiny import write_tiny
+    d = str(tmp_path_factory.mktemp("av"))
+    return {kind: write_tiny(kind, d) for kind in ("minimax-h3", "ltx23")}
+
+
+def av_calls(models, kind, calls):
+    """A request and `calls` model calls at falling sigmas, as ComfyUI's model makes them: MiniMax-H3 with keyframes, a
+    guide clip, two references and noise masks on both streams (the guided call of test_minimax_h3), LTX-2.3 with a
+    first frame kept by a noise mask (per-token timesteps)."""
+    plan = ParallelPlan(ulysses=2)
+    if kind == "minimax-h3":
+        from test_minimax_h3 import guided_call, request as h3_request
+        x, t, c = guided_call()
+        return h3_request(models[kind], c, plan), [(x, t * (1.0 - 0.2 * k), c) for k in range(calls)]
+    from test_ltx23 import ltx_call, request as ltx_request
+    made = [ltx_call(masked=True, sigma=0.9 - 0.2 * k) for k in range(calls)]
+    return ltx_request(models[kind], made[0][2], plan), made
+
+
+@pytest.mark.parametrize("kind", ["minimax-h3", "ltx23"])
+def test_audio_video_model_calls_sync_only_for_each_calls_upload_and_download(av_models, counting, kind):
+    """The audio-video families under ulysses2 on the per-call route: what a call's layout is built from (the streams'
+    shapes, blocks, masks, tags, the seed: Family.host_extras) is held in host memory on the ranks and read there; the
+    index, position and tag tensors and the augmented condition rows built from it are placed on the device once per
+    distinct content; the timesteps are computed on the device from the call's. After the first call a call makes
+    one upload on every rank and rank 0 one read (its output), as the image families' calls do."""
+    from engine.generate.model_call import ModelSession
+    calls = 4
+    r, made = av_calls(av_models, kind, calls)
+    with ModelSession(counting(2), r) as s:
+        for x, t, c in made:
+            s.call(x, t, c)
+    for rank in s.result.ranks:
+        c = rank["host_syncs"]
+        print(f"{kind} ulysses2 rank {rank['rank']}: per call {c['per_step']}; where {c['where']}")
+        assert len(c["per_step"]) == calls + 1
+        download = int(rank["rank"] == 0)
+        assert c["per_step"][1:calls] == [dict(read=download, upload=1, wait=0, deferred=0)] * (calls - 1), c["where"]

@@ -29,7 +29,7 @@ from ..runtime.client import Engine
 from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
-from . import (bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_project, bench_shard,
+from . import (bench_av, bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_project, bench_shard,
                bench_soak, output)
 from .bench_overhead import bench_overhead
 from .args import UsageError
@@ -43,7 +43,7 @@ def register(sub) -> None:
                    help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
     bench = p.add_subparsers(dest="what",
-                             metavar="{overhead,bridge,comm,scaling,cache,memory,shard,project,gpu,guider,faults,soak}")
+                             metavar="{overhead,bridge,comm,scaling,cache,memory,shard,project,gpu,guider,av,faults,soak}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -85,6 +85,7 @@ def register(sub) -> None:
     bench_project.register(bench, _emit)
     bench_gpu.register(bench, _emit)
     bench_guider.register(bench, _emit)
+    bench_av.register(bench, _emit)
     bench_faults.register(bench, _emit)
     bench_soak.register(bench, _emit)
 

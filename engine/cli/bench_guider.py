@@ -34,7 +34,9 @@ def register(bench, emit) -> None:
                                      "lengths differ), alternately. Per round trip: the bytes each way, the caller's "
                                      "wait, rank 0's model time and the difference (what the route adds).")
     p.add_argument("--model", default="synthetic:flux-dev:tiny", help="model path or synthetic:<variant>[:tiny]")
-    p.add_argument("--ranks", type=types_.positive_int, default=1, help="CPU ranks")
+    p.add_argument("--ranks", type=types_.positive_int, default=1, help="CPU ranks (without --gpus)")
+    p.add_argument("--gpus", type=types_.gpu_list, default=None, help="CUDA GPU indices, one rank each, bf16 (default: "
+                                                                      "CPU ranks, fp32)")
     p.add_argument("--plan", type=types_.plan_choice, default="auto", metavar="auto|DEGREES",
                    help="the plan on those ranks, e.g. ulysses2 or cfg2 (default: auto; a model session runs no "
                         "PipeFusion)")
@@ -49,8 +51,8 @@ def register(bench, emit) -> None:
                    help="the ranks' forward returns zeros of its output's shape (what surrounds the model, timed at "
                         "real token counts where a tiny model's CPU attention would take minutes a call)")
     p.set_defaults(run=lambda a: emit(a, "guider", bench_guider(
-        a.model, a.ranks, a.width, a.height, a.steps, a.repeats, a.plan, frames=a.frames, cfg=a.cfg,
-        stub_forward=a.stub_forward)), parser=p)
+        a.model, len(a.gpus) if a.gpus else a.ranks, a.width, a.height, a.steps, a.repeats, a.plan, frames=a.frames,
+        cfg=a.cfg, stub_forward=a.stub_forward, gpus=a.gpus)), parser=p)
 
 
 def _image_inputs(info, request: GenerateRequest) -> dict:
@@ -97,12 +99,13 @@ def _route_predictor(session: ModelSession, request: GenerateRequest, timesteps_
 
 
 def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, repeats: int = 3, plan="auto", *,
-                 frames: int = 1, cfg: float | None = None, stub_forward: bool = False) -> list[dict]:
+                 frames: int = 1, cfg: float | None = None, stub_forward: bool = False, gpus=None) -> list[dict]:
     try:
         info = inspect_model(model)
         cfg = info.spec.cfg if cfg is None else float(cfg)
         request = GenerateRequest.random_conditioning(model, width, height, text_tokens=16, seed=1, steps=steps,
-                                                      cfg=cfg, plan=plan, frames=frames)
+                                                      cfg=cfg, plan=plan, frames=frames,
+                                                      **({"dtype": "bf16"} if gpus else {}))
         request = GenerateRequest(**{**{f: getattr(request, f) for f in request.__dataclass_fields__},
                                      **_image_inputs(info, request)}).validate(ranks)
         check_per_call(request)
@@ -115,7 +118,7 @@ def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, re
     loop_s, route_s, diffs = [], [], []
     trips, models, sent, received = [], [], [], []
     env = {FORWARD_STUB_ENV: "zeros"} if stub_forward else {}
-    with Engine(ranks, env=env) as engine:
+    with (Engine(ranks, device="cuda", gpus=gpus, env=env) if gpus else Engine(ranks, env=env)) as engine:
         for i in range(repeats + 1):  # the first of each warms up (model load, first forward)
             t0 = time.perf_counter()
             want = engine.submit("generate", spec, inputs).outputs["samples"]
@@ -139,7 +142,8 @@ def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, re
     fmt = info.latent
     latent = f"{width}x{height}" + (f"x{frames}" if info.spec.frames else "")
     tokens = request.workload(info).image_tokens
-    row = {"model": model, "plan": request.plan.describe(), "latent": latent, "image_tokens": tokens,
+    row = {"model": model, "device": torch.cuda.get_device_name(gpus[0]) if gpus else "CPU",
+           "plan": request.plan.describe(), "latent": latent, "image_tokens": tokens,
            "passes_per_trip": 2 if request.negative_pass else 1, "steps": steps, "forward": "stub" if stub_forward
            else "model", "sent_mib_per_trip": statistics.median(sent) / MIB,
            "received_mib_per_trip": statistics.median(received) / MIB, "trip_ms": trip, "model_ms": model_ms,

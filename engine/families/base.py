@@ -8,8 +8,10 @@ pre-hook that lives for one forward.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -156,6 +158,9 @@ class Family:
     # float32 tensors [n, ...] a model call's conditioning carries, Prepared.extras)
     packed_streams: bool = False
     extras: tuple[str, ...] = ()
+    # the extras the forward reads on the host (shapes, masks, seeds: what the call's layout is built from): the ranks
+    # hold them in host memory, so reading them makes the device wait for nothing (the rest arrive on the device)
+    host_extras: tuple[str, ...] = ()
     # (stream shapes, the call's keyword inputs (a dict: the family removes what it reads; what is left meets the
     # engine's usual checks), transformer_options, the timestep as ComfyUI's model passes it (a tensor, or a tuple of
     # the streams'), ComfyUI's own diffusion model built on the meta device (its attributes) or None) -> (the call's
@@ -286,3 +291,26 @@ def rope_axes(head_dim: int, metadata: dict, known: dict[int, tuple], title: str
         return tuple(json.loads(synthetic)["dims"]["axes_dim"])
     raise CheckpointError(f"{title} transformer with {head_dim}-wide heads: its RoPE axes cannot be inferred "
                           f"({title} has 128-wide heads)")
+
+
+PLACED_ENTRIES, PLACED_BYTES = 64, 256 * 2 ** 20   # what a model keeps placed: at most this many tensors, bytes
+
+
+def placed(model: torch.nn.Module, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor a forward built on the host (from the call's host-side extras: indexes, positions, tags, condition
+    rows) on `device`: copied there the first time these values are seen, then the copy kept with `model` is reused,
+    so calls of one layout make no upload (the oldest copies are let go past PLACED_ENTRIES or PLACED_BYTES)."""
+    cache = model.__dict__.setdefault("_xdit_placed", OrderedDict())
+    data = t.detach().contiguous()
+    digest = hashlib.blake2b(data.reshape(-1).view(torch.uint8).numpy(), digest_size=16).digest()
+    key = (str(device), data.dtype, tuple(data.shape), digest)
+    hit = cache.get(key)
+    if hit is not None:
+        cache.move_to_end(key)
+        return hit
+    on_device = cache[key] = data.to(device)
+    total = sum(v.numel() * v.element_size() for v in cache.values())
+    while len(cache) > PLACED_ENTRIES or (total > PLACED_BYTES and len(cache) > 1):
+        _, old = cache.popitem(last=False)
+        total -= old.numel() * old.element_size()
+    return on_device

@@ -108,8 +108,9 @@ class LtxProcessor:
     all heads, split RoPE with separate query and key embeddings), the video self-attention (marked `xdit_sequence` at
     load) through the sequence-parallel entry point when one is given; the text cross-attentions, the audio attentions,
     a2v (video queries over the whole audio) and v2a (the audio over the video gathered whole: the token table's
-    gather_args) local. The text connectors' all-zero mask (diffusers replaces it so after filling the registers) is
-    no mask; any other is refused (ComfyUI's LTX text encoder gives none)."""
+    gather_args) local. The text connectors' mask is all zeros by construction (diffusers' connector replaces it so
+    after filling the registers: their attentions are marked `xdit_zero_mask` at load) and is no mask; any other is
+    refused (ComfyUI's LTX text encoder gives none), without reading it."""
 
     def __init__(self, attention=None):
         self.attention = attention
@@ -117,8 +118,8 @@ class LtxProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None):
         from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
-        if attention_mask is not None:
-            if not bool((attention_mask == 0).all()):
+        if attention_mask is not None:   # all zeros by construction in a connector with registers (marked at load)
+            if not getattr(attn, "xdit_zero_mask", False):
                 raise ValueError("LTX-2.3 attention takes no attention mask (ComfyUI's LTX text encoder gives none)")
             attention_mask = None
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
@@ -198,6 +199,11 @@ def _after_load(model) -> None:
     for block in model.transformer_blocks:
         block.attn1.xdit_sequence = True
         _v2a_renorm(block)
+    for connector in (model.video_connector, model.audio_connector):   # their mask: zeros once registers fill it
+        if connector.learnable_registers is not None:
+            for module in connector.modules():
+                if hasattr(module, "set_processor"):
+                    module.xdit_zero_mask = True
     model.set_attn_processor(LtxProcessor())
     state: dict = {}
     model.xdit_ltx_state = state
@@ -217,7 +223,7 @@ def video_coords(frames: int, h: int, w: int, fps: float, rows: int = 1, scale=(
     grid = torch.stack(torch.meshgrid(torch.arange(frames, device=device), torch.arange(h, device=device),
                                       torch.arange(w, device=device), indexing="ij")).reshape(3, -1)
     latent = torch.stack([grid, grid + 1], dim=-1)                       # [3, N, 2]
-    pixel = latent * torch.tensor(scale, device=device).view(3, 1, 1)
+    pixel = torch.stack([latent[i] * scale[i] for i in range(3)])      # (no host data put on the device)
     pixel[0] = (pixel[0] + 1 - scale[0]).clamp(min=0)
     coords = pixel.to(torch.float32)
     coords[0] = coords[0] * (1.0 / fps)
@@ -241,6 +247,7 @@ def audio_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
 # whole call (ComfyUI's crossed gates take it batch-wide). The video timestep is the call's timestep itself ([n], or
 # [n, F*H*W] per token under a mask).
 EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t")
+HOST_EXTRAS = ("av_shape", "frame_rate")   # read on the host (the streams' shapes, the positions' scale)
 REFUSED_OPTIONS = {   # transformer_options ComfyUI's LTXAV model reads that the engine does not run yet
     "stg_self_attn_blocks": "STG (spatio-temporal guidance: stg_self_attn_blocks)",
     "a2v_cross_attn": "modality guidance (a2v_cross_attn off)", "v2a_cross_attn": "modality guidance (v2a_cross_attn "
@@ -402,7 +409,7 @@ FAMILY = Family(
     full_extras=("text_embedding_projection.video_aggregate_embed.weight",
                  "text_embedding_projection.audio_aggregate_embed.weight", "vae.decoder.conv_in.conv.weight",
                  "audio_vae.decoder.conv_in.conv.weight", "vocoder.conv_pre.weight"),
-    packed_streams=True, extras=EXTRAS, call_extras=comfy_call,
+    packed_streams=True, extras=EXTRAS, host_extras=HOST_EXTRAS, call_extras=comfy_call,
     extra_tokens=lambda config, latent_frames: audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
     describe_blocks=lambda c: (f"{c['num_layers']} audio-video blocks (video {c['num_attention_heads']} x "
                                f"{c['attention_head_dim']}, audio {c['audio_num_attention_heads']} x "

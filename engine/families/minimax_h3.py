@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, TokenTable
+from .base import Family, Marker, TokenTable, placed
 from .minimax_h3_layout import DIMS, infer, key_map, shapes  # noqa: F401 (read here)
 
 SHIFT, AUDIO_SHIFT = 12.0, 3.0         # supported_models.MiniMaxH3.sampling_settings
@@ -361,6 +361,10 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
 
 
 def _one(flow, x, timestep, context, extras) -> torch.Tensor:
+    """One row. What the call's layout is built from (the streams' shapes, blocks, masks, tags, seed: the family's
+    host_extras) is read on the host, where the ranks hold it; the index, tag and position tensors and the condition
+    rows built from it are placed on the device once per distinct content; the timesteps are computed on the device
+    from the call's own. So a call waits for the device nowhere (on ranks that hold the extras on the host)."""
     model, dtype, device = flow.model, flow.dtype, flow.device
     video, audio_carried = split_streams(x.reshape(1, -1), extras["av_shape"])
     shift_v, shift_a = (float(v) for v in extras["sigma_shift"].tolist()) if "sigma_shift" in extras \
@@ -381,42 +385,39 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
         else (VISUAL_COND_T, AUDIO_COND_T)
     seed = sum(int(v) << s for v, s in zip(extras["cond_seed"].tolist(), (0, 16, 32, 48))) \
         if "cond_seed" in extras else 0
-    t_v, t_a = float(1.0 - sigma_v), float(1.0 - sigma_a)
-    level = {"text": t_v, "video": t_v, "audio": t_a, "cond": max(t_v, vis_aug), "ref_img": max(t_v, vis_aug),
-             "cond_audio": max(t_a, aud_aug), "ref_audio": max(t_a, aud_aug)}
+    t_v, t_a = 1.0 - sigma_v, 1.0 - sigma_a   # on the device, float32 as ComfyUI's Python floats hold them
+    # the call's timestep levels, a slot each (a value may repeat: each slot is embedded alone): the targets', then
+    # the conditions' (noise augmented), then one per distinct value of a noise mask
+    levels = [t_v, t_a, t_v.clamp(min=vis_aug), t_a.clamp(min=aud_aug)]
+    slot = {"text": 0, "video": 0, "audio": 1, "cond": 2, "ref_img": 2, "cond_audio": 3, "ref_audio": 3}
     tag = {"text": TEXT_TAG, "video": VIDEO_TAG, "cond": VIDEO_TAG, "ref_img": VIDEO_TAG, "audio": AUDIO_TAG,
            "cond_audio": AUDIO_TAG, "ref_audio": AUDIO_TAG}
     # masked rows run at their own strength: a mask value m puts a row at m x its stream's sigma (its timestep 1 - m x
-    # sigma), fully kept rows at the condition timestep
+    # sigma), fully kept rows at the condition timestep; per masked stream, each row's slot
     per_row = {}
+    masks = {}
     if "video_mask" in extras:
         m = mask_rows(extras["video_mask"].float().cpu().reshape(frames, h0, w0), frames, h, w)
         if m is not None:
-            per_row["video"] = (1.0 - m * sigma_v.cpu()).clamp(max=max(t_v, VISUAL_COND_T))
+            masks["video"] = (m, lambda u: (1.0 - u * sigma_v).clamp(max=t_v.clamp(min=VISUAL_COND_T)))
     if "audio_mask" in extras:
         m = extras["audio_mask"].float().cpu().reshape(-1)
         if not bool((m >= 1.0 - 1e-3).all()):
-            per_row["audio"] = (1.0 - m * (1.0 - t_a)).clamp(max=max(t_a, AUDIO_COND_T))
-    for kind, values in list(per_row.items()):   # one level for the whole stream: as a plain level
-        if values.unique().numel() == 1:
-            level[kind] = float(values[0])
-            del per_row[kind]
+            masks["audio"] = (m, lambda u: (1.0 - u * (1.0 - t_a)).clamp(max=t_a.clamp(min=AUDIO_COND_T)))
+    for kind, (m, level) in masks.items():
+        values, inverse = torch.unique(m, return_inverse=True)
+        per_row[kind] = inverse + sum(v.numel() for v in levels)
+        levels.append(level(placed(model, values, device)))
     segments = layout(text, frames, h, w, ta, blocks)
-    levels = sorted({t_v, t_a} | {level[kind] for kind, _ in segments}
-                    | {v for values in per_row.values() for v in values.unique().tolist()})
-    index = {t: i for i, t in enumerate(levels)}
     # the rows of each stream in sequence order: the conditions' (augmented, each from the same generator stream),
     # then the target's
-    video_rows = [_augmented(patchify(v), vis_aug, seed) for v in cond_videos] + [patchify(video)]
-    audio_rows = [_augmented(pack_audio(a), aud_aug, seed + 1) for a in cond_audios] + [pack_audio(audio)]
+    video_rows = [placed(model, _augmented(patchify(v), vis_aug, seed), device) for v in cond_videos]
+    audio_rows = [placed(model, _augmented(pack_audio(a), aud_aug, seed + 1), device) for a in cond_audios]
     t_index, tags, where = [], [], {"video": [], "audio": [], "text": []}
     start = 0
     for kind, g in segments:
         n = g.shape[0]
-        if kind in per_row:
-            t_index.append(torch.tensor([index[v] for v in per_row[kind].tolist()], dtype=torch.long))
-        else:
-            t_index.append(torch.full((n,), index[level[kind]], dtype=torch.long))
+        t_index.append(per_row[kind] if kind in per_row else torch.full((n,), slot[kind], dtype=torch.long))
         if kind == "text" and "token_tags" in extras:
             tags.append(extras["token_tags"].reshape(-1)[:n].long().cpu())
         else:
@@ -425,14 +426,14 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
         where[stream].append(torch.arange(start, start + n))
         start += n
     v_out, a_out = model(
-        hidden_states=torch.cat([r.float() for r in video_rows], dim=1).to(device),   # ComfyUI's rows: float32
-        audio_hidden_states=torch.cat([r.float() for r in audio_rows], dim=1).to(device),
+        hidden_states=torch.cat([r.float() for r in video_rows + [patchify(video)]], dim=1),   # float32, as ComfyUI's
+        audio_hidden_states=torch.cat([r.float() for r in audio_rows + [pack_audio(audio)]], dim=1),
         encoder_hidden_states=context.to(device, dtype),
-        timestep=torch.tensor(levels, dtype=torch.float32, device=device),
-        timestep_indices=torch.cat(t_index).to(device), token_tags=torch.cat(tags).to(device),
-        position_ids=torch.cat([g for _, g in segments]).to(device),
-        video_indices=torch.cat(where["video"]).to(device), audio_indices=torch.cat(where["audio"]).to(device),
-        text_indices=torch.cat(where["text"]).to(device), return_dict=False)
+        timestep=torch.cat([v.reshape(-1) for v in levels]).float(),
+        timestep_indices=placed(model, torch.cat(t_index), device),
+        token_tags=placed(model, torch.cat(tags), device),
+        position_ids=placed(model, torch.cat([g for _, g in segments]), device),
+        **{f"{k}_indices": placed(model, torch.cat(v), device) for k, v in where.items()}, return_dict=False)
     n_video, n_audio = frames * (h // 2) * (w // 2), 2 * ta   # the target rows: each stream's last
     v = -unpatchify(v_out[:, -n_video:], video.shape[1], frames, h, w)[:, :, :, :h0, :w0].to(x.dtype)
     a = -a_out[:, -n_audio:].reshape(2, ta, -1).permute(2, 0, 1).unsqueeze(0).to(x.dtype)
@@ -589,7 +590,7 @@ FAMILY = Family(
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width, modulation=("adaln_proj",), text_stream=("token_refiner",),
     native_layout="minimax", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load,
-    packed_streams=True, extras=EXTRAS, call_extras=comfy_call, text_splits=True, text_cross=False,
+    packed_streams=True, extras=EXTRAS, host_extras=EXTRAS, call_extras=comfy_call, text_splits=True, text_cross=False,
     extra_tokens=lambda config, latent_frames: 2 * audio_frames(H3_VIDEO.pixel_frames(latent_frames)),
     describe_blocks=lambda c: f"{c['num_layers']} blocks over one packed sequence (text, audio, video)",
     describe_conditioning=lambda c: (f"cond [1, N, {c['text_dim']}] (Qwen3-VL hidden states), no pooled output; "

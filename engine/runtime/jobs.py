@@ -147,13 +147,14 @@ class JobContext:
         """How long any one wait for another rank may take (the process group's collective timeout)."""
         return float(self._rt._init.get("collective_timeout_s", 1800.0))
 
-    def calls(self, device: torch.device | None = None, read: bool = True):
+    def calls(self, device: torch.device | None = None, read: bool = True, host=None):
         """Serve a session (client: Engine.session): yields (call, meta, tensors) on every rank, in the same order,
         until the client ends it; answer each with answer(). Each rank waits at most the collective timeout for the
-        next call. device: the call's tensors arrive there, in one copy; read False: a rank that takes no part in the
-        calls gets none."""
+        next call. device: the call's tensors arrive there, in one copy; host: a test of a tensor's key, true for those
+        wanted in host memory instead (values read on the host: read there, they make the device wait for nothing);
+        read False: a rank that takes no part in the calls gets none."""
         while True:
-            received = self._rt.next_call(self.job_id, self.deadline_s, device, read)
+            received = self._rt.next_call(self.job_id, self.deadline_s, device, read, host)
             if received is None:
                 return
             yield received

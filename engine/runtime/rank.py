@@ -242,12 +242,13 @@ class RankRuntime:
         return doc, self._manifest(doc, segment), data[n_padded:]
 
     def next_call(self, job_id: int, timeout_s: float, device: torch.device | None = None,
-                  read: bool = True) -> tuple[int, dict, dict[str, torch.Tensor]] | None:
+                  read: bool = True, host=None) -> tuple[int, dict, dict[str, torch.Tensor]] | None:
         """A session's next call on every rank. With every rank on this machine each takes the call from the client
         and maps its segment itself; otherwise rank 0 takes it and broadcasts it like a job. device: the call's
         tensors go there in one copy of the whole segment (the one upload a call needs); read False: this rank takes
-        no part in the calls (a plan on fewer ranks) and leaves the tensors unread. Returns (call, meta, tensors), or
-        None when the client ended the session."""
+        no part in the calls (a plan on fewer ranks) and leaves the tensors unread; host: a test of a tensor's key,
+        true for those returned as views of the call's host buffer instead (still copied with the rest: one upload).
+        Returns (call, meta, tensors), or None when the client ended the session."""
         message: dict = {}
         direct = self._init.get("calls_by_shared_memory", False)
         if self.rank == 0 or direct:
@@ -273,10 +274,15 @@ class RankRuntime:
             return None
         if not read:
             return header["call"], header["meta"], {}
+        in_host = syncs.in_host_memory(buf)
         if device is not None and buf.numel():
             with syncs.call_transfer():
                 buf = buf.to(device)   # the whole call at once: one copy, typed views of it on the device
-        return header["call"], header["meta"], bridge.tensors_from_buffer(buf, manifest)
+        tensors = bridge.tensors_from_buffer(buf, manifest)
+        if host is not None and buf is not in_host:
+            on_host = bridge.tensors_from_buffer(in_host, manifest)
+            tensors.update({k: t for k, t in on_host.items() if host(k)})
+        return header["call"], header["meta"], tensors
 
     def answer_call(self, job_id: int, call: int, outputs: dict[str, torch.Tensor] | None, info: dict,
                     clock=None) -> None:
