@@ -37,10 +37,20 @@ def start(argv, folders=("diffusion_models", "loras")) -> tuple[str, str]:
 def engine(file, gpus, **kw):
     """The xDiT Engine node on `file` and `gpus` (its other inputs at their defaults, `kw` changing some): (engine,
     MODEL)."""
-    settings = dict(model_name=file, family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
+    return call("XDiTEngine", model_name=file, **_settings(gpus, kw))
+
+
+def checkpoint_loader(file, gpus, **kw):
+    """The xDiT Checkpoint Loader node on the checkpoints file `file` and `gpus` (the engine's other inputs as
+    `engine` sets them): (MODEL, CLIP, VAE, engine)."""
+    return call("XDiTCheckpointLoader", ckpt_name=file, **_settings(gpus, kw))
+
+
+def _settings(gpus, kw) -> dict:
+    settings = dict(family="auto", weight_dtype="default", gpus=gpus, plan="auto", ulysses=1, ring=1,
                     cfg_parallel=False, dp=1, timeout_s=600)
     settings.update(kw)
-    return call("XDiTEngine", **settings)
+    return settings
 
 
 def last_plan(eng) -> str:

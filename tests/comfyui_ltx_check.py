@@ -15,18 +15,20 @@ import time
 from comfyui_live_common import call, last_plan, rel, start  # tests/, this file's folder
 import comfyui_live_common as live
 
-models, VERSION = start(sys.argv)
+models, VERSION = start(sys.argv, folders=("diffusion_models", "loras", "checkpoints"))
 import torch  # noqa: E402
 import folder_paths  # noqa: E402
 import nodes  # noqa: E402
 
 FILE = "tiny-ltx-2.3.safetensors"
+MIXED = "tiny-ltx-2.3-fp8_mixed.safetensors"   # ComfyUI's mixed-precision fp8: the blocks' matrices fp8 + their scales
+CKPT = "tiny-ltx-2.3-av.safetensors"      # model, VAE (and the text projection) in one file, as the templates load it
 LORA = "tiny-ltx-2.3-lora.safetensors"   # LoRA factors on a self-attention, a2v, v2a and a feed-forward
 report = {"comfyui": VERSION, "graphs": {}, "refusals": {}}
 
 
-def engine(gpus, **kw):
-    return live.engine(FILE, gpus, **kw)
+def engine(gpus, file=FILE, **kw):
+    return live.engine(file, gpus, **kw)
 
 
 
@@ -40,6 +42,11 @@ if "LTXVConcatAVLatent" not in nodes.NODE_CLASS_MAPPINGS:   # a ComfyUI older th
         report["older"] = "ran"
     except Exception as e:  # noqa: BLE001 (the message is the check)
         report["older"] = str(e).splitlines()[0]
+    try:
+        live.checkpoint_loader(CKPT, "0")
+        report["older_checkpoint"] = "ran"
+    except Exception as e:  # noqa: BLE001 (the message is the check)
+        report["older_checkpoint"] = str(e).splitlines()[0]
     print("REPORT " + json.dumps(report), flush=True)
     sys.exit(0)
 
@@ -54,10 +61,11 @@ TEXT = header["cross_attention_dim"] + header["audio_cross_attention_dim"]   # t
 FPS = 24.0
 
 
-def native():
-    """UNETLoader's model of the file (comfy.sd.load_diffusion_model: the header's config given to its detection), its
-    weights in float32."""
-    return comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
+def native(file=FILE):
+    """UNETLoader's model of the file (comfy.sd.load_diffusion_model: the header's config, and a mixed-precision file's
+    quantization metadata, given to its detection), computing in float32."""
+    return comfy.sd.load_diffusion_model(folder_paths.get_full_path("diffusion_models", file),
+                                         model_options={"dtype": torch.float32})
 
 
 # ComfyUI's own model holds exactly the file's tensors (its LTXAVModel's state dict: nothing missing or extra)
@@ -108,11 +116,15 @@ GRAPHS = [
                                                                                            cfg_parallel=True))]),
     ("ltx template: distilled LoRA 0.5, cfg 1, euler", 1.0, latent, "euler", True,
      [("gpus=0", "0", {}), ("gpus=0,1", "0,1", {})]),
+    ("ltx fp8 mixed file: t2va cfg 3", 3.0, latent, "euler_cfg_pp", False,
+     [("gpus=0", "0", dict(file=MIXED)), ("gpus=0,1", "0,1", dict(file=MIXED)),
+      ("ulysses2 shard2", "0,1", dict(file=MIXED, plan="explicit", ulysses=2, shard=2))]),
 ]
 plain = None
 for name, cfg, lat, sampler, lora, runs in GRAPHS:
     t0 = time.perf_counter()
-    want = sample(native(), pos, neg, cfg, lat, sampler, lora)
+    file = runs[0][2].get("file", FILE)
+    want = sample(native(file), pos, neg, cfg, lat, sampler, lora)
     entry = {"native_s": round(time.perf_counter() - t0, 2)}
     plain = plain or want
     # how far the graph's conditioning moves ComfyUI's own result from the first graph's (what a dropped mask, cfg or
@@ -144,6 +156,59 @@ got = ksampler(model, node="XDiTSampler")
 report["graphs"]["ltx t2va, xDiT Sampler (KSampler's route), cfg 3"] = {
     "xdit sampler gpus=0,1": {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
                               "plan": last_plan(eng)}}
+
+# ---- xDiT Checkpoint Loader in place of the templates' CheckpointLoaderSimple (diffusion model, text projection and
+# VAE in one file): ComfyUI's own text encoder and VAE, the engine's MODEL. The file gets a real (tiny) LTX video VAE
+# first: ComfyUI's own VideoVAE class at a tiny config, stated in the header as LTX files state theirs
+TINY_VAE = {"_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, "out_channels": 3,
+            "latent_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm", "latent_log_var": "uniform",
+            "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": False, "scaling_factor": 1.0,
+            "encoder_base_channels": 8, "decoder_base_channels": 8,
+            "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                               ["compress_time_res", {"multiplier": 2}], ["compress_all_res", {"multiplier": 2}],
+                               ["compress_all_res", {"multiplier": 2}], ["res_x", {"num_layers": 1}]],
+            "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                               ["compress_all", {"residual": True, "multiplier": 2}],
+                               ["compress_all", {"residual": True, "multiplier": 2}],
+                               ["compress_all", {"residual": True, "multiplier": 2}],
+                               ["res_x", {"num_layers": 1, "inject_noise": False}]]}
+
+
+def add_tiny_vae(path):
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+    from safetensors.torch import load_file, save_file
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    sd = {k: v for k, v in load_file(path).items() if not k.startswith("vae.")}
+    g = torch.Generator().manual_seed(3)
+    for k, t in VideoVAE(config=TINY_VAE).state_dict().items():
+        sd["vae." + k] = (torch.randn(t.shape, generator=g) * t[0].numel() ** -0.5 if t.ndim >= 2 else
+                          torch.ones(t.shape) if k.endswith("std-of-means") else torch.zeros(t.shape))
+    config = json.loads(metadata["config"])
+    config["vae"] = TINY_VAE
+    save_file(sd, path, metadata={**metadata, "config": json.dumps(config)})
+
+
+add_tiny_vae(folder_paths.get_full_path("checkpoints", CKPT))
+stock_model, stock_clip, stock_vae = call("CheckpointLoaderSimple", ckpt_name=CKPT)
+stock_vae_sd = stock_vae.first_stage_model.state_dict()
+want = sample(stock_model, pos, neg, 3.0, image_latent, "euler_cfg_pp")
+want_frames = stock_vae.decode(want[0])
+entry = {"stock_clip": type(stock_clip).__name__, "stock_vae": type(stock_vae.first_stage_model).__name__,
+         "frames": list(want_frames.shape),
+         # the checkpoint's diffusion model is the file the other graphs load: the same result as UNETLoader's
+         "stock_vs_unet_loader_rel_l2": rel(want[0], sample(native(), pos, neg, 3.0, image_latent, "euler_cfg_pp")[0])}
+for label, gpus, kw in (("gpus=0", "0", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2))):
+    model, clip, vae, eng = live.checkpoint_loader(CKPT, gpus, **kw)
+    got = sample(model, pos, neg, 3.0, image_latent, "euler_cfg_pp")
+    vae_sd = vae.first_stage_model.state_dict()
+    entry[label] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
+                    "plan": last_plan(eng), "clip": type(clip).__name__,
+                    "vae_state_equal": list(vae_sd) == list(stock_vae_sd)
+                    and all(torch.equal(vae_sd[k], stock_vae_sd[k]) for k in vae_sd),
+                    "frames_rel_l2": rel(vae.decode(got[0]), want_frames)}
+report["graphs"]["ltx i2va through xDiT Checkpoint Loader, cfg 3, decoded by its VAE"] = entry
+print("checkpoint", json.dumps(entry), flush=True)
 
 # what the engine does not run yet: one line each
 eng, model = engine("0")

@@ -38,7 +38,8 @@ def _up(value: float) -> int:
 
 
 def model_names() -> list[str]:
-    return sorted({n.values[0] for g in workflow_graphs.graphs() for n in g.nodes if n.type == "XDiTEngine"})
+    return sorted({n.values[0] for g in workflow_graphs.graphs() for n in g.nodes
+                   if n.type in ("XDiTEngine", "XDiTCheckpointLoader")})
 
 
 def sizes(graph, defs) -> dict:

@@ -50,7 +50,8 @@ def setup(tmp_path_factory):
 @pytest.mark.timeout(700)
 def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_folders(setup):
     report = run_check("comfyui_live_check.py", setup, 600)
-    assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTLoRA": "xDiT LoRA", "XDiTGuider": "xDiT Guider",
+    assert report["registered"] == {"XDiTEngine": "xDiT Engine", "XDiTCheckpointLoader": "xDiT Checkpoint Loader",
+                                    "XDiTLoRA": "xDiT LoRA", "XDiTGuider": "xDiT Guider",
                                     "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info",
                                     "XDiTModelSampling": "xDiT Model Sampling", "XDiTCFGNorm": "xDiT CFGNorm",
                                     "XDiTSaveConditioning": "xDiT Save Conditioning",
@@ -135,7 +136,8 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
         assert {"engine", "model"} <= set(info["XDiTSampler"]["input"]["optional"])
         assert info["XDiTSampler"]["output"] == ["LATENT"]
         listed = _get(f"{base}/object_info")
-        assert {n for n in listed if n.startswith("XDiT")} == {"XDiTEngine", "XDiTLoRA", "XDiTSampler", "XDiTGuider",
+        assert {n for n in listed if n.startswith("XDiT")} == {"XDiTEngine", "XDiTCheckpointLoader", "XDiTLoRA",
+                                                                "XDiTSampler", "XDiTGuider",
                                                                 "XDiTEngineInfo", "XDiTModelSampling", "XDiTCFGNorm",
                                                                 "XDiTSaveConditioning", "XDiTSamplerAdvanced"}
         engine = listed["XDiTEngine"]["input"]
@@ -315,11 +317,15 @@ def test_ltx23_graphs_with_the_engines_model_equal_comfyui_own(setup):
     """ComfyUI's LTX-2.3 sampling (LTXVConditioning, LTXVConcatAVLatent, CFGGuider at cfg 1 and at cfg 3 with a
     negative, euler_cfg_pp / euler_ancestral_cfg_pp / euler through KSamplerSelect, ManualSigmas,
     SamplerCustomAdvanced; a first frame through LTXVImgToVideoInplace's noise mask; the distilled LoRA through
-    LoraLoaderModelOnly) with only the loader swapped for the xDiT Engine, on 1 and 2 CPU ranks (auto, Ulysses, Ring,
-    CFG parallel, the weights divided), the video and audio latents each against ComfyUI's own model's."""
+    LoraLoaderModelOnly; a mixed-precision fp8 file) with only the loader swapped for the xDiT Engine, on 1 and 2 CPU
+    ranks (auto, Ulysses, Ring, CFG parallel, the weights divided), the video and audio latents each against ComfyUI's
+    own model's; and the templates' Load Checkpoint swapped for the xDiT Checkpoint Loader (ComfyUI's own VAE, bit for
+    bit, and the frames it decodes)."""
     folder = setup["dir"] / "written-ltx"
     folder.mkdir(exist_ok=True)
     shutil.copy(write_tiny("ltx23", str(folder)), setup["models"] / "diffusion_models" / "tiny-ltx-2.3.safetensors")
+    shutil.copy(write_tiny("ltx23", str(folder), format="fp8_mixed"),
+                setup["models"] / "diffusion_models" / "tiny-ltx-2.3-fp8_mixed.safetensors")
     g = torch.Generator().manual_seed(4)   # ComfyUI's LoRA key names for the LTX layout
     lora = {}
     for layer, (n_out, n_in) in {"transformer_blocks.0.attn1.to_q": (64, 64),
@@ -329,19 +335,34 @@ def test_ltx23_graphs_with_the_engines_model_equal_comfyui_own(setup):
         lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(2, n_in, generator=g) * 0.3
         lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(n_out, 2, generator=g) * 0.3
     save_file(lora, str(setup["models"] / "loras" / "tiny-ltx-2.3-lora.safetensors"))
+    # the templates' one file: model (with the checkpoint prefix), text projection and VAE (the check puts a tiny VAE
+    # of ComfyUI's own class in it)
+    (setup["models"] / "checkpoints").mkdir(exist_ok=True)
+    shutil.copy(write_tiny("ltx23", str(folder / "full"), full=True),
+                setup["models"] / "checkpoints" / "tiny-ltx-2.3-av.safetensors")
     report = run_check("comfyui_ltx_check.py", setup, 840)
     if report["comfyui"] == "0.3.64":   # older than LTX-2.3's model: the engine's MODEL names the release to update to
         assert "update ComfyUI to 0.33 or newer" in report["older"], report
+        assert "update ComfyUI to 0.33 or newer" in report["older_checkpoint"], report
         return
     assert report["keys"]["file"] == report["keys"]["comfyui_model"] and not report["keys"]["missing_in_file"] \
         and not report["keys"]["extra_in_file"], report["keys"]   # the tiny file is ComfyUI's model's state dict
     assert set(report["graphs"]) == {"ltx t2va cfg1 euler_cfg_pp", "ltx t2va cfg3 negative euler_ancestral_cfg_pp",
                                      "ltx i2va: first frame through the noise mask (strength 0.7), cfg 3",
                                      "ltx template: distilled LoRA 0.5, cfg 1, euler",
-                                     "ltx t2va, xDiT Sampler (KSampler's route), cfg 3"}
+                                     "ltx t2va, xDiT Sampler (KSampler's route), cfg 3",
+                                     "ltx fp8 mixed file: t2va cfg 3",
+                                     "ltx i2va through xDiT Checkpoint Loader, cfg 3, decoded by its VAE"}
+    checkpoint = report["graphs"]["ltx i2va through xDiT Checkpoint Loader, cfg 3, decoded by its VAE"]
+    # CheckpointLoaderSimple's model of the file is UNETLoader's (the same weights, fp32 on the CPU): the same result
+    assert checkpoint["stock_vs_unet_loader_rel_l2"] < 1e-6 and checkpoint["stock_vae"] == "VideoVAE", checkpoint
+    for key, run in checkpoint.items():   # ComfyUI's own VAE and text encoder, bit for bit; the frames they decode
+        if isinstance(run, dict):
+            assert run["vae_state_equal"] and run["clip"] == checkpoint["stock_clip"], (key, run)
+            assert run["frames_rel_l2"] < 1e-4, (key, run)
     for name, entry in report["graphs"].items():   # each graph's settings change ComfyUI's own result
-        assert name.startswith(("ltx t2va cfg1", "ltx t2va, xDiT")) or entry["native_vs_first_rel_l2"] > 1e-2, \
-            (name, entry)
+        assert name.startswith(("ltx t2va cfg1", "ltx t2va, xDiT", "ltx i2va through", "ltx fp8")) \
+            or entry["native_vs_first_rel_l2"] > 1e-2, (name, entry)
     assert report["graphs"]["ltx template: distilled LoRA 0.5, cfg 1, euler"]["native_lora_effect_rel_l2"] > 1e-2
     plans = set()
     for name, entry in report["graphs"].items():

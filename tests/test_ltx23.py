@@ -152,6 +152,33 @@ def bound(want):
     return fp32_bound(want.abs().max(), reduction=4 * TINY.inner, depth=TINY.depth + TINY.depth_connector)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_mixed", "fp8_scaled"])
+def test_fp8_files_run_their_exact_dequantized_weights(tmp_path, fmt):
+    """ComfyUI's fp8 files (the blocks' matrices fp8 with a scale each; the fp8 files LTX-2.3's templates load hold
+    fp8 weights with a weight_scale each): the engine's model from the fp8 file equals the model from a float32 file of
+    its dequantized values (fp8 x scale, written here with the same header config), within fp32 rounding, with the
+    text connectors and the three compensations in place."""
+    from safetensors.torch import load_file, save_file
+    path = write_tiny("ltx23", str(tmp_path), format=fmt)
+    stored = load_file(path)
+    with safe_open(path, "pt") as f:
+        metadata = {k: v for k, v in (f.metadata() or {}).items() if k in ("xdit.synthetic", "config")}
+    scales = {k: v for k, v in stored.items() if k.endswith(("weight_scale", "scale_weight"))}
+    assert scales and any(v.dtype == torch.float8_e4m3fn for v in stored.values())
+    exact = {}
+    for k, v in stored.items():
+        if k in scales or k.endswith(("scale_input", "input_scale", "comfy_quant")) or k == "scaled_fp8":
+            continue
+        layer = k[:-len("weight")]
+        scale = scales.get(layer + "weight_scale", scales.get(layer + "scale_weight")) if k.endswith("weight") else None
+        exact[k] = v.float() * scale.float() if scale is not None else v.float()
+    save_file(exact, str(tmp_path / "exact.safetensors"), metadata=metadata)
+    x, t, c = ltx_call(seed=5, masked=True)
+    want = reference(FlowModel(load_model(str(tmp_path / "exact.safetensors"))), x, t, c)
+    got = reference(FlowModel(load_model(path)), x, t, c)
+    assert report(f"LTX-2.3 {fmt} file vs its dequantized values", (got - want).abs().max(), bound(want))
+
+
 @contextlib.contextmanager
 def without_pre_hooks(modules):
     """The modules' forward pre-hooks taken off for a with-block (the family's compensations), then put back."""

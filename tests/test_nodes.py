@@ -145,7 +145,7 @@ def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_pri
         nodes = asyncio.run(load())
         loaded = sorted(k.removeprefix("ComfyUI-xDiT.") for k in sys.modules)
         rank_side = [m for m in {RANK_SIDE!r} if any(k == m or k.startswith(m + ".") for k in loaded)]
-        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 9 else "")
+        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 10 else "")
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
     out = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=str(tmp_path), capture_output=True,
@@ -441,13 +441,14 @@ def nodes_module(monkeypatch, tmp_path):
     def listed(folder):  # ComfyUI's list: its own extensions only (no .gguf)
         return sorted(p.name for p in folders[folder].iterdir() if p.suffix == ".safetensors")
 
-    module("folder_paths", get_filename_list=listed, get_folder_paths=lambda folder: [str(folders[folder])],
+    module("folder_paths", get_filename_list=listed,
+           get_folder_paths=lambda folder: [str(folders.get(folder, tmp_path))],
            get_full_path=lambda folder, name: str(folders[folder] / name) if name in listed(folder) else None)
     comfy = module("comfy")
     comfy.model_management, comfy.utils = module("comfy.model_management"), module("comfy.utils")
     io = types.SimpleNamespace(ComfyNode=type("ComfyNode", (), {}), Custom=Anything(), Conditioning=Anything(),
                                Latent=Anything(), String=Anything(), Model=Anything(), Guider=Anything(),
-                               NodeOutput=lambda *values, **kwargs: values)
+                               Clip=Anything(), Vae=Anything(), NodeOutput=lambda *values, **kwargs: values)
     module("comfy_api")
     module("comfy_api.v0_0_2", ComfyExtension=type("ComfyExtension", (), {}), io=io, ui=Anything())
     load_pack()
@@ -475,6 +476,44 @@ def test_the_engine_and_lora_nodes_validate_their_file_names_at_validation_as_co
                        "found: flux-a.safetensors, flux-q8.gguf, sd35.safetensors")
     assert n.XDiTLoRA.validate_inputs(lora_name="style.safetensors") is True
     assert lora == "lora_name 'other.safetensors' is not in models/loras; found: style.safetensors"
+
+
+def test_the_checkpoint_loader_gives_checkpointloadersimples_outputs_in_its_order_with_the_engines_model(
+        nodes_module, node_specs, models, tmp_path, monkeypatch):
+    """xDiT Checkpoint Loader: CheckpointLoaderSimple's outputs at its slots (MODEL, CLIP, VAE; the engine last), so a
+    stock graph's links stay where they are; ckpt_name from models/checkpoints, then the xDiT Engine's settings with
+    its defaults. The MODEL is the engine's of the checkpoint's diffusion model; CLIP and VAE are what ComfyUI's own
+    loader gives with its diffusion model left unread (tests/comfyui_ltx_check.py runs it in ComfyUI against
+    CheckpointLoaderSimple)."""
+    import types
+    n = nodes_module
+    spec = node_specs.checkpoint_spec(["sd35.safetensors"])
+    engine = node_specs.engine_spec(["sd35.safetensors"])
+    assert spec.outputs == (("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "VAE"), ("XDIT_ENGINE", "engine"))
+    assert spec.inputs[0].name == "ckpt_name" and spec.inputs[1:] == engine.inputs[1:]
+    signature = inspect.signature(n.XDiTCheckpointLoader.execute).parameters
+    assert list(signature) == [f.name for f in spec.inputs]
+    for f in spec.inputs[1:]:
+        assert (signature[f.name].default if f.optional else inspect.Parameter.empty) == \
+            (f.default if f.optional else signature[f.name].default), f.name
+    assert n.XDiTCheckpointLoader.validate_inputs(ckpt_name="sd35.safetensors") is True
+    assert n.XDiTCheckpointLoader.validate_inputs(ckpt_name="flux-a.safetensors") == \
+        "ckpt_name 'flux-a.safetensors' is not in models/checkpoints; found: sd35.safetensors"
+    (tmp_path / "checkpoints" / "sd35.safetensors").write_bytes(open(models["sd3"], "rb").read())
+    loaded = []
+    sd = types.SimpleNamespace(
+        load_checkpoint_guess_config=lambda *a, **kw: loaded.append((a, kw)) or (None, "CLIP", "VAE", None))
+    monkeypatch.setitem(sys.modules, "comfy.sd", sd)
+    monkeypatch.setattr(sys.modules["comfy"], "sd", sd, raising=False)
+    folder_paths = sys.modules["folder_paths"]
+    monkeypatch.setattr(folder_paths, "get_full_path_or_raise", folder_paths.get_full_path, raising=False)
+    monkeypatch.setattr(n, "engine_model", lambda settings: ("MODEL", settings))
+    inputs = {f.name: f.default for f in spec.inputs if not f.optional}
+    out = n.XDiTCheckpointLoader.execute(**{**inputs, "ckpt_name": "sd35.safetensors", "gpus": "0"})
+    (path,), kw = loaded[0]
+    assert out[0][0] == "MODEL" and out[1:3] == ("CLIP", "VAE") and out[3] is out[0][1]
+    assert out[3].model_path == path and path.endswith("checkpoints/sd35.safetensors")
+    assert kw["output_model"] is False and kw["output_vae"] and kw["output_clip"]
 
 
 # ---- a prompt saved with the first release ---------------------------------------------------------------------

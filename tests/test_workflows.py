@@ -21,9 +21,12 @@ from workflow_nodes import current_title, definitions as node_definitions, socke
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
              "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "wan2.1-t2v-1.3b",
-             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v")
+             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v",
+             "ltx-2.3-i2v")
 VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v",
-                   "minimax-h3-i2v")
+                   "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v")
+# Two passes on one model (LTX-2.3: the second after the latent upsampler), each its own sampler
+TWO_PASSES = ("ltx-2.3-t2v", "ltx-2.3-i2v")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
                "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
                "flux1-kontext-dev": "flux1-kontext-dev.safetensors", "qwen-image": "qwen_image_fp8_e4m3fn.safetensors",
@@ -36,24 +39,33 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors",
                # Comfy-Org's MiniMax-H3 bf16 file (the templates' int8_convrot file is not one the engine reads)
                "minimax-h3-t2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
-               "minimax-h3-i2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors"}
+               "minimax-h3-i2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+               # the LTX-2.3 templates' one file (model, text projection, VAE): the xDiT Checkpoint Loader's
+               "ltx-2.3-t2v": "ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-i2v": "ltx-2.3-22b-dev-fp8.safetensors"}
 # Two-expert models: an engine per expert, (high noise, low noise), each with its own sampler
 EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
                                              for noise in ("high", "low")) for kind in ("t2v", "i2v")}
 # The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2, MiniMax-H3
 # (its nodes, text encoder type and VAEs) in 0.33.0.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
-                 "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0"}
+                 "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0"}
 # stock MODEL -> MODEL nodes the templates use
 MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm", "LoraLoaderModelOnly")
 SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced")
+# the loaders that stand in for the template's: (node, its model file input, its MODEL slot, its engine slot)
+ENGINES = {"XDiTEngine": ("model_name", 1, 0), "XDiTCheckpointLoader": ("ckpt_name", 0, 3)}
 # model-file widgets and the models/ folders their files belong in
 MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints"),
+                 ("XDiTCheckpointLoader", "ckpt_name"): ("checkpoints",),
+                 ("LTXAVTextEncoderLoader", "text_encoder"): ("text_encoders",),
+                 ("LTXAVTextEncoderLoader", "ckpt_name"): ("checkpoints",), ("LTXVAudioVAELoader", "ckpt_name"): ("checkpoints",),
+                 ("LatentUpscaleModelLoader", "model_name"): ("latent_upscale_models",),
                  ("VAELoader", "vae_name"): ("vae",), ("CLIPLoader", "clip_name"): ("text_encoders",),
                  ("LoraLoaderModelOnly", "lora_name"): ("loras",),
                  **{(t, f"clip_name{i}"): ("text_encoders",)
                     for t, n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3)) for i in range(1, n + 1)}}
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",), "loras": (".safetensors",),
+                     "checkpoints": (".safetensors",), "latent_upscale_models": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
 
 
@@ -205,11 +217,14 @@ def test_every_node_is_ours_or_stock_and_none_is_replaced_by_the_pack(name, defi
     # the engine's own sampling nodes stay for saved workflows; shipped ones patch the MODEL with ComfyUI's nodes
     assert not set(types) & {"XDiTModelSampling", "XDiTCFGNorm", "XDiTGuider"}
     saves = ("CreateVideo", "SaveVideo") if name in VIDEO_WORKFLOWS else ("SaveImage",)
-    for t in ("XDiTEngineInfo", "VAEDecode") + saves:
+    for t in ("XDiTEngineInfo",) + saves:
         assert types.count(t) == 1, (t, types.count(t))
+    assert types.count("VAEDecode") + types.count("VAEDecodeTiled") == 1
     assert not {"SaveImage", "CreateVideo", "SaveVideo"} - set(saves) & set(types)
-    # one engine and one sampler per model file: two for a two-expert model
-    assert types.count("XDiTEngine") == sum(types.count(t) for t in SAMPLERS) == len(model_files(name))
+    # one engine per model file (two for a two-expert model) and a sampler per engine and pass
+    passes = 2 if name in TWO_PASSES else 1
+    engines = sum(types.count(t) for t in ENGINES)
+    assert engines == len(model_files(name)) and sum(types.count(t) for t in SAMPLERS) == engines * passes
     for node in ui["nodes"]:
         assert node["properties"]["Node name for S&R"] == node["type"]
     assert ui["version"] == 0.4 and ui["groups"] == [] and isinstance(ui["config"], dict)
@@ -314,31 +329,41 @@ def test_the_api_file_is_the_translation_of_the_ui_file(name, definitions):
 
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sampler(name):
-    """The template's graph with its loader swapped: each engine's MODEL (slot 1), through the template's own MODEL
-    nodes, into its xDiT Sampler's model input (its engine input unconnected) or the stock guider (a two-expert model:
-    an engine and a sampler per expert, on the same GPUs); Info on the last engine's engine output (slot 0), run after
-    the last sampler's LATENT; text encoders, VAE decode and save stock."""
+    """The template's graph with its loader swapped: each engine's MODEL (the xDiT Engine's slot 1, the xDiT Checkpoint
+    Loader's slot 0, where CheckpointLoaderSimple has it), through the template's own MODEL nodes, into its xDiT
+    Sampler's model input (its engine input unconnected) or the stock guider (a two-expert model: an engine and a
+    sampler per expert, on the same GPUs; a two-pass graph: both passes' guiders on the one engine); Info on the last
+    engine's engine output, run after the last sampler's LATENT; text encoders, VAE decode and save stock."""
     _, api = load(name)
-    engines, samplers = all_of(api, ("XDiTEngine",)), all_of(api, SAMPLERS)
-    assert [e["inputs"]["model_name"] for _, e in engines] == list(model_files(name))
-    assert len(samplers) == len(engines)
-    for (engine_id, engine), (sampler_id, sampler) in zip(engines, samplers):
+    engines, samplers = all_of(api, tuple(ENGINES)), all_of(api, SAMPLERS)
+    assert [e["inputs"][ENGINES[e["class_type"]][0]] for _, e in engines] == list(model_files(name))
+    passes = 2 if name in TWO_PASSES else 1
+    assert len(samplers) == len(engines) * passes
+    for i, (sampler_id, sampler) in enumerate(samplers):
+        engine_id, engine = engines[i // passes]
         if sampler["class_type"] in ("XDiTSampler", "XDiTSamplerAdvanced"):
             assert "engine" not in sampler["inputs"]
             consumer = (sampler_id, sampler)
         else:
             consumer = source(api, sampler_id, "guider")
         chain = [consumer] + model_chain(api, consumer[0])
-        assert chain[-1][0] == engine_id and chain[-2][1]["inputs"]["model"] == [engine_id, 1]
+        model_slot = ENGINES[engine["class_type"]][1]
+        assert chain[-1][0] == engine_id and chain[-2][1]["inputs"]["model"] == [engine_id, model_slot]
         assert engine["inputs"]["gpus"] == "all" and engine["inputs"]["plan"] == "auto"
-    last_engine_id, last_id = engines[-1][0], samplers[-1][0]
+    (last_engine_id, last_engine), last_id = engines[-1], samplers[-1][0]
     _, info = only(api, "XDiTEngineInfo")
-    assert info["inputs"]["engine"] == [last_engine_id, 0]
+    assert info["inputs"]["engine"] == [last_engine_id, ENGINES[last_engine["class_type"]][2]]
     assert info["inputs"]["after"] == [last_id, 0]   # Info runs after the sampler (workflows/README.md)
     assert info["inputs"]["unload"] is False
-    decode_id, decode = only(api, "VAEDecode")
-    assert decode["inputs"]["samples"] == [last_id, 0]
-    assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
+    decode_id, decode = all_of(api, ("VAEDecode", "VAEDecodeTiled"))[0]
+    if last_engine["class_type"] == "XDiTCheckpointLoader":   # the file's VAE, through the video stream's latent
+        assert decode["inputs"]["vae"] == [last_engine_id, 2]
+        separate_id, separate = source(api, decode_id, "samples")
+        assert separate["class_type"] == "LTXVSeparateAVLatent" and separate["inputs"]["av_latent"] == [last_id, 0]
+        assert decode["inputs"]["samples"] == [separate_id, 0]
+    else:
+        assert decode["inputs"]["samples"] == [last_id, 0]
+        assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
     if name in VIDEO_WORKFLOWS:
         video_id, video = only(api, "CreateVideo")
         assert video["inputs"]["images"] == [decode_id, 0]
@@ -780,6 +805,75 @@ def test_minimax_h3_is_comfyuis_template_with_the_turbo_lora_on_the_engines_mode
     assert source(api, audio_id, "vae")[1]["inputs"]["vae_name"] == "minimax_h3_audio_vae_fp32.safetensors"
     _, video = only(api, "CreateVideo")
     assert video["inputs"] == {"images": [decode_id, 0], "audio": [audio_id, 0], "fps": 24.0, "bit_depth": 8}
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_ltx23_is_comfyuis_two_pass_template_with_the_checkpoint_loader_swapped(kind):
+    """ComfyUI 0.33.0's LTX-2.3 templates, flattened: the xDiT Checkpoint Loader in Load Checkpoint's place; the
+    distilled LoRA (0.5) on its MODEL into both passes' CFGGuider at cfg 1; pass 1 (euler_ancestral_cfg_pp, the
+    template's 8 ManualSigmas) on the empty video (640x352, half the 1280x720 target) and audio (126 frames at 25 fps)
+    latents; pass 2 (euler_cfg_pp, 0.85 ... 0) on pass 1's video upsampled x2 and its audio, under LTXVCropGuides;
+    the loader's VAE decodes the frames (tiled), the audio VAE the sound, into Create Video at 25 fps. Image to video:
+    the preprocessed image in each pass's first frame, at 0.7 then 1.0."""
+    _, api = load(f"ltx-2.3-{kind}")
+    loader_id, loader = only(api, "XDiTCheckpointLoader")
+    first, second = (i for i, _ in all_of(api, ("SamplerCustomAdvanced",)))
+    for sampler_id, name, sigmas in ((first, "euler_ancestral_cfg_pp",
+                                      "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"),
+                                     (second, "euler_cfg_pp", "0.85, 0.7250, 0.4219, 0.0")):
+        assert source(api, sampler_id, "sampler")[1]["inputs"] == {"sampler_name": name}
+        assert source(api, sampler_id, "sigmas")[1]["inputs"] == {"sigmas": sigmas}
+        assert source(api, sampler_id, "noise")[1]["inputs"]["noise_seed"] == 42
+        guider_id, guider = source(api, sampler_id, "guider")
+        assert guider["class_type"] == "CFGGuider" and guider["inputs"]["cfg"] == 1.0
+        (_, lora), (engine_id, _) = model_chain(api, guider_id)
+        assert engine_id == loader_id and lora["inputs"] == {
+            "lora_name": "ltx-2.3-22b-distilled-lora-384.safetensors", "strength_model": 0.5, "model": [loader_id, 0]}
+    conditioning_id, conditioning = only(api, "LTXVConditioning")
+    assert conditioning["inputs"]["frame_rate"] == 25.0
+    crop_id, crop = only(api, "LTXVCropGuides")
+    assert source(api, first, "guider")[1]["inputs"]["positive"] == [conditioning_id, 0]
+    assert source(api, second, "guider")[1]["inputs"]["negative"] == [crop_id, 1]
+    assert source(api, only(api, "LTXVConditioning")[0], "negative")[1]["inputs"]["text"] == \
+        "pc game, console game, video game, cartoon, childish, ugly"
+    # pass 1's latent: the empty video (the image in its first frame) and the empty audio
+    _, video = source(api, source(api, first, "latent_image")[0], "video_latent")
+    if kind == "i2v":
+        assert video["class_type"] == "LTXVImgToVideoInplace" and video["inputs"]["strength"] == 0.7
+        video = api[video["inputs"]["latent"][0]]
+    assert video["inputs"] == {"width": 640, "height": 352, "length": 121, "batch_size": 1}
+    _, audio = source(api, source(api, first, "latent_image")[0], "audio_latent")
+    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == {"frames_number": 126, "frame_rate": 25.0}
+    # pass 2's: pass 1's video upsampled (the image again in its first frame) with pass 1's audio
+    split1_id, _ = only_after(api, first)
+    av2_id, av2 = source(api, second, "latent_image")
+    assert av2["inputs"]["audio_latent"] == [split1_id, 1] and crop["inputs"]["latent"] == [split1_id, 0]
+    upsampled = api[av2["inputs"]["video_latent"][0]]
+    if kind == "i2v":
+        assert upsampled["class_type"] == "LTXVImgToVideoInplace" and upsampled["inputs"]["strength"] == 1.0
+        upsampled = api[upsampled["inputs"]["latent"][0]]
+        frame = source(api, only(api, "LTXVPreprocess")[0], "image")[1]
+        assert frame["inputs"]["width"] == 1280 and frame["inputs"]["height"] == 720
+    else:
+        assert "LoadImage" not in {n["class_type"] for n in api.values()}
+    assert upsampled["class_type"] == "LTXVLatentUpsampler" and upsampled["inputs"]["samples"] == [split1_id, 0]
+    assert upsampled["inputs"]["vae"] == [loader_id, 2]
+    # the end: the loader's VAE decodes pass 2's video, the checkpoint's audio VAE its sound
+    split2_id, _ = only_after(api, second)
+    decode_id, decode = only(api, "VAEDecodeTiled")
+    sound_id, sound = only(api, "LTXVAudioVAEDecode")
+    assert decode["inputs"]["samples"] == [split2_id, 0] and sound["inputs"]["samples"] == [split2_id, 1]
+    assert source(api, sound_id, "audio_vae")[1]["inputs"] == {"ckpt_name": "ltx-2.3-22b-dev-fp8.safetensors"}
+    _, video = only(api, "CreateVideo")
+    assert video["inputs"] == {"images": [decode_id, 0], "audio": [sound_id, 0], "fps": 25.0, "bit_depth": 8}
+
+
+def only_after(api, node_id):
+    """The one LTXVSeparateAVLatent that takes node_id's first output."""
+    takers = [(i, n) for i, n in api.items()
+              if n["class_type"] == "LTXVSeparateAVLatent" and [node_id, 0] in n["inputs"].values()]
+    assert len(takers) == 1, takers
+    return takers[0]
 
 
 # ---- the checks themselves -----------------------------------------------------------------------------------------

@@ -79,6 +79,17 @@ MODEL_SOURCES = {
     "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors": (
         HF + "lightx2v/Minimax-h3-Turbo/resolve/main/minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors",
         "loras"),
+    # LTX-2.3: the files ComfyUI 0.33.0's LTX-2.3 templates link (blueprints/Text to Video (LTX-2.3).json, each
+    # loader's properties.models)
+    "ltx-2.3-22b-dev-fp8.safetensors": (HF + "Lightricks/LTX-2.3-fp8/resolve/main/ltx-2.3-22b-dev-fp8.safetensors",
+                                        "checkpoints"),
+    "ltx-2.3-22b-distilled-lora-384.safetensors": (HF + "Lightricks/LTX-2.3/resolve/main/"
+                                                   "ltx-2.3-22b-distilled-lora-384.safetensors", "loras"),
+    "ltx-2.3-spatial-upscaler-x2-1.1.safetensors": (HF + "Lightricks/LTX-2.3/resolve/main/"
+                                                    "ltx-2.3-spatial-upscaler-x2-1.1.safetensors",
+                                                    "latent_upscale_models"),
+    "gemma_3_12B_it_fp4_mixed.safetensors": (HF + "Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
+                                             "gemma_3_12B_it_fp4_mixed.safetensors", "text_encoders"),
 }
 
 
@@ -433,6 +444,78 @@ def _minimax_h3(image: bool) -> Graph:
     return g
 
 
+LTX_CHECKPOINT = "ltx-2.3-22b-dev-fp8.safetensors"
+NEGATIVE_LTX = "pc game, console game, video game, cartoon, childish, ugly"   # the LTX-2.3 templates' negative
+
+
+def _ltx23(image: bool) -> Graph:
+    """ComfyUI's LTX-2.3 templates (0.33.0: blueprints/Text to Video (LTX-2.3).json, Image to Video (LTX-2.3).json:
+    one subgraph each, flattened here with the values its nodes get) with CheckpointLoaderSimple swapped for the xDiT
+    Checkpoint Loader (its MODEL, CLIP and VAE outputs in the same places). Gemma 3 through LTXAVTextEncoderLoader,
+    the distilled LoRA at 0.5 on the model for both passes, LTXVConditioning at 25 fps; pass 1 at half size (640x352
+    for the template's 1280x720: the same 20 x 11 latent as its 640 x 360) on the empty video and audio latents
+    (LTXVEmptyLatentAudio, 126 frames: 5 s at 25 fps + 1; the video's 121 gives the same 16 latent frames as 126),
+    CFGGuider cfg 1, euler_ancestral_cfg_pp, ManualSigmas of 8 steps; LTXVLatentUpsampler x2 on its video, pass 2 on
+    it with pass 1's audio, LTXVCropGuides, euler_cfg_pp, ManualSigmas of 3 steps; VAE Decode (Tiled) and LTXV Audio
+    VAE Decode into Create Video at 25 fps -> Save Video. Image to video puts the image in both passes' first frame
+    (LTXVImgToVideoInplace at 0.7, then 1.0) after LTXVPreprocess (compression 18); the text-to-video template runs
+    those nodes bypassed, so they are left out here. The image is scaled to 1280x720 by Upscale Image (lanczos, center
+    crop) where the template uses Resize Image/Mask (scale dimensions, center, lanczos) and the deprecated Resize
+    Images by Longer Edge (1536). Seeds fixed (42) where the template draws pass 1's at random."""
+    kind = "i2v" if image else "t2v"
+    g = Graph(f"ltx-2.3-{kind}", needs_comfyui="0.33.0")
+    _version_note(g, 0, "LTX-2.3: its audio-video latent nodes, LTXAVTextEncoderLoader and its audio VAE")
+    loader = g.add("XDiTCheckpointLoader", [LTX_CHECKPOINT, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0,
+                                            False, "auto", 1, 0, 1, "auto", 1], 0)
+    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", LTX_CHECKPOINT, "default"], 0)
+    audio_vae = g.add("LTXVAudioVAELoader", [LTX_CHECKPOINT], 0)
+    upscaler = g.add("LatentUpscaleModelLoader", ["ltx-2.3-spatial-upscaler-x2-1.1.safetensors"], 0)
+    vae = loader.out(2)
+    lora = g.add("LoraLoaderModelOnly", ["ltx-2.3-22b-distilled-lora-384.safetensors", 0.5], 1, model=loader.out(0))
+    positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, NEGATIVE_LTX, "CLIP Text Encode (Negative Prompt)", EMPTY_PROMPT_BOX)
+    if image:
+        picture = g.add("LoadImage", ["example.png", "image"], 1, size=LOAD_BOX)
+        scaled = g.add("ImageScale", ["lanczos", 1280, 720, "center"], 1, image=picture)
+        frame = g.add("LTXVPreprocess", [18], 1, image=scaled)
+    conditioning = g.add("LTXVConditioning", [25.0], 2, positive=positive, negative=negative)
+    video = g.add("EmptyLTXVLatentVideo", [640, 352, 121, 1], 2)
+    if image:
+        video = g.add("LTXVImgToVideoInplace", [0.7, False], 2, vae=vae, image=frame, latent=video)
+    audio = g.add("LTXVEmptyLatentAudio", [126, 25.0, 1], 2, audio_vae=audio_vae)
+    first = g.add("LTXVConcatAVLatent", [], 2, video_latent=video, audio_latent=audio)
+    passes = {}
+    for n, column, sampler, sigmas in ((1, 3, "euler_ancestral_cfg_pp",
+                                        "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"),
+                                       (2, 5, "euler_cfg_pp", "0.85, 0.7250, 0.4219, 0.0")):
+        if n == 1:
+            pos, neg, latent = conditioning.out(0), conditioning.out(1), first
+        else:
+            split = passes[1]
+            upscaled = g.add("LTXVLatentUpsampler", [], 4, samples=split.out(0), upscale_model=upscaler, vae=vae)
+            if image:
+                upscaled = g.add("LTXVImgToVideoInplace", [1.0, False], 4, vae=vae, image=frame, latent=upscaled)
+            latent = g.add("LTXVConcatAVLatent", [], 4, video_latent=upscaled, audio_latent=split.out(1))
+            crop = g.add("LTXVCropGuides", [], 4, positive=conditioning.out(0), negative=conditioning.out(1),
+                         latent=split.out(0))
+            pos, neg = crop.out(0), crop.out(1)
+        noise = g.add("RandomNoise", [SEED, "fixed"], column)
+        guider = g.add("CFGGuider", [1.0], column, model=lora, positive=pos, negative=neg)
+        select = g.add("KSamplerSelect", [sampler], column)
+        steps = g.add("ManualSigmas", [sigmas], column)
+        sampled = g.add("SamplerCustomAdvanced", [], column, f"SamplerCustomAdvanced (pass {n})", noise=noise,
+                        guider=guider, sampler=select, sigmas=steps, latent_image=latent)
+        passes[n] = g.add("LTXVSeparateAVLatent", [], column, av_latent=sampled)
+    last = passes[2]
+    info_after = sampled
+    decode = g.add("VAEDecodeTiled", [768, 64, 4096, 4], 6, samples=last.out(0), vae=vae)
+    sound = g.add("LTXVAudioVAEDecode", [], 6, samples=last.out(1), audio_vae=audio_vae)
+    g.add("XDiTEngineInfo", [False], 6, room=INFO_REPORT_BOX, engine=loader.out(3), after=info_after)
+    clip_out = g.add("CreateVideo", [25.0, 8], 7, images=decode, audio=sound)
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], 7, size=SAVE_BOX, video=clip_out)
+    return g
+
+
 PROMPTS = {
     "flux1-dev": "a red fox curled up asleep on a mossy stone in a misty pine forest at dawn, soft golden light, "
                  "shallow depth of field, highly detailed photograph",
@@ -487,6 +570,11 @@ PROMPTS = {
                        "leap, the score bursting at 4s, closing the last 1s.\n\n"
                        "No text, subtitles, logos or watermarks of any kind, no animation or cartoon rendering, no "
                        "overly-CG look, keep the live-action texture."),
+    "ltx-2.3-t2v": ("A lighthouse keeper climbs the spiral stairs at dusk carrying a brass lantern; wind howls against "
+                    "the windows and waves crash on the rocks below. Handheld camera following from behind, warm "
+                    "lantern light against cold blue twilight. He says quietly: \"One more night.\""),
+    "ltx-2.3-i2v": ("The scene in the image comes to life: a slow push-in as leaves drift across the frame and a soft "
+                    "breeze moves through the grass; birdsong and distant church bells in the background."),
     "minimax-h3-i2v": ("Editorial tech product film. The transparent gaming mouse from <Picture 1> in its original "
                        "scene: a pitch-black studio void with a dark, subtle reflective surface, lit by dramatic "
                        "duotone vibrant blue and warm neon orange rim lighting, deep soft shadow falloff into pure "
@@ -526,4 +614,4 @@ def graphs() -> list[Graph]:
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
             _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
-            _minimax_h3(image=False), _minimax_h3(image=True)]
+            _minimax_h3(image=False), _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True)]

@@ -88,7 +88,206 @@ LATER_NODES = {
         ),
         "outputs": (("CONDITIONING", "positive"), ("LATENT", "LATENT")),
         "output_node": False,
+    },    # The stock nodes of ComfyUI's LTX-2.3 templates (0.33.0: blueprints/Text to Video (LTX-2.3).json and Image to
+    # Video (LTX-2.3).json), as 0.33.0 defines them (GET /object_info of a 0.33.0 server; comfy_extras/nodes_lt.py,
+    # nodes_lt_audio.py, nodes_lt_upsampler.py, nodes_hunyuan.py, nodes_custom_sampler.py; nodes.py VAEDecodeTiled and
+    # ImageScale). Those without "since" have the same inputs and outputs in 0.3.64 (its object_info; 0.33.0 only marks
+    # VAEDecodeTiled's tiling inputs advanced and names LTXVPreprocess). LTXVEmptyLatentAudio's frame_rate takes a
+    # FLOAT or an INT socket ("FLOAT,INT", drawn as a FLOAT widget)
+    "LTXAVTextEncoderLoader": {
+        "display_name": "Load LTXV Audio Text Encoder",
+        "source": "comfy_extras/nodes_lt_audio.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "text_encoder", "type": "COMBO", "widget": "combo", "folder": "text_encoders"},
+            {"name": "ckpt_name", "type": "COMBO", "widget": "combo", "folder": "checkpoints"},
+            {"name": "device", "type": "COMBO", "widget": "combo", "options": ("default", "cpu"), "advanced": True},
+        ),
+        "outputs": (("CLIP", "CLIP"),),
+        "output_node": False,
     },
+    "LTXVAudioVAELoader": {
+        "display_name": "Load LTXV Audio VAE",
+        "source": "comfy_extras/nodes_lt_audio.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "ckpt_name", "type": "COMBO", "widget": "combo", "folder": "checkpoints"},
+        ),
+        "outputs": (("VAE", "Audio VAE"),),
+        "output_node": False,
+    },
+    "LatentUpscaleModelLoader": {
+        "display_name": "Load Latent Upscale Model",
+        "source": "comfy_extras/nodes_hunyuan.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "model_name", "type": "COMBO", "widget": "combo", "folder": "latent_upscale_models"},
+        ),
+        "outputs": (("LATENT_UPSCALE_MODEL", "LATENT_UPSCALE_MODEL"),),
+        "output_node": False,
+    },
+    "LTXVConditioning": {
+        "display_name": "LTXVConditioning",
+        "source": "comfy_extras/nodes_lt.py",
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "frame_rate", "type": "FLOAT", "widget": "number", "default": 25.0, "min": 0.0,
+             "max": 1000.0, "step": 0.01},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative")),
+        "output_node": False,
+    },
+    "EmptyLTXVLatentVideo": {
+        "display_name": "EmptyLTXVLatentVideo",
+        "source": "comfy_extras/nodes_lt.py",
+        "inputs": (
+            {"name": "width", "type": "INT", "widget": "number", "default": 768, "min": 64, "max": 16384, "step": 32},
+            {"name": "height", "type": "INT", "widget": "number", "default": 512, "min": 64, "max": 16384,
+             "step": 32},
+            {"name": "length", "type": "INT", "widget": "number", "default": 97, "min": 1, "max": 16384, "step": 8},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    "LTXVEmptyLatentAudio": {
+        "display_name": "LTXV Empty Latent Audio",
+        "source": "comfy_extras/nodes_lt_audio.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "frames_number", "type": "INT", "widget": "number", "default": 97, "min": 1, "max": 1000,
+             "step": 1},
+            {"name": "frame_rate", "type": "FLOAT", "widget": "number", "default": 25.0, "min": 1.0,
+             "max": 1000.0, "step": 0.01},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+            {"name": "audio_vae", "type": "VAE"},
+        ),
+        "outputs": (("LATENT", "Latent"),),
+        "output_node": False,
+    },
+    "LTXVConcatAVLatent": {
+        "display_name": "Concat AV Latent",
+        "source": "comfy_extras/nodes_lt.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "video_latent", "type": "LATENT"},
+            {"name": "audio_latent", "type": "LATENT"},
+        ),
+        "outputs": (("LATENT", "latent"),),
+        "output_node": False,
+    },
+    "LTXVSeparateAVLatent": {
+        "display_name": "Separate AV Latent",
+        "source": "comfy_extras/nodes_lt.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "av_latent", "type": "LATENT"},
+        ),
+        "outputs": (("LATENT", "video_latent"), ("LATENT", "audio_latent")),
+        "output_node": False,
+    },
+    "ManualSigmas": {
+        "display_name": "ManualSigmas",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "sigmas", "type": "STRING", "widget": "text", "default": "1, 0.5"},
+        ),
+        "outputs": (("SIGMAS", "SIGMAS"),),
+        "output_node": False,
+    },
+    "LTXVCropGuides": {
+        "display_name": "LTXVCropGuides",
+        "source": "comfy_extras/nodes_lt.py",
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "latent", "type": "LATENT"},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative"), ("LATENT", "latent")),
+        "output_node": False,
+    },
+    "LTXVLatentUpsampler": {
+        "display_name": "LTXVLatentUpsampler",
+        "source": "comfy_extras/nodes_lt_upsampler.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "samples", "type": "LATENT"},
+            {"name": "upscale_model", "type": "LATENT_UPSCALE_MODEL"},
+            {"name": "vae", "type": "VAE"},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    "VAEDecodeTiled": {
+        "display_name": "VAE Decode (Tiled)",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "samples", "type": "LATENT"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "tile_size", "type": "INT", "widget": "number", "default": 512, "min": 64, "max": 4096,
+             "step": 32, "advanced": True},
+            {"name": "overlap", "type": "INT", "widget": "number", "default": 64, "min": 0, "max": 4096,
+             "step": 32, "advanced": True},
+            {"name": "temporal_size", "type": "INT", "widget": "number", "default": 64, "min": 8, "max": 4096,
+             "step": 4, "advanced": True},
+            {"name": "temporal_overlap", "type": "INT", "widget": "number", "default": 8, "min": 4,
+             "max": 4096, "step": 4, "advanced": True},
+        ),
+        "outputs": (("IMAGE", "IMAGE"),),
+        "output_node": False,
+    },
+    "LTXVAudioVAEDecode": {
+        "display_name": "LTXV Audio VAE Decode",
+        "source": "comfy_extras/nodes_lt_audio.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "samples", "type": "LATENT"},
+            {"name": "audio_vae", "type": "VAE"},
+        ),
+        "outputs": (("AUDIO", "Audio"),),
+        "output_node": False,
+    },
+    "LTXVImgToVideoInplace": {
+        "display_name": "LTXVImgToVideoInplace",
+        "source": "comfy_extras/nodes_lt.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "vae", "type": "VAE"},
+            {"name": "image", "type": "IMAGE"},
+            {"name": "latent", "type": "LATENT"},
+            {"name": "strength", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 1.0},
+            {"name": "bypass", "type": "BOOLEAN", "widget": "toggle", "default": False},
+        ),
+        "outputs": (("LATENT", "latent"),),
+        "output_node": False,
+    },
+    "LTXVPreprocess": {
+        "display_name": "LTXV Preprocess",
+        "source": "comfy_extras/nodes_lt.py",
+        "inputs": (
+            {"name": "image", "type": "IMAGE"},
+            {"name": "img_compression", "type": "INT", "widget": "number", "default": 35, "min": 0, "max": 100},
+        ),
+        "outputs": (("IMAGE", "output_image"),),
+        "output_node": False,
+    },
+    "ImageScale": {
+        "display_name": "Upscale Image",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "image", "type": "IMAGE"},
+            {"name": "upscale_method", "type": "COMBO", "widget": "combo", "options": ("nearest-exact",
+             "bilinear", "area", "bicubic", "lanczos")},
+            {"name": "width", "type": "INT", "widget": "number", "default": 512, "min": 0, "max": 16384, "step": 1},
+            {"name": "height", "type": "INT", "widget": "number", "default": 512, "min": 0, "max": 16384, "step": 1},
+            {"name": "crop", "type": "COMBO", "widget": "combo", "options": ("disabled", "center")},
+        ),
+        "outputs": (("IMAGE", "IMAGE"),),
+        "output_node": False,
+    },
+
 }
 # nodes.py (0.33.0), CLIPLoader's type list: comfyui_stock_nodes.py's (v0.12.1) and the types added since, "minimax"
 # (MiniMax-H3's Qwen3-VL text encoder) among them; the rest of the node as there
@@ -98,8 +297,11 @@ CLIP_TYPES_0_33 = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", 
                    "joyimage", "mage", "minimax")
 # The frontends' titles for them where they differ from the display name (each one's en locale, nodeDefs: 1.27.10
 # names BasicScheduler and LoraLoaderModelOnly so and VAEDecodeAudio "VAE Decode Audio"; 1.49.6 names
-# LoraLoaderModelOnly "Load LoRA" and has no entry for MiniMaxH3ImageToVideo, shown under 0.33.0's display name)
-LATER_TITLES = {"1.27.10": {}, "1.49.6": {"LoraLoaderModelOnly": "Load LoRA"}}
+# LoraLoaderModelOnly "Load LoRA" and has no entry for MiniMaxH3ImageToVideo, shown under 0.33.0's display name; it
+# names LTXVConcatAVLatent and LTXVSeparateAVLatent by their node ids, where 0.33.0 says "Concat AV Latent" and
+# "Separate AV Latent")
+LATER_TITLES = {"1.27.10": {}, "1.49.6": {"LoraLoaderModelOnly": "Load LoRA", "LTXVConcatAVLatent": "LTXVConcatAVLatent",
+                                          "LTXVSeparateAVLatent": "LTXVSeparateAVLatent"}}
 
 
 def _clip_loader(d):
@@ -142,7 +344,8 @@ def definitions(model_names) -> dict:
     they do inside ComfyUI."""
     specs = specs_module()
     lists = (stock.SAMPLER_NAMES, stock.SCHEDULER_NAMES)
-    ours = [specs.engine_spec(sorted(set(model_names))), specs.sampler_spec(*lists),
+    ours = [specs.engine_spec(sorted(set(model_names))), specs.checkpoint_spec(sorted(set(model_names))),
+            specs.sampler_spec(*lists),
             specs.sampler_advanced_spec(*lists), specs.INFO_SPEC, specs.GUIDER_SPEC, specs.SAMPLING_SPEC,
             specs.CFG_NORM_SPEC]
     defs = {spec.node_id: _from_spec(spec) for spec in ours}

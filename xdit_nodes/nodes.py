@@ -16,10 +16,11 @@ from ..engine.models.gguf_file import find_gguf_files
 from ..engine.sampling.ksampler import StepWindow
 from . import core, model as engine_model_parts, specs
 from .comfy_model import _cfg_norm, _make_room, _model_sampling, engine_model  # noqa: F401 (tests patch them here)
+from .comfy_model import _Unavailable
 
 EngineType = io.Custom(specs.ENGINE_TYPE)
 _TYPES = {"CONDITIONING": io.Conditioning, "LATENT": io.Latent, "STRING": io.String, "MODEL": io.Model,
-          "GUIDER": io.Guider, specs.ENGINE_TYPE: EngineType}
+          "GUIDER": io.Guider, "CLIP": io.Clip, "VAE": io.Vae, specs.ENGINE_TYPE: EngineType}
 MODEL_FOLDERS = ("diffusion_models", "checkpoints")
 MODEL_WHERE = "models/" + " or models/".join(MODEL_FOLDERS)
 
@@ -114,14 +115,56 @@ class XDiTEngine(io.ComfyNode):
     def execute(cls, model_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
                 cache_threshold=0.0, compile=False, attention="auto", pipefusion=1, patches=0, warmup_steps=1,
                 expert_placement="auto", shard=1):
-        settings = core.EngineSettings(model_path=_model_path(model_name), gpus=_gpus(gpus), device=_device(),
-                                       family=family, weight_dtype=weight_dtype, plan=plan, ulysses=ulysses, ring=ring,
-                                       cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s,
-                                       cache_threshold=cache_threshold, compile=compile, attention=attention,
-                                       pipefusion=pipefusion, patches=patches, warmup_steps=warmup_steps,
-                                       expert_placement=expert_placement, shard=shard)
-        settings.validate()
+        settings = _settings(_model_path(model_name), family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp,
+                             timeout_s, cache_threshold, compile, attention, pipefusion, patches, warmup_steps,
+                             expert_placement, shard)
         return io.NodeOutput(settings, engine_model(settings))
+
+
+def _settings(model_path, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
+              cache_threshold=0.0, compile=False, attention="auto", pipefusion=1, patches=0, warmup_steps=1,
+              expert_placement="auto", shard=1) -> core.EngineSettings:
+    """The engine's settings from its node's inputs (those added after the first release optional, at the defaults
+    that keep the earlier behaviour), checked."""
+    settings = core.EngineSettings(model_path=model_path, gpus=_gpus(gpus), device=_device(), family=family,
+                                   weight_dtype=weight_dtype, plan=plan, ulysses=ulysses, ring=ring,
+                                   cfg_parallel=cfg_parallel, dp=dp, timeout_s=timeout_s,
+                                   cache_threshold=cache_threshold, compile=compile, attention=attention,
+                                   pipefusion=pipefusion, patches=patches, warmup_steps=warmup_steps,
+                                   expert_placement=expert_placement, shard=shard)
+    settings.validate()
+    return settings
+
+
+class XDiTCheckpointLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return _schema(specs.checkpoint_spec(folder_paths.get_filename_list("checkpoints")))
+
+    @classmethod
+    def validate_inputs(cls, ckpt_name=None):
+        return specs.check_file_name("ckpt_name", ckpt_name, folder_paths.get_filename_list("checkpoints"),
+                                     "models/checkpoints")
+
+    @classmethod
+    def execute(cls, ckpt_name, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
+                cache_threshold=0.0, compile=False, attention="auto", pipefusion=1, patches=0, warmup_steps=1,
+                expert_placement="auto", shard=1):
+        """The engine's MODEL of the file's diffusion model (refused in one line where this ComfyUI is too old for
+        it), then its text encoder and VAE exactly as CheckpointLoaderSimple loads them (ComfyUI's own loader, its
+        diffusion model left unread)."""
+        import comfy.sd
+        path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
+        settings = _settings(path, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
+                             cache_threshold, compile, attention, pipefusion, patches, warmup_steps, expert_placement,
+                             shard)
+        model = engine_model(settings)
+        if isinstance(getattr(model, "model", None), _Unavailable):   # a family newer than this ComfyUI: its own
+            raise ValueError(model.model.__dict__["message"])           # loader would misread the file too
+        _, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(
+            path, output_vae=True, output_clip=True, output_model=False,
+            embedding_directory=folder_paths.get_folder_paths("embeddings"))
+        return io.NodeOutput(model, clip, vae, settings)
 
 
 class XDiTSampler(io.ComfyNode):
@@ -364,5 +407,5 @@ class XDiTSaveConditioning(io.ComfyNode):
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTLoRA, XDiTSampler, XDiTSamplerAdvanced, XDiTGuider, XDiTEngineInfo, XDiTModelSampling,
+        return [XDiTEngine, XDiTCheckpointLoader, XDiTLoRA, XDiTSampler, XDiTSamplerAdvanced, XDiTGuider, XDiTEngineInfo, XDiTModelSampling,
                 XDiTCFGNorm, XDiTSaveConditioning]

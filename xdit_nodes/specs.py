@@ -101,6 +101,22 @@ def engine_spec(model_names: list[str]) -> NodeSpec:
         ((ENGINE_TYPE, "engine"), ("MODEL", "MODEL")))
 
 
+def checkpoint_spec(ckpt_names: list[str]) -> NodeSpec:
+    """ComfyUI's CheckpointLoaderSimple with its outputs in its order (MODEL, CLIP, VAE), the MODEL the xDiT Engine's:
+    a stock graph that loads model, text encoder and VAE from one file (LTX-2.3's templates) becomes multi-GPU by
+    swapping this loader alone. The engine's settings as the xDiT Engine node takes them; its engine last."""
+    engine = engine_spec(ckpt_names)
+    name = Field("ckpt_name", "COMBO", options=tuple(ckpt_names), default=ckpt_names[0] if ckpt_names else None,
+                 tooltip="checkpoints file, as CheckpointLoaderSimple takes it: the engine runs its diffusion model on "
+                         "the GPUs; ComfyUI loads its text encoder and VAE as CheckpointLoaderSimple does")
+    return NodeSpec(
+        "XDiTCheckpointLoader", "xDiT Checkpoint Loader", CATEGORY,
+        "CheckpointLoaderSimple with the diffusion model on the xDiT Engine's GPUs: the same MODEL, CLIP and VAE "
+        "outputs in the same order, so a stock graph needs no rewiring; the engine's own output last.",
+        (name,) + engine.inputs[1:],
+        (("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "VAE"), (ENGINE_TYPE, "engine")))
+
+
 ENGINE_MODEL_TIP = ("the xDiT Engine's MODEL, directly or through ComfyUI's nodes that patch a MODEL (ModelSamplingAuraFlow "
                     "/ SD3 / Flux, CFGNorm, LoRA loaders): the job follows their sampling, post-CFG functions and LoRAs")
 

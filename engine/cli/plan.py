@@ -112,9 +112,10 @@ def register(sub) -> None:
                    help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
                         "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")
     p.add_argument("--av-table", action="store_true",
-                   help="print the MiniMax-H3 fit table (audio + video: the plan auto picks, dividing the weights where "
-                        "whole weights do not fit, and the fastest with whole weights, GiB per GPU and est. seconds a "
-                        "clip, in bf16, fp8 and GGUF on 2x24, 4x24, 8x24, 2x48, 4x48 and 1-8x80 GB machines) and exit")
+                   help="print the MiniMax-H3 and LTX-2.3 fit tables (audio + video: the plan auto picks, dividing the "
+                        "weights where whole weights do not fit, and the fastest with whole weights, GiB per GPU and "
+                        "est. seconds a clip, in bf16, fp8 and (MiniMax-H3) GGUF on 2x24, 4x24, 8x24, 2x48, 4x48 and "
+                        "1-8x80 GB machines) and exit")
     p.add_argument("--shard-table", action="store_true",
                    help="print the sharding fit table (the plan auto picks, dividing the weights among the GPUs where "
                         "that fits or is faster, for Wan 2.1 14B, the Wan 2.2 A14B pair, FLUX.2 [dev] and Qwen-Image "
@@ -245,7 +246,7 @@ def run(a) -> int:
         print("\n".join(fits.shard_header() + fits.shard_table()))
         return 0
     if a.av_table:
-        print("\n".join(fits.av_header() + fits.av_table()))
+        print("\n".join(fits.av_header() + fits.av_table() + [""] + fits.ltx_header() + fits.av_table("ltx-2.3")))
         return 0
     if a.measured:
         if a.model is None:

@@ -178,12 +178,28 @@ def av_header() -> list[str]:
             "count its audio rows (both channels, 40 a second) and its text with the video's.", ""]
 
 
+# LTX-2.3: ComfyUI's templates' two passes (half size with 8 steps, then the x2 upsampled latent with 3, the distilled
+# LoRA at cfg 1; 5 s at 25 fps + 1 frame, its audio 25 latents a second) and the dev model alone at cfg > 1. No GGUF:
+# LTX-2.3 files state their settings in a header config, which ComfyUI-GGUF's files lack (the engine refuses them)
+LTX_JOBS = (("template pass 1, cfg 1", 640, 352, 121, 8, False), ("template pass 2 (x2), cfg 1", 1280, 704, 121, 3, False),
+            ("dev, cfg > 1", 1280, 704, 121, 30, True))
+AV_MODELS = {"minimax-h3": (AV_JOBS, SHARD_WEIGHTS), "ltx-2.3": (LTX_JOBS, SHARD_WEIGHTS[:2])}
+
+
+def ltx_header() -> list[str]:
+    return ["LTX-2.3, the same columns. A clip's tokens count its audio rows (25 a second) with the video's, where the "
+            "ranks hold the audio whole and compute it alike (the planner's split share of it is an under-count of "
+            "what each rank computes, small beside the video: 121 audio rows to 14,080 video rows at 1280x704); the "
+            "text is the connectors' 1024 tokens.", ""]
+
+
 def av_table(variant: str = "minimax-h3") -> list[str]:
     """Markdown, one row per job, weights and placement (auto / whole), one column per machine of AV_MACHINES."""
     lines = ["| job | weights | weights divided | " + " | ".join(m.label for m in AV_MACHINES) + " |",
              "|---|---|---|" + "---|" * len(AV_MACHINES)]
-    for title, w, h, frames, steps, negative in AV_JOBS:
-        for weights, wkw in SHARD_WEIGHTS:
+    jobs, formats = AV_MODELS[variant]
+    for title, w, h, frames, steps, negative in jobs:
+        for weights, wkw in formats:
             work = Workload.for_variant(variant, w, h, frames=frames, steps=steps, negative_pass=negative, **wkw)
             job = f"{w}x{h}x{frames}, {steps} steps, {title}"
             for label, fn in (("where needed (auto)", cell), ("never", whole_cell)):
