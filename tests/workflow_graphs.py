@@ -467,7 +467,9 @@ def _ltx23(image: bool) -> Graph:
     _version_note(g, 0, "LTX-2.3: its audio-video latent nodes, LTXAVTextEncoderLoader and its audio VAE")
     loader = g.add("XDiTCheckpointLoader", [LTX_CHECKPOINT, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0,
                                             False, "auto", 1, 0, 1, "auto", 1], 0)
-    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", LTX_CHECKPOINT, "default"], 0)
+    # (room below it: ComfyUI 0.3.64's frontend draws this node, which it lacks, a widget row taller)
+    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", LTX_CHECKPOINT, "default"], 0,
+                 room=(0, 180))
     audio_vae = g.add("LTXVAudioVAELoader", [LTX_CHECKPOINT], 0)
     upscaler = g.add("LatentUpscaleModelLoader", ["ltx-2.3-spatial-upscaler-x2-1.1.safetensors"], 0)
     vae = loader.out(2)
