@@ -228,6 +228,34 @@ def test_fp8_files_run_their_exact_dequantized_weights(tmp_path, fmt):
     assert report(f"MiniMax-H3 {fmt} file vs its dequantized values", (got - want).abs().max(), bound(want))
 
 
+def test_bf16_models_hold_comfyuis_float32_islands_in_float32_on_every_load_path(engines, path):
+    """ComfyUI's MiniMax-H3 keeps its patch projections, time embedding, output heads and RoPE frequencies in float32
+    whatever the model's dtype (diffusers' _keep_in_fp32_modules lists the same): a bf16 model from the file, a
+    synthetic one and one whose weights are divided hold exactly those in float32 and the rest in bf16; the forward
+    feeds each island float32 (the shim diffusers' dtype lookup reads), and the divided model's call equals one
+    rank's within bf16 rounding (relative L2 2e-2: a few bf16 roundings of values of order 1; measured 0)."""
+    islands = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out", "rope")
+    for source in (path, "synthetic:minimax-h3:tiny"):
+        model = load_model(source, dtype="bf16").model
+        held = {n: t.dtype for n, t in model.state_dict().items() if t.is_floating_point()}
+        assert {n for n, d in held.items() if d == torch.float32} == \
+            {n for n in held if n.split(".")[0] in islands}, source
+        assert {d for n, d in held.items() if n.split(".")[0] not in islands} == {torch.bfloat16}, source
+        assert model.proj_out._diffusers_hook.compute_dtype == torch.float32
+        assert model.context_embedder._diffusers_hook.compute_dtype == torch.bfloat16
+    x, t, c = h3_call()
+    outs = []
+    for plan in (ParallelPlan(), ParallelPlan(ulysses=2, shard=2)):
+        r = GenerateRequest(model=path, cond=c["context"], latent_raw=torch.zeros(()).expand(1, 24, 3, 4, 6),
+                            plan=plan, dtype="bf16").validate(plan.world_size)
+        with ModelSession(engines(2), r) as s:
+            outs.append(s.call(x, t, c))
+    assert torch.isfinite(outs[0]).all()
+    rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
+    print(f"MiniMax-H3 bf16, ulysses2 x shard2 vs one rank: relative L2 {rel:.2e} (bound 2e-2)")
+    assert rel <= 2e-2
+
+
 def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
     """ComfyUI calls H3's positive and negative one at a time (its model takes a batch of one): the step's two calls
     reach the ranks as one request, each on its CFG group, with the text encoder's token tags on the positive."""

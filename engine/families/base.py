@@ -147,6 +147,9 @@ class Family:
     # modules that hold tensors outside the state dict (e.g. a RoPE table), which building on the meta device left
     # empty: built again, on the CPU, once the weights are loaded
     rebuild_off_meta: Callable[[torch.nn.Module], None] = lambda model: None
+    # the model's float32 islands: parameter names (diffusers') held in float32 whatever the compute dtype, as ComfyUI's
+    # model holds them (MiniMax-H3: its patch projections, time embedding, output heads and RoPE frequencies)
+    fp32_params: Callable[[str], bool] = lambda name: False
 
     variant_aliases: dict = field(default_factory=dict)   # other names make-tiny takes for a variant
     # dims -> entries of the safetensors header the family's files carry (make-tiny writes them; e.g. LTX-2.3's config)

@@ -487,6 +487,17 @@ class _ComputeDtype:
         return self if name == "layerwise_casting" else None
 
 
+# ComfyUI's MiniMax-H3 holds these in float32 whatever the model's dtype (comfy/ldm/minimax/model.py: the patch
+# projections and output heads built with dtype=torch.float32, the time embedding's table and MLP, rope.inv_freq), as
+# diffusers' _keep_in_fp32_modules for the model lists them
+FP32_MODULES = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out", "rope")
+
+
+def _fp32_param(name: str) -> bool:
+    """diffusers' rule for _keep_in_fp32_modules: a listed name among the parameter's dotted parts."""
+    return any(part in FP32_MODULES for part in name.split("."))
+
+
 def _after_load(model) -> None:
     for block in model.token_refiner.refiner_blocks:
         block.attn.xdit_local = True
@@ -494,8 +505,9 @@ def _after_load(model) -> None:
     compute = model.norm_out.norm.weight.dtype   # a norm's weight: held in the compute dtype in every format
     casts = [model.proj_in, model.audio_proj_in, model.context_embedder, model.time_embedder, model.proj_out,
              model.audio_proj_out, model.norm_out.linear] + [b.adaln_proj.linear for b in model.transformer_blocks]
-    for module in casts:
-        module._diffusers_hook = _ComputeDtype(compute)
+    for module in casts:   # a float32 island (FP32_MODULES) held in float32 computes in it
+        held = next((p.dtype for p in module.parameters() if p.is_floating_point()), compute)
+        module._diffusers_hook = _ComputeDtype(torch.float32 if held == torch.float32 else compute)
 
 
 # ---- pruned files: the time embedding read off a table, the modulations without an activation --------------------
@@ -589,7 +601,7 @@ FAMILY = Family(
                       split_args=(("transformer_blocks.0", 0, 1), ("transformer_blocks.*", 2, 0), ("norm_out", 2, 0)),
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width, modulation=("adaln_proj",), text_stream=("token_refiner",),
-    native_layout="minimax", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load,
+    native_layout="minimax", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load, fp32_params=_fp32_param,
     packed_streams=True, extras=EXTRAS, host_extras=EXTRAS, call_extras=comfy_call, text_splits=True, text_cross=False,
     extra_tokens=lambda config, latent_frames: 2 * audio_frames(H3_VIDEO.pixel_frames(latent_frames)),
     describe_blocks=lambda c: f"{c['num_layers']} blocks over one packed sequence (text, audio, video)",

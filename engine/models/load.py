@@ -17,8 +17,8 @@ import torch
 from .convert import key_map
 from .detect import SCALE_KEYS, CheckpointInfo, detect
 from .reader import (FP8, LOAD_DELAY_ENV, LoadedTransformer, LoadStopped, checkpoint_files,  # noqa: F401 (also
-                     held_bytes, install_quantized, int8_count, read_headers, stream,           # read through here)
-                     wrap_fp8_linears)
+                     held_bytes, install_quantized, int8_count, island_dtype, read_headers,     # read through here)
+                     stream, wrap_fp8_linears)
 from .safetensors_file import TORCH_DTYPES, CheckpointError
 from .sharded import held_rows, is_divided, load_sharded, local, random_sharded
 from .synthetic import init_random_, is_synthetic, synthetic_info
@@ -201,14 +201,16 @@ def diffusers_keys(info: CheckpointInfo) -> set[str]:
     return set(build_empty(info).state_dict())
 
 
-def _materialize(model: torch.nn.Module, keep: Keep | None, device, dtype: torch.dtype) -> None:
-    """Give the kept meta tensors storage on `device` (floating ones in `dtype`); the rest stay meta."""
+def _materialize(model: torch.nn.Module, keep: Keep | None, device, dtype: torch.dtype, info=None) -> None:
+    """Give the kept meta tensors storage on `device` (floating ones in `dtype`, the family's float32 islands in
+    float32); the rest stay meta."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not t.is_meta or (keep is not None and not keep(name)):
             continue
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
-        new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        held = (dtype if info is None else island_dtype(info, name, dtype)) if t.is_floating_point() else t.dtype
+        new = torch.empty(t.shape, dtype=held, device=device)
         if leaf in module._parameters:
             module._parameters[leaf] = torch.nn.Parameter(new, requires_grad=False)
         else:
@@ -241,7 +243,7 @@ def random_model(info: CheckpointInfo, source: str, *, dtype: str = "fp32", devi
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     t0 = time.perf_counter()
     model = build_empty(info)
-    _materialize(model, keep, device, COMPUTE_DTYPES[dtype])  # never materialised in fp32
+    _materialize(model, keep, device, COMPUTE_DTYPES[dtype], info)  # never materialised in fp32 (but its islands)
     init_random_(model, seed)
     if fp8_weights:  # as a file's matrices would be stored: every Linear weight in fp8, cast per call
         for module in model.modules():

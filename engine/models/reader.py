@@ -40,6 +40,14 @@ def held_dtype(stored: torch.dtype | None, ndim: int, compute: torch.dtype, fp8_
     return torch.float8_e4m3fn if ndim == 2 and fp8_weights else compute
 
 
+def island_dtype(info, name: str, held: torch.dtype) -> torch.dtype:
+    """float32 for a parameter the family keeps in float32 (Family.fp32_params) where it would be held in a lower
+    floating dtype (not where it stays fp8: a quantized file's layer keeps its own format); else `held`."""
+    if held in (torch.bfloat16, torch.float16) and info.spec.fp32_params(name):
+        return torch.float32
+    return held
+
+
 @dataclass
 class LoadedTransformer:
     info: CheckpointInfo
@@ -296,7 +304,7 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
                         raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix "
                                               f"(shape {list(t.shape)}); only Linear weights are scaled")
                     scales[dst] = _scale_of(path, where, scale_key, info, scale, src, dst, op).to(device)
-                held = held_dtype(t.dtype, t.ndim, compute, fp8_weights)
+                held = island_dtype(info, dst, held_dtype(t.dtype, t.ndim, compute, fp8_weights))
                 keep(state, dst, t.to(device=device, dtype=held).contiguous())
             del raw
     finally:

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, int8_count, stream,
-                     wrap_fp8_linears)
+from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, int8_count, island_dtype,
+                     stream, wrap_fp8_linears)
 from .detect import SCALE_KEYS
 from .quantized import BLOCKS
 from .safetensors_file import TORCH_DTYPES, CheckpointError
@@ -90,6 +90,8 @@ def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, 
         # a tensor in blocks that is no matrix (a vector, a kernel) is expanded to the compute dtype as it is read
         dtype = compute if tinfo.dtype in BLOCKS else held_dtype(TORCH_DTYPES.get(tinfo.dtype), len(shape), compute,
                                                                    fp8_weights)
+        if tinfo.dtype not in BLOCKS and tinfo.dtype != "I8":   # a plain tensor: the family's float32 islands too
+            dtype = island_dtype(info, dst, dtype)
         plan[dst] = (dtype, shape, "fp8" if dtype in FP8 else "plain", None)
     return plan
 
@@ -183,7 +185,7 @@ def random_sharded(info, source: str, *, compute: torch.dtype, device, seed: int
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         fp8 = fp8_weights and p.ndim == 2 and name.endswith(".weight") and isinstance(
             model.get_submodule(name.rpartition(".")[0]), torch.nn.Linear)
-        dtype = compute if p.is_floating_point() else p.dtype
+        dtype = island_dtype(info, name, compute) if p.is_floating_point() else p.dtype
         stored[name] = (tuple(p.shape), dtype, fp8)
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
