@@ -227,6 +227,24 @@ def snapshot(engine: Engine, gpu_mib: dict[int, float]) -> dict:
     return {"counts": counts, "memory": memory}
 
 
+SETTLE_S = 2.0   # how long a snapshot waits for the ranks to finish closing what the last job used
+
+
+def settled(engine: Engine, gpu_mib: dict[int, float], like: dict | None = None) -> dict:
+    """A snapshot once the counts hold still: a rank closes the last job's answer segment and call mappings just
+    after the client has its result, so a snapshot taken at once can catch one of them still open. Taken again every
+    50 ms until two agree (and, given `like`, equal its counts) or SETTLE_S passes; a leak stays and is still seen."""
+    deadline = time.monotonic() + SETTLE_S
+    last = snapshot(engine, gpu_mib)
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = snapshot(engine, gpu_mib)
+        if now["counts"] == last["counts"] and (like is None or now["counts"] == like["counts"]):
+            return now
+        last = now
+    return last
+
+
 def _gpu_mib(info: list[dict], into: dict[int, float]) -> None:
     for rank in info:
         mem = rank.get("memory", {})
@@ -298,7 +316,7 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
             one(c, None, True, warm)
         warm_s = time.perf_counter() - t0
         engine_dir, pids = engine.engine_dir, list(engine.pids)
-        before = snapshot(engine, gpu_mib)
+        before = settled(engine, gpu_mib)
         print(f"soak: warm-up done in {warm_s:.1f} s ({sum(c.runs for c in configs)} runs); before: "
               + ", ".join(f"{k} {v}" for k, v in before["counts"].items()), flush=True)
         t1 = time.perf_counter()
@@ -316,7 +334,7 @@ def bench_soak(jobs: int, ranks: int = 2, gpus: list[int] | None = None, log_eve
                       f"sessions aborted, {counts['mismatches']} mismatches, {time.perf_counter() - t1:.1f} s",
                       flush=True)
         soak_s = time.perf_counter() - t1
-        after = snapshot(engine, gpu_mib)
+        after = settled(engine, gpu_mib, like=before)
         restarts = list(engine.restarts)
         generation = engine.generation
     alive = [pid for pid in pids if not pid_gone(pid)]
