@@ -69,6 +69,24 @@ def call(name, **kw):
     return getattr(cls(), cls.FUNCTION)(**kw)
 
 
+def outcome(run) -> str:
+    """What running `run()` gives: "ran", or the first line of what it raised (the message is what a check reads)."""
+    try:
+        run()
+        return "ran"
+    except Exception as e:  # noqa: BLE001 (the message is the check)
+        return str(e).splitlines()[0]
+
+
+def older_ksampler(model, text_width: int, latent_shape: tuple) -> str:
+    """One KSampler step on `model` with zero text and latent (on a ComfyUI older than the model's family the
+    engine's MODEL must refuse in one line): the outcome."""
+    text = [[torch.zeros(1, 9, text_width), {}]]
+    return outcome(lambda: call("KSampler", model=model, seed=5, steps=1, cfg=1.0, sampler_name="euler",
+                                scheduler="simple", positive=text, negative=text,
+                                latent_image={"samples": torch.zeros(latent_shape)}, denoise=1.0))
+
+
 def rel(a, b):
     return float((a - b).norm() / b.norm())
 
