@@ -391,10 +391,14 @@ def test_bench_av_times_both_audio_video_families_and_counts_only_each_calls_own
     assert [(r["video_tokens"], r["audio_tokens"]) for r in rows] == [(12 * 2 * 2, 130), (7 * 2 * 2, 49)]
 
 
-def test_bench_av_refuses_a_model_without_audio_in_one_line_before_any_rank_starts(capsys):
-    assert main(["bench", "av", "--models", "synthetic:flux-dev:tiny"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "not an audio-video family" in err, err
+def test_bench_av_and_guider_refuse_bad_inputs_in_one_line_before_any_rank_starts(capsys):
+    for argv, said in ((["av", "--models", "synthetic:flux-dev:tiny"], "not an audio-video family"),
+                       (["av", "--models", "synthetic:ltx-2.3:tiny", "--frames", "10"], "use 9 or 17"),
+                       (["guider", "--model", "synthetic:wan2.1-1.3b:tiny", "--frames", "10"], "use 9 or 13"),
+                       (["guider", "--steps", "1"], "use 2 or more steps")):
+        assert main(["bench"] + argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and said in err, (argv, err)
 
 
 def test_bench_generate_compares_the_engine_with_a_plain_loop_on_the_same_synthetic_model():

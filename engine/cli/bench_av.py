@@ -87,8 +87,10 @@ def _request(source: str, width: int, height: int, frames: int | None, text_toke
     info = inspect_model(source)
     if info.spec.call_extras is None or not info.spec.packed_streams:
         raise UsageError(f"model {source!r} is not an audio-video family: bench av runs minimax-h3 and ltx-2.3")
+    from ..generate.inputs import check_frames
     fmt = info.latent
     frames = frames or fmt.pixel_frames(fmt.latent_frames(49))
+    check_frames(info, frames)   # a count ComfyUI's video nodes make, or one line naming the nearest
     dtype = "bf16" if device == "cuda" else "fp32"
     request = GenerateRequest.random_conditioning(source, width, height, text_tokens=text_tokens, frames=frames,
                                                   steps=1, cfg=1.0, dtype=dtype, **options)

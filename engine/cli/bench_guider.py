@@ -10,6 +10,7 @@ import types
 
 import torch
 
+from ..generate.inputs import check_frames
 from ..generate.model_call import ModelSession, check_per_call, request_conditioning
 from ..generate.request import GenerateRequest
 from ..models.flow import FORWARD_STUB_ENV, Conditioning
@@ -45,7 +46,8 @@ def register(bench, emit) -> None:
     p.add_argument("--frames", type=types_.positive_int, default=1,
                    help="video frames, as ComfyUI counts them (4k + 1; a video family only)")
     p.add_argument("--cfg", type=float, default=None, help="guidance (default: the family's usual; 1 runs no negative)")
-    p.add_argument("--steps", type=types_.positive_int, default=8, help="euler steps")
+    p.add_argument("--steps", type=_steps, default=8,
+                   help="euler steps, at least 2 (the first round trip, which carries the conditioning, is not timed)")
     p.add_argument("--repeats", type=types_.positive_int, default=3, help="timed runs of each path (median)")
     p.add_argument("--stub-forward", action="store_true",
                    help="the ranks' forward returns zeros of its output's shape (what surrounds the model, timed at "
@@ -53,6 +55,17 @@ def register(bench, emit) -> None:
     p.set_defaults(run=lambda a: emit(a, "guider", bench_guider(
         a.model, len(a.gpus) if a.gpus else a.ranks, a.width, a.height, a.steps, a.repeats, a.plan, frames=a.frames,
         cfg=a.cfg, stub_forward=a.stub_forward, gpus=a.gpus)), parser=p)
+
+
+def _steps(text: str) -> int:
+    from argparse import ArgumentTypeError
+
+    from . import args as types_
+    value = types_.integer(text)
+    if value < 2:
+        raise ArgumentTypeError(f"{text} is invalid: use 2 or more steps (a run's first round trip carries the "
+                                f"conditioning and is not timed)")
+    return value
 
 
 def _image_inputs(info, request: GenerateRequest) -> dict:
@@ -102,6 +115,7 @@ def bench_guider(model: str, ranks: int, width: int, height: int, steps: int, re
                  frames: int = 1, cfg: float | None = None, stub_forward: bool = False, gpus=None) -> list[dict]:
     try:
         info = inspect_model(model)
+        check_frames(info, frames)
         cfg = info.spec.cfg if cfg is None else float(cfg)
         request = GenerateRequest.random_conditioning(model, width, height, text_tokens=16, seed=1, steps=steps,
                                                       cfg=cfg, plan=plan, frames=frames,
