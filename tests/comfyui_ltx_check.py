@@ -2,7 +2,8 @@
 template's: LTXVConditioning's frame rate, LTXVConcatAVLatent of the video and audio latents, CFGGuider,
 KSamplerSelect, ManualSigmas, SamplerCustomAdvanced; text-to-video with audio at cfg 1 and at cfg 3 with a negative,
 euler_cfg_pp and euler_ancestral_cfg_pp; image-to-video through LTXVImgToVideoInplace's noise mask on the first frame;
-the distilled LoRA through LoraLoaderModelOnly) on the model ComfyUI's own loader makes of a tiny LTX-2.3 file, and
+the distilled LoRA through LoraLoaderModelOnly; LTXVAddGuide's first and last frames at 0.7, one with a pixel attention
+mask, one an IC-LoRA's dilated reference) on the model ComfyUI's own loader makes of a tiny LTX-2.3 file, and
 with the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (auto, Ulysses, Ring, CFG parallel, the weights
 divided); the video and audio latents compared each. The conditioning is built directly (no text encoder): random
 text of the LTX-2.3 text projection's width [1, L, video inner + audio inner], marked unprocessed as
@@ -197,10 +198,51 @@ for label, gpus, kw in (("gpus=0", "0", {}), ("ulysses2", "0,1", dict(plan="expl
 report["graphs"]["ltx i2va through xDiT Checkpoint Loader, cfg 3, decoded by its VAE"] = entry
 print("checkpoint", json.dumps(entry), flush=True)
 
+# ---- LTXVAddGuide (the First-Last-Frame template's guides), through ComfyUI's own node and the file's tiny VAE: a
+# first image at frame 0 and a last at frame -1, each at 0.7 (appended latent frames, their noise mask 0.3, their
+# positions, the attention weight 0.7 between them and the generated tokens); the last with an attention mask over its
+# pixels; an IC-LoRA's half-size reference (dilated: the tokens between its rows and columns out of the sequence)
+def guided(width, attention_mask=None, iclora=None):
+    images = torch.rand(2, 64, width, 3, generator=torch.Generator().manual_seed(7))
+    empty = call("EmptyLTXVLatentVideo", width=width, height=64, length=17, batch_size=1)[0]
+    p, n, lat = call("LTXVAddGuide", positive=pos, negative=neg, vae=stock_vae, latent=empty, image=images[:1],
+                     frame_idx=0, strength=0.7)
+    extra = {"attention_mask": attention_mask} if attention_mask is not None else {}
+    if iclora is not None:
+        extra["iclora_parameters"] = iclora
+    p, n, lat = call("LTXVAddGuide", positive=p, negative=n, vae=stock_vae, latent=lat, image=images[1:],
+                     frame_idx=-1, strength=0.7, **extra)
+    return p, n, call("LTXVConcatAVLatent", video_latent=lat, audio_latent=audio)[0]
+
+
+for name, (gp, gn, glat), runs in (
+        ("ltx flf: LTXVAddGuide first and last frames at 0.7, cfg 3", guided(96),
+         [("gpus=0", "0", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2)),
+          ("ring2", "0,1", dict(plan="explicit", ring=2)), ("cfg2", "0,1", dict(plan="explicit", cfg_parallel=True))]),
+        ("ltx flf: the last guide with an attention mask, cfg 3", guided(96, torch.linspace(0, 1, 64 * 96).reshape(
+            1, 64, 96)), [("gpus=0", "0", {}), ("ring2 shard2", "0,1", dict(plan="explicit", ring=2, shard=2))]),
+        ("ltx flf: the last guide an IC-LoRA reference at half size, cfg 3", guided(128, iclora={
+            "reference_downscale_factor": 2}), [("gpus=0", "0", {}), ("ring2", "0,1", dict(plan="explicit",
+                                                                                              ring=2))])):
+    want = sample(native(), gp, gn, 3.0, glat, "euler_cfg_pp")
+    unweighted = [[c[0], {**c[1], "guide_attention_entries": None}] for c in gp], \
+        [[c[0], {**c[1], "guide_attention_entries": None}] for c in gn]
+    entry = {"video": list(glat["samples"][0].shape), "keyframe_tokens": list(gp[0][1]["keyframe_idxs"].shape),
+             # how far the guides' attention weights move ComfyUI's own result (what a dropped bias would show as)
+             "native_weights_effect_rel_l2": rel(sample(native(), *unweighted, 3.0, glat, "euler_cfg_pp")[0],
+                                                 want[0])}
+    for label, gpus, kw in runs:
+        eng, model = engine(gpus, **kw)
+        got = sample(model, gp, gn, 3.0, glat, "euler_cfg_pp")
+        entry[label] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
+                        "plan": last_plan(eng)}
+    report["graphs"][name] = entry
+    print(name, json.dumps(entry), flush=True)
+
 # what the engine does not run yet: one line each
 eng, model = engine("0")
-guided = [[pos[0][0], {**pos[0][1], "keyframe_idxs": torch.zeros(1, 3, 6, 2)}]]   # as LTXVAddGuide leaves it
 connected = [[pos[0][0], {k: v for k, v in pos[0][1].items() if k != "unprocessed_ltxav_embeds"}]]
-for label, p in (("guide", guided), ("connected text", connected)):
+referenced = [[pos[0][0], {**pos[0][1], "ref_audio": {"tokens": torch.zeros(1, 3, 128)}}]]
+for label, p in (("reference audio", referenced), ("connected text", connected)):
     report["refusals"][label] = live.outcome(lambda: sample(model, p, neg, 1.0, latent, "euler"))
 print("REPORT " + json.dumps(report), flush=True)

@@ -383,15 +383,16 @@ def av_models(tmp_path_factory):
 
 def av_calls(models, kind, calls):
     """A request and `calls` model calls at falling sigmas, as ComfyUI's model makes them: MiniMax-H3 with keyframes, a
-    guide clip, two references and noise masks on both streams (the guided call of test_minimax_h3), LTX-2.3 with a
-    first frame kept by a noise mask (per-token timesteps)."""
+    guide clip, two references and noise masks on both streams (the guided call of test_minimax_h3), LTX-2.3 with
+    LTXVAddGuide's first and last frames at 0.7 (per-token timesteps, the guides' positions and attention weights), the
+    last an IC-LoRA's dilated reference (tokens out of the sequence)."""
     plan = ParallelPlan(ulysses=2)
     if kind == "minimax-h3":
         from test_minimax_h3 import guided_call, request as h3_request
         x, t, c = guided_call()
         return h3_request(models[kind], c, plan), [(x, t * (1.0 - 0.2 * k), c) for k in range(calls)]
-    from test_ltx23 import ltx_call, request as ltx_request
-    made = [ltx_call(masked=True, sigma=0.9 - 0.2 * k) for k in range(calls)]
+    from test_ltx23 import guided_call, request as ltx_request
+    made = [guided_call(h=2, w=4, dilated=True, sigma=0.9 - 0.2 * k) for k in range(calls)]
     return ltx_request(models[kind], made[0][2], plan), made
 
 

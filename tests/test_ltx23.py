@@ -5,6 +5,7 @@ real rank processes equal to one rank. ComfyUI's own LTXAV model against the eng
 (tests/comfyui_ltx_check.py, skipped without COMFYUI_PATH)."""
 import contextlib
 import importlib
+import itertools
 import json
 import math
 import types
@@ -137,6 +138,49 @@ def ltx_call(seed=0, text=7, frames=3, h=2, w=3, audio=7, fps=24.0, masked=False
     return x, ts, {"context": torch.randn(1, text, TEXT, generator=g), **extras}
 
 
+def guide_coords(frame_idx: int, h: int, w: int) -> torch.Tensor:
+    """[1, 3, h*w, 2]: the pixel coordinates LTXVAddGuide records for a one-image guide at pixel frame frame_idx
+    (worked by hand: a one-frame latent's corners x (8, 32, 32), the causal fix on time (t + 1 - 8, at least 0: start
+    0, end 1), frame_idx added to time; tokens rows then columns)."""
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    ys, xs = ys.reshape(-1), xs.reshape(-1)
+    t = torch.tensor([0.0, 1.0]).expand(h * w, 2) + frame_idx
+    return torch.stack([t, torch.stack([ys * 32, ys * 32 + 32], -1), torch.stack([xs * 32, xs * 32 + 32], -1)])[None]
+
+
+def guided_call(seed=0, text=7, frames=3, h=2, w=3, audio=7, fps=24.0, sigma=0.7, strengths=(0.7, 0.7),
+                last=None, pixel_mask=None, dilated=False):
+    """A model call as ComfyUI's LTX model gets it after LTXVAddGuide with a first image (frame 0) then a last image
+    (frame -1, which resolves to (frames - 1) x 8, unless `last` names another), each one latent frame appended to the
+    video latent with noise mask max(0, 1 - strength) and one guide_attention_entry; pixel_mask: the last guide's
+    attention mask [1, 1, F', H', W']; dilated: the last guide as an IC-LoRA's reference at downscale 2 (its latent
+    spread over every other row and column, the others under mask -1 - strength: not in the sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    total = frames + 2
+    video, sound = torch.randn(1, 128, total, h, w, generator=g), torch.randn(1, 8, audio, 16, generator=g)
+    x = torch.cat([video.reshape(1, 1, -1), sound.reshape(1, 1, -1)], dim=-1)
+    mask = torch.ones(1, 1, total, h, w)
+    for i, s in enumerate(strengths):
+        mask[:, :, frames + i] = max(0.0, 1.0 - s)
+    last = (frames - 1) * 8 if last is None else last
+    coords = torch.cat([guide_coords(0, h, w), guide_coords(last, h, w)], dim=2)
+    entries = [{"pre_filter_count": h * w, "strength": s, "pixel_mask": None, "latent_shape": [1, h, w]}
+               for s in strengths]
+    if pixel_mask is not None:
+        entries[1]["pixel_mask"] = pixel_mask
+    if dilated:   # LTXVAddGuide.dilate_latent at 2: kept where row and column are even, -1 elsewhere, less strength
+        spread = torch.full((h, w), -1.0)
+        spread[::2, ::2] = 1.0
+        mask[0, 0, -1] = spread - strengths[1]
+        entries[1]["latent_shape"] = [1, -(-h // 2), -(-w // 2)]
+        coords[:, 1:, h * w:, 1] += torch.tensor([32.0, 32.0]).view(1, 2, 1)   # the reference's end, one grid step on
+    timestep = (mask.reshape(1, -1, 1) * sigma, torch.tensor([sigma]).reshape(1, 1, 1).expand(1, audio, 1))
+    extras, ts = ltx23.comfy_call([tuple(video.shape), tuple(sound.shape)],
+                                  {"frame_rate": fps, "denoise_mask": mask, "keyframe_idxs": coords,
+                                   "guide_attention_entries": entries}, {}, timestep)
+    return x, ts, {"context": torch.randn(1, text, TEXT, generator=g), **extras}
+
+
 def reference(flow, x, t, c):
     extras = {k: v for k, v in c.items() if k in ltx23.EXTRAS}
     return flow.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras))
@@ -245,6 +289,87 @@ def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side
         assert report(f"LTX-2.3 cfg2: {name}", (g - w).abs().max(), bound(w))
 
 
+# ---- LTXVAddGuide's guides -------------------------------------------------------------------------------------------
+def dense_guide_mask(total, start, log_w):
+    """ComfyUI's guide attention as one dense additive mask [1, 1, total, total] (GuideAttentionMask's two groups
+    written into the whole matrix: the queries before `start` get each tracked guide key's log weight, each tracked
+    guide query its own log weight on every key before `start`)."""
+    count = log_w.shape[0]
+    mask = torch.zeros(1, 1, total, total, dtype=log_w.dtype)
+    mask[..., :start, start:start + count] = log_w
+    mask[..., start:start + count, :start] = log_w[:, None]
+    return mask
+
+
+def test_the_guide_bias_equals_the_dense_mask_however_the_sequence_is_split():
+    """GuideBias over the whole sequence, and over the key blocks and query shards sequence parallel hands it (each
+    block's part merged through its log-sum-exp as the ring merges, the noisy / guide boundary inside a block, a block
+    of guide keys alone, untracked guide tokens after the tracked ones), equals attention under the dense mask. Weights
+    0 (the dtype's lowest: the guide not seen), 0.7 and 2.5."""
+    from engine.families.ltx23 import GuideBias
+    from engine.parallel.attention import _merge, attention_with_lse
+    g = torch.Generator().manual_seed(3)
+    total, start, count = 23, 14, 7   # 14 generated tokens, 7 tracked guide tokens, 2 untracked after them
+    q, k, v = (torch.randn(2, total, 3, 8, generator=g) for _ in range(3))
+    weights = torch.tensor([0.7, 0.7, 0.0, 2.5, 0.7, 0.7, 1.0])
+    low = torch.finfo(torch.float32)
+    log_w = torch.where(weights > 0, torch.log(weights.clamp(min=low.tiny)), torch.full_like(weights, low.min))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=dense_guide_mask(total, start, log_w)).transpose(1, 2)
+    bias = GuideBias(start, count, log_w)
+    worst = (bias.attend(q, k, v, 0, 0) - want).abs().max()
+    for shards in ((0, 12, 23), (0, 6, 12, 18, 23), (0, 14, 23), (0, 15, 21, 23)):
+        for a, b in itertools.pairwise(shards):   # one rank's queries, the key blocks in turn
+            out = lse = None
+            for c, d in itertools.pairwise(shards):
+                out, lse = _merge(out, lse, *bias.attend(q[:, a:b], k[:, c:d], v[:, c:d], a, c, attention_with_lse))
+            worst = max(worst, (out - want[:, a:b]).abs().max())
+    assert (want - torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)).abs().max() > 1e-2   # the mask matters here
+    # two fp32 reductions in a row (the scores over the head width, the weighted values over the keys)
+    assert report("guide bias vs the dense mask, whole and split", worst,
+                  fp32_bound(v.abs().max(), reduction=total * 8, depth=2))
+
+
+def test_guided_calls_keep_the_guides_positions_strengths_and_dropped_tokens(local):
+    """Each part of a guide reaches the model: its position (the last image at frame 16 against 8), its strength in
+    the attention (0.7 against the bias left out, the noise mask the same), an attention mask over its pixels; the
+    tokens an IC-LoRA reference leaves out of the sequence (a negative noise mask) come out as zeros."""
+    x, t, c = guided_call()
+    want = reference(local, x, t, c)
+    assert (reference(local, *guided_call(last=8)) - want).abs().max() > 1e-4
+    unbiased = {k: v for k, v in c.items() if k != "guide_weights"}
+    unbiased["guide"] = c["guide"].clone()
+    unbiased["guide"][:, 1] = 0
+    assert (reference(local, x, t, unbiased) - want).abs().max() > 1e-3
+    pixels = torch.ones(1, 1, 1, 64, 96)
+    pixels[..., 32:, :] = 0.25
+    assert (reference(local, *guided_call(pixel_mask=pixels)) - want).abs().max() > 1e-4
+    x, t, c = guided_call(h=2, w=4, dilated=True)
+    assert c["guide"][0].tolist() == [10, 10, 34] and c["keep"][0, -8:].tolist() == [1, 0, 1, 0, 0, 0, 0, 0]
+    out = reference(local, x, t, c)[0, 0, :128 * 5 * 8].reshape(128, 5, 2, 4)
+    assert torch.equal(out[:, 4][:, [0, 0, 1, 1, 1, 1], [1, 3, 0, 1, 2, 3]], torch.zeros(128, 6))
+    assert out[:, 4, 0, 0].abs().max() > 0
+
+
+@pytest.mark.parametrize("world,plan,kw", [
+    (2, ParallelPlan(ulysses=2), {}), (2, ParallelPlan(ring=2), {}),
+    (2, ParallelPlan(ring=2), {"h": 2, "w": 4, "dilated": True}),
+    (2, ParallelPlan(ulysses=2, shard=2), {"pixel_mask": torch.linspace(0, 1, 64 * 96).reshape(1, 1, 1, 64, 96)})],
+    ids=["ulysses2", "ring2", "ring2-dilated", "ulysses2-shard2-pixel-mask"])
+def test_every_sequence_plan_runs_the_guides_and_equals_one_rank(engines, path, local, world, plan, kw):
+    """Two guide frames ending the video tokens (the first and the last image at strength 0.7): split across the
+    ranks with the generated tokens, their positions and per-token timesteps, each rank's attention taking its part of
+    the guides' bias (ring2: the second member holds the boundary; dilated: 34 of 40 tokens kept, padded to 17 a rank;
+    a pixel attention mask on the last guide)."""
+    x, t, c = guided_call(seed=4, **kw)
+    want = reference(local, x, t, c)
+    with ModelSession(engines(world), request(path, c, plan)) as s:
+        got = s.call(x, t, c)
+    assert report(f"LTX-2.3 guided call, {plan.describe()} {kw.get('dilated') and 'dilated' or ''}",
+                  (got - want).abs().max(), bound(want))
+
+
 # ---- the ComfyUI side: the engine's MODEL receives ComfyUI's inputs --------------------------------------------------
 def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(model_parts):
     link = RecordingLink()
@@ -275,9 +400,26 @@ def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(mo
     assert torch.equal(ts, v_t.reshape(2, 18)) and torch.equal(kwargs["audio_t"], a_t.reshape(2, 5).double())
     assert kwargs["gate_t"][0].tolist() == [float(torch.tensor(0.6)), float(torch.tensor(0.6))]
     assert "denoise_mask" not in kwargs and "keyframe_idxs" not in kwargs and kwargs["frame_rate"][0] == 25.0
-    # what the engine does not run yet: one line each
-    for extra, match in ((dict(keyframe_idxs=torch.zeros(2, 3, 6, 2)), "LTXVAddGuide"),
-                         (dict(guide_attention_entries=[{"pre_filter_count": 6}]), "LTXVAddGuide"),
+    # LTXVAddGuide's guides: the last latent frame a guide (keyframe_idxs: its 6 tokens' positions), its tokens kept
+    # (no negative mask), no bias at strength 1; entries without guide frames are no guides (ComfyUI's model too)
+    v_t = torch.full((2, 18, 1), 0.6)
+    v_t[:, 12:] = 0.0
+    coords = guide_coords(16, 2, 3).expand(2, -1, -1, -1)
+    entry = {"pre_filter_count": 6, "strength": 1.0, "pixel_mask": None, "latent_shape": [1, 2, 3]}
+    t([video, audio], (v_t, sigma), context, denoise_mask=(v_t > 0).float().reshape(2, 1, 3, 2, 3),
+      keyframe_idxs=coords, guide_attention_entries=[entry])
+    x, ts, _, _, kwargs = link.calls[-1]
+    assert kwargs["guide"].tolist() == [[6, 0, 18]] * 2 and torch.equal(ts, v_t.reshape(2, 18))
+    assert torch.equal(kwargs["guide_coords"], coords.reshape(2, -1).double())
+    assert "guide_weights" not in kwargs and "keep" not in kwargs and "guide_attention_entries" not in kwargs
+    t([video, audio], (sigma, sigma), context, guide_attention_entries=[entry])
+    assert "guide" not in link.calls[-1][4]
+    # what the engine does not run yet, and guides it cannot place: one line each
+    for extra, match in ((dict(keyframe_idxs=torch.zeros(2, 3, 6, 2)), "without the latent's noise mask"),
+                         (dict(keyframe_idxs=torch.zeros(2, 3, 4, 2), denoise_mask=torch.ones(2, 1, 3, 2, 3)),
+                          "not a whole number of 6-token latent frames"),
+                         (dict(keyframe_idxs=torch.zeros(2, 3, 6, 2), denoise_mask=torch.ones(2, 1, 3, 2, 3),
+                               guide_attention_entries=[{**entry, "pre_filter_count": 12}]), "token counts"),
                          (dict(ref_audio={"tokens": torch.zeros(1, 3, 128)}), "ref_audio")):
         with pytest.raises(model_parts.ModelPatchError, match=match):
             t([video, audio], (sigma, sigma), context, **extra)
@@ -289,7 +431,7 @@ def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(mo
         t([video, audio, audio], sigma, context)
     with pytest.raises(model_parts.ModelPatchError, match="fits neither"):
         t([video, audio], (torch.ones(2, 7, 1), sigma), context)
-    assert len(link.calls) == 2
+    assert len(link.calls) == 4
 
 
 def test_the_link_refuses_an_attention_mask_that_masks(model_parts):

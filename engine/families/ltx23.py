@@ -55,8 +55,16 @@ embeddings ComfyUI's crossed timesteps (read from per-forward state the family s
 video normalised after the a2v update (diffusers normalises once before both). Measured against ComfyUI 0.33's own
 LTXAV on a tiny file: tests/comfyui_ltx_check.py.
 
-Conditioning the engine does not take yet (refused in one line on the MODEL route): LTXVAddGuide's guides
-(keyframe_idxs, guide_attention_entries), ref_audio (ID-LoRA), STG (stg_self_attn_blocks) and modality guidance
+LTXVAddGuide's guides (C/comfy_extras/nodes_lt.py:250-497; the model's side C/comfy/ldm/lightricks/model.py:1108-1170,
+1229-1320, 370-421): the guide latent frames appended to the video latent are tokens at the end of the sequence, their
+positions replaced by keyframe_idxs (pixel coordinates; then / frame rate as the others); the tokens under a negative
+noise mask value in row 0 (an IC-LoRA reference's dilation) leave the sequence (their output zeros); where a guide's
+strength is not 1 or it has a pixel attention mask, each tracked guide token's weight (strength x its mask reduced to
+the latent grid) enters the video self-attention as an additive log weight (GuideBias). comfy_call reads all of it on
+the ComfyUI side, as ComfyUI's model reads it, into the guide extras.
+
+Conditioning the engine does not take yet (refused in one line on the MODEL route): ref_audio (ID-LoRA), STG
+(stg_self_attn_blocks) and modality guidance
 (a2v_cross_attn / v2a_cross_attn, run_vx / run_ax off). A text ComfyUI did not mark unprocessed (its connectors
 already run) is refused too: the ranks run the connectors.
 """
@@ -70,7 +78,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, TokenTable
+from .base import Family, Marker, TokenTable, placed
 from .ltx23_layout import DIMS, REGISTERS, build_model, infer, key_map, shapes, tiny_metadata  # noqa: F401
 
 SHIFT = 2.37                          # supported_models.LTXV.sampling_settings
@@ -130,14 +138,75 @@ class LtxProcessor:
             q = apply_split_rotary_emb(q, query_rotary_emb)
             k = apply_split_rotary_emb(k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        if self.attention is not None and getattr(attn, "xdit_sequence", False):
-            out = self.attention(q, k, v)[0]
+        sequence = getattr(attn, "xdit_sequence", False)
+        bias = attn.xdit_ltx_state.get("guide") if sequence else None   # the guides' attention weights, this forward
+        if self.attention is not None and sequence:
+            out = self.attention(q, k, v, bias=bias)[0]
+        elif bias is not None:
+            out = bias.attend(q, k, v, 0, 0)
         else:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         out = out.flatten(2, 3).to(q.dtype)
         if gate_logits is not None:
             out = (out.unflatten(2, (attn.heads, -1)) * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)).flatten(2, 3)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+class GuideBias:
+    """An additive self-attention bias between a sequence's tokens and the guide tokens that end it (LTX's guide
+    attention, ComfyUI's GuideAttentionMask: comfy/ldm/lightricks/model.py 370-421), in the whole sequence's token
+    coordinates: tokens [start, start + count) are tracked guide tokens with log weights `log_w` [count] (on the
+    device, the attention's dtype). A query before `start` gets L(j) on each key j; a tracked query i gets L(i) on
+    each key before `start`; every other pair 0 (L: log_w on the tracked tokens, 0 elsewhere). Everything here is
+    shaped from host integers: nothing reads the device."""
+
+    def __init__(self, start: int, count: int, log_w: torch.Tensor):
+        self.start, self.count, self.log_w = start, count, log_w
+
+    def groups(self, q0: int, nq: int, k0: int, nk: int):
+        """Queries [q0, q0 + nq) over keys [k0, k0 + nk) as (first, end, mask or None): row ranges of the queries
+        with the additive mask each takes over these keys (1, 1, rows or 1, nk)."""
+        start, end = self.start, self.start + self.count
+        lw, out = self.log_w, []
+        noisy = (q0, min(q0 + nq, start))
+        if noisy[1] > noisy[0]:   # guide keys in this block: their weights as a row every such query shares
+            a, b = max(k0, start), min(k0 + nk, end)
+            mask = None
+            if b > a:
+                mask = lw.new_zeros(1, 1, 1, nk)
+                mask[..., a - k0:b - k0] = lw[a - start:b - start]
+            out.append((noisy[0] - q0, noisy[1] - q0, mask))
+        tracked = (max(q0, start), min(q0 + nq, end))
+        if tracked[1] > tracked[0]:   # each tracked query's own weight on the keys before start
+            c = min(max(start - k0, 0), nk)
+            mask = None
+            if c:
+                rows = lw[tracked[0] - start:tracked[1] - start]
+                mask = lw.new_zeros(1, 1, rows.shape[0], nk)
+                mask[..., :c] = rows[:, None]
+            out.append((tracked[0] - q0, tracked[1] - q0, mask))
+        rest = max(q0, end)
+        if rest < q0 + nq:   # untracked guide tokens (and pad rows): no bias
+            out.append((rest - q0, nq, None))
+        return out
+
+    def attend(self, q, k, v, q0: int, k0: int, kernel=None):
+        """Attention of queries starting at token q0 over keys starting at k0 under this bias, by query group (the
+        queries' rows in order). kernel(q, k, v, mask) -> (out, log-sum-exp) (the ring's, for its merge): (out,
+        log-sum-exp); without one, torch's attention: out."""
+        outs, lses = [], []
+        for a, b, mask in self.groups(q0, q.shape[1], k0, k.shape[1]):
+            if kernel is not None:
+                o, lse = kernel(q[:, a:b], k, v, mask)
+                lses.append(lse)
+            else:
+                o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q[:, a:b], k, v)),
+                                                   attn_mask=mask).transpose(1, 2)
+            outs.append(o)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if kernel is None:
+            return out
+        return out, (lses[0] if len(lses) == 1 else torch.cat(lses, dim=-1))
 
 
 # ---- the compensations, registered once at load ------------------------------------------------------------------
@@ -196,8 +265,10 @@ def _after_load(model) -> None:
     for name, module in model.named_modules():
         if name.endswith(("norm_q", "norm_k")):
             module.eps = QK_EPS
+    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias
     for block in model.transformer_blocks:
         block.attn1.xdit_sequence = True
+        block.attn1.xdit_ltx_state = state
         _v2a_renorm(block)
     for connector in (model.video_connector, model.audio_connector):   # their mask: zeros once registers fill it
         if connector.learnable_registers is not None:
@@ -205,7 +276,6 @@ def _after_load(model) -> None:
                 if hasattr(module, "set_processor"):
                     module.xdit_zero_mask = True
     model.set_attn_processor(LtxProcessor())
-    state: dict = {}
     model.xdit_ltx_state = state
     for name, which in (("av_cross_attn_video_a2v_gate", "a2v"), ("av_cross_attn_audio_v2a_gate", "v2a")):
         module = getattr(model, name)
@@ -246,8 +316,12 @@ def audio_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
 # process_timestep gives ([n], or [n, T] per token under a mask); gate_t: the (audio, video) timesteps' max over the
 # whole call (ComfyUI's crossed gates take it batch-wide). The video timestep is the call's timestep itself ([n], or
 # [n, F*H*W] per token under a mask).
-EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t")
-HOST_EXTRAS = ("av_shape", "frame_rate")   # read on the host (the streams' shapes, the positions' scale)
+# With LTXVAddGuide's guide frames (appended to the video latent): guide: (guide tokens kept, tracked guide tokens,
+# video tokens kept); guide_coords: the kept guide tokens' (start, end) pixel coordinates [3 x G x 2] (keyframe_idxs);
+# guide_weights: the tracked guide tokens' attention weights; keep: 1 for each video token the model keeps (only when
+# a negative noise mask drops some: ComfyUI's grid_mask).
+EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t", "guide", "guide_coords", "guide_weights", "keep")
+HOST_EXTRAS = ("av_shape", "frame_rate", "guide", "keep")   # read on the host (shapes, the positions' scale, counts)
 REFUSED_OPTIONS = {   # transformer_options ComfyUI's LTXAV model reads that the engine does not run yet
     "stg_self_attn_blocks": "STG (spatio-temporal guidance: stg_self_attn_blocks)",
     "a2v_cross_attn": "modality guidance (a2v_cross_attn off)", "v2a_cross_attn": "modality guidance (v2a_cross_attn "
@@ -271,8 +345,8 @@ def _per_row(t: torch.Tensor, rows: int, tokens: int, what: str) -> torch.Tensor
 def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, timestep, meta=None):
     """What a call of ComfyUI's LTXAVModel reads besides x and context, as the engine's tensors: (extras, the video
     timestep). Reads (and removes from `kwargs`) frame_rate, the noise masks (ComfyUI's model reads them only for a
-    memory layout and for guides: their effect is the per-token timesteps process_timestep made) and the guide inputs;
-    ValueError, in one line, for what the engine does not run yet."""
+    memory layout and for guides: their effect is the per-token timesteps process_timestep made) and the guide inputs
+    (guide_extras); ValueError, in one line, for what the engine does not run yet."""
     if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
         raise ValueError(f"latent streams of shapes {[list(s) for s in shapes]}: LTX-2.3 takes a video latent "
                          f"[B, 128, F, H, W] and an audio latent [B, 8, T, 16] (LTXVConcatAVLatent of "
@@ -283,17 +357,13 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
             raise ValueError(f"the sampling asks for {what}, which the xDiT engine does not run for LTX-2.3 yet: "
                              f"use a plain guider (CFGGuider) on the engine's MODEL")
     keyframes = kwargs.pop("keyframe_idxs", None)
-    guides = kwargs.pop("guide_attention_entries", None)
-    if (keyframes is not None and keyframes.shape[2] > 0) or guides:
-        raise ValueError("the conditioning carries LTXVAddGuide's guide frames (keyframe_idxs, "
-                         "guide_attention_entries), which the xDiT engine does not run for LTX-2.3 yet: remove the "
-                         "guide nodes, or start from an image with LTXVImgToVideoInplace")
+    entries = kwargs.pop("guide_attention_entries", None)
+    video_mask = kwargs.pop("denoise_mask", None)
     if kwargs.pop("ref_audio", None) is not None:
         raise ValueError("the conditioning carries a reference audio (ref_audio, ID-LoRA), which the xDiT engine does "
                          "not run for LTX-2.3 yet")
     kwargs.pop("generated_keyframes", None)   # read only by LTX-2.5's keyframe embedding (a no-op on 2.3)
-    for name in ("denoise_mask", "audio_denoise_mask"):
-        kwargs.pop(name, None)
+    kwargs.pop("audio_denoise_mask", None)
     rate = kwargs.pop("frame_rate", FPS)
     rate = float(rate.reshape(-1)[0]) if torch.is_tensor(rate) else float(rate)
     if not math.isfinite(rate) or rate <= 0:
@@ -303,10 +373,101 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
     video = _per_row(v_t, rows, math.prod(shapes[0][2:]), "video")
     audio = _per_row(a_t, rows, shapes[1][2], "audio")
     f64 = torch.float64
-    extras = {"av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=f64).expand(rows, -1),
-              "frame_rate": torch.full((rows,), rate, dtype=f64), "audio_t": audio.to(f64),
-              "gate_t": torch.tensor([[float(audio.max()), float(video.max())]], dtype=f64).expand(rows, -1)}
+    extras = {}
+    if keyframes is not None and keyframes.shape[2] > 0:   # LTXVAddGuide's guide frames (entries alone: no guides)
+        extras, keep = guide_extras(shapes[0], keyframes, entries, video_mask)
+        if video.ndim != 2:
+            raise ValueError("LTXVAddGuide's guide frames without per-token timesteps: the sampler gave the model no "
+                             "noise mask")
+        video = video[:, keep]
+    extras.update({
+        "av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=f64).expand(rows, -1),
+        "frame_rate": torch.full((rows,), rate, dtype=f64), "audio_t": audio.to(f64),
+        "gate_t": torch.tensor([[float(audio.max()), float(video.max())]], dtype=f64).expand(rows, -1)})
     return {k: v.contiguous() for k, v in extras.items()}, video
+
+
+def mask_per_token(mask: torch.Tensor, frames: int, h: int, w: int) -> torch.Tensor:
+    """LTXVAddGuide's attention mask (pixels [B, 1, F', H', W'], values in [0, 1]) as one weight per latent token of
+    a guide of frames x h x w latents, as ComfyUI's LTX model reduces it (model.py _downsample_mask_to_latent): each
+    pixel frame's area average over the latent grid; the first pixel frame is the first latent frame, the others
+    averaged in whole groups of (F' - 1) // (frames - 1) (the frames past the last whole group left out), or, with
+    fewer pixel frames than latent frames, repeated nearest; one pixel frame repeated over all latent frames.
+    [B, frames * h * w]."""
+    b, _, pixel_frames = mask.shape[:3]
+    area = F.interpolate(mask.flatten(0, 2).unsqueeze(1), size=(h, w), mode="area").reshape(b, pixel_frames, h, w)
+    first, rest = area[:, :1], area[:, 1:]
+    if frames == 1:
+        latent = first
+    elif pixel_frames == 1:
+        latent = first.expand(b, frames, h, w)
+    else:
+        group = (pixel_frames - 1) // (frames - 1)
+        if group < 1:
+            spread = F.interpolate(rest.permute(0, 2, 3, 1).reshape(-1, 1, pixel_frames - 1), size=frames - 1,
+                                   mode="nearest")
+            rest = spread.reshape(b, h, w, frames - 1).permute(0, 3, 1, 2)
+        else:
+            rest = rest[:, :(frames - 1) * group].reshape(b, frames - 1, group, h, w).mean(dim=2)
+        latent = torch.cat([first, rest], dim=1)
+    return latent.reshape(b, -1)
+
+
+def guide_extras(shape: tuple, keyframes: torch.Tensor, entries, mask) -> tuple[dict, torch.Tensor]:
+    """LTXVAddGuide's guides as the engine's extras (see EXTRAS), and which video tokens the model keeps ([N] bool),
+    as ComfyUI's LTX model reads them (model.py 1108-1170, 1229-1320): the tokens under a negative noise mask value
+    dropped (row 0's mask), the kept guide tokens' positions taken from keyframe_idxs, and, where a guide's strength is
+    not 1 or it has an attention mask, one weight per tracked guide token (its entry's strength, times its attention
+    mask reduced to the latent grid)."""
+    rows, _, frames, h, w = shape
+    count, per_frame = keyframes.shape[2], h * w
+    if count % per_frame:
+        raise ValueError(f"keyframe_idxs holds {count} guide tokens, not a whole number of {per_frame}-token latent "
+                         f"frames: the guides were added at another resolution than the latent's; crop the guides "
+                         f"(LTXVCropGuides) before upscaling the latent")
+    if mask is None:
+        raise ValueError("LTXVAddGuide's guide frames without the latent's noise mask (the guide node sets one)")
+    m = torch.as_tensor(mask).detach()[0].to("cpu", torch.float32)
+    keep = ~(m.expand(m.shape[0], frames, h, w) < 0).any(dim=0).reshape(-1)
+    guide_keep = keep[-count:]
+    coords = torch.as_tensor(keyframes).detach().to("cpu", torch.float64)[..., guide_keep, :]
+    kept_guides = coords.shape[2]
+    if coords.shape[0] not in (1, rows):
+        raise ValueError(f"keyframe_idxs of {coords.shape[0]} rows for a call of {rows}")
+    weights = []
+    if entries:
+        total = sum(int(e["pre_filter_count"]) for e in entries)
+        if total != count:
+            raise ValueError(f"the guides' token counts ({total}) are not keyframe_idxs' ({count} guide tokens)")
+        if any(float(e["strength"]) != 1.0 or e.get("pixel_mask") is not None for e in entries):
+            offset = 0
+            for e in entries:
+                size = int(e["pre_filter_count"])
+                surviving = int(guide_keep[offset:offset + size].sum())
+                offset += size
+                if not surviving:
+                    continue
+                strength = float(e["strength"])
+                pixel, latent_shape = e.get("pixel_mask"), e.get("latent_shape")
+                if pixel is not None and latent_shape is not None:
+                    per_token = mask_per_token(torch.as_tensor(pixel).detach().to("cpu", torch.float32),
+                                               *(int(v) for v in latent_shape))[:1]
+                    weights.append(per_token[0, :surviving].to(torch.float64) * strength)
+                else:
+                    weights.append(torch.full((surviving,), strength, dtype=torch.float64))
+    tracked = torch.cat(weights) if weights else torch.zeros(0, dtype=torch.float64)
+    if bool((tracked == 1.0).all()):   # every weight 1: no bias
+        tracked = tracked[:0]
+    kept = int(keep.sum())
+    f64 = torch.float64
+    extras = {"guide": torch.tensor([[kept_guides, tracked.shape[0], kept]], dtype=f64).expand(rows, -1)}
+    if kept_guides:
+        extras["guide_coords"] = coords.reshape(coords.shape[0], -1).expand(rows, -1)
+    if tracked.shape[0]:
+        extras["guide_weights"] = tracked.reshape(1, -1).expand(rows, -1)
+    if kept < keep.shape[0]:
+        extras["keep"] = keep.to(f64).reshape(1, -1).expand(rows, -1)
+    return extras, keep
 
 
 # ---- the one forward ------------------------------------------------------------------------------------------------
@@ -345,11 +506,22 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     audio = flat[:, nv:].reshape(n, ca, ta, bins).to(device, dtype)
     v_rows = video.permute(0, 2, 3, 4, 1).reshape(n, frames * h * w, cv)
     a_rows = audio.permute(0, 2, 1, 3).reshape(n, ta, ca * bins)
+    coords = video_coords(frames, h, w, fps, n, tuple(config["vae_scale_factors"]), device)
+    guides, tracked, kept = (int(v) for v in extras["guide"][0].tolist()) if "guide" in extras \
+        else (0, 0, frames * h * w)
+    keep = None
+    if kept < frames * h * w:   # tokens under a negative noise mask value: not in the sequence (ComfyUI's grid_mask)
+        keep = placed(model, extras["keep"][0].nonzero().reshape(-1), device)
+        v_rows, coords = v_rows.index_select(1, keep), coords.index_select(2, keep)
+    if guides:   # the guide tokens end the sequence, at the positions LTXVAddGuide gave them
+        at = extras["guide_coords"].to(device, torch.float32).reshape(n, 3, guides, 2)
+        at[:, 0] = at[:, 0] * (1.0 / fps)
+        coords[:, :, -guides:] = at
     mult, cross = float(config["timestep_scale_multiplier"]), float(config["cross_attn_timestep_scale_multiplier"])
     v_t = timestep.to(device, torch.float32)
     a_t = extras["audio_t"].to(device, torch.float32) if "audio_t" in extras else v_t
-    if v_t.ndim == 2 and v_t.shape[1] != frames * h * w:
-        raise ValueError(f"an LTX-2.3 video timestep of {v_t.shape[1]} tokens for {frames * h * w} video tokens")
+    if v_t.ndim == 2 and v_t.shape[1] != kept:
+        raise ValueError(f"an LTX-2.3 video timestep of {v_t.shape[1]} tokens for {kept} video tokens")
     v_scaled, a_scaled = v_t * mult, a_t * mult
     sigma = v_scaled.amax(dim=1) if v_scaled.ndim == 2 else v_scaled
     audio_sigma = a_scaled.amax(dim=1) if a_scaled.ndim == 2 else a_scaled
@@ -359,16 +531,22 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     state = model.xdit_ltx_state
     state.update(a2v=(gates[0] * mult, cross / mult), v2a=(gates[1] * mult, cross / mult))
+    if tracked:   # the guides' attention weights, in log space in the model's dtype (0 -> the dtype's lowest)
+        weights = extras["guide_weights"][0].to(device, dtype)
+        low = torch.finfo(dtype)
+        log_w = torch.where(weights > 0, torch.log(weights.clamp(min=low.tiny)), torch.full_like(weights, low.min))
+        state["guide"] = GuideBias(kept - guides, tracked, log_w)
     try:
         v_out, a_out = model(
             hidden_states=v_rows, audio_hidden_states=a_rows,
             encoder_hidden_states=connect(model.video_connector, text[..., :inner]),
             audio_encoder_hidden_states=connect(model.audio_connector, text[..., inner:]),
             timestep=v_scaled, audio_timestep=a_scaled, sigma=sigma, audio_sigma=audio_sigma,
-            video_coords=video_coords(frames, h, w, fps, n, tuple(config["vae_scale_factors"]), device),
-            audio_coords=audio_coords(ta, n, device), return_dict=False)
+            video_coords=coords, audio_coords=audio_coords(ta, n, device), return_dict=False)
     finally:
         state.clear()
+    if keep is not None:   # the dropped tokens' output: zeros
+        v_out = v_out.new_zeros(n, frames * h * w, v_out.shape[-1]).index_copy(1, keep, v_out)
     v = v_out.reshape(n, frames, h, w, cv).permute(0, 4, 1, 2, 3)
     a = a_out.reshape(n, ta, ca, bins).permute(0, 2, 1, 3)
     return torch.cat([v.reshape(n, 1, -1), a.reshape(n, 1, -1)], dim=-1).to(x.dtype)

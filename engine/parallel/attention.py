@@ -49,10 +49,41 @@ HALF_KERNELS = {"cudnn": _cudnn, "flash-attn": _flash_attn,
 _CHOSEN: dict = {}
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _math_with_lse(q, k, v, mask):
+    """Softmax attention with an additive mask and its log-sum-exp, written out (where no fused kernel takes the mask)."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5 + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype), lse
+
+
+def _masked_with_lse(q, k, v, mask):
+    """attention_with_lse under an additive mask (broadcast to batch, heads, queries, keys): on the CPU torch's CPU
+    flash kernel, on CUDA the efficient kernel (its bias laid out as it requires: the key axis padded to a multiple
+    of 16 and sliced back), the written-out arithmetic where the kernel refuses the shapes."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
+        return out.transpose(1, 2), lse[..., :q.shape[1]].float()
+    b, s, h, _ = q.shape
+    n = k.shape[1]
+    padded = mask.new_zeros(*mask.shape[:-1], -(-n // 16) * 16)
+    padded[..., :n] = mask
+    try:
+        return _aten(torch.ops.aten._scaled_dot_product_efficient_attention, q, k, v,
+                     padded[..., :n].expand(b, h, s, n), True)
+    except RuntimeError:
+        return _math_with_lse(q, k, v, mask)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and its log-sum-exp (batch, heads, tokens; fp32), from a kernel that returns a real one
     (yunchang's TORCH_MATH returns zeros, which breaks any ring merge): on CUDA in half precision the fastest of
-    HALF_KERNELS that takes these shapes, in fp32 the efficient kernel; on the CPU torch's CPU flash kernel."""
+    HALF_KERNELS that takes these shapes, in fp32 the efficient kernel; on the CPU torch's CPU flash kernel. With an
+    additive `mask`: _masked_with_lse."""
+    if mask is not None:
+        return _masked_with_lse(q, k, v, mask)
     if q.device.type == "cpu":
         return _aten(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, q, k, v)
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -74,12 +105,13 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
 
 def _merge(out, lse, block_out, block_lse):
     """Combine two partial softmax results over disjoint key sets: the block's share of the whole is
-    sigmoid(block_lse - lse), so the merged output is one lerp and the merged log-sum-exp one log-sigmoid (three
-    elementwise kernels, stable for any gap between the two; under compile they fuse with the blocks' graphs)."""
+    sigmoid(block_lse - lse), so the merged output is one lerp and the merged log-sum-exp one logaddexp (three
+    elementwise kernels, stable for any gap between the two, a block whose keys a bias all but removed included (its
+    log-sum-exp near the dtype's lowest); under compile they fuse with the blocks' graphs)."""
     if out is None:
         return block_out.float(), block_lse
     share = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
-    return torch.lerp(out, block_out.float(), share), lse - F.logsigmoid(lse - block_lse)
+    return torch.lerp(out, block_out.float(), share), torch.logaddexp(lse, block_lse)
 
 
 class SequenceParallelAttention:
@@ -99,9 +131,14 @@ class SequenceParallelAttention:
         # rank of the last ring member, and the ring passes them on as that member's block
         self.pad_tokens = 0
 
-    def __call__(self, q, k, v, joint: tuple | None = None):
-        """q, k, v: this rank's image-token shard (all heads). joint: text (q, k, v), full on every rank.
-        Returns (image out shard, text out or None), all heads."""
+    def __call__(self, q, k, v, joint: tuple | None = None, bias=None):
+        """q, k, v: this rank's image-token shard (all heads). joint: text (q, k, v), full on every rank. bias: an
+        additive bias in the whole sequence's token coordinates, without joint text or a PipeFusion buffer: its
+        `attend(q, k, v, first query, first key, kernel)` computes a block of queries over a block of keys under it,
+        each query group through `kernel(q, k, v, mask)` (attention_with_lse; None: torch's attention, no
+        log-sum-exp). Returns (image out shard, text out or None), all heads."""
+        if bias is not None and (joint is not None or self.stale is not None):
+            raise ValueError("a guide bias is taken on image tokens alone (no joint text, no PipeFusion)")
         u = self.ulysses
         if u.size > 1:
             sent = sum(t.numel() * t.element_size() for t in (q, k, v)) * (u.size - 1) // u.size
@@ -124,9 +161,10 @@ class SequenceParallelAttention:
             if self.ring.size > 1:
                 self._ring(queries, keys, values, k, v)
         elif self.ring.size == 1:
-            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
+            out = bias.attend(queries, keys, values, 0, 0) if bias is not None else \
+                F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
         else:
-            out = self._ring(queries, keys, values, k, v)
+            out = self._ring(queries, keys, values, k, v, bias)
         text_out, image_out = out[:, :n_text], out[:, n_text:]
         if u.size > 1:
             self.mesh.stats.add("ulysses_all_to_all", image_out.numel() * image_out.element_size() * (u.size - 1) // u.size)
@@ -161,16 +199,22 @@ class SequenceParallelAttention:
         self.mesh.stats.add("ring_p2p", kv.numel() * kv.element_size())
         return incoming, dist.batch_isend_irecv(ops)
 
-    def _ring(self, queries, keys0, values0, k, v):
+    def _ring(self, queries, keys0, values0, k, v, bias=None):
         """Step 0 uses this rank's keys (text included, once); then the image K/V of every other ring member
         arrives in turn. Each hop is posted before the attention of the block in hand (double buffering), so the
-        transfer runs while that block computes. Partial results merge exactly through their log-sum-exp."""
+        transfer runs while that block computes. Partial results merge exactly through their log-sum-exp. Under a
+        bias each block takes its part of it: member m's tokens (after Ulysses' exchange) start at m x its count."""
         r = self.ring
-        kernel = attention_with_lse if not self.comm_only else \
-            (lambda q, k, v: (q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)))
+        span = k.shape[1]   # each member's tokens, pad rows included
+        if self.comm_only:
+            kernel = (lambda q, k, v, m: (q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)))
+        elif bias is not None:
+            kernel = (lambda q, k, v, m: bias.attend(q, k, v, r.rank * span, m * span, attention_with_lse))
+        else:
+            kernel = (lambda q, k, v, m: attention_with_lse(q, k, v))
         nxt, prv = r.ranks[(r.rank + 1) % r.size], r.ranks[(r.rank - 1) % r.size]
         incoming, requests = self._pass_on(torch.stack([k, v]), nxt, prv)
-        out, lse = _merge(None, None, *kernel(queries, keys0, values0))
+        out, lse = _merge(None, None, *kernel(queries, keys0, values0, r.rank))
         for hop in range(1, r.size):
             for request in requests:
                 request.wait()
@@ -179,5 +223,5 @@ class SequenceParallelAttention:
                 incoming, requests = self._pass_on(kv, nxt, prv)
             if self.pad_tokens and (r.rank - hop) % r.size == r.size - 1:   # the last member's block: pad rows off
                 kv = kv[:, :, :kv.shape[2] - self.pad_tokens]
-            out, lse = _merge(out, lse, *kernel(queries, kv[0], kv[1]))
+            out, lse = _merge(out, lse, *kernel(queries, kv[0], kv[1], (r.rank - hop) % r.size))
         return out.to(queries.dtype)
