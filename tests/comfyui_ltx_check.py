@@ -3,7 +3,8 @@ template's: LTXVConditioning's frame rate, LTXVConcatAVLatent of the video and a
 KSamplerSelect, ManualSigmas, SamplerCustomAdvanced; text-to-video with audio at cfg 1 and at cfg 3 with a negative,
 euler_cfg_pp and euler_ancestral_cfg_pp; image-to-video through LTXVImgToVideoInplace's noise mask on the first frame;
 the distilled LoRA through LoraLoaderModelOnly; LTXVAddGuide's first and last frames at 0.7, one with a pixel attention
-mask, one an IC-LoRA's dilated reference) on the model ComfyUI's own loader makes of a tiny LTX-2.3 file, and
+mask, one an IC-LoRA's dilated reference; the extra passes of LTXVSpatioTemporalGuidance, LTXVModalityGuidance and
+LTXVReferenceAudio) on the model ComfyUI's own loader makes of a tiny LTX-2.3 file, and
 with the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (auto, Ulysses, Ring, CFG parallel, the weights
 divided); the video and audio latents compared each. The conditioning is built directly (no text encoder): random
 text of the LTX-2.3 text projection's width [1, L, video inner + audio inner], marked unprocessed as
@@ -239,10 +240,56 @@ for name, (gp, gn, glat), runs in (
     report["graphs"][name] = entry
     print(name, json.dumps(entry), flush=True)
 
+# ---- the extra passes LTX-2.3's guidance nodes add after CFG (each a post-CFG function calling the model once more a
+# step): LTXVSpatioTemporalGuidance (blocks 1 and 2: their self-attentions pass their values through),
+# LTXVModalityGuidance (the audio-video cross-attentions severed), LTXVReferenceAudio (ID-LoRA: a reference audio's
+# tokens ahead of the audio, and a pass without them), each through ComfyUI's own node on the MODEL; the reference's
+# audio VAE a stand-in whose encode gives fixed latents (the node's only use of it)
+class StandInAudioVAE:
+    audio_sample_rate = 16000
+
+    def encode(self, waveform):
+        return torch.randn(1, 8, 6, 16, generator=torch.Generator().manual_seed(11))
+
+
+def guided_by(kind):
+    def patch(model, p, n):
+        if kind == "stg":
+            return call("LTXVSpatioTemporalGuidance", model=model, scale=1.0, blocks="1, 2", start_percent=0.0,
+                        end_percent=1.0)[0], p, n
+        if kind == "modality":
+            return call("LTXVModalityGuidance", model=model, modality_scale=3.0, start_percent=0.0,
+                        end_percent=1.0)[0], p, n
+        return call("LTXVReferenceAudio", model=model, positive=p, negative=n,
+                    reference_audio={"waveform": torch.zeros(1, 1, 16000), "sample_rate": 16000},
+                    audio_vae=StandInAudioVAE(), identity_guidance_scale=3.0, start_percent=0.0, end_percent=1.0)
+    return patch
+
+
+for name, kind, runs in (
+        ("ltx guidance: STG on blocks 1 and 2 (scale 1), cfg 3", "stg",
+         [("gpus=0", "0", {}), ("ulysses2", "0,1", dict(plan="explicit", ulysses=2))]),
+        ("ltx guidance: modality (scale 3), cfg 3", "modality",
+         [("gpus=0", "0", {}), ("ring2", "0,1", dict(plan="explicit", ring=2))]),
+        ("ltx guidance: reference audio (ID-LoRA, identity 3), cfg 3", "reference",
+         [("gpus=0", "0", {}), ("cfg2", "0,1", dict(plan="explicit", cfg_parallel=True)),
+          ("ulysses2", "0,1", dict(plan="explicit", ulysses=2))])):
+    want = sample(*guided_by(kind)(native(), pos, neg), 3.0, image_latent, "euler_cfg_pp")
+    plain_want = sample(native(), pos, neg, 3.0, image_latent, "euler_cfg_pp")
+    entry = {"native_guidance_effect_rel_l2": rel(want[0], plain_want[0]) + rel(want[1], plain_want[1])}
+    for label, gpus, kw in runs:
+        eng, model = engine(gpus, **kw)
+        got = sample(*guided_by(kind)(model, pos, neg), 3.0, image_latent, "euler_cfg_pp")
+        entry[label] = {"video_rel_l2": rel(got[0], want[0]), "audio_rel_l2": rel(got[1], want[1]),
+                        "plan": last_plan(eng)}
+    report["graphs"][name] = entry
+    print(name, json.dumps(entry), flush=True)
+
 # what the engine does not run yet: one line each
 eng, model = engine("0")
 connected = [[pos[0][0], {k: v for k, v in pos[0][1].items() if k != "unprocessed_ltxav_embeds"}]]
-referenced = [[pos[0][0], {**pos[0][1], "ref_audio": {"tokens": torch.zeros(1, 3, 128)}}]]
-for label, p in (("reference audio", referenced), ("connected text", connected)):
-    report["refusals"][label] = live.outcome(lambda: sample(model, p, neg, 1.0, latent, "euler"))
+report["refusals"]["connected text"] = live.outcome(lambda: sample(model, connected, neg, 1.0, latent, "euler"))
+one_way = model.clone()
+one_way.model_options.setdefault("transformer_options", {})["a2v_cross_attn"] = False
+report["refusals"]["one direction severed"] = live.outcome(lambda: sample(one_way, pos, neg, 1.0, latent, "euler"))
 print("REPORT " + json.dumps(report), flush=True)

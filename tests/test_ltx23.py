@@ -370,6 +370,49 @@ def test_every_sequence_plan_runs_the_guides_and_equals_one_rank(engines, path, 
                   (got - want).abs().max(), bound(want))
 
 
+# ---- the guidance nodes' extra passes ----------------------------------------------------------------------------------
+def guidance_call(seed=2, stg=(), severed=False, reference=0):
+    """A masked call (ltx_call) as the pass an LTX guidance node adds: STG's (`stg` blocks), modality guidance's
+    (`severed`: both audio-video cross-attentions off), or with `reference` tokens of LTXVReferenceAudio's."""
+    x, t, c = ltx_call(seed=seed, masked=True)
+    options = {"stg_self_attn_blocks": frozenset(stg)} if stg else {}
+    if severed:
+        options.update(a2v_cross_attn=False, v2a_cross_attn=False)
+    kwargs = {"frame_rate": 24.0}
+    if reference:
+        kwargs["ref_audio"] = {"tokens": torch.randn(1, reference, 128, generator=torch.Generator().manual_seed(9))}
+    video = c["av_shape"][0, :4].long().tolist()
+    extras, _ = ltx23.comfy_call([(1, *video), (1, 8, 7, 16)], kwargs, options, (t.reshape(1, -1, 1),
+                                                                              torch.full((1, 7, 1), 0.7)))
+    return x, t, {**c, **{k: v for k, v in extras.items() if k in ("stg", "coupled", "ref_audio")}}
+
+
+def test_the_reference_audio_is_placed_before_time_zero_and_each_guidance_pass_moves_the_output(local):
+    """LTXVReferenceAudio's tokens sit ahead of the audio at (start, end) seconds of their own latents moved back by
+    the last end plus one latent's 0.04 s (worked by hand for 5: ends 0.01, 0.05, ... 0.17, so back by 0.21); STG's
+    value passthrough, the severed audio-video coupling and the reference tokens each change the call's output, and
+    the output keeps the audio's own length."""
+    coords = ltx23.reference_coords(5)[0, 0]
+    want = torch.tensor([[0.0, 0.01], [0.01, 0.05], [0.05, 0.09], [0.09, 0.13], [0.13, 0.17]]) - 0.21
+    assert torch.allclose(coords, want, rtol=0, atol=1e-6)
+    x, t, c = guidance_call()
+    plain = reference(local, x, t, c)
+    for kw in ({"stg": (1,)}, {"severed": True}, {"reference": 5}):
+        out = reference(local, *guidance_call(**kw))
+        assert out.shape == plain.shape and (out - plain).abs().max() > 1e-3, kw
+
+
+@pytest.mark.parametrize("plan,kw", [(ParallelPlan(ulysses=2), {"stg": (0, 2), "reference": 5}),
+                                     (ParallelPlan(ring=2), {"severed": True})], ids=["ulysses2-stg-reference",
+                                                                                      "ring2-severed"])
+def test_the_guidance_passes_on_a_sequence_plan_equal_one_rank(engines, path, local, plan, kw):
+    x, t, c = guidance_call(**kw)
+    want = reference(local, x, t, c)
+    with ModelSession(engines(2), request(path, c, plan)) as s:
+        got = s.call(x, t, c)
+    assert report(f"LTX-2.3 guidance pass {sorted(kw)}, {plan.describe()}", (got - want).abs().max(), bound(want))
+
+
 # ---- the ComfyUI side: the engine's MODEL receives ComfyUI's inputs --------------------------------------------------
 def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(model_parts):
     link = RecordingLink()
@@ -420,18 +463,25 @@ def test_the_engines_model_takes_comfyuis_timestep_tuple_frame_rate_and_masks(mo
                           "not a whole number of 6-token latent frames"),
                          (dict(keyframe_idxs=torch.zeros(2, 3, 6, 2), denoise_mask=torch.ones(2, 1, 3, 2, 3),
                                guide_attention_entries=[{**entry, "pre_filter_count": 12}]), "token counts"),
-                         (dict(ref_audio={"tokens": torch.zeros(1, 3, 128)}), "ref_audio")):
+                         (dict(ref_audio={"tokens": torch.zeros(1, 3, 64)}), "a reference audio of shape")):
         with pytest.raises(model_parts.ModelPatchError, match=match):
             t([video, audio], (sigma, sigma), context, **extra)
-    for options, match in (({"stg_self_attn_blocks": [3]}, "STG"), ({"a2v_cross_attn": False}, "modality"),
-                           ({"run_ax": False}, "without the audio")):
+    for options, match in (({"a2v_cross_attn": False}, "one direction"), ({"run_ax": False}, "without the audio")):
         with pytest.raises(model_parts.ModelPatchError, match=match):
             t([video, audio], (sigma, sigma), context, transformer_options=options)
     with pytest.raises(model_parts.ModelPatchError, match="takes a video latent"):
         t([video, audio, audio], sigma, context)
     with pytest.raises(model_parts.ModelPatchError, match="fits neither"):
         t([video, audio], (torch.ones(2, 7, 1), sigma), context)
-    assert len(link.calls) == 4
+    # the guidance nodes' extra passes: STG's blocks, modality guidance's severed coupling, ID-LoRA's reference tokens
+    tokens = torch.randn(1, 4, 128)
+    t([video, audio], (sigma, sigma), context, ref_audio={"tokens": tokens},
+      transformer_options={"stg_self_attn_blocks": frozenset({3, 1}), "a2v_cross_attn": False,
+                           "v2a_cross_attn": False})
+    kwargs = link.calls[-1][4]
+    assert kwargs["stg"].tolist() == [[1, 3]] * 2 and kwargs["coupled"].tolist() == [0, 0]
+    assert torch.equal(kwargs["ref_audio"], tokens.reshape(1, -1).double().expand(2, -1))
+    assert len(link.calls) == 5
 
 
 def test_the_link_refuses_an_attention_mask_that_masks(model_parts):

@@ -22,9 +22,9 @@ WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
              "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "wan2.1-t2v-1.3b",
              "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v",
-             "ltx-2.3-i2v")
+             "ltx-2.3-i2v", "ltx-2.3-flf")
 VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v",
-                   "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v")
+                   "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf")
 # Two passes on one model (LTX-2.3: the second after the latent upsampler), each its own sampler
 TWO_PASSES = ("ltx-2.3-t2v", "ltx-2.3-i2v")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
@@ -41,14 +41,16 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "minimax-h3-t2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
                "minimax-h3-i2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
                # the LTX-2.3 templates' one file (model, text projection, VAE): the xDiT Checkpoint Loader's
-               "ltx-2.3-t2v": "ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-i2v": "ltx-2.3-22b-dev-fp8.safetensors"}
+               "ltx-2.3-t2v": "ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-i2v": "ltx-2.3-22b-dev-fp8.safetensors",
+               "ltx-2.3-flf": "ltx-2.3-22b-distilled-fp8.safetensors"}
 # Two-expert models: an engine per expert, (high noise, low noise), each with its own sampler
 EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
                                              for noise in ("high", "low")) for kind in ("t2v", "i2v")}
 # The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2, MiniMax-H3
 # (its nodes, text encoder type and VAEs) in 0.33.0.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
-                 "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0"}
+                 "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0",
+                 "ltx-2.3-flf": "0.33.0"}
 # stock MODEL -> MODEL nodes the templates use
 MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm", "LoraLoaderModelOnly")
 SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced")
@@ -358,9 +360,14 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
     decode_id, decode = all_of(api, ("VAEDecode", "VAEDecodeTiled"))[0]
     if last_engine["class_type"] == "XDiTCheckpointLoader":   # the file's VAE, through the video stream's latent
         assert decode["inputs"]["vae"] == [last_engine_id, 2]
+        taker = decode
         separate_id, separate = source(api, decode_id, "samples")
+        if separate["class_type"] == "LTXVCropGuides":   # the guide frames taken off first
+            assert decode["inputs"]["samples"] == [separate_id, 2]
+            taker = separate
+            separate_id, separate = source(api, separate_id, "latent")
         assert separate["class_type"] == "LTXVSeparateAVLatent" and separate["inputs"]["av_latent"] == [last_id, 0]
-        assert decode["inputs"]["samples"] == [separate_id, 0]
+        assert taker["inputs"][{"LTXVCropGuides": "latent"}.get(taker["class_type"], "samples")] == [separate_id, 0]
     else:
         assert decode["inputs"]["samples"] == [last_id, 0]
         assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
@@ -866,6 +873,54 @@ def test_ltx23_is_comfyuis_two_pass_template_with_the_checkpoint_loader_swapped(
     assert source(api, sound_id, "audio_vae")[1]["inputs"] == {"ckpt_name": "ltx-2.3-22b-dev-fp8.safetensors"}
     _, video = only(api, "CreateVideo")
     assert video["inputs"] == {"images": [decode_id, 0], "audio": [sound_id, 0], "fps": 25.0, "bit_depth": 8}
+
+
+def test_ltx23_flf_is_comfyuis_first_last_frame_template_with_the_checkpoint_loader_swapped():
+    """ComfyUI 0.33.0's LTX-2.3 First-Last-Frame template, flattened: the xDiT Checkpoint Loader (the distilled fp8
+    file) in Load Checkpoint's place, its MODEL straight into CFGGuider at cfg 1; the first image at frame 0 then the
+    last at frame -1 through LTXVAddGuide at 0.7 (each after LTXV Preprocess 25), on the empty 1280x704 video; the
+    audio (126 frames at 25 fps) beside it; SamplerEulerAncestral eta 0, the template's 8 ManualSigmas; the guide
+    frames cropped off (LTXVCropGuides on the guided conditioning) before the loader's VAE decodes."""
+    _, api = load("ltx-2.3-flf")
+    loader_id, loader = only(api, "XDiTCheckpointLoader")
+    sampler_id, _ = only(api, "SamplerCustomAdvanced")
+    guider_id, guider = source(api, sampler_id, "guider")
+    assert guider["inputs"]["model"] == [loader_id, 0] and guider["inputs"]["cfg"] == 1.0
+    assert source(api, sampler_id, "sampler")[1] == {"class_type": "SamplerEulerAncestral",
+                                                     "inputs": {"eta": 0.0, "s_noise": 1.0},
+                                                     "_meta": {"title": "SamplerEulerAncestral"}}
+    assert source(api, sampler_id, "sigmas")[1]["inputs"]["sigmas"] == \
+        "1., 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"
+    av_id, av = source(api, sampler_id, "latent_image")
+    last_id, last = source(api, av_id, "video_latent")
+    first_id, first = source(api, last_id, "latent")
+    assert (first["class_type"], last["class_type"]) == ("LTXVAddGuide", "LTXVAddGuide")
+    assert (first["inputs"]["frame_idx"], first["inputs"]["strength"]) == (0, 0.7)
+    assert (last["inputs"]["frame_idx"], last["inputs"]["strength"]) == (-1, 0.7)
+    assert last["inputs"]["positive"] == [first_id, 0] and last["inputs"]["negative"] == [first_id, 1]
+    assert guider["inputs"]["positive"] == [last_id, 0] and guider["inputs"]["negative"] == [last_id, 1]
+    assert first["inputs"]["vae"] == last["inputs"]["vae"] == [loader_id, 2]
+    for guide in (first, last):
+        frame = api[guide["inputs"]["image"][0]]
+        assert frame["class_type"] == "LTXVPreprocess" and frame["inputs"]["img_compression"] == 25
+        scaled = api[frame["inputs"]["image"][0]]["inputs"]
+        assert (scaled["width"], scaled["height"], scaled["crop"]) == (1280, 720, "center")
+    assert source(api, first_id, "latent")[1]["inputs"] == {"width": 1280, "height": 704, "length": 121,
+                                                            "batch_size": 1}
+    conditioning = source(api, first_id, "positive")[1]
+    assert conditioning["class_type"] == "LTXVConditioning" and conditioning["inputs"]["frame_rate"] == 25.0
+    assert source(api, first_id, "negative")[0] == first["inputs"]["positive"][0]
+    _, audio = source(api, av_id, "audio_latent")
+    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == {"frames_number": 126, "frame_rate": 25.0}
+    split_id, _ = only_after(api, sampler_id)
+    crop_id, crop = only(api, "LTXVCropGuides")
+    assert crop["inputs"] == {"positive": [last_id, 0], "negative": [last_id, 1], "latent": [split_id, 0]}
+    decode_id, decode = only(api, "VAEDecodeTiled")
+    assert decode["inputs"]["samples"] == [crop_id, 2] and decode["inputs"]["vae"] == [loader_id, 2]
+    sound_id, sound = only(api, "LTXVAudioVAEDecode")
+    assert sound["inputs"]["samples"] == [split_id, 1]
+    assert source(api, sound_id, "audio_vae")[1]["inputs"] == {"ckpt_name": "ltx-2.3-22b-distilled-fp8.safetensors"}
+    assert loader["inputs"]["ckpt_name"] == "ltx-2.3-22b-distilled-fp8.safetensors"
 
 
 def only_after(api, node_id):

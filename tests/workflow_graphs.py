@@ -90,6 +90,9 @@ MODEL_SOURCES = {
                                                     "latent_upscale_models"),
     "gemma_3_12B_it_fp4_mixed.safetensors": (HF + "Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
                                              "gemma_3_12B_it_fp4_mixed.safetensors", "text_encoders"),
+    # the First-Last-Frame template's one file (blueprints/First-Last-Frame to Video (LTX-2.3).json)
+    "ltx-2.3-22b-distilled-fp8.safetensors": (HF + "Lightricks/LTX-2.3-fp8/resolve/main/"
+                                              "ltx-2.3-22b-distilled-fp8.safetensors", "checkpoints"),
 }
 
 
@@ -518,6 +521,76 @@ def _ltx23(image: bool) -> Graph:
     return g
 
 
+LTX_DISTILLED = "ltx-2.3-22b-distilled-fp8.safetensors"
+# the First-Last-Frame template's negative prompt (its CLIP Text Encode node's text)
+NEGATIVE_LTX_FLF = (
+    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, grainy texture, "
+    "poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, deformed facial features, "
+    "asymmetrical face, missing facial features, extra limbs, disfigured hands, wrong hand count, artifacts around "
+    "text, unreadable text on shirt or hat, incorrect lettering on cap (\u201cPNTR\u201d), incorrect t-shirt slogan "
+    "(\u201cJUST DO IT\u201d), missing microphone, misplaced microphone, inconsistent perspective, camera shake, "
+    "incorrect depth of field, background too sharp, background clutter, distracting reflections, harsh shadows, "
+    "inconsistent lighting direction, color banding, cartoonish rendering, 3D CGI look, unrealistic materials, uncanny "
+    "valley effect, incorrect ethnicity, wrong gender, exaggerated expressions, smiling, laughing, exaggerated sadness, "
+    "wrong gaze direction, eyes looking at camera, mismatched lip sync, silent or muted audio, distorted voice, robotic "
+    "voice, echo, background noise, off-sync audio, missing sniff sounds, incorrect dialogue, added dialogue, "
+    "repetitive speech, jittery movement, awkward pauses, incorrect timing, unnatural transitions, inconsistent "
+    "framing, tilted camera, missing door or shelves, missing shallow depth of field, flat lighting, inconsistent tone, "
+    "cinematic oversaturation, stylized filters, or AI artifacts.")
+
+
+def _ltx23_flf() -> Graph:
+    """ComfyUI's LTX-2.3 First-Last-Frame template (0.33.0: blueprints/First-Last-Frame to Video (LTX-2.3).json, one
+    subgraph, flattened with the values its nodes get) with CheckpointLoaderSimple swapped for the xDiT Checkpoint
+    Loader: the distilled fp8 file for the model, text projection, audio VAE and VAE; LTXVConditioning at 25 fps; the
+    empty video at the images' size (1280x704 for their 1280x720: the same 40 x 22 latent, 720 is off the widget's
+    step) and the empty audio (126 frames: 5 s at 25 fps + 1); LTXVAddGuide puts the
+    first image at frame 0 and then the last at frame -1, each at strength 0.7, after LTXVPreprocess (compression 25);
+    one pass: CFGGuider cfg 1, SamplerEulerAncestral (eta 0, s_noise 1), ManualSigmas of 8 steps; LTXVSeparateAVLatent,
+    LTXVCropGuides takes the guide frames off the video; VAE Decode (Tiled) and LTXV Audio VAE Decode into Create Video
+    at 25 fps. The images are scaled to 1280x720 by Upscale Image (nearest-exact, center crop) where the template uses
+    Resize Image/Mask (scale dimensions, center, nearest-exact); the template's primitive and math nodes (width,
+    height, duration, frame rate) are their values; video length 121 for 126 (the same 16 latent frames); the seed
+    fixed (42) where the template draws it; both images ComfyUI's example.png (the template leaves them to the user)."""
+    g = Graph("ltx-2.3-flf", needs_comfyui="0.33.0")
+    _version_note(g, 0, "LTX-2.3: its audio-video latent nodes, LTXAVTextEncoderLoader and its audio VAE")
+    loader = g.add("XDiTCheckpointLoader", [LTX_DISTILLED, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0,
+                                            False, "auto", 1, 0, 1, "auto", 1], 0)
+    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", LTX_DISTILLED, "default"], 0,
+                 room=(0, 180))
+    audio_vae = g.add("LTXVAudioVAELoader", [LTX_DISTILLED], 0)
+    vae = loader.out(2)
+    positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, NEGATIVE_LTX_FLF, "CLIP Text Encode (Negative Prompt)")
+    frames = []
+    for title in ("Load Image (first frame)", "Load Image (last frame)"):
+        picture = g.add("LoadImage", ["example.png", "image"], 2, title, size=LOAD_BOX)
+        scaled = g.add("ImageScale", ["nearest-exact", 1280, 720, "center"], 2, image=picture)
+        frames.append(g.add("LTXVPreprocess", [25], 2, image=scaled))
+    conditioning = g.add("LTXVConditioning", [25.0], 3, positive=positive, negative=negative)
+    video = g.add("EmptyLTXVLatentVideo", [1280, 704, 121, 1], 3)
+    first = g.add("LTXVAddGuide", [0, 0.7], 3, positive=conditioning.out(0), negative=conditioning.out(1), vae=vae,
+                  latent=video, image=frames[0])
+    last = g.add("LTXVAddGuide", [-1, 0.7], 3, positive=first.out(0), negative=first.out(1), vae=vae,
+                 latent=first.out(2), image=frames[1])
+    audio = g.add("LTXVEmptyLatentAudio", [126, 25.0, 1], 3, audio_vae=audio_vae)
+    latent = g.add("LTXVConcatAVLatent", [], 3, video_latent=last.out(2), audio_latent=audio)
+    noise = g.add("RandomNoise", [SEED, "fixed"], 4)
+    guider = g.add("CFGGuider", [1.0], 4, model=loader, positive=last.out(0), negative=last.out(1))
+    select = g.add("SamplerEulerAncestral", [0.0, 1.0], 4)
+    steps = g.add("ManualSigmas", ["1., 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"], 4)
+    sampled = g.add("SamplerCustomAdvanced", [], 4, noise=noise, guider=guider, sampler=select, sigmas=steps,
+                    latent_image=latent)
+    split = g.add("LTXVSeparateAVLatent", [], 5, av_latent=sampled)
+    crop = g.add("LTXVCropGuides", [], 5, positive=last.out(0), negative=last.out(1), latent=split.out(0))
+    decode = g.add("VAEDecodeTiled", [768, 64, 4096, 64], 5, samples=crop.out(2), vae=vae)
+    sound = g.add("LTXVAudioVAEDecode", [], 5, samples=split.out(1), audio_vae=audio_vae)
+    g.add("XDiTEngineInfo", [False], 6, room=INFO_REPORT_BOX, engine=loader.out(3), after=sampled)
+    clip_out = g.add("CreateVideo", [25.0, 8], 6, images=decode, audio=sound)
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], 6, size=SAVE_BOX, video=clip_out)
+    return g
+
+
 PROMPTS = {
     "flux1-dev": "a red fox curled up asleep on a mossy stone in a misty pine forest at dawn, soft golden light, "
                  "shallow depth of field, highly detailed photograph",
@@ -575,6 +648,8 @@ PROMPTS = {
     "ltx-2.3-t2v": ("A lighthouse keeper climbs the spiral stairs at dusk carrying a brass lantern; wind howls against "
                     "the windows and waves crash on the rocks below. Handheld camera following from behind, warm "
                     "lantern light against cold blue twilight. He says quietly: \"One more night.\""),
+    "ltx-2.3-flf": ("From the first frame to the last: the camera drifts slowly forward through the scene as the light "
+                    "shifts from morning to late afternoon; a light wind, birdsong, footsteps on gravel."),
     "ltx-2.3-i2v": ("The scene in the image comes to life: a slow push-in as leaves drift across the frame and a soft "
                     "breeze moves through the grass; birdsong and distant church bells in the background."),
     "minimax-h3-i2v": ("Editorial tech product film. The transparent gaming mouse from <Picture 1> in its original "
@@ -616,4 +691,5 @@ def graphs() -> list[Graph]:
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
             _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
-            _minimax_h3(image=False), _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True)]
+            _minimax_h3(image=False), _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True),
+            _ltx23_flf()]

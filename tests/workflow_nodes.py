@@ -263,6 +263,45 @@ LATER_NODES = {
         "outputs": (("LATENT", "latent"),),
         "output_node": False,
     },
+    # comfy_extras/nodes_lt.py, LTXVAddGuide (V3, no display_name; 0.3.64 has it with strength up to 1 and neither
+    # optional input): positive, negative, vae, latent, image, io.Int.Input("frame_idx", default=0, min=-9999,
+    # max=9999), io.Float.Input("strength", default=1.0, min=0.0, max=10.0, step=0.01), optional io.Mask.Input(
+    # "attention_mask"), ICLoRAParameters.Input("iclora_parameters") (io.Custom("IC_LORA_PARAMETERS")); outputs
+    # positive, negative, latent
+    "LTXVAddGuide": {
+        "display_name": "LTXVAddGuide",
+        "source": "comfy_extras/nodes_lt.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "latent", "type": "LATENT"},
+            {"name": "image", "type": "IMAGE"},
+            {"name": "frame_idx", "type": "INT", "widget": "number", "default": 0, "min": -9999, "max": 9999},
+            {"name": "strength", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 10.0,
+             "step": 0.01},
+            {"name": "attention_mask", "type": "MASK", "optional": True},
+            {"name": "iclora_parameters", "type": "IC_LORA_PARAMETERS", "optional": True},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative"), ("LATENT", "latent")),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, SamplerEulerAncestral (V3 in 0.33.0, V1 in 0.3.64 with the same inputs):
+    # io.Float.Input("eta" / "s_noise", default=1.0, min=0.0, max=100.0, step=0.01, round=False, advanced=True);
+    # io.Sampler.Output()
+    "SamplerEulerAncestral": {
+        "display_name": "SamplerEulerAncestral",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "eta", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 100.0,
+             "step": 0.01, "advanced": True},
+            {"name": "s_noise", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 100.0,
+             "step": 0.01, "advanced": True},
+        ),
+        "outputs": (("SAMPLER", "SAMPLER"),),
+        "output_node": False,
+    },
     "LTXVPreprocess": {
         "display_name": "LTXV Preprocess",
         "source": "comfy_extras/nodes_lt.py",

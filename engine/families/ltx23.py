@@ -63,10 +63,15 @@ strength is not 1 or it has a pixel attention mask, each tracked guide token's w
 the latent grid) enters the video self-attention as an additive log weight (GuideBias). comfy_call reads all of it on
 the ComfyUI side, as ComfyUI's model reads it, into the guide extras.
 
-Conditioning the engine does not take yet (refused in one line on the MODEL route): ref_audio (ID-LoRA), STG
-(stg_self_attn_blocks) and modality guidance
-(a2v_cross_attn / v2a_cross_attn, run_vx / run_ax off). A text ComfyUI did not mark unprocessed (its connectors
-already run) is refused too: the ranks run the connectors.
+The guidance nodes' extra passes (C/comfy_extras/nodes_lt.py:855-1050): LTXVSpatioTemporalGuidance's
+stg_self_attn_blocks (those blocks' video and audio self-attentions give their value projection, gated and projected
+out as always: model.py:471-474, av_model.py:938-945), LTXVModalityGuidance's a2v_cross_attn / v2a_cross_attn off (both:
+diffusers' isolate_modalities), LTXVReferenceAudio's ref_audio (ID-LoRA: its tokens ahead of the audio at timestep 0,
+their times moved back to end one latent before 0, trimmed from the output: av_model.py:707-732, 775-783, 1028-1033).
+
+Conditioning the engine does not take yet (refused in one line on the MODEL route): one direction of the coupling
+severed alone, a pass without one stream (run_vx / run_ax off). A text ComfyUI did not mark unprocessed (its
+connectors already run) is refused too: the ranks run the connectors.
 """
 from __future__ import annotations
 
@@ -126,6 +131,9 @@ class LtxProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None):
         from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+        state = getattr(attn, "xdit_ltx_state", None)
+        if state and getattr(attn, "xdit_stg_block", None) in state.get("stg", ()):
+            return self._passthrough(attn, hidden_states)
         if attention_mask is not None:   # all zeros by construction in a connector with registers (marked at load)
             if not getattr(attn, "xdit_zero_mask", False):
                 raise ValueError("LTX-2.3 attention takes no attention mask (ComfyUI's LTX text encoder gives none)")
@@ -147,9 +155,20 @@ class LtxProcessor:
         else:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         out = out.flatten(2, 3).to(q.dtype)
+        return self._out(attn, out, gate_logits)
+
+    @staticmethod
+    def _out(attn, out, gate_logits):
         if gate_logits is not None:
             out = (out.unflatten(2, (attn.heads, -1)) * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)).flatten(2, 3)
         return attn.to_out[1](attn.to_out[0](out))
+
+    def _passthrough(self, attn, hidden_states):
+        """STG's perturbed self-attention (LTXVSpatioTemporalGuidance's extra pass; ComfyUI's CrossAttention with
+        stg_skip_self_attn, C/comfy/ldm/lightricks/model.py:471-474): the value projection in place of the attention,
+        then the gates and the output projection as always. Each token's own: no exchange under sequence parallel."""
+        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
+        return self._out(attn, attn.to_v(hidden_states), gate_logits)
 
 
 class GuideBias:
@@ -265,10 +284,11 @@ def _after_load(model) -> None:
     for name, module in model.named_modules():
         if name.endswith(("norm_q", "norm_k")):
             module.eps = QK_EPS
-    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias
-    for block in model.transformer_blocks:
+    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias, STG's blocks
+    for i, block in enumerate(model.transformer_blocks):
         block.attn1.xdit_sequence = True
-        block.attn1.xdit_ltx_state = state
+        for attn in (block.attn1, block.audio_attn1):   # the self-attentions STG perturbs
+            attn.xdit_ltx_state, attn.xdit_stg_block = state, i
         _v2a_renorm(block)
     for connector in (model.video_connector, model.audio_connector):   # their mask: zeros once registers fill it
         if connector.learnable_registers is not None:
@@ -310,6 +330,14 @@ def audio_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
     return coords.reshape(1, 1, frames, 2).expand(rows, -1, -1, -1).contiguous()
 
 
+def reference_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
+    """[rows, 1, frames, 2] float32: LTXVReferenceAudio's tokens' (start, end) in seconds as ComfyUI's LTXAV model
+    places them (av_model.py:716-732): the audio latents' own times, moved back by the last one's end plus one
+    latent's duration (4 x 160 / 16000 s), so the reference ends just before time 0."""
+    end = float(audio_coords(frames)[0, 0, -1, 1])   # the last one's end, on the host (float32, as ComfyUI's)
+    return audio_coords(frames, rows, device) - (end + AUDIO_DOWNSAMPLE * HOP / SAMPLE_RATE)
+
+
 # ---- ComfyUI's call <-> the engine's tensors -------------------------------------------------------------------------
 # a model call's extra conditioning for this family, each [n, ...] float64 (ComfyUI's values exactly): av_shape (video
 # C, F, H, W, audio C, T, bins) of the packed streams; frame_rate; audio_t: the audio timestep ComfyUI's
@@ -320,12 +348,13 @@ def audio_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
 # video tokens kept); guide_coords: the kept guide tokens' (start, end) pixel coordinates [3 x G x 2] (keyframe_idxs);
 # guide_weights: the tracked guide tokens' attention weights; keep: 1 for each video token the model keeps (only when
 # a negative noise mask drops some: ComfyUI's grid_mask).
-EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t", "guide", "guide_coords", "guide_weights", "keep")
-HOST_EXTRAS = ("av_shape", "frame_rate", "guide", "keep")   # read on the host (shapes, the positions' scale, counts)
+# ref_audio: LTXVReferenceAudio's reference tokens [R x 128] (ID-LoRA), ahead of the audio; stg: the blocks whose
+# self-attentions STG's pass perturbs; coupled: 0 for a pass with the audio-video cross-attentions severed
+# (LTXVModalityGuidance's).
+EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t", "guide", "guide_coords", "guide_weights", "keep",
+          "ref_audio", "stg", "coupled")
+HOST_EXTRAS = ("av_shape", "frame_rate", "guide", "keep", "stg", "coupled")   # read on the host
 REFUSED_OPTIONS = {   # transformer_options ComfyUI's LTXAV model reads that the engine does not run yet
-    "stg_self_attn_blocks": "STG (spatio-temporal guidance: stg_self_attn_blocks)",
-    "a2v_cross_attn": "modality guidance (a2v_cross_attn off)", "v2a_cross_attn": "modality guidance (v2a_cross_attn "
-                                                                                  "off)",
     "run_vx": "a pass without the video (run_vx off)", "run_ax": "a pass without the audio (run_ax off)"}
 
 
@@ -352,16 +381,19 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
                          f"[B, 128, F, H, W] and an audio latent [B, 8, T, 16] (LTXVConcatAVLatent of "
                          f"EmptyLTXVLatentVideo and LTXVEmptyLatentAudio)")
     for name, what in REFUSED_OPTIONS.items():
-        value = transformer_options.get(name)
-        if (name == "stg_self_attn_blocks" and value) or (name != "stg_self_attn_blocks" and value is False):
+        if transformer_options.get(name, True) is False:
             raise ValueError(f"the sampling asks for {what}, which the xDiT engine does not run for LTX-2.3 yet: "
                              f"use a plain guider (CFGGuider) on the engine's MODEL")
+    a2v, v2a = (transformer_options.get(k, True) is not False for k in ("a2v_cross_attn", "v2a_cross_attn"))
+    if a2v != v2a:
+        raise ValueError("the sampling severs one direction of LTX-2.3's audio-video cross-attention only "
+                         f"(a2v_cross_attn {a2v}, v2a_cross_attn {v2a}), which the xDiT engine does not run: "
+                         "LTXVModalityGuidance severs both")
+    stg = sorted(int(b) for b in (transformer_options.get("stg_self_attn_blocks") or ()))
     keyframes = kwargs.pop("keyframe_idxs", None)
     entries = kwargs.pop("guide_attention_entries", None)
     video_mask = kwargs.pop("denoise_mask", None)
-    if kwargs.pop("ref_audio", None) is not None:
-        raise ValueError("the conditioning carries a reference audio (ref_audio, ID-LoRA), which the xDiT engine does "
-                         "not run for LTX-2.3 yet")
+    reference = kwargs.pop("ref_audio", None)
     kwargs.pop("generated_keyframes", None)   # read only by LTX-2.5's keyframe embedding (a no-op on 2.3)
     kwargs.pop("audio_denoise_mask", None)
     rate = kwargs.pop("frame_rate", FPS)
@@ -380,6 +412,17 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
             raise ValueError("LTXVAddGuide's guide frames without per-token timesteps: the sampler gave the model no "
                              "noise mask")
         video = video[:, keep]
+    if reference is not None:   # LTXVReferenceAudio's tokens [1 or B, R, C x bins]
+        tokens = torch.as_tensor(reference["tokens"]).detach().to("cpu", f64)
+        width = shapes[1][1] * shapes[1][3]
+        if tokens.ndim != 3 or tokens.shape[2] != width or tokens.shape[0] not in (1, rows):
+            raise ValueError(f"a reference audio of shape {list(tokens.shape)}: LTX-2.3 takes [1 or {rows}, R, {width}] "
+                             f"tokens (LTXVReferenceAudio with the model's audio VAE)")
+        extras["ref_audio"] = tokens.reshape(tokens.shape[0], -1).expand(rows, -1)
+    if stg:
+        extras["stg"] = torch.tensor([stg], dtype=f64).expand(rows, -1)
+    if not a2v:
+        extras["coupled"] = torch.zeros(rows, dtype=f64)
     extras.update({
         "av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=f64).expand(rows, -1),
         "frame_rate": torch.full((rows,), rate, dtype=f64), "audio_t": audio.to(f64),
@@ -522,6 +565,12 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     a_t = extras["audio_t"].to(device, torch.float32) if "audio_t" in extras else v_t
     if v_t.ndim == 2 and v_t.shape[1] != kept:
         raise ValueError(f"an LTX-2.3 video timestep of {v_t.shape[1]} tokens for {kept} video tokens")
+    a_coords = audio_coords(ta, n, device)
+    refs = extras["ref_audio"].shape[-1] // (ca * bins) if "ref_audio" in extras else 0
+    if refs:   # the reference's tokens ahead of the audio, at timestep 0, ending just before time 0
+        a_rows = torch.cat([extras["ref_audio"].to(device, dtype).reshape(n, refs, ca * bins), a_rows], dim=1)
+        a_coords = torch.cat([reference_coords(refs, n, device), a_coords], dim=2)
+        a_t = torch.cat([a_t.new_zeros(n, refs), a_t.reshape(n, -1).expand(n, ta)], dim=1)
     v_scaled, a_scaled = v_t * mult, a_t * mult
     sigma = v_scaled.amax(dim=1) if v_scaled.ndim == 2 else v_scaled
     audio_sigma = a_scaled.amax(dim=1) if a_scaled.ndim == 2 else a_scaled
@@ -531,6 +580,9 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     state = model.xdit_ltx_state
     state.update(a2v=(gates[0] * mult, cross / mult), v2a=(gates[1] * mult, cross / mult))
+    if "stg" in extras:   # STG's pass: these blocks' self-attentions pass their values through
+        state["stg"] = frozenset(int(b) for b in extras["stg"][0].tolist())
+    coupled = "coupled" not in extras or bool(extras["coupled"][0] != 0)   # (host values: nothing waits)
     if tracked:   # the guides' attention weights, in log space in the model's dtype (0 -> the dtype's lowest)
         weights = extras["guide_weights"][0].to(device, dtype)
         low = torch.finfo(dtype)
@@ -542,9 +594,10 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
             encoder_hidden_states=connect(model.video_connector, text[..., :inner]),
             audio_encoder_hidden_states=connect(model.audio_connector, text[..., inner:]),
             timestep=v_scaled, audio_timestep=a_scaled, sigma=sigma, audio_sigma=audio_sigma,
-            video_coords=coords, audio_coords=audio_coords(ta, n, device), return_dict=False)
+            video_coords=coords, audio_coords=a_coords, isolate_modalities=not coupled, return_dict=False)
     finally:
         state.clear()
+    a_out = a_out[:, refs:]
     if keep is not None:   # the dropped tokens' output: zeros
         v_out = v_out.new_zeros(n, frames * h * w, v_out.shape[-1]).index_copy(1, keep, v_out)
     v = v_out.reshape(n, frames, h, w, cv).permute(0, 4, 1, 2, 3)
