@@ -2,7 +2,8 @@
 int8_tensorwise layers, comfy_kitchen's dequantization) against the engine's loader on the same ComfyUI int8 files
 (tiny ones from make-tiny --format int8_convrot / int8). For every int8 layer, ComfyUI's QuantizedTensor.dequantize()
 is taken through the engine's key map (the fused q/k/v chunks, the swapped halves) to the engine's diffusers
-parameters and compared, in float32 and in bf16 (the dtype ComfyUI is told and the engine computes in; on a CPU
+parameters (an int8 layer, which the engine holds as stored, as the weight it stands for: Int8Linear.dequantized)
+and compared, in float32 and in bf16 (the dtype ComfyUI is told and the engine computes in; on a CPU
 ComfyUI dequantizes to float32 either way, which is then rounded to bf16 here as its *_dtype kernels do).
 
 The two are the same math in different orders: ComfyUI rotates back with a float32 matmul (its rounding inside the
@@ -72,6 +73,9 @@ for path in files:
                 native[name + ".weight"] = (weight.dequantize(), convrot, group, exact)
         loaded = load_model(path, dtype=dtype_name)
         ours = dict(loaded.model.named_parameters())
+        for name, module in loaded.model.named_modules():   # an int8 layer held as stored: the weight it stands for
+            if hasattr(module, "dequantized") and module.weight.dtype == torch.int8:
+                ours[name + ".weight"] = module.dequantized(dtype)
         prefix = loaded.info.prefix
         layers, worst, worst_rel, equal, largest, comfy_dtype = 0, 0.0, 0.0, 0, 0.0, None
         elements = same = 0

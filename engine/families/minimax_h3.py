@@ -533,18 +533,27 @@ class _CurveTable(torch.nn.Module):
         return torch.lerp(table[i0], table[i0 + 1], (pos - i0).unsqueeze(1))
 
 
+def _computes_in(linear) -> torch.dtype:
+    """The dtype a Linear computes in: its weight's, or where the weight is held quantized (int8, fp8, GGUF blocks:
+    the layer dequantizes itself) its bias's, the compute dtype."""
+    dtype = linear.weight.dtype
+    if dtype in (torch.float32, torch.float16, torch.bfloat16) or linear.bias is None:
+        return dtype if dtype.is_floating_point and dtype.itemsize > 1 else torch.float32
+    return linear.bias.dtype
+
+
 def _modulation_without_activation(module, args, out):
     """diffusers' block modulation recomputed without its SiLU (a pruned model's curve is the modulations' input as
     it is): six [levels x 3, hidden] tensors."""
     linear = module.linear
-    x = linear(args[0].to(linear.weight.dtype))
+    x = linear(args[0].to(_computes_in(linear)))
     return x.view(-1, 6 * module.hidden_size).chunk(6, dim=-1)
 
 
 def _norm_out_without_activation(module, args, out):
     """diffusers' output norm and modulation recomputed without the SiLU on the curve."""
     hidden, temb, index = args[:3]
-    shift, scale = module.linear(temb.to(module.linear.weight.dtype)).chunk(2, dim=-1)
+    shift, scale = module.linear(temb.to(_computes_in(module.linear))).chunk(2, dim=-1)
     return module.norm(hidden) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
 
 

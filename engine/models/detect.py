@@ -32,8 +32,7 @@ class CheckpointInfo:
     #                              "int8_mixed" (the same, with int8_tensorwise layers, ConvRot or not) | "gguf"
     quantization: str = ""      # GGUF: the transformer's tensor types with counts, e.g. "Q4_K x 120, F32 x 300";
     #                             int8_mixed: its int8 layers and their ConvRot groups, e.g. "int8_tensorwise x 28 ..."
-    quantized_parameters: int = 0   # parameters stored in fp8 or GGUF blocks (held so in memory; int8 layers are
-    #                                 expanded to the compute dtype at load, so they are not counted here)
+    quantized_parameters: int = 0   # parameters stored in fp8, int8 or GGUF blocks (held so in memory)
     quantized_bytes: int = 0        # the bytes they take in the file (and in memory)
     layer_quant: dict = field(default_factory=dict)   # mixed precision: {layer (prefix stripped): its config} from
     #                                                   the header's _quantization_metadata (comfy_quant: read at load)
@@ -154,7 +153,7 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
         quantization = ", ".join(f"{d} x {n}" for d, n in counts.items())
         fp8 = any(d not in ("F32", "F16", "BF16") for d in dtypes)
     fmt = "gguf" if gguf else scaled_format or "safetensors"
-    if int8_groups:   # expanded to the compute dtype at load: not quantized in memory (quantized_parameters)
+    if int8_groups:   # held int8 in memory (Int8Linear), counted in quantized_parameters
         rotated = {}
         for group in int8_groups.values():
             rotated[group] = rotated.get(group, 0) + 1
@@ -165,7 +164,7 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
                 f"{g} x {n}" for g, n in sorted(rotated.items())) + ")" if rotated else "")]
             + [f"{d} x {others.count(d)}" for d in sorted(set(others))])
     quantized = [tensors[prefix + k] for k in keys if tensors[prefix + k].dtype.startswith("F8")
-                 or (gguf and tensors[prefix + k].dtype not in ("F32", "F16", "BF16"))]
+                 or tensors[prefix + k].dtype == "I8" or (gguf and tensors[prefix + k].dtype not in ("F32", "F16", "BF16"))]
     return CheckpointInfo(family.name, variant, layout, prefix, config, keys,
                           ignored=len(tensors) - len(keys) - len(scaled), parameters=parameters,
                           block_parameters=in_blocks, stored_fp8=fp8, format=fmt, quantization=quantization,

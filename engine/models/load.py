@@ -122,12 +122,14 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
         return load_sharded(path, files, where, info, model, expected, mapping, compute, device, fp8_weights, shard,
                             stop, t0)
     wanted = mapping if keep is None else [(d, s_, o) for d, s_, o in mapping if keep(d)]
+    groups: dict = {}
     state, quantized, scales, bytes_read = stream(path, where, info, wanted, expected, compute, device, fp8_weights,
-                                                   stop)
+                                                   stop, int8_groups=groups)
+    model.requires_grad_(False)   # (an int8 weight cannot be a parameter that takes gradients)
     model.load_state_dict(state, strict=False, assign=True)  # what is absent is found by the meta check below
     del state
     quantized_layers = install_quantized(model, quantized, compute)
-    cast_layers = wrap_fp8_linears(model, scales)
+    cast_layers = wrap_fp8_linears(model, scales, groups)
     # tensors outside the state dict (non-persistent buffers, e.g. a RoPE table) are the family's rebuild_off_meta's
     leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers())
                  if b.is_meta and n in expected and (keep is None or keep(n))]
@@ -136,7 +138,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     info.spec.rebuild_off_meta(model)
     model.eval().requires_grad_(False)
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
-             "scaled_linears": len(scales), "gguf_linears": quantized_layers,
+             "scaled_linears": len(scales) - len(groups), "gguf_linears": quantized_layers,
              "int8_linears": int8_count(where, info, wanted), "format": info.format,
              "files": len(files), "ignored_tensors": info.ignored, "held_bytes": held_bytes(model)}
     if info.quantization:

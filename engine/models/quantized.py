@@ -158,7 +158,8 @@ def quantized_bytes(qtype: str, shape: tuple[int, ...]) -> int:
 # A layer's weight is stored int8 (q) with a float32 `weight_scale` s (one number, or one per output row): the weight
 # is q x s. ConvRot files (Comfy-Org's MiniMax-H3 int8 releases) quantized W rotated group-wise along its input
 # dimension by the normalized regular Hadamard matrix H of the layer's `convrot_groupsize` (a power of 4, default 256),
-# so the weight is rotate(q x s). The engine expands each such weight once, at load (`dequantize_int8`).
+# so the weight is rotate(q x s). The engine holds q and s as the file stores them (Int8Linear: the input rotated per
+# call, as ComfyUI's layers rotate theirs); `dequantize_int8` gives W itself, exactly.
 INT8_FORMAT = "int8_tensorwise"
 CONVROT_GROUP = 256   # ComfyUI's default convrot_groupsize
 _ROTATE_CHUNK = 1 << 22   # values rotated at a time: the float64 work stays small beside a large matrix
@@ -241,6 +242,16 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return q, scale
 
 
+def rotation(group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """ConvRot's normalized H (group x group: +-1 / sqrt(group), a power of two, so exact in any float dtype) on
+    `device` in `dtype`, made once."""
+    key = ("convrot-normalized", group, device, dtype)
+    h = _CONSTANTS.get(key)
+    if h is None:
+        h = _CONSTANTS[key] = (_signs(group, device) * 2.0 ** -(group.bit_length() // 2)).to(dtype)
+    return h
+
+
 class LoraOnTop:
     """For layers whose weight stays quantized: LoRAs are kept as their low-rank factors and added to the
     dequantized float32 weight per call, so applying or removing one never touches (or re-reads) the weight."""
@@ -272,6 +283,44 @@ class LoraOnTop:
         for up, down, scale, strength in self.loras:   # as lora.apply_loras merges: W + s * (up @ down) * scale
             w = w + strength * ((up.to(w.device) @ down.to(w.device)) * scale)
         return w.to(dtype)
+
+
+class Int8Linear(LoraOnTop, torch.nn.Module):
+    """A Linear whose weight is held as ComfyUI's int8_tensorwise stores it: the int8 matrix q (one byte a value)
+    and its float32 weight_scale s (one number, or one per output row), ConvRot-rotated or not (`group`). Its weight
+    is W = rotate(q x s) along the input (H symmetric and orthogonal), so x W^T = (x H) (q x s)^T: the input is
+    rotated group-wise (as ComfyUI's int8 layers rotate their activations), multiplied by q cast to the input's dtype
+    (integers up to 127: exact in bf16 and fp16), and the product scaled per output row. Nothing the size of the
+    weight is kept besides q. LoRAs stay factors, their low-rank product added to the output per call (int8 cannot
+    hold a merged weight)."""
+    def __init__(self, linear: torch.nn.Linear, scale: torch.Tensor, group: int | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.register_buffer("weight_scale", scale)
+        self.group = group
+        self.init_loras()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W itself, exactly as ComfyUI's dequantization gives it (dequantize_int8)."""
+        return dequantize_int8(self.weight, self.weight_scale, self.group, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        if self.group:
+            h = (x.unflatten(-1, (-1, self.group)) @ rotation(self.group, x.device, x.dtype)).flatten(-2)
+        scale = self.weight_scale.to(x.dtype)
+        out = F.linear(h, self.weight.to(x.dtype)) * (scale if scale.ndim == 0 else scale.reshape(-1))
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        for up, down, factor, strength in self.loras:   # W + strength x factor x (up @ down), as merges give it
+            out = out + (strength * factor) * F.linear(F.linear(x.float(), down.to(x.device)), up.to(x.device)) \
+                .to(x.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
 
 
 class GGUFLinear(LoraOnTop, torch.nn.Module):

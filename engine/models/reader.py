@@ -16,7 +16,7 @@ from safetensors import safe_open
 from .convert import apply_op
 from .detect import LOADED_FORMATS, MIXED_FORMATS, SCALE_KEYS, CheckpointInfo, int8_group
 from .gguf_file import GGUFTensors, is_gguf, read_gguf_header
-from .quantized import BLOCKS, INT8_FORMAT, CastLinear, GGUFLinear, dequantize, dequantize_int8
+from .quantized import BLOCKS, INT8_FORMAT, CastLinear, GGUFLinear, Int8Linear, dequantize
 from .safetensors_file import TORCH_DTYPES, CheckpointError, TensorInfo, read_header
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -189,14 +189,16 @@ def _int8_layer(path, info, src, tinfo, scale, conf) -> int | None:
 
 
 def stream(path, where, info, mapping, expected, compute, device, fp8_weights, stop=None,
-           rows: dict | None = None, sink=None) -> tuple[dict, dict, dict, int]:
+           rows: dict | None = None, sink=None, int8_groups: dict | None = None) -> tuple[dict, dict, dict, int]:
     """Read each source tensor once (one at a time) and produce the diffusers tensors `mapping` makes of it: plain
     tensors (state), GGUF block rows for Linear weights (quantized: {name: (uint8 rows, type)}), and fp8_scaled
     factors (scales: {name: float32}, whole). rows: {diffusers name: (start, stop)}, the rows of dim 0 a rank holds
     of a tensor (weights divided among ranks, sharded.py): only those rows of its source are read (a fused tensor's
     slice's rows; a GGUF matrix's rows are whole blocks) and the tensor produced holds only them. sink(name, tensor):
     each plain tensor and GGUF block matrix is handed to it as it is read and not kept (a load into storage that
-    exists already holds one tensor at a time beside it, not the state)."""
+    exists already holds one tensor at a time beside it, not the state). An int8_tensorwise matrix is produced as the
+    file stores it (int8; its weight_scale in scales, whole) and its ConvRot group (None: not rotated) put in
+    int8_groups: the layer becomes an Int8Linear (wrap_fp8_linears)."""
     by_source: dict[str, list] = {}
     for dst, src, op in mapping:
         by_source.setdefault(src, []).append((dst, op))
@@ -253,7 +255,7 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
             if conf is not None and conf.get("format") == INT8_FORMAT and tinfo.dtype != "I8":
                 raise CheckpointError(f"{path}: layer {src[:-len('.weight')]} is {INT8_FORMAT} but its weight is "
                                       f"stored as {tinfo.dtype}, not int8; the file is damaged")
-            # ComfyUI's int8_tensorwise: expanded here, at load, into the held dtype (see below)
+            # ComfyUI's int8_tensorwise: kept int8, with its scale and ConvRot group (see below)
             int8 = _int8_layer(path, info, src, tinfo, scale, conf) if tinfo.dtype == "I8" else False
             for (dst, op), w in zip(outs, wanted):
                 try:
@@ -281,17 +283,14 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
                 if raw is not None and w is not None:   # the whole source was read: this rank's rows of it
                     t = t[w[0]:w[1]]
                 if int8 is not False:
-                    # q x weight_scale in float32, the ConvRot rotation undone (each row alone: a rank's rows are
-                    # its rows of the whole), then the dtype a plain matrix is held in (the compute dtype, or fp8
-                    # with fp8_weights)
+                    # q as stored (a rank's rows of it), its weight_scale whole (one per row of the whole, or one)
                     if t.ndim != 2:
                         raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix (shape "
                                               f"{list(t.shape)}); only Linear weights are int8")
-                    factor = _scale_of(path, where, scale_key, info, scale, src, dst, op)
-                    if w is not None and factor.ndim:
-                        factor = factor[w[0]:w[1]]
-                    keep(state, dst, dequantize_int8(t.to(device), factor.to(device), int8,
-                                                     held_dtype(None, 2, compute, fp8_weights)))
+                    scales[dst] = _scale_of(path, where, scale_key, info, scale, src, dst, op).to(device)
+                    if int8_groups is not None:
+                        int8_groups[dst] = int8
+                    keep(state, dst, t.to(device).contiguous())
                     continue
                 if blocks:
                     if sink is not None:
@@ -314,7 +313,7 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
 
 
 def int8_count(where, info, mapping) -> int:
-    """The model's matrices read from int8_tensorwise weights (and expanded at load) of `mapping`'s."""
+    """The model's matrices read from int8_tensorwise weights (held int8: Int8Linear) of `mapping`'s."""
     return sum(1 for _, src, _ in mapping if where[info.prefix + src][1].dtype == "I8")
 
 
@@ -342,14 +341,18 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
-def wrap_fp8_linears(model: torch.nn.Module, scales: dict[str, torch.Tensor] | None = None) -> int:
-    """Every Linear with an fp8 weight, or an fp8_scaled scale, becomes a CastLinear."""
-    scales = scales or {}
+def wrap_fp8_linears(model: torch.nn.Module, scales: dict[str, torch.Tensor] | None = None,
+                     int8_groups: dict | None = None) -> int:
+    """Every Linear with an fp8 weight, or an fp8_scaled scale, becomes a CastLinear; every Linear with an int8 weight
+    an Int8Linear (its weight_scale from `scales`, its ConvRot group from `int8_groups`)."""
+    scales, int8_groups = scales or {}, int8_groups or {}
     count = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             key = f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"
-            if isinstance(child, torch.nn.Linear) and (child.weight.dtype in FP8 or key in scales):
+            if isinstance(child, torch.nn.Linear) and child.weight.dtype == torch.int8:
+                setattr(parent, name, Int8Linear(child, scales[key], int8_groups.get(key)))
+            elif isinstance(child, torch.nn.Linear) and (child.weight.dtype in FP8 or key in scales):
                 setattr(parent, name, CastLinear(child, scales.get(key)))
                 count += 1
     return count

@@ -77,8 +77,8 @@ def gathered(model: torch.nn.Module):
 
 def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, tuple]:
     """{diffusers name: (dtype, shape, kind, qtype)} as the loader stores each tensor of this file: GGUF matrices as
-    their block rows (uint8), fp8 matrices (and every matrix with fp8_weights) in fp8, the rest (int8_tensorwise
-    matrices too, expanded as they are read) in the compute dtype, as reader.stream produces them."""
+    their block rows (uint8), int8_tensorwise matrices in int8, fp8 matrices (and every other matrix with fp8_weights)
+    in fp8, the rest in the compute dtype, as reader.stream produces them."""
     plan = {}
     for dst, src, _ in mapping:
         tinfo = where[info.prefix + src][1]
@@ -86,6 +86,9 @@ def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, 
         if tinfo.dtype in BLOCKS and len(shape) == 2 and dst.endswith(".weight"):
             _, block, nbytes = BLOCKS[tinfo.dtype]
             plan[dst] = (torch.uint8, (shape[0], shape[1] // block * nbytes), "gguf", tinfo.dtype)
+            continue
+        if tinfo.dtype == "I8":   # an int8_tensorwise matrix: held as stored (an Int8Linear's)
+            plan[dst] = (torch.int8, shape, "int8", None)
             continue
         # a tensor in blocks that is no matrix (a vector, a kernel) is expanded to the compute dtype as it is read
         dtype = compute if tinfo.dtype in BLOCKS else held_dtype(TORCH_DTYPES.get(tinfo.dtype), len(shape), compute,
@@ -97,14 +100,14 @@ def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, 
 
 
 def _scale_shapes(where, info, mapping) -> dict[str, tuple]:
-    """{diffusers name: its scale's shape} for an fp8_scaled or mixed file's scaled fp8 matrices: one number, or one per
-    output row of the diffusers matrix. (An int8 layer's weight_scale is applied as the weight is read: no buffer.)"""
+    """{diffusers name: its scale's shape} for an fp8_scaled or mixed file's scaled fp8 and int8 matrices: one number,
+    or one per output row of the diffusers matrix (whole on every rank)."""
     out = {}
     if info.format not in SCALE_KEYS:
         return out
     for dst, src, op in mapping:
         key = info.prefix + src[:-len("weight")] + SCALE_KEYS[info.format][0][1:] if src.endswith(".weight") else None
-        if key in where and where[info.prefix + src][1].dtype != "I8":   # an int8 layer's is applied at load
+        if key in where:
             numel = math.prod(where[key][1].shape)
             rows = op[2][op[1]] if isinstance(op, tuple) else where[info.prefix + src][1].shape[0]
             out[dst] = () if numel == 1 else (rows, 1)
@@ -153,17 +156,23 @@ def load_sharded(path, files, where, info, model, expected, mapping, compute, de
                                   f"{list(target.shape)} {target.dtype}")
         target.copy_(value)
         filled.add(name)
+    groups: dict = {}
     _, _, scale_values, bytes_read = stream(path, where, info, mapping, expected, compute, device, fp8_weights, stop,
-                                            rows=rows, sink=fill)
+                                            rows=rows, sink=fill, int8_groups=groups)
     for name, value in scale_values.items():
-        model.get_submodule(name.rpartition(".")[0]).scale_weight.copy_(value.reshape(scales[name].shape))
+        layer = model.get_submodule(name.rpartition(".")[0])
+        if name in groups:   # an Int8Linear's scale and ConvRot group
+            layer.weight_scale.copy_(value.reshape(scales[name].shape))
+            layer.group = groups[name]
+        else:
+            layer.scale_weight.copy_(value.reshape(scales[name].shape))
     missing = set(storage) - filled
     if missing:
         raise CheckpointError(f"{path}: model tensors left without weights: {', '.join(sorted(missing)[:5])}")
     info.spec.rebuild_off_meta(model)
     model.eval()
     stats = {"load_s": time.perf_counter() - t0, "bytes_read": bytes_read, "fp8_linears": cast_layers,
-             "scaled_linears": len(scale_values), "gguf_linears": quantized_layers,
+             "scaled_linears": len(scale_values) - len(groups), "gguf_linears": quantized_layers,
              "int8_linears": int8_count(where, info, mapping), "format": info.format,
              "files": len(files), "ignored_tensors": info.ignored, "held_bytes": held_bytes(model),
              "shard": {"size": spec.size, "rank": spec.rank, "ranks": list(spec.ranks)}}

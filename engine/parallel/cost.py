@@ -63,7 +63,7 @@ class Code:
     ulysses_calls_per_layer: int
     ulysses_ops: int = 29        # operations Ulysses adds to an attention layer (its exchanges and reshapes)
     ring_layer_ops: int = 4      # operations a ring adds to an attention layer once
-    ring_hop_ops: int = 20       # and per hop: post and wait, the block's attention, the log-sum-exp merge
+    ring_hop_ops: int = 18       # and per hop: post and wait, the block's attention, the log-sum-exp merge
     merge_bytes: int = 18        # bytes a hop's merge streams per output element (the block's output widened to
     #                              fp32, the running output read and written)
     pipefusion_layer_ops: int = 2   # operations a PipeFusion patch adds to an attention layer (its stale K/V written)

@@ -28,7 +28,7 @@ DEFAULT_FAMILY = "flux"
 # `count_sp_ops` in bf16 with the text split: Ulysses' exchange of q, k and v and the output's way back; a ring's
 # setup per layer, and per hop its post, wait, block attention and log-sum-exp merge; a PipeFusion patch's write of
 # its fresh K/V into the layer's stale buffer (families/stage.py StaleKV.update: two index copies, read).
-ENGINE_SP_OPS = {"ulysses": 29, "ring_layer": 4, "ring_hop": 20, "pipefusion_layer": 2}
+ENGINE_SP_OPS = {"ulysses": 29, "ring_layer": 4, "ring_hop": 18, "pipefusion_layer": 2}
 
 
 def ops_per_block(variant: str) -> float:
