@@ -451,6 +451,18 @@ LTX_CHECKPOINT = "ltx-2.3-22b-dev-fp8.safetensors"
 NEGATIVE_LTX = "pc game, console game, video game, cartoon, childish, ugly"   # the LTX-2.3 templates' negative
 
 
+def _ltx23_loaders(g: Graph, checkpoint: str):
+    """The LTX-2.3 templates' first column: the note, the xDiT Checkpoint Loader in Load Checkpoint's place, the Gemma
+    text encoder and the audio VAE from the same file. (loader, clip, audio VAE)"""
+    _version_note(g, 0, "LTX-2.3: its audio-video latent nodes, LTXAVTextEncoderLoader and its audio VAE")
+    loader = g.add("XDiTCheckpointLoader", [checkpoint, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0,
+                                            False, "auto", 1, 0, 1, "auto", 1], 0)
+    # (room below it: ComfyUI 0.3.64's frontend draws this node, which it lacks, a widget row taller)
+    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", checkpoint, "default"], 0,
+                 room=(0, 180))
+    return loader, clip, g.add("LTXVAudioVAELoader", [checkpoint], 0)
+
+
 def _ltx23(image: bool) -> Graph:
     """ComfyUI's LTX-2.3 templates (0.33.0: blueprints/Text to Video (LTX-2.3).json, Image to Video (LTX-2.3).json:
     one subgraph each, flattened here with the values its nodes get) with CheckpointLoaderSimple swapped for the xDiT
@@ -467,13 +479,7 @@ def _ltx23(image: bool) -> Graph:
     Images by Longer Edge (1536). Seeds fixed (42) where the template draws pass 1's at random."""
     kind = "i2v" if image else "t2v"
     g = Graph(f"ltx-2.3-{kind}", needs_comfyui="0.33.0")
-    _version_note(g, 0, "LTX-2.3: its audio-video latent nodes, LTXAVTextEncoderLoader and its audio VAE")
-    loader = g.add("XDiTCheckpointLoader", [LTX_CHECKPOINT, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0,
-                                            False, "auto", 1, 0, 1, "auto", 1], 0)
-    # (room below it: ComfyUI 0.3.64's frontend draws this node, which it lacks, a widget row taller)
-    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", LTX_CHECKPOINT, "default"], 0,
-                 room=(0, 180))
-    audio_vae = g.add("LTXVAudioVAELoader", [LTX_CHECKPOINT], 0)
+    loader, clip, audio_vae = _ltx23_loaders(g, LTX_CHECKPOINT)
     upscaler = g.add("LatentUpscaleModelLoader", ["ltx-2.3-spatial-upscaler-x2-1.1.safetensors"], 0)
     vae = loader.out(2)
     lora = g.add("LoraLoaderModelOnly", ["ltx-2.3-22b-distilled-lora-384.safetensors", 0.5], 1, model=loader.out(0))
@@ -553,12 +559,7 @@ def _ltx23_flf() -> Graph:
     height, duration, frame rate) are their values; video length 121 for 126 (the same 16 latent frames); the seed
     fixed (42) where the template draws it; both images ComfyUI's example.png (the template leaves them to the user)."""
     g = Graph("ltx-2.3-flf", needs_comfyui="0.33.0")
-    _version_note(g, 0, "LTX-2.3: its audio-video latent nodes, LTXAVTextEncoderLoader and its audio VAE")
-    loader = g.add("XDiTCheckpointLoader", [LTX_DISTILLED, "auto", "default", GPUS, "auto", 1, 1, False, 1, 3600, 0.0,
-                                            False, "auto", 1, 0, 1, "auto", 1], 0)
-    clip = g.add("LTXAVTextEncoderLoader", ["gemma_3_12B_it_fp4_mixed.safetensors", LTX_DISTILLED, "default"], 0,
-                 room=(0, 180))
-    audio_vae = g.add("LTXVAudioVAELoader", [LTX_DISTILLED], 0)
+    loader, clip, audio_vae = _ltx23_loaders(g, LTX_DISTILLED)
     vae = loader.out(2)
     positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
     negative = _prompt(g, 1, clip, NEGATIVE_LTX_FLF, "CLIP Text Encode (Negative Prompt)")
