@@ -3,13 +3,14 @@
 # JSON rows written to OUT_DIR as it goes (what a short lease of a GPU machine should run; CI has no GPU and never
 # runs this). Needs the pack's requirements in this Python and a CUDA torch.
 #
-#     bash tests/gpu_checks.sh OUT_DIR          # limits in seconds: AV_EAGER, GUIDER, AV_COMPILED, WAN (defaults below)
+#     bash tests/gpu_checks.sh OUT_DIR   # limits in seconds: AV_EAGER, GUIDER, AV_COMPILED, AV_GUIDED, WAN (below)
 #
 # 1. MiniMax-H3 and LTX-2.3 at full size (random weights), bf16, through the engine's MODEL: s per call eager, with
 #    the host syncs a call makes counted (two are the call's own upload and download);
 # 2. FLUX.1-dev 1024x1024 on the MODEL route vs the engine's own loop: what a round trip adds;
 # 3. the two audio-video families compiled;
-# 4. Wan 2.1 14B at 832x480, 33 frames, on both routes.
+# 4. LTX-2.3 with LTXVAddGuide's first and last frames at 0.7 (the guides' attention weights: the masked kernels);
+# 5. Wan 2.1 14B at 832x480, 33 frames, on both routes.
 set -uo pipefail
 out=${1:?give the folder the logs go to}
 mkdir -p "$out"
@@ -27,6 +28,7 @@ run av_eager "${AV_EAGER:-150}" av --rows eager --width 1280 --height 704 --call
 run guider_flux "${GUIDER:-70}" guider --gpus 0 --model synthetic:flux-dev --width 1024 --height 1024 --steps 6 \
     --repeats 2
 run av_compiled "${AV_COMPILED:-170}" av --rows compiled --no-syncs --width 1280 --height 704 --calls 4
+run av_guided "${AV_GUIDED:-80}" av --models ltx-2.3 --rows guided --width 1280 --height 704 --calls 3
 run guider_wan "${WAN:-90}" guider --gpus 0 --model synthetic:wan2.1-14b --width 832 --height 480 --frames 33 \
     --steps 3 --repeats 1
 echo "done $(date +%T)"

@@ -389,11 +389,19 @@ def test_bench_av_times_both_audio_video_families_and_counts_only_each_calls_own
     assert all(r["syncs_per_call"] == 2 and r["call_s"] >= r["model_s"] > 0 for r in rows), rows
     # 39 frames of 64x64: MiniMax-H3 12 latent frames of 2x2 patches and 2 x 65 audio rows; LTX-2.3 7 of 2x2, 49
     assert [(r["video_tokens"], r["audio_tokens"]) for r in rows] == [(12 * 2 * 2, 130), (7 * 2 * 2, 49)]
+    # LTX-2.3 with LTXVAddGuide's first and last frames (two more latent frames, the guides' attention weights): the
+    # same two transfers a call
+    out = run("bench", "--json", str(tmp_path / "guided.json"), "av", "--models", "synthetic:ltx-2.3:tiny", "--rows",
+              "guided", "--calls", "1", "--width", "64", "--height", "64")
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    (row,) = json.loads((tmp_path / "guided.json").read_text())["av"]
+    assert (row["row"], row["video_tokens"], row["syncs_per_call"]) == ("guided", 9 * 2 * 2, 2), row
 
 
 def test_bench_av_and_guider_refuse_bad_inputs_in_one_line_before_any_rank_starts(capsys):
     for argv, said in ((["av", "--models", "synthetic:flux-dev:tiny"], "not an audio-video family"),
                        (["av", "--models", "synthetic:ltx-2.3:tiny", "--frames", "10"], "use 9 or 17"),
+                       (["av", "--models", "synthetic:minimax-h3:tiny", "--rows", "guided"], "not an LTX-2.3 source"),
                        (["guider", "--model", "synthetic:wan2.1-1.3b:tiny", "--frames", "10"], "use 9 or 13"),
                        (["guider", "--steps", "1"], "use 2 or more steps")):
         assert main(["bench"] + argv) == 2

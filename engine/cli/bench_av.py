@@ -7,6 +7,7 @@ planner's estimate for one step of the same job. With cfg 1 (the turbo LoRAs, LT
 step."""
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -17,7 +18,7 @@ from .args import UsageError
 from .tables import markdown
 
 MODELS = {"minimax-h3": "synthetic:minimax-h3", "ltx-2.3": "synthetic:ltx-2.3"}
-ROWS = {"eager": {}, "compiled": {"compile": True}}
+ROWS = {"eager": {}, "compiled": {"compile": True}, "guided": {}}   # guided: LTX-2.3 with LTXVAddGuide's two frames
 SYNCS = ("read", "upload", "wait")
 
 
@@ -27,8 +28,9 @@ def register(bench, emit) -> None:
                          description=__doc__.split(": ", 1)[1].replace("\n", " "))
     p.add_argument("--models", type=_models, default=",".join(MODELS),
                    help="comma-separated: " + ", ".join(MODELS) + " (or synthetic:<variant>[:tiny] sources)")
-    p.add_argument("--rows", type=types.name_list(list(ROWS)), default=",".join(ROWS),
-                   help="comma-separated: " + ", ".join(ROWS))
+    p.add_argument("--rows", type=types.name_list(list(ROWS)), default="eager,compiled",
+                   help="comma-separated: " + ", ".join(ROWS) + " (guided: LTX-2.3 calls with LTXVAddGuide's first "
+                        "and last frames at 0.7, eager)")
     p.add_argument("--width", type=types.pixels, default=512, help="video width in pixels")
     p.add_argument("--height", type=types.pixels, default=288, help="video height in pixels")
     p.add_argument("--frames", type=types.positive_int, default=None,
@@ -67,17 +69,43 @@ def audio_shape(info, latent_frames: int) -> tuple:
     raise UsageError(f"model {info.variant!r} is not an audio-video family: bench av runs minimax-h3 and ltx-2.3")
 
 
-def make_call(info, request, sigma: float, seed: int = 0):
+def make_call(info, request, sigma: float, seed: int = 0, guided: bool = False):
     """(x, timestep, conditioning) of one model call as ComfyUI's model makes it for this request's latent: random
-    packed streams, the request's text, and the family tensors its call_extras builds."""
+    packed streams, the request's text, and the family tensors its call_extras builds. guided (LTX-2.3): the video
+    latent two frames longer, LTXVAddGuide's first image at frame 0 and last at the clip's end, each at strength 0.7
+    (their noise mask 0.3, their positions, the attention weight between them and the generated tokens)."""
     video_shape = tuple(request.latent_raw.shape)
-    shapes = [video_shape, audio_shape(info, video_shape[2])]
+    frames = video_shape[2]
+    if guided:
+        video_shape = video_shape[:2] + (frames + 2,) + video_shape[3:]
+    shapes = [video_shape, audio_shape(info, frames)]
     g = torch.Generator().manual_seed(seed)
     streams = [torch.randn(s, generator=g) for s in shapes]
     x = torch.cat([s.reshape(1, 1, -1) for s in streams], dim=-1)
     t = torch.tensor([sigma * request.sampling(info).timesteps_per_sigma], dtype=torch.float32)
-    extras, timestep = info.spec.call_extras(shapes, {}, {}, t, None)
+    kwargs, timestep = {}, t
+    if guided:
+        kwargs = _guides(video_shape, frames, info.latent.pixel_frames(frames) - 1)
+        mask = kwargs["denoise_mask"]
+        timestep = (mask.reshape(1, -1, 1) * t, t.reshape(1, 1, 1).expand(1, shapes[1][2], 1))
+    extras, timestep = info.spec.call_extras(shapes, kwargs, {}, timestep, None)
     return x, timestep, {"context": request.cond, **extras}
+
+
+def _guides(video_shape: tuple, frames: int, last: int) -> dict:
+    """What two LTXVAddGuide nodes (one-image guides at pixel frame 0 and `last`, strength 0.7) leave for ComfyUI's
+    LTX model: the noise mask (1, then 0.3 on the two appended frames), each guide token's pixel coordinates (a
+    one-frame latent's corners x (8, 32, 32), its time (0, 1) after the causal fix, plus the frame), their entries."""
+    _, _, total, h, w = video_shape
+    mask = torch.ones(1, 1, total, h, w)
+    mask[:, :, frames:] = 0.3
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    ys, xs = ys.reshape(-1).float(), xs.reshape(-1).float()
+    coords = torch.cat([torch.stack([torch.tensor([0.0, 1.0]).expand(h * w, 2) + at,
+                                     torch.stack([ys * 32, ys * 32 + 32], -1), torch.stack([xs * 32, xs * 32 + 32], -1)])
+                        for at in (0, last)], dim=1)[None]
+    entry = {"pre_filter_count": h * w, "strength": 0.7, "pixel_mask": None, "latent_shape": [1, h, w]}
+    return {"denoise_mask": mask, "keyframe_idxs": coords, "guide_attention_entries": [entry, dict(entry)]}
 
 
 def _request(source: str, width: int, height: int, frames: int | None, text_tokens: int, options: dict, device):
@@ -114,13 +142,13 @@ def _engine(gpus, count: bool) -> Engine:
     return Engine(1, device="cuda", gpus=gpus, env=env)
 
 
-def _session(engine, info, request, calls: int):
+def _session(engine, info, request, calls: int, guided: bool = False):
     """Two warm-up calls (the conditioning sent, compiled graphs built), then `calls` timed calls at falling sigmas:
     (the session, caller's seconds per timed call, rank 0's model seconds per timed call)."""
     from ..generate.model_call import ModelSession
     with ModelSession(engine, request) as session:
         for k in range(calls + 2):
-            x, t, c = make_call(info, request, sigma=0.95 - 0.9 * k / (calls + 2), seed=k)
+            x, t, c = make_call(info, request, sigma=0.95 - 0.9 * k / (calls + 2), seed=k, guided=guided)
             session.call(x, t, c)
     return session, session.call_s[2:], session.model_s[2:]
 
@@ -134,6 +162,9 @@ def bench_av(sources, rows, width, height, frames, text_tokens, calls, gpus, *, 
     requests = {}
     for source in sources:   # every input checked before any rank starts
         for row in rows:
+            if row == "guided" and not _is_ltx(source):
+                raise UsageError(f"argument --rows: guided runs LTX-2.3 with LTXVAddGuide's frames; {source!r} is not "
+                                 f"an LTX-2.3 source: give --models ltx-2.3 for it")
             try:
                 requests[source, row] = _request(source, width, height, frames, text_tokens, ROWS[row], device)
             except ValueError as e:
@@ -146,9 +177,11 @@ def bench_av(sources, rows, width, height, frames, text_tokens, calls, gpus, *, 
         for (source, row), (info, request) in requests.items():
             audio = info.spec.extra_tokens(info.config, request.latent_raw.shape[2])
             video = request.workload(info).image_tokens - audio   # the planner's sequence counts the audio rows too
+            if row == "guided":   # the two guide frames' tokens end the video's
+                video += 2 * math.prod(request.latent_raw.shape[3:])
             print(f"measuring {source} {row}: latent {list(request.latent_raw.shape)}, {video} video + {audio} audio "
                   f"tokens ...", flush=True)
-            session, waits, model = _session(engine, info, request, calls)
+            session, waits, model = _session(engine, info, request, calls, guided=row == "guided")
             rank = session.result.ranks[0]
             result = {"model": source, "row": row, "device": where, "latent": list(request.latent_raw.shape),
                       "frames": info.latent.pixel_frames(request.latent_raw.shape[2]),
@@ -160,21 +193,31 @@ def bench_av(sources, rows, width, height, frames, text_tokens, calls, gpus, *, 
             results.append(result)
             print(f"  {row}: {result['call_s']:.3f} s per call (model {result['model_s']:.3f} s; planner "
                   f"{_fmt(result['planned_step_s'])} s), first call {result['warmup_call_s']:.1f} s", flush=True)
-    if syncs:
+    if syncs:   # once per model (its eager and compiled calls are the same calls), and for the guided calls
+        counted = [(source, row) for source in sources for row in dict.fromkeys([rows[0]] + [
+            r for r in rows if r == "guided"])]
         with _engine(gpus, True) as engine:
-            for source in sources:
-                info, request = requests[source, rows[0]]
-                session, _, _ = _session(engine, info, request, 2)
+            for source, row in counted:
+                info, request = requests[source, row]
+                session, _, _ = _session(engine, info, request, 2, guided=row == "guided")
                 counts = session.result.ranks[0]["host_syncs"]
                 per_call = [sum(b[k] for k in SYNCS) for b in counts["per_step"][1:-1]]
                 for r in results:
-                    if r["model"] == source:
+                    if r["model"] == source and (r["row"] == "guided") == (row == "guided"):
                         r["syncs_per_call"] = max(per_call)
                         r["sync_sites"] = {k: v for k, v in counts["where"].items() if k in SYNCS}
-                print(f"{source}: host syncs per call after the first {per_call}; where (over "
-                      f"{len(counts['per_step']) - 1} calls): {counts['where']}", flush=True)
+                print(f"{source}{' guided' if row == 'guided' else ''}: host syncs per call after the first "
+                      f"{per_call}; where (over {len(counts['per_step']) - 1} calls): {counts['where']}", flush=True)
     _table(results)
     return results
+
+
+def _is_ltx(source: str) -> bool:
+    from ..models.load import inspect_model
+    try:
+        return inspect_model(source).family == "ltx23"
+    except (ValueError, OSError):
+        return False
 
 
 def _fmt(v) -> str:
@@ -184,7 +227,8 @@ def _fmt(v) -> str:
 def _table(results: list[dict]) -> None:
     header = ("model", "row", "latent (video)", "tokens video + audio + text", "s / call", "model s / call",
               "planner s / step", "peak GiB", "host syncs / call", "first call s")
-    rows = [(r["model"], r["row"], "x".join(str(v) for v in r["latent"][2:]) + f" ({r['frames']} frames)",
+    rows = [(r["model"], r["row"], "x".join(str(v) for v in r["latent"][2:]) + f" ({r['frames']} frames)"
+             + (" + 2 guide frames" if r["row"] == "guided" else ""),
              f"{r['video_tokens']} + {r['audio_tokens']} + {r['text_tokens']}", f"{r['call_s']:.3f}",
              f"{r['model_s']:.3f}", _fmt(r["planned_step_s"]),
              "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}", str(r.get("syncs_per_call", "-")),

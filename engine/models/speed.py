@@ -18,7 +18,8 @@ CUDA_ONLY = ("flash", "efficient", "cudnn")   # the kernels that exist only on C
 
 def attention_kernels(name: str, device: torch.device):
     """Context: scaled_dot_product_attention restricted to one kernel ('auto': torch chooses). The sequence-parallel
-    Ring path picks its own log-sum-exp kernel (engine/parallel/attention.py)."""
+    Ring path and attention under a bias (LTX-2.3's guides) pick their own log-sum-exp kernels
+    (engine/parallel/attention.py)."""
     if name not in ATTENTION:
         raise ValueError(f"attention={name!r} is invalid: use one of {list(ATTENTION)}")
     if ATTENTION[name] is None:

@@ -161,7 +161,9 @@ class SequenceParallelAttention:
             if self.ring.size > 1:
                 self._ring(queries, keys, values, k, v)
         elif self.ring.size == 1:
-            out = bias.attend(queries, keys, values, 0, 0) if bias is not None else \
+            # under a bias through the kernels that take a mask (whatever kernel torch's attention is held to: the
+            # engine's attention setting may name one that takes none)
+            out = bias.attend(queries, keys, values, 0, 0, attention_with_lse)[0] if bias is not None else \
                 F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
         else:
             out = self._ring(queries, keys, values, k, v, bias)
