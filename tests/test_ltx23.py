@@ -223,6 +223,37 @@ def test_fp8_files_run_their_exact_dequantized_weights(tmp_path, fmt):
     assert report(f"LTX-2.3 {fmt} file vs its dequantized values", (got - want).abs().max(), bound(want))
 
 
+def test_a_gguf_file_with_its_config_runs_its_dequantized_weights_and_one_without_is_refused(tmp_path):
+    """ComfyUI-GGUF's LTX-2.3 files carry the header's `config` as a GGUF string, which its loader hands ComfyUI as the
+    metadata LTX-2.3's detection reads (ComfyUI-GGUF since its "load model config from metadata" change): such a file
+    (make-tiny, Q8_0 matrices) gives the model of a float32 file of the values the gguf package's own dequantizer reads
+    from it, within fp32 rounding; without the config it is refused in one line, as ComfyUI cannot build it either."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import save_file
+    from engine.models.tiny import write_gguf
+    path = write_tiny("ltx23", str(tmp_path), format="gguf")
+    reader = gguf.GGUFReader(path)
+    fields = {k: str(bytes(f.parts[f.data[-1]]), "utf-8") for k, f in reader.fields.items()
+              if k in ("config", "xdit.synthetic")}
+    assert set(fields) == {"config", "xdit.synthetic"}
+    values = {t.name: torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type)))
+              .reshape(tuple(reversed([int(v) for v in t.shape]))).float() for t in reader.tensors}
+    assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F32"}
+    exact = str(tmp_path / "exact.safetensors")
+    save_file(values, exact, metadata={"config": fields["config"]})
+    x, t, c = ltx_call(seed=7, masked=True)
+    want = reference(FlowModel(load_model(exact)), x, t, c)
+    got = reference(FlowModel(load_model(path)), x, t, c)
+    assert load_model(path).stats["gguf_linears"] > 20
+    assert report("LTX-2.3 GGUF Q8_0 file vs its dequantized values", (got - want).abs().max(), bound(want))
+    bare = str(tmp_path / "no-config.gguf")
+    write_gguf(bare, "ltxv", {k: v for k, v in values.items()}, "F32", {})
+    with pytest.raises(CheckpointError, match="without the `config` -> `transformer` entry") as e:
+        load_model(bare)
+    assert "\n" not in str(e.value)
+
+
 @contextlib.contextmanager
 def without_pre_hooks(modules):
     """The modules' forward pre-hooks taken off for a with-block (the family's compensations), then put back."""

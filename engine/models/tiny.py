@@ -229,7 +229,10 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
     weights = make_state_dict(variant, seed=seed, dtype=dtype, dims=tiny)
     if format == "gguf":
         path = os.path.join(out_dir, f"tiny-{variant}-{quant}{'-real-depth' if real_depth else ''}.gguf")
-        write_gguf(path, family.gguf_arches[0], weights, quant, {"xdit.synthetic": metadata["xdit.synthetic"]})
+        # the family's header entries as GGUF strings (LTX-2.3's `config`, which ComfyUI-GGUF hands ComfyUI as the
+        # metadata its detection reads)
+        write_gguf(path, family.gguf_arches[0], weights, quant,
+                   {"xdit.synthetic": metadata["xdit.synthetic"], **family.tiny_metadata(tiny)})
         return path
     if format == "fp8_scaled":
         weights = scaled_fp8(weights)

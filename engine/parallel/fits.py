@@ -179,11 +179,11 @@ def av_header() -> list[str]:
 
 
 # LTX-2.3: ComfyUI's templates' two passes (half size with 8 steps, then the x2 upsampled latent with 3, the distilled
-# LoRA at cfg 1; 5 s at 25 fps + 1 frame, its audio 25 latents a second) and the dev model alone at cfg > 1. No GGUF:
-# LTX-2.3 files state their settings in a header config, which ComfyUI-GGUF's files lack (the engine refuses them)
+# LoRA at cfg 1; 5 s at 25 fps + 1 frame, its audio 25 latents a second) and the dev model alone at cfg > 1. GGUF
+# files carry the header's config as a GGUF string (the engine reads it as ComfyUI does through ComfyUI-GGUF)
 LTX_JOBS = (("template pass 1, cfg 1", 640, 352, 121, 8, False), ("template pass 2 (x2), cfg 1", 1280, 704, 121, 3, False),
             ("dev, cfg > 1", 1280, 704, 121, 30, True))
-AV_MODELS = {"minimax-h3": (AV_JOBS, SHARD_WEIGHTS), "ltx-2.3": (LTX_JOBS, SHARD_WEIGHTS[:2])}
+AV_MODELS = {"minimax-h3": (AV_JOBS, SHARD_WEIGHTS), "ltx-2.3": (LTX_JOBS, SHARD_WEIGHTS)}
 
 
 def ltx_header() -> list[str]:
