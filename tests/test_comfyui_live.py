@@ -1,5 +1,6 @@
 """The pack inside a real ComfyUI. Runs only when COMFYUI_PATH points to a ComfyUI checkout (with its
 requirements installed in COMFYUI_PYTHON, default this Python); skipped otherwise, as in CI."""
+import glob
 import json
 import os
 import shutil
@@ -386,6 +387,24 @@ def test_ltx23_graphs_with_the_engines_model_equal_comfyui_own(setup):
     assert {"single rank", "ulysses2", "ring2", "ulysses2 x shard2", "ring2 x shard2", "cfg2"} <= plans, plans
     assert "LTXVModalityGuidance severs both" in report["refusals"]["one direction severed"], report["refusals"]
     assert "unprocessed_ltxav_embeds" in report["refusals"]["connected text"], report["refusals"]
+
+
+@pytest.mark.timeout(300)
+def test_every_api_workflow_passes_comfyuis_own_prompt_validation(setup):
+    """workflows/api/*.api.json through ComfyUI's execution.validate_prompt (what POST /prompt runs), in every ComfyUI
+    new enough for it (its note's release): node types, inputs, links, combo values, the nodes' own validate_inputs;
+    an older ComfyUI is not asked (the workflow names the release it needs)."""
+    report = run_check("comfyui_workflow_check.py", setup, 240)
+    names = {os.path.basename(p)[:-len(".api.json")] for p in glob.glob(os.path.join(ROOT, "workflows", "api", "*"))}
+    assert set(report["workflows"]) == names
+    ran = {n: r for n, r in report["workflows"].items() if "needs" not in r}
+    bad = {n: (r["error"], r["node_errors"]) for n, r in ran.items() if not r["valid"]}
+    assert not bad, bad
+    assert all(r["outputs"] >= 1 for r in ran.values()), ran
+    if report["comfyui"].startswith("0.33"):   # the newest checked: every workflow runs there
+        assert set(ran) == names, report
+    else:
+        assert {"flux1-dev", "wan2.1-t2v-1.3b"} <= set(ran) and "ltx-2.3-flf" not in ran, report
 
 
 @pytest.mark.timeout(600)
