@@ -46,15 +46,14 @@ def needs(name: str) -> str | None:
 
 
 report = {"comfyui": VERSION, "workflows": {}}
-paths = sorted(glob.glob(os.path.join(WORKFLOWS, "api", "*.api.json")))
-files = set()
-for path in paths:
+prompts = {}
+for path in sorted(glob.glob(os.path.join(WORKFLOWS, "api", "*.api.json"))):
     with open(path) as f:
-        prompt = json.load(f)
-    files |= {v for node in prompt.values() for v in node["inputs"].values()
-              if isinstance(v, str) and MODEL_FILE.match(v)}
-images = {v for p in paths for node in json.load(open(p)).values() if node["class_type"] == "LoadImage"
-          for k, v in node["inputs"].items() if k == "image" and isinstance(v, str)}
+        prompts[os.path.basename(path)[:-len(".api.json")]] = json.load(f)
+nodes = [node for prompt in prompts.values() for node in prompt.values()]
+files = {v for node in nodes for v in node["inputs"].values() if isinstance(v, str) and MODEL_FILE.match(v)}
+images = {node["inputs"]["image"] for node in nodes
+          if node["class_type"] == "LoadImage" and isinstance(node["inputs"].get("image"), str)}
 example = os.path.join(folder_paths.get_input_directory(), "example.png")
 os.makedirs(os.path.join(own, "input"), exist_ok=True)
 for name in images:
@@ -65,14 +64,11 @@ for folder in FOLDERS:
     for name in files:
         open(os.path.join(own, folder, name), "wb").close()
     folder_paths.add_model_folder_path(folder, os.path.join(own, folder))
-for path in paths:
-    name = os.path.basename(path)[:-len(".api.json")]
+for name, prompt in prompts.items():
     wanted = needs(name)
     if wanted and VERSION != "unknown" and release(VERSION) < release(wanted):
         report["workflows"][name] = {"needs": wanted}
         continue
-    with open(path) as f:
-        prompt = json.load(f)
     valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt(name, prompt, None))
     report["workflows"][name] = {"valid": valid, "error": error, "node_errors": node_errors, "outputs": len(outputs),
                                  "nodes": len(prompt)}

@@ -463,6 +463,17 @@ def _ltx23_loaders(g: Graph, checkpoint: str):
     return loader, clip, g.add("LTXVAudioVAELoader", [checkpoint], 0)
 
 
+def _ltx23_end(g: Graph, column: int, loader, audio_vae, video, audio, after, tiling: list, info_column: int) -> None:
+    """The LTX-2.3 templates' last columns: VAE Decode (Tiled, the template's `tiling`) with the loader's VAE and LTXV
+    Audio VAE Decode in `column`, Info after the last sampler in `info_column`, Create Video at 25 fps and Save Video
+    in the next."""
+    decode = g.add("VAEDecodeTiled", tiling, column, samples=video, vae=loader.out(2))
+    sound = g.add("LTXVAudioVAEDecode", [], column, samples=audio, audio_vae=audio_vae)
+    g.add("XDiTEngineInfo", [False], info_column, room=INFO_REPORT_BOX, engine=loader.out(3), after=after)
+    clip_out = g.add("CreateVideo", [25.0, 8], column + 1, images=decode, audio=sound)
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], column + 1, size=SAVE_BOX, video=clip_out)
+
+
 def _ltx23(image: bool) -> Graph:
     """ComfyUI's LTX-2.3 templates (0.33.0: blueprints/Text to Video (LTX-2.3).json, Image to Video (LTX-2.3).json:
     one subgraph each, flattened here with the values its nodes get) with CheckpointLoaderSimple swapped for the xDiT
@@ -518,12 +529,7 @@ def _ltx23(image: bool) -> Graph:
                         guider=guider, sampler=select, sigmas=steps, latent_image=latent)
         passes[n] = g.add("LTXVSeparateAVLatent", [], column, av_latent=sampled)
     last = passes[2]
-    info_after = sampled
-    decode = g.add("VAEDecodeTiled", [768, 64, 4096, 4], 6, samples=last.out(0), vae=vae)
-    sound = g.add("LTXVAudioVAEDecode", [], 6, samples=last.out(1), audio_vae=audio_vae)
-    g.add("XDiTEngineInfo", [False], 6, room=INFO_REPORT_BOX, engine=loader.out(3), after=info_after)
-    clip_out = g.add("CreateVideo", [25.0, 8], 7, images=decode, audio=sound)
-    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], 7, size=SAVE_BOX, video=clip_out)
+    _ltx23_end(g, 6, loader, audio_vae, last.out(0), last.out(1), sampled, [768, 64, 4096, 4], info_column=6)
     return g
 
 
@@ -584,11 +590,7 @@ def _ltx23_flf() -> Graph:
                     latent_image=latent)
     split = g.add("LTXVSeparateAVLatent", [], 5, av_latent=sampled)
     crop = g.add("LTXVCropGuides", [], 5, positive=last.out(0), negative=last.out(1), latent=split.out(0))
-    decode = g.add("VAEDecodeTiled", [768, 64, 4096, 64], 5, samples=crop.out(2), vae=vae)
-    sound = g.add("LTXVAudioVAEDecode", [], 5, samples=split.out(1), audio_vae=audio_vae)
-    g.add("XDiTEngineInfo", [False], 6, room=INFO_REPORT_BOX, engine=loader.out(3), after=sampled)
-    clip_out = g.add("CreateVideo", [25.0, 8], 6, images=decode, audio=sound)
-    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], 6, size=SAVE_BOX, video=clip_out)
+    _ltx23_end(g, 5, loader, audio_vae, crop.out(2), split.out(1), sampled, [768, 64, 4096, 64], info_column=6)
     return g
 
 

@@ -181,10 +181,18 @@ class GuideBias:
 
     def __init__(self, start: int, count: int, log_w: torch.Tensor):
         self.start, self.count, self.log_w = start, count, log_w
+        self._made: dict = {}   # the masks of each block shape, made once a forward (every layer's are the same)
 
     def groups(self, q0: int, nq: int, k0: int, nk: int):
         """Queries [q0, q0 + nq) over keys [k0, k0 + nk) as (first, end, mask or None): row ranges of the queries
-        with the additive mask each takes over these keys (1, 1, rows or 1, nk)."""
+        with the additive mask each takes over these keys (1, 1, rows or 1, nk). Made once per block for the bias's
+        forward and reused by every layer."""
+        key = (q0, nq, k0, nk)
+        if key not in self._made:
+            self._made[key] = self._groups(q0, nq, k0, nk)
+        return self._made[key]
+
+    def _groups(self, q0: int, nq: int, k0: int, nk: int):
         start, end = self.start, self.start + self.count
         lw, out = self.log_w, []
         noisy = (q0, min(q0 + nq, start))

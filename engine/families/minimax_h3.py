@@ -534,12 +534,9 @@ class _CurveTable(torch.nn.Module):
 
 
 def _computes_in(linear) -> torch.dtype:
-    """The dtype a Linear computes in: its weight's, or where the weight is held quantized (int8, fp8, GGUF blocks:
-    the layer dequantizes itself) its bias's, the compute dtype."""
-    dtype = linear.weight.dtype
-    if dtype in (torch.float32, torch.float16, torch.bfloat16) or linear.bias is None:
-        return dtype if dtype.is_floating_point and dtype.itemsize > 1 else torch.float32
-    return linear.bias.dtype
+    """The dtype diffusers casts a Linear's input to: its _ComputeDtype, set at load (a float32 island's float32, else
+    the compute dtype, whatever the weight is held in: int8, fp8, GGUF blocks dequantize themselves)."""
+    return linear._diffusers_hook.compute_dtype
 
 
 def _modulation_without_activation(module, args, out):

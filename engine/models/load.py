@@ -18,7 +18,7 @@ from .convert import key_map
 from .detect import SCALE_KEYS, CheckpointInfo, detect
 from .reader import (FP8, LOAD_DELAY_ENV, LoadedTransformer, LoadStopped, checkpoint_files,  # noqa: F401 (also
                      held_bytes, install_quantized, int8_count, island_dtype, read_headers,     # read through here)
-                     stream, wrap_fp8_linears)
+                     stream, wrap_quantized_linears)
 from .safetensors_file import TORCH_DTYPES, CheckpointError
 from .sharded import held_rows, is_divided, load_sharded, local, random_sharded
 from .synthetic import init_random_, is_synthetic, synthetic_info
@@ -129,7 +129,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     model.load_state_dict(state, strict=False, assign=True)  # what is absent is found by the meta check below
     del state
     quantized_layers = install_quantized(model, quantized, compute)
-    cast_layers = wrap_fp8_linears(model, scales, groups)
+    cast_layers = wrap_quantized_linears(model, scales, groups)
     # tensors outside the state dict (non-persistent buffers, e.g. a RoPE table) are the family's rebuild_off_meta's
     leftovers = [n for n, b in list(model.named_parameters()) + list(model.named_buffers())
                  if b.is_meta and n in expected and (keep is None or keep(n))]
@@ -251,7 +251,7 @@ def random_model(info: CheckpointInfo, source: str, *, dtype: str = "fp32", devi
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
                 module.weight = torch.nn.Parameter(module.weight.to(torch.float8_e4m3fn), requires_grad=False)
-    cast_layers = wrap_fp8_linears(model)
+    cast_layers = wrap_quantized_linears(model)
     info.spec.rebuild_off_meta(model)
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())

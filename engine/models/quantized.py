@@ -293,6 +293,7 @@ class Int8Linear(LoraOnTop, torch.nn.Module):
     (integers up to 127: exact in bf16 and fp16), and the product scaled per output row. Nothing the size of the
     weight is kept besides q. LoRAs stay factors, their low-rank product added to the output per call (int8 cannot
     hold a merged weight)."""
+
     def __init__(self, linear: torch.nn.Linear, scale: torch.Tensor, group: int | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

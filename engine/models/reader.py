@@ -198,7 +198,7 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
     each plain tensor and GGUF block matrix is handed to it as it is read and not kept (a load into storage that
     exists already holds one tensor at a time beside it, not the state). An int8_tensorwise matrix is produced as the
     file stores it (int8; its weight_scale in scales, whole) and its ConvRot group (None: not rotated) put in
-    int8_groups: the layer becomes an Int8Linear (wrap_fp8_linears)."""
+    int8_groups: the layer becomes an Int8Linear (wrap_quantized_linears)."""
     by_source: dict[str, list] = {}
     for dst, src, op in mapping:
         by_source.setdefault(src, []).append((dst, op))
@@ -341,7 +341,7 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
-def wrap_fp8_linears(model: torch.nn.Module, scales: dict[str, torch.Tensor] | None = None,
+def wrap_quantized_linears(model: torch.nn.Module, scales: dict[str, torch.Tensor] | None = None,
                      int8_groups: dict | None = None) -> int:
     """Every Linear with an fp8 weight, or an fp8_scaled scale, becomes a CastLinear; every Linear with an int8 weight
     an Int8Linear (its weight_scale from `scales`, its ConvRot group from `int8_groups`)."""

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, int8_count, island_dtype,
-                     stream, wrap_fp8_linears)
+                     stream, wrap_quantized_linears)
 from .detect import SCALE_KEYS
 from .quantized import BLOCKS
 from .safetensors_file import TORCH_DTYPES, CheckpointError
@@ -134,7 +134,7 @@ def load_sharded(path, files, where, info, model, expected, mapping, compute, de
     quantized_layers = install_quantized(model, gguf, compute)
     scales = {name: torch.empty(shape, dtype=torch.float32, device="meta")
               for name, shape in _scale_shapes(where, info, mapping).items()}
-    cast_layers = wrap_fp8_linears(model, scales)
+    cast_layers = wrap_quantized_linears(model, scales)
     model.requires_grad_(False)
     spec.wrap(model)
     model.to_empty(device=device)
@@ -203,7 +203,7 @@ def random_sharded(info, source: str, *, compute: torch.dtype, device, seed: int
             module._parameters[leaf] = torch.nn.Parameter(empty, requires_grad=False)
         else:
             module._buffers[leaf] = empty
-    cast_layers = wrap_fp8_linears(model)
+    cast_layers = wrap_quantized_linears(model)
     model.requires_grad_(False)
     spec.wrap(model)
     model.to_empty(device=device)
