@@ -332,34 +332,137 @@ def dense_guide_mask(total, start, log_w):
     return mask
 
 
+GUIDES = dict(total=23, start=14, count=7)   # 14 generated tokens, 7 tracked guide tokens, 2 untracked after them
+
+
+def guide_case(weights, seed=3):
+    """q, k, v over GUIDES' sequence, the guides' log weights as the family makes them, and attention under the dense
+    mask (the reference)."""
+    from engine.families.ltx23_guides import log_weights
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, GUIDES["total"], 3, 8, generator=g) for _ in range(3))
+    log_w = log_weights(torch.tensor(weights, dtype=torch.float64), torch.float32)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)),
+        attn_mask=dense_guide_mask(GUIDES["total"], GUIDES["start"], log_w)).transpose(1, 2)
+    return q, k, v, log_w, want
+
+
+def split_attention(bias, q, k, v, shards, kernel):
+    """Each query shard over the key blocks in turn (as the ring hands them), merged through the log-sum-exp."""
+    from engine.kernels import merge
+    worst_rows = []
+    for a, b in itertools.pairwise(shards):
+        out = lse = None
+        for c, d in itertools.pairwise(shards):
+            out, lse = merge(out, lse, *bias.attend(q[:, a:b], k[:, c:d], v[:, c:d], a, c, kernel))
+        worst_rows.append(out)
+    return torch.cat(worst_rows, dim=1)
+
+
 def test_the_guide_bias_equals_the_dense_mask_however_the_sequence_is_split():
     """GuideBias over the whole sequence, and over the key blocks and query shards sequence parallel hands it (each
     block's part merged through its log-sum-exp as the ring merges, the noisy / guide boundary inside a block, a block
     of guide keys alone, untracked guide tokens after the tracked ones), equals attention under the dense mask. Weights
-    0 (the dtype's lowest: the guide not seen), 0.7 and 2.5."""
+    0 (the guide not seen), 0.7 and 2.5."""
     from engine.families.ltx23 import GuideBias
-    from engine.parallel.attention import _merge, attention_with_lse
-    g = torch.Generator().manual_seed(3)
-    total, start, count = 23, 14, 7   # 14 generated tokens, 7 tracked guide tokens, 2 untracked after them
-    q, k, v = (torch.randn(2, total, 3, 8, generator=g) for _ in range(3))
-    weights = torch.tensor([0.7, 0.7, 0.0, 2.5, 0.7, 0.7, 1.0])
-    low = torch.finfo(torch.float32)
-    log_w = torch.where(weights > 0, torch.log(weights.clamp(min=low.tiny)), torch.full_like(weights, low.min))
-    want = torch.nn.functional.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=dense_guide_mask(total, start, log_w)).transpose(1, 2)
-    bias = GuideBias(start, count, log_w)
-    worst = (bias.attend(q, k, v, 0, 0) - want).abs().max()
+    from engine.kernels import attention_with_lse
+    q, k, v, log_w, want = guide_case([0.7, 0.7, 0.0, 2.5, 0.7, 0.7, 1.0])
+    bias = GuideBias(GUIDES["start"], GUIDES["count"], log_w)
+    worst = (bias.attend(q, k, v, 0, 0)[0] - want).abs().max()
     for shards in ((0, 12, 23), (0, 6, 12, 18, 23), (0, 14, 23), (0, 15, 21, 23)):
-        for a, b in itertools.pairwise(shards):   # one rank's queries, the key blocks in turn
-            out = lse = None
-            for c, d in itertools.pairwise(shards):
-                out, lse = _merge(out, lse, *bias.attend(q[:, a:b], k[:, c:d], v[:, c:d], a, c, attention_with_lse))
-            worst = max(worst, (out - want[:, a:b]).abs().max())
+        worst = max(worst, (split_attention(bias, q, k, v, shards, attention_with_lse) - want).abs().max())
     assert (want - torch.nn.functional.scaled_dot_product_attention(
         *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)).abs().max() > 1e-2   # the mask matters here
     # two fp32 reductions in a row (the scores over the head width, the weighted values over the keys)
     assert report("guide bias vs the dense mask, whole and split", worst,
-                  fp32_bound(v.abs().max(), reduction=total * 8, depth=2))
+                  fp32_bound(v.abs().max(), reduction=GUIDES["total"] * 8, depth=2))
+
+
+LOG2E = 1.4426950408889634
+
+
+def cuda_efficient_convention(reported):
+    """What torch's CUDA memory-efficient kernel computes for a masked block (aten/src/ATen/native/transformers/cuda/
+    mem_eff_attention/kernel_forward.h: iterative_softmax scales scores and bias by log2(e) in fp32, so the dtype's
+    lowest becomes -inf; a row whose keys are all -inf then keeps mi = -inf and s_prime = 0, its output 0), with the
+    log-sum-exp such a row reports given as `reported` (that kernel's mi / log2(e) + log(s_prime); 0 and +inf are what
+    other kernels report for it). No mask: the plain softmax."""
+    def kernel(q, k, v, mask):
+        s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+        if mask is not None:
+            s = s + mask[..., :k.shape[1]].float()
+        s = s * LOG2E
+        mi = s.amax(dim=-1, keepdim=True)
+        dead = torch.isneginf(mi)
+        p = torch.exp2(s - torch.where(dead, 0.0, mi))
+        total = p.sum(dim=-1, keepdim=True)
+        out = torch.einsum("bhqk,bkhd->bqhd", p / torch.where(dead, 1.0, total), v.float())
+        lse = torch.where(dead, reported, mi / LOG2E + torch.log(total)).squeeze(-1)
+        return out.to(q.dtype), lse
+    return kernel
+
+
+def garbage_for_removed_rows(q, k, v, mask):
+    """A kernel that gives a NaN output and a log-sum-exp of 0 for every row whose keys a bias removes entirely."""
+    from engine.kernels import attention_with_lse, removed_bias
+    out, lse = attention_with_lse(q, k, v, mask)
+    if mask is None:
+        return out, lse
+    removed = (mask[..., :k.shape[1]].amax(dim=-1) <= removed_bias(mask.dtype))   # [1, 1, rows or 1]
+    return torch.where(removed.transpose(1, 2).unsqueeze(-1), float("nan"), out), torch.where(removed, 0.0, lse)
+
+
+@pytest.mark.parametrize("kernel", ["efficient-lse-0", "efficient-lse-inf", "efficient-lse--inf", "garbage"])
+def test_a_ring_block_of_guides_the_bias_removes_merges_exactly_whatever_the_kernel_reports_for_it(kernel):
+    """Under Ring a key block can hold only tracked guide tokens of weight 0 (an IC-LoRA reference's, a pixel mask's
+    zero region): every generated query's keys in that block are removed. With the CUDA efficient kernel's arithmetic
+    (the bias x log2(e) in fp32), the dtype's lowest would become -inf and such a row would report a log-sum-exp the
+    merge weighs as real (0: the output shrunk). The guides' bias stays finite there and a piece whose keys it removes
+    counts as empty, so the split equals the dense mask with each convention, and with a kernel giving NaN for it."""
+    from engine.families.ltx23 import GuideBias
+    kernels = {"efficient-lse-0": cuda_efficient_convention(0.0),
+               "efficient-lse-inf": cuda_efficient_convention(float("inf")),
+               "efficient-lse--inf": cuda_efficient_convention(float("-inf")), "garbage": garbage_for_removed_rows}
+    q, k, v, log_w, want = guide_case([0.0, 0.0, 0.0, 0.7, 0.0, 2.5, 0.0])
+    bias = GuideBias(GUIDES["start"], GUIDES["count"], log_w)
+    shards = (0, 7, 14, 17, 23)   # the third block: guide tokens 0-2, all of weight 0
+    got = split_attention(bias, q, k, v, shards, kernels[kernel])
+    assert report(f"ring blocks under the guides' bias, a block removed whole, kernel {kernel}",
+                  (got - want).abs().max(), fp32_bound(v.abs().max(), reduction=GUIDES["total"] * 8, depth=2))
+
+
+def test_the_guides_bias_runs_the_generated_queries_unmasked_but_for_the_guide_keys_and_never_catches_oom(
+        monkeypatch):
+    """The generated queries meet the guides' weights only on the guide keys: their attention over every other key
+    takes no mask (the fast kernels), the masked piece holds the guide keys alone, the tracked queries' pieces none;
+    and an out-of-memory error inside a kernel reaches the caller as it was (no retry on the written-out kernel)."""
+    from engine import kernels
+    from engine.families.ltx23 import GuideBias
+    q, k, v, log_w, want = guide_case([0.7, 0.7, 0.0, 2.5, 0.7, 0.7, 1.0])
+    seen = []
+
+    def recording(q, k, v, mask=None):
+        seen.append((q.shape[1], k.shape[1], None if mask is None else mask.shape[-1]))
+        return kernels.attention_with_lse(q, k, v, mask)
+    GuideBias(GUIDES["start"], GUIDES["count"], log_w).attend(q, k, v, 0, 0, recording)
+    masked = [s for s in seen if s[2] is not None]
+    assert masked == [(14, 7, 16)]   # 14 generated queries over the 7 guide keys (their row stored 16 wide)
+    assert sum(nq * nk for nq, nk, _ in seen) == GUIDES["total"] ** 2   # every query over every key once
+
+    # on a device that is not the CPU (meta tensors stand for CUDA's: the same branch, no data): the masked kernel and
+    # the half-precision kernels running out of memory stop there, without trying another kernel
+    def short_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+    tried = []
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", short_of_memory)
+    monkeypatch.setattr(kernels, "_math_with_lse", lambda *a: tried.append("math"))
+    monkeypatch.setattr(kernels, "HALF_KERNELS", {"first": short_of_memory, "second": lambda *a: tried.append("2nd")})
+    meta = [t.to("meta", torch.bfloat16) for t in (q, k, v)]
+    for mask in (torch.zeros(1, 1, 1, 23, device="meta", dtype=torch.bfloat16), None):
+        with pytest.raises(torch.OutOfMemoryError):
+            kernels.attention_with_lse(*meta, mask)
+    assert tried == []
 
 
 def test_guided_calls_keep_the_guides_positions_strengths_and_dropped_tokens(local):
@@ -381,6 +484,24 @@ def test_guided_calls_keep_the_guides_positions_strengths_and_dropped_tokens(loc
     out = reference(local, x, t, c)[0, 0, :128 * 5 * 8].reshape(128, 5, 2, 4)
     assert torch.equal(out[:, 4][:, [0, 0, 1, 1, 1, 1], [1, 3, 0, 1, 2, 3]], torch.zeros(128, 6))
     assert out[:, 4, 0, 0].abs().max() > 0
+
+
+def test_guides_on_one_rank_never_hand_torchs_attention_a_mask(local, monkeypatch):
+    """On a plan without sequence parallel (one GPU, or CFG parallel alone) the guides' bias goes through the engine's
+    mask-taking kernels, never torch's attention with a mask (which raises under the engine's attention setting
+    `flash` on CUDA, and writes out the whole [b, h, s, s] matrix under `math`): a guided call with a pixel mask on one
+    rank hands scaled_dot_product_attention no mask, and gives what it gave before the spy (the same kernels: 0)."""
+    x, t, c = guided_call(pixel_mask=torch.linspace(0, 1, 64 * 96).reshape(1, 1, 1, 64, 96))
+    want = reference(local, x, t, c)
+    real, masks = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask is not None)
+        return real(*args, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    got = reference(local, x, t, c)
+    assert masks and not any(masks)
+    assert report("LTX-2.3 guided call on one rank, torch's attention spied", (got - want).abs().max(), 0.0)
 
 
 @pytest.mark.parametrize("world,plan,kw", [

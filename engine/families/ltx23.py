@@ -60,7 +60,7 @@ LTXVAddGuide's guides (C/comfy_extras/nodes_lt.py:250-497; the model's side C/co
 positions replaced by keyframe_idxs (pixel coordinates; then / frame rate as the others); the tokens under a negative
 noise mask value in row 0 (an IC-LoRA reference's dilation) leave the sequence (their output zeros); where a guide's
 strength is not 1 or it has a pixel attention mask, each tracked guide token's weight (strength x its mask reduced to
-the latent grid) enters the video self-attention as an additive log weight (GuideBias). comfy_call reads all of it on
+the latent grid) enters the video self-attention as an additive log weight (ltx23_guides.py). comfy_call reads all of it on
 the ComfyUI side, as ComfyUI's model reads it, into the guide extras.
 
 The guidance nodes' extra passes (C/comfy_extras/nodes_lt.py:855-1050): LTXVSpatioTemporalGuidance's
@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import Family, Marker, TokenTable, placed
+from .ltx23_guides import GuideBias, guide_extras, log_weights, mask_per_token  # noqa: F401 (read here)
 from .ltx23_layout import DIMS, REGISTERS, build_model, infer, key_map, shapes, tiny_metadata  # noqa: F401
 
 SHIFT = 2.37                          # supported_models.LTXV.sampling_settings
@@ -150,8 +151,8 @@ class LtxProcessor:
         bias = attn.xdit_ltx_state.get("guide") if sequence else None   # the guides' attention weights, this forward
         if self.attention is not None and sequence:
             out = self.attention(q, k, v, bias=bias)[0]
-        elif bias is not None:
-            out = bias.attend(q, k, v, 0, 0)
+        elif bias is not None:   # through the kernels that take a mask, whatever torch's attention is held to
+            out = bias.attend(q, k, v, 0, 0)[0]
         else:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         out = out.flatten(2, 3).to(q.dtype)
@@ -169,71 +170,6 @@ class LtxProcessor:
         then the gates and the output projection as always. Each token's own: no exchange under sequence parallel."""
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         return self._out(attn, attn.to_v(hidden_states), gate_logits)
-
-
-class GuideBias:
-    """An additive self-attention bias between a sequence's tokens and the guide tokens that end it (LTX's guide
-    attention, ComfyUI's GuideAttentionMask: comfy/ldm/lightricks/model.py 370-421), in the whole sequence's token
-    coordinates: tokens [start, start + count) are tracked guide tokens with log weights `log_w` [count] (on the
-    device, the attention's dtype). A query before `start` gets L(j) on each key j; a tracked query i gets L(i) on
-    each key before `start`; every other pair 0 (L: log_w on the tracked tokens, 0 elsewhere). Everything here is
-    shaped from host integers: nothing reads the device."""
-
-    def __init__(self, start: int, count: int, log_w: torch.Tensor):
-        self.start, self.count, self.log_w = start, count, log_w
-        self._made: dict = {}   # the masks of each block shape, made once a forward (every layer's are the same)
-
-    def groups(self, q0: int, nq: int, k0: int, nk: int):
-        """Queries [q0, q0 + nq) over keys [k0, k0 + nk) as (first, end, mask or None): row ranges of the queries
-        with the additive mask each takes over these keys (1, 1, rows or 1, nk). Made once per block for the bias's
-        forward and reused by every layer."""
-        key = (q0, nq, k0, nk)
-        if key not in self._made:
-            self._made[key] = self._groups(q0, nq, k0, nk)
-        return self._made[key]
-
-    def _groups(self, q0: int, nq: int, k0: int, nk: int):
-        start, end = self.start, self.start + self.count
-        lw, out = self.log_w, []
-        noisy = (q0, min(q0 + nq, start))
-        if noisy[1] > noisy[0]:   # guide keys in this block: their weights as a row every such query shares
-            a, b = max(k0, start), min(k0 + nk, end)
-            mask = None
-            if b > a:
-                mask = lw.new_zeros(1, 1, 1, nk)
-                mask[..., a - k0:b - k0] = lw[a - start:b - start]
-            out.append((noisy[0] - q0, noisy[1] - q0, mask))
-        tracked = (max(q0, start), min(q0 + nq, end))
-        if tracked[1] > tracked[0]:   # each tracked query's own weight on the keys before start
-            c = min(max(start - k0, 0), nk)
-            mask = None
-            if c:
-                rows = lw[tracked[0] - start:tracked[1] - start]
-                mask = lw.new_zeros(1, 1, rows.shape[0], nk)
-                mask[..., :c] = rows[:, None]
-            out.append((tracked[0] - q0, tracked[1] - q0, mask))
-        rest = max(q0, end)
-        if rest < q0 + nq:   # untracked guide tokens (and pad rows): no bias
-            out.append((rest - q0, nq, None))
-        return out
-
-    def attend(self, q, k, v, q0: int, k0: int, kernel=None):
-        """Attention of queries starting at token q0 over keys starting at k0 under this bias, by query group (the
-        queries' rows in order). kernel(q, k, v, mask) -> (out, log-sum-exp) (the ring's, for its merge): (out,
-        log-sum-exp); without one, torch's attention: out."""
-        outs, lses = [], []
-        for a, b, mask in self.groups(q0, q.shape[1], k0, k.shape[1]):
-            if kernel is not None:
-                o, lse = kernel(q[:, a:b], k, v, mask)
-                lses.append(lse)
-            else:
-                o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q[:, a:b], k, v)),
-                                                   attn_mask=mask).transpose(1, 2)
-            outs.append(o)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        if kernel is None:
-            return out
-        return out, (lses[0] if len(lses) == 1 else torch.cat(lses, dim=-1))
 
 
 # ---- the compensations, registered once at load ------------------------------------------------------------------
@@ -438,89 +374,6 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
     return {k: v.contiguous() for k, v in extras.items()}, video
 
 
-def mask_per_token(mask: torch.Tensor, frames: int, h: int, w: int) -> torch.Tensor:
-    """LTXVAddGuide's attention mask (pixels [B, 1, F', H', W'], values in [0, 1]) as one weight per latent token of
-    a guide of frames x h x w latents, as ComfyUI's LTX model reduces it (model.py _downsample_mask_to_latent): each
-    pixel frame's area average over the latent grid; the first pixel frame is the first latent frame, the others
-    averaged in whole groups of (F' - 1) // (frames - 1) (the frames past the last whole group left out), or, with
-    fewer pixel frames than latent frames, repeated nearest; one pixel frame repeated over all latent frames.
-    [B, frames * h * w]."""
-    b, _, pixel_frames = mask.shape[:3]
-    area = F.interpolate(mask.flatten(0, 2).unsqueeze(1), size=(h, w), mode="area").reshape(b, pixel_frames, h, w)
-    first, rest = area[:, :1], area[:, 1:]
-    if frames == 1:
-        latent = first
-    elif pixel_frames == 1:
-        latent = first.expand(b, frames, h, w)
-    else:
-        group = (pixel_frames - 1) // (frames - 1)
-        if group < 1:
-            spread = F.interpolate(rest.permute(0, 2, 3, 1).reshape(-1, 1, pixel_frames - 1), size=frames - 1,
-                                   mode="nearest")
-            rest = spread.reshape(b, h, w, frames - 1).permute(0, 3, 1, 2)
-        else:
-            rest = rest[:, :(frames - 1) * group].reshape(b, frames - 1, group, h, w).mean(dim=2)
-        latent = torch.cat([first, rest], dim=1)
-    return latent.reshape(b, -1)
-
-
-def guide_extras(shape: tuple, keyframes: torch.Tensor, entries, mask) -> tuple[dict, torch.Tensor]:
-    """LTXVAddGuide's guides as the engine's extras (see EXTRAS), and which video tokens the model keeps ([N] bool),
-    as ComfyUI's LTX model reads them (model.py 1108-1170, 1229-1320): the tokens under a negative noise mask value
-    dropped (row 0's mask), the kept guide tokens' positions taken from keyframe_idxs, and, where a guide's strength is
-    not 1 or it has an attention mask, one weight per tracked guide token (its entry's strength, times its attention
-    mask reduced to the latent grid)."""
-    rows, _, frames, h, w = shape
-    count, per_frame = keyframes.shape[2], h * w
-    if count % per_frame:
-        raise ValueError(f"keyframe_idxs holds {count} guide tokens, not a whole number of {per_frame}-token latent "
-                         f"frames: the guides were added at another resolution than the latent's; crop the guides "
-                         f"(LTXVCropGuides) before upscaling the latent")
-    if mask is None:
-        raise ValueError("LTXVAddGuide's guide frames without the latent's noise mask (the guide node sets one)")
-    m = torch.as_tensor(mask).detach()[0].to("cpu", torch.float32)
-    keep = ~(m.expand(m.shape[0], frames, h, w) < 0).any(dim=0).reshape(-1)
-    guide_keep = keep[-count:]
-    coords = torch.as_tensor(keyframes).detach().to("cpu", torch.float64)[..., guide_keep, :]
-    kept_guides = coords.shape[2]
-    if coords.shape[0] not in (1, rows):
-        raise ValueError(f"keyframe_idxs of {coords.shape[0]} rows for a call of {rows}")
-    weights = []
-    if entries:
-        total = sum(int(e["pre_filter_count"]) for e in entries)
-        if total != count:
-            raise ValueError(f"the guides' token counts ({total}) are not keyframe_idxs' ({count} guide tokens)")
-        if any(float(e["strength"]) != 1.0 or e.get("pixel_mask") is not None for e in entries):
-            offset = 0
-            for e in entries:
-                size = int(e["pre_filter_count"])
-                surviving = int(guide_keep[offset:offset + size].sum())
-                offset += size
-                if not surviving:
-                    continue
-                strength = float(e["strength"])
-                pixel, latent_shape = e.get("pixel_mask"), e.get("latent_shape")
-                if pixel is not None and latent_shape is not None:
-                    per_token = mask_per_token(torch.as_tensor(pixel).detach().to("cpu", torch.float32),
-                                               *(int(v) for v in latent_shape))[:1]
-                    weights.append(per_token[0, :surviving].to(torch.float64) * strength)
-                else:
-                    weights.append(torch.full((surviving,), strength, dtype=torch.float64))
-    tracked = torch.cat(weights) if weights else torch.zeros(0, dtype=torch.float64)
-    if bool((tracked == 1.0).all()):   # every weight 1: no bias
-        tracked = tracked[:0]
-    kept = int(keep.sum())
-    f64 = torch.float64
-    extras = {"guide": torch.tensor([[kept_guides, tracked.shape[0], kept]], dtype=f64).expand(rows, -1)}
-    if kept_guides:
-        extras["guide_coords"] = coords.reshape(coords.shape[0], -1).expand(rows, -1)
-    if tracked.shape[0]:
-        extras["guide_weights"] = tracked.reshape(1, -1).expand(rows, -1)
-    if kept < keep.shape[0]:
-        extras["keep"] = keep.to(f64).reshape(1, -1).expand(rows, -1)
-    return extras, keep
-
-
 # ---- the one forward ------------------------------------------------------------------------------------------------
 def connect(connector, text: torch.Tensor) -> torch.Tensor:
     """One text connector on [n, L, width] as ComfyUI's Embeddings1DConnector runs it: the text followed by the
@@ -591,11 +444,8 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     if "stg" in extras:   # STG's pass: these blocks' self-attentions pass their values through
         state["stg"] = frozenset(int(b) for b in extras["stg"][0].tolist())
     coupled = "coupled" not in extras or bool(extras["coupled"][0] != 0)   # (host values: nothing waits)
-    if tracked:   # the guides' attention weights, in log space in the model's dtype (0 -> the dtype's lowest)
-        weights = extras["guide_weights"][0].to(device, dtype)
-        low = torch.finfo(dtype)
-        log_w = torch.where(weights > 0, torch.log(weights.clamp(min=low.tiny)), torch.full_like(weights, low.min))
-        state["guide"] = GuideBias(kept - guides, tracked, log_w)
+    if tracked:   # the guides' attention weights as log weights in the model's dtype (log_weights)
+        state["guide"] = GuideBias(kept - guides, tracked, log_weights(extras["guide_weights"][0].to(device), dtype))
     try:
         v_out, a_out = model(
             hidden_states=v_rows, audio_hidden_states=a_rows,

@@ -15,103 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from yunchang.comm.all_to_all import all_to_all_4D
 
+from ..kernels import attention_with_lse, merge as _merge  # noqa: F401 (the ring's pieces; tests read them here)
 from .mesh import Mesh
-
-try:  # optional extra, CUDA only: pip install flash-attn
-    from flash_attn import flash_attn_func
-except ImportError:
-    flash_attn_func = None
-
-
-def _cudnn(q, k, v):
-    b, s, h, _ = q.shape
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, False, False)[:2]
-    return out.transpose(1, 2), lse.reshape(b, h, -1)[..., :s].float()   # cuDNN may keep a trailing dim of 1
-
-
-def _flash_attn(q, k, v):
-    if flash_attn_func is None:
-        raise NotImplementedError("flash-attn is not installed")
-    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)  # takes (batch, tokens, heads, dim) as is
-    return out, lse.float()
-
-
-def _aten(op, q, k, v, *extra):
-    out, lse = op(*(t.transpose(1, 2) for t in (q, k, v)), *extra)[:2]
-    return out.transpose(1, 2), lse[..., :q.shape[1]].float()   # the efficient kernel pads its LSE
-
-
-# CUDA half-precision kernels that return a log-sum-exp, fastest first (FLUX.1-dev on one H100: cuDNN 183 ms a step,
-# flash 207); the first that takes a call's shapes is remembered per device, dtype and head width
-HALF_KERNELS = {"cudnn": _cudnn, "flash-attn": _flash_attn,
-                "flash": lambda q, k, v: _aten(torch.ops.aten._scaled_dot_product_flash_attention, q, k, v)}
-_CHOSEN: dict = {}
-
-
-def _math_with_lse(q, k, v, mask):
-    """Softmax attention with an additive mask and its log-sum-exp, written out (where no fused kernel takes the mask)."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5 + mask.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v.float())
-    return out.to(q.dtype), lse
-
-
-def _masked_with_lse(q, k, v, mask):
-    """attention_with_lse under an additive mask (broadcast to batch, heads, queries, keys): on the CPU torch's CPU
-    flash kernel, on CUDA the efficient kernel (its bias laid out as it requires: the key axis padded to a multiple
-    of 16 and sliced back), the written-out arithmetic where the kernel refuses the shapes."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
-        return out.transpose(1, 2), lse[..., :q.shape[1]].float()
-    b, s, h, _ = q.shape
-    n = k.shape[1]
-    padded = mask.new_zeros(*mask.shape[:-1], -(-n // 16) * 16)
-    padded[..., :n] = mask
-    try:
-        return _aten(torch.ops.aten._scaled_dot_product_efficient_attention, q, k, v,
-                     padded[..., :n].expand(b, h, s, n), True)
-    except RuntimeError:
-        return _math_with_lse(q, k, v, mask)
-
-
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and its log-sum-exp (batch, heads, tokens; fp32), from a kernel that returns a real one
-    (yunchang's TORCH_MATH returns zeros, which breaks any ring merge): on CUDA in half precision the fastest of
-    HALF_KERNELS that takes these shapes, in fp32 the efficient kernel; on the CPU torch's CPU flash kernel. With an
-    additive `mask`: _masked_with_lse."""
-    if mask is not None:
-        return _masked_with_lse(q, k, v, mask)
-    if q.device.type == "cpu":
-        return _aten(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, q, k, v)
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return _aten(torch.ops.aten._scaled_dot_product_efficient_attention, q, k, v, None, True)
-    key = (q.device, q.dtype, q.shape[-1])
-    chosen = _CHOSEN.get(key)
-    order = ([chosen] if chosen else []) + [name for name in HALF_KERNELS if name != chosen]
-    error = None
-    for name in order:
-        try:
-            result = HALF_KERNELS[name](q, k, v)
-        except (RuntimeError, NotImplementedError) as e:   # this kernel does not take these shapes on this GPU
-            error = error or e
-            continue
-        _CHOSEN[key] = name
-        return result
-    raise error
-
-
-def _merge(out, lse, block_out, block_lse):
-    """Combine two partial softmax results over disjoint key sets: the block's share of the whole is
-    sigmoid(block_lse - lse), so the merged output is one lerp and the merged log-sum-exp one logaddexp (three
-    elementwise kernels, stable for any gap between the two, a block whose keys a bias all but removed included (its
-    log-sum-exp near the dtype's lowest); under compile they fuse with the blocks' graphs)."""
-    if out is None:
-        return block_out.float(), block_lse
-    share = torch.sigmoid(block_lse - lse).transpose(1, 2).unsqueeze(-1)
-    return torch.lerp(out, block_out.float(), share), torch.logaddexp(lse, block_lse)
 
 
 class SequenceParallelAttention:
@@ -134,9 +39,8 @@ class SequenceParallelAttention:
     def __call__(self, q, k, v, joint: tuple | None = None, bias=None):
         """q, k, v: this rank's image-token shard (all heads). joint: text (q, k, v), full on every rank. bias: an
         additive bias in the whole sequence's token coordinates, without joint text or a PipeFusion buffer: its
-        `attend(q, k, v, first query, first key, kernel)` computes a block of queries over a block of keys under it,
-        each query group through `kernel(q, k, v, mask)` (attention_with_lse; None: torch's attention, no
-        log-sum-exp). Returns (image out shard, text out or None), all heads."""
+        `attend(q, k, v, first query, first key)` gives a block of queries over a block of keys under it, (out,
+        log-sum-exp), through the kernels here. Returns (image out shard, text out or None), all heads."""
         if bias is not None and (joint is not None or self.stale is not None):
             raise ValueError("a guide bias is taken on image tokens alone (no joint text, no PipeFusion)")
         u = self.ulysses
@@ -163,7 +67,7 @@ class SequenceParallelAttention:
         elif self.ring.size == 1:
             # under a bias through the kernels that take a mask (whatever kernel torch's attention is held to: the
             # engine's attention setting may name one that takes none)
-            out = bias.attend(queries, keys, values, 0, 0, attention_with_lse)[0] if bias is not None else \
+            out = bias.attend(queries, keys, values, 0, 0)[0].to(queries.dtype) if bias is not None else \
                 F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
         else:
             out = self._ring(queries, keys, values, k, v, bias)
@@ -211,7 +115,7 @@ class SequenceParallelAttention:
         if self.comm_only:
             kernel = (lambda q, k, v, m: (q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)))
         elif bias is not None:
-            kernel = (lambda q, k, v, m: bias.attend(q, k, v, r.rank * span, m * span, attention_with_lse))
+            kernel = (lambda q, k, v, m: bias.attend(q, k, v, r.rank * span, m * span))
         else:
             kernel = (lambda q, k, v, m: attention_with_lse(q, k, v))
         nxt, prv = r.ranks[(r.rank + 1) % r.size], r.ranks[(r.rank - 1) % r.size]
