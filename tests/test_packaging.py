@@ -2,6 +2,7 @@
 dependencies that never touch the user's torch."""
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -49,6 +50,20 @@ def test_registry_metadata_is_complete():
     assert project["version"].count(".") == 2 and all(p.isdigit() for p in project["version"].split("."))
     assert project["urls"]["Repository"].startswith("https://")
     assert comfy["PublisherId"] and comfy["DisplayName"] and comfy["requires-comfyui"].startswith(">=")
+
+
+def test_the_registry_description_names_every_model_family():
+    from engine import families
+    description = read_pyproject()["project"]["description"]
+    assert [f.title for f in families.FAMILIES if f.title not in description] == []
+
+
+def test_the_registry_display_name_names_every_model_family_short():
+    """FLUX.1 and FLUX.2 as FLUX, SD3/SD3.5 as SD3: the registry's list shows one short line."""
+    from engine import families
+    display = read_pyproject()["tool"]["comfy"]["DisplayName"]
+    short = {re.sub(r"\.\d$", "", f.title.split("/")[0]) for f in families.FAMILIES}
+    assert [s for s in sorted(short) if s not in display] == [] and len(display) <= 70, display
 
 
 def test_dependencies_pin_yunchang_never_list_torch_and_keep_flash_attn_optional():

@@ -824,45 +824,47 @@ def test_plan_keeps_both_experts_resident_on_24_gb_cards_by_dividing_each(capsys
     assert float(re.search(r"(\d+\.\d) GiB per GPU with the activations", reason).group(1)) <= 24
 
 
-def test_plan_fit_table_prints_every_model_weights_and_size_and_the_readme_holds_it(capsys):
+def read_fit_doc() -> str:
+    """docs/fit.md, where the README's fit tables live: every row `plan --memory-table | --fit-table | --shard-table |
+    --av-table` prints must be there as printed."""
     import os
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "fit.md")) as f:
+        return f.read()
+
+
+def test_plan_fit_table_prints_every_model_weights_and_size_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--fit-table"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Wan")]
     assert len(rows) == len(fits.MODELS) * len(fits.WEIGHTS) * len(fits.SIZES) == 30
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    missing = [r for r in rows if r not in readme]
-    assert not missing, "README's fit table differs from `python -m engine plan --fit-table`: " + missing[0]
+    fit_doc = read_fit_doc()
+    missing = [r for r in rows if r not in fit_doc]
+    assert not missing, "docs/fit.md's fit table differs from `python -m engine plan --fit-table`: " + missing[0]
 
 
-def test_plan_memory_table_prints_every_model_weights_and_plan_and_the_readme_holds_it(capsys):
-    import os
+def test_plan_memory_table_prints_every_model_weights_and_plan_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--memory-table"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + sum(2 if fp8 else 1 for *_, fp8 in fits.MEMORY_MODELS) == 15   # the header and a row each
     assert "| SD3.5-large | bf16 (15.2 GiB) | 17.6 | 17.2 | n/a | n/a | 17.2 |" in "\n".join(rows)   # 38 heads
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    missing = [r for r in rows if r not in readme]
-    assert not missing, "README's memory table differs from `python -m engine plan --memory-table`: " + missing[0]
+    fit_doc = read_fit_doc()
+    missing = [r for r in rows if r not in fit_doc]
+    assert not missing, "docs/fit.md's memory table differs from `python -m engine plan --memory-table`: " + \
+        missing[0]
 
 
-def test_plan_shard_table_prints_the_big_models_on_consumer_cards_and_the_readme_holds_it(capsys):
-    import os
+def test_plan_shard_table_prints_the_big_models_on_consumer_cards_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--shard-table"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + len(fits.SHARD_MODELS) * len(fits.SHARD_WEIGHTS) == 21
     print("\n".join(rows))
     # the bf16 Wan models and FLUX.2 [dev] run on 24 GB cards only with their weights divided
     assert all("shard" in r.split(" | ")[5] for r in rows if r.startswith(("| Wan 2.1 14B | bf16", "| FLUX.2 [dev] | bf16")))
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    missing = [r for r in rows if r not in readme]
-    assert not missing, "README's shard table differs from `python -m engine plan --shard-table`: " + missing[0]
+    fit_doc = read_fit_doc()
+    missing = [r for r in rows if r not in fit_doc]
+    assert not missing, "docs/fit.md's shard table differs from `python -m engine plan --shard-table`: " + missing[0]
 
 
-def test_plan_av_table_prints_minimax_h3_and_ltx23_with_and_without_divided_weights_and_the_readme_holds_it(capsys):
-    import os
+def test_plan_av_table_prints_minimax_h3_and_ltx23_with_and_without_divided_weights_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--av-table"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
@@ -879,10 +881,9 @@ def test_plan_av_table_prints_minimax_h3_and_ltx23_with_and_without_divided_weig
     job = "| 864x480x124, 8 steps, turbo, cfg 1"
     assert all(c.startswith("no (") for c in by[(job, "bf16 (61.7 GiB)", "never")][:3])
     assert "shard" in by[(job, "bf16 (61.7 GiB)", "where needed (auto)")][1]
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    missing = [r for r in rows if r not in readme]
-    assert not missing, "README's audio-video table differs from `python -m engine plan --av-table`: " + missing[0]
+    fit_doc = read_fit_doc()
+    missing = [r for r in rows if r not in fit_doc]
+    assert not missing, "docs/fit.md's audio-video table differs from `python -m engine plan --av-table`: " + missing[0]
 
 
 def test_the_gather_and_memory_terms_against_published_fsdp_inference_runs(capsys):

@@ -59,7 +59,7 @@ def test_the_shipped_constants_are_the_fit_of_the_fit_rows():
 
 
 # ---- held out ------------------------------------------------------------------------------------------------------
-# Held-out speed-ups the model misses by more than 25%, each for a reason the README gives.
+# Held-out speed-ups the model misses by more than 25%, each for a reason docs/planner.md gives.
 SPEEDUP_MISSES = {
     ("xdit-flux-schnell-l40", 2, 4),       # published no faster on 4 than on 2 (1.87 s both) with a faster 1 -> 2
     ("paraattention-flux-a100", 2, 4),     # ParaAttention's eager hybrid at 4 scales worse than its ring at 2
@@ -147,8 +147,8 @@ def test_auto_is_never_predicted_slower_than_one_gpu_on_the_published_scenarios(
 
 
 @pytest.mark.parametrize("machine", fits.MACHINES, ids=[m.label for m in fits.MACHINES])
-def test_auto_is_never_predicted_slower_than_one_gpu_on_the_readmes_machines(machine):
-    """The README's machines (the Wan fit table's) under its image and video jobs."""
+def test_auto_is_never_predicted_slower_than_one_gpu_on_the_fit_tables_machines(machine):
+    """docs/fit.md's machines (the Wan fit table's) under its image and video jobs."""
     hw = stated_hardware(machine.gpus, machine.gpu, machine.link, memory_gib=500)
     works = [Workload.for_variant(v, negative_pass=v.startswith("sd3")) for v in ("flux-dev", "sd3-medium", "qwen-image")]
     works += [Workload.for_variant("wan2.1-1.3b", w, h, frames=81, negative_pass=True, steps=20)
@@ -170,7 +170,7 @@ def test_the_video_rows_are_priced_through_published_dims_or_the_engines_wan(tab
 
 def test_consisid_cfg_parallel_is_predicted_and_its_sequence_parallel_rows_miss(table):
     """xDiT's ConsisID rows: CFG parallel on 2 H100 within 5%; its Ulysses and Ring rows ran slower than the model
-    predicts (6 GPUs of sequence parallel slower than 4 with CFG parallel), by more than 25% on 6 GPUs: the README
+    predicts (6 GPUs of sequence parallel slower than 4 with CFG parallel), by more than 25% on 6 GPUs: docs/planner.md
     lists them as misses."""
     rows = {(r.plan, r.gpus): r for r in published.validation_rows([_named("xdit-consisid-h100")])}
     for r in rows.values():

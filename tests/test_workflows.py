@@ -456,6 +456,27 @@ def test_every_model_file_names_its_download_and_its_folder(name):
             assert m["url"].endswith("/" + m["name"]) or m["name"] == "sd3.5_vae.safetensors", m
 
 
+def model_files_table() -> dict[str, str]:
+    """workflows/README.md's "Model files" table: {file name: its models/ folder}."""
+    with open(os.path.join(WORKFLOW_DIR, "README.md")) as f:
+        section = f.read().split("\n## Model files\n", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            names, folder = line.split(" | ")[:2]
+            table |= {name: folder.strip("`") for name in re.findall(r"`([^`]+)`", names)}
+    return table
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_model_file_a_workflow_loads_is_in_the_readmes_model_files_table_with_its_folder(name):
+    ui, _ = load(name)
+    table = model_files_table()
+    loaded = {(m["name"], m["directory"]) for node in ui["nodes"] for m in node["properties"].get("models", [])}
+    missing = [(file, folder, table.get(file)) for file, folder in sorted(loaded) if table.get(file) != folder]
+    assert loaded and not missing, missing
+
+
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_a_workflow_that_needs_a_newer_comfyui_says_which_in_a_note_and_the_readme(name, definitions):
     ui, _ = load(name)

@@ -106,8 +106,8 @@ def register(sub) -> None:
                                                            "(every residual; which rows its constants are fitted to, "
                                                            "which are held out) and exit")
     p.add_argument("--memory-table", action="store_true",
-                   help="print the GiB per GPU of each model, weight format and plan at 1024x1024 (the README's "
-                        "Requirements table) and exit")
+                   help="print the GiB per GPU of each model, weight format and plan at 1024x1024 (docs/fit.md's "
+                        "first table) and exit")
     p.add_argument("--fit-table", action="store_true",
                    help="print the Wan video fit table (the plan auto picks, GiB per GPU and est. seconds a clip for "
                         "each model, weight format and size on 2x24, 4x24, 8x48 and 1-8x80 GB machines) and exit")

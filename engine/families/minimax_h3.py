@@ -1,7 +1,7 @@
 """MiniMax-H3 (audio + video, one packed-token DiT): how the engine runs this family (its checkpoints' dims, layout
 and detection: minimax_h3_layout.py).
 
-ComfyUI's conventions, read from ComfyUI 0.33.0 (file and line in the README's "MiniMax-H3 conventions"):
+ComfyUI's conventions, read from ComfyUI 0.33.0 (file and line in docs/families/minimax-h3.md):
 - comfy/model_detection.py: a file with `video_patch_proj.weight` and `audio_patch_proj.weight` is MiniMax-H3; widths,
   heads (qkv rows / 3 / head width), blocks, refiner blocks, time embedder and RoPE length from the tensors.
 - comfy/supported_models.py MiniMaxH3: sampling shift 12 (video) and audio_shift 3, model type FLOW_AV

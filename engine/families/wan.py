@@ -1,8 +1,8 @@
 """Wan 2.1 and Wan 2.2 (video DiTs: 1.3B and 14B text-to-video, 14B image-to-video and first-last-frame, the A14B
 experts, TI2V-5B): how the engine runs this family (its checkpoints' dims, layout and detection: wan_layout.py).
 
-ComfyUI's conventions, read from ComfyUI 0.3.64 and 0.33.0 (the same in both unless said; file and line in the
-README's "Wan conventions"):
+ComfyUI's conventions, read from ComfyUI 0.3.64 and 0.33.0 (the same in both unless said; file and line in
+docs/families/wan.md):
 - comfy/model_detection.py: a file with `head.modulation` is Wan: width from it, heads = width / 128, FFN width,
   blocks, input channels from the patch embedding, output channels from the head; `img_emb.proj.0.bias` makes it an
   image-to-video model (CLIP-vision tokens through an MLP, their own K/V in cross-attention), `img_emb.emb_pos` a

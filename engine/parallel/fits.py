@@ -1,4 +1,4 @@
-"""The README's fit tables, every figure the planner's (resolve_plan, cost.estimate), none by hand: the memory each GPU
+"""docs/fit.md's fit tables, every figure the planner's (resolve_plan, cost.estimate), none by hand: the memory each GPU
 needs per model, weight format and plan (`memory_table`), and the video fit table: on the usual machines, the plan
 `auto` picks for a Wan clip, the memory per GPU it needs and its estimated time, for each model, weight format and
 video size; Wan 2.2 A14B once with both experts resident and once with the idle one in host memory (`fit_table`)."""
@@ -112,7 +112,7 @@ def shard_table() -> list[str]:
     return lines
 
 
-# ---- memory per GPU (the Requirements table) ------------------------------------------------------------------------
+# ---- memory per GPU (docs/fit.md's first table) ---------------------------------------------------------------------
 MEMORY_MODELS = (("FLUX.1-dev / schnell", "flux-dev", False, True), ("SD3-medium", "sd3-medium", True, True),
                  ("SD3.5-medium", "sd3.5-medium", True, True), ("SD3.5-large", "sd3.5-large", True, True),
                  ("Qwen-Image (cfg 2.5)", "qwen-image", True, True), ("FLUX.2 [dev]", "flux2-dev", False, True),
