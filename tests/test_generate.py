@@ -150,3 +150,22 @@ def test_generate_plan_flags_give_the_single_rank_latent(files):
     bound = fp32_bound(want.abs().max(), reduction=4096, depth=TINY_BLOCKS["sd3"],
                        amplification=sampling_amplification(3, 4.0))  # a rank split: another summation order
     assert report("generate --cfg-parallel vs one rank", (load_file(str(two))["samples"] - want).abs().max(), bound)
+
+
+def test_a_benchmark_switch_left_in_the_callers_environment_never_reaches_the_ranks(monkeypatch, tmp_path):
+    """`bench guider --stub-forward` hands its ranks XDIT_FORWARD_STUB (every forward returns zeros) through the
+    engine's own environment argument. The same variable left in the environment ComfyUI or a shell runs in is not
+    inherited: that engine's latent is the clean one (the same computation, bitwise), where the switch handed on
+    purpose gives another."""
+    from engine.generate.request import GenerateRequest
+    from engine.runtime.client import Engine
+    path = write_tiny("flux", str(tmp_path))
+    job = GenerateRequest.random_conditioning(path, 64, 64, text_tokens=8, seed=1, steps=2).validate(1).to_job()
+
+    def latent(**kw):
+        with Engine(1, device="cpu", **kw) as engine:
+            return engine.submit("generate", *job).outputs["samples"]
+    want = latent()
+    monkeypatch.setenv("XDIT_FORWARD_STUB", "zeros")
+    assert torch.equal(latent(), want)
+    assert not torch.equal(latent(env={"XDIT_FORWARD_STUB": "zeros"}), want)

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from engine.models.flow import Conditioning, FlowModel
 from engine import families
-from engine.models.convert import apply_op
+from engine.models.convert import apply_op, key_map as convert_key_map
 from engine.models.load import inspect_checkpoint, load_transformer
 from engine.models.quantized import CastLinear
 from engine.models.safetensors_file import CheckpointError
@@ -283,3 +283,40 @@ def test_fp8_weight_dtype_stores_a_bf16_file_in_fp8_and_matches_the_fp8_file(tmp
     got, want = forward(stored_fp8), forward(saved_fp8)
     assert report("bf16 file stored as fp8 at load vs the same values saved in fp8", (got - want).abs().max(),
                   fp32_bound(want.abs().max(), reduction=4096, depth=blocks(saved_fp8)))
+
+
+@pytest.mark.parametrize("kind", families.names())
+def test_the_fp8_weight_option_holds_linear_weights_alone_in_fp8_never_a_float32_island_on_every_load_path(
+        tmp_path, kind):
+    """One rule for every loader (reader.Holding): with the fp8 weight option a bf16 model holds exactly its Linear
+    layers' weights in fp8 (each then cast per call), never a 2-D tensor that no Linear casts (LTX-2.3's
+    scale_shift_tables, which diffusers cannot promote from fp8) and never a family's float32 island (MiniMax-H3's patch
+    projections, time embedding and output heads stay float32). The same dtypes from the file whole, from the plan
+    the divided load stores by, and from random weights; and an fp8 file's non-Linear matrices are widened."""
+    from engine.models.load import build_empty, inspect_model, load_model
+    from engine.models.reader import FP8, Holding, checkpoint_files, read_headers
+    from engine.models.sharded import _storage
+    family = families.get(kind)
+    path = write_tiny(kind, str(tmp_path), dtype="bf16")
+    info = inspect_model(path)
+    model = build_empty(info)
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    islands = {n for n, _ in model.named_parameters() if family.fp32_params(n)}
+    want = {n: (torch.float32 if n in islands else torch.float8_e4m3fn if n in linear else torch.bfloat16)
+            for n, p in model.named_parameters() if p.is_floating_point()}
+    loaded = load_model(path, dtype="bf16", fp8_weights=True)
+    held = {n: p.dtype for n, p in loaded.model.named_parameters() if p.dtype.is_floating_point}
+    assert held == want, {n: (held.get(n), w) for n, w in want.items() if held.get(n) != w}
+    where, _ = read_headers(checkpoint_files(path))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = _storage(where, info, convert_key_map(info) or [(k, k, None) for k in expected], expected,
+                    Holding.of(info, model, torch.bfloat16, True))
+    assert {n: plan[n][0] for n in want} == want
+    synthetic = load_model(f"synthetic:{family.variants[0]}:tiny", dtype="bf16", fp8_weights=True).model
+    assert {n: p.dtype for n, p in synthetic.named_parameters() if p.dtype.is_floating_point} == want
+    fp8_file = write_tiny(kind, str(tmp_path / "fp8"), dtype="fp8_e4m3fn")
+    stored = {n: p.dtype for n, p in load_model(fp8_file, dtype="bf16").model.named_parameters()}
+    assert not [n for n, d in stored.items() if d in FP8 and n not in linear]
+    print(f"{kind}: {sum(d in FP8 for d in held.values())} Linear weights in fp8, {len(islands)} float32 island "
+          f"tensors, {sum(1 for n, p in model.named_parameters() if p.ndim == 2 and n not in linear)} other matrices "
+          f"in bf16")

@@ -285,3 +285,64 @@ def test_bench_shard_refuses_a_degree_it_cannot_run_in_one_line_before_any_rank_
                        text=True, timeout=120)
     print(p.stderr.strip())
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr
+
+
+ROOT_GATHERS_PROBE = r'''
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as groups
+from engine import families
+from engine.models.flow import FlowModel, Prepared
+from engine.models.load import load_model
+from engine.parallel.shard import shard_spec
+
+class Group:   # the mesh's "shard" group as shard_spec reads it (a size above one, or it divides nothing)
+    size, rank, ranks = 2, 0, (0,)
+    pg = None
+
+class Mesh:
+    device_type = "cpu"
+    groups = {"shard": Group()}
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+Group.pg = dist.group.WORLD
+spec = shard_spec(Mesh(), families.get("minimax-h3"))
+spec = type(spec)(size=1, rank=0, ranks=(0,), wrap=spec.wrap)   # the process group's one rank holds every row
+loaded = load_model(sys.argv[1], dtype="fp32", shard=spec)
+gathers = []
+unshard = groups.FSDPParamGroup.unshard
+def counting(self, *args, **kwargs):
+    if not self.is_unsharded and self._all_gather_result is None:
+        gathers.append(len(self.fsdp_params))
+    return unshard(self, *args, **kwargs)
+groups.FSDPParamGroup.unshard = counting
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 1, 24 * 3 * 4 * 6 + 32 * 2 * 7, generator=g)
+extras = {"av_shape": torch.tensor([[24, 3, 4, 6, 32, 2, 7]] * 2, dtype=torch.float64),
+          "audio_scale": torch.full((2,), 4.0, dtype=torch.float64),
+          "sigma_shift": torch.tensor([[12.0, 3.0]] * 2, dtype=torch.float64)}
+text = torch.randn(2, 9, loaded.info.config["text_dim"], generator=g)
+FlowModel(loaded).output(x, torch.tensor([700.0, 700.0]), Prepared(text, None, torch.ones(2), extras=extras))
+blocks = len(loaded.model.transformer_blocks)
+print(len(gathers), len([n for n in gathers if n != gathers[1]]), blocks)
+'''
+
+
+def test_the_root_unit_is_gathered_once_a_call_however_many_forwards_the_family_makes(tmp_path):
+    """MiniMax-H3 runs one forward a row: a call of two rows on divided weights gathers each block once a forward
+    (twice) and the root unit (embedders, refiner, output heads) once for the call, not once a forward. (FSDP2 on a
+    group of one, in a process of its own: the same units, gathers and reshards as on a shard group.)"""
+    import socket
+    import subprocess
+    import sys
+    from conftest import ROOT
+    path = write_tiny("minimax-h3", str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", ROOT_GATHERS_PROBE, path, str(port)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    total, roots, blocks = (int(v) for v in out.stdout.split()[-3:])
+    print(f"two rows: {total} gathers, {roots} of the root, {blocks} blocks a forward")
+    assert (total, roots) == (2 * blocks + 1, 1)

@@ -173,6 +173,9 @@ class Family:
     # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
     # frames) -> count (MiniMax-H3: both audio channels' frames)
     extra_tokens: Callable[[dict, int], int] = lambda config, latent_frames: 0
+    # the model forwards a call of `rows` rows makes (its `forward` runs them in one, or one a row: MiniMax-H3, whose
+    # model takes a batch of one): ranks that gather divided weights in every forward must make as many
+    forwards: Callable[[int], int] = lambda rows: 1
     text_cross: bool | None = None   # the text reached by cross-attention (None: as the diffusers config says, no
     #                                  joint_attention_dim); False: the text in the sequence
 

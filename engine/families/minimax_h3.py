@@ -436,10 +436,21 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
         **{f"{k}_indices": placed(model, torch.cat(v), device) for k, v in where.items()}, return_dict=False)
     n_video, n_audio = frames * (h // 2) * (w // 2), 2 * ta   # the target rows: each stream's last
     v = -unpatchify(v_out[:, -n_video:], video.shape[1], frames, h, w)[:, :, :, :h0, :w0].to(x.dtype)
-    a = -a_out[:, -n_audio:].reshape(2, ta, -1).permute(2, 0, 1).unsqueeze(0).to(x.dtype)
-    if scale != 1.0:   # d/d(sigma_v) of the carried variable, as ComfyUI converts it
-        a = (1.0 - scale) * audio + (1.0 + (scale - 1.0) * sigma_a).to(a.dtype) * a
+    a = carried_velocity(-a_out[:, -n_audio:].reshape(2, ta, -1).permute(2, 0, 1).unsqueeze(0), audio, scale,
+                         sigma_a, x.dtype)
     return torch.cat([v.reshape(1, 1, -1), a.reshape(1, 1, -1)], dim=-1)
+
+
+def carried_velocity(velocity: torch.Tensor, audio: torch.Tensor, scale: float, sigma_a: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The audio stream's velocity as the sampler carries it (ComfyUI's MiniMaxH3Model.forward: d/d(sigma_v) of the
+    carried variable, (1 - s) x audio + (1 + (s - 1) sigma_a) v, audio the stream's own latent the network saw), in
+    float32 whatever the model's dtype: its two terms (about 3x the result at the shifts 12 / 3) nearly cancel, which in
+    bf16 (ComfyUI computes it in the input's dtype) costs the result a few of its bits. Returned in `dtype`."""
+    v = velocity.float()
+    if scale != 1.0:
+        v = (1.0 - scale) * audio.float() + (1.0 + (scale - 1.0) * sigma_a.float()) * v
+    return v.to(dtype)
 
 
 # ---- attention: the block stack's self-attention local or sequence parallel; the text refiner's always local --------
@@ -539,19 +550,32 @@ def _computes_in(linear) -> torch.dtype:
     return linear._diffusers_hook.compute_dtype
 
 
-def _modulation_without_activation(module, args, out):
-    """diffusers' block modulation recomputed without its SiLU (a pruned model's curve is the modulations' input as
-    it is): six [levels x 3, hidden] tensors."""
-    linear = module.linear
-    x = linear(args[0].to(_computes_in(linear)))
-    return x.view(-1, 6 * module.hidden_size).chunk(6, dim=-1)
+class _ModulationWithoutActivation(torch.nn.Module):
+    """Stands for a block's diffusers modulation (MiniMaxH3AdaLayerNormModulation) in a pruned model: the same
+    projection (its `linear`, so the file's weights load under the same names) on the curve as it is, without the SiLU
+    (a pruned model's curve is the modulations' input as it is): six [levels x 3, hidden] tensors, one projection a
+    block and call."""
+
+    def __init__(self, original):
+        super().__init__()
+        self.linear, self.hidden_size = original.linear, original.hidden_size
+
+    def forward(self, temb):
+        x = self.linear(temb.to(_computes_in(self.linear)))
+        return x.view(-1, 6 * self.hidden_size).chunk(6, dim=-1)
 
 
-def _norm_out_without_activation(module, args, out):
-    """diffusers' output norm and modulation recomputed without the SiLU on the curve."""
-    hidden, temb, index = args[:3]
-    shift, scale = module.linear(temb.to(_computes_in(module.linear))).chunk(2, dim=-1)
-    return module.norm(hidden) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+class _NormOutWithoutActivation(torch.nn.Module):
+    """Stands for diffusers' output norm (MiniMaxH3AdaLayerNormOut) in a pruned model: the same norm and projection,
+    without the SiLU on the curve."""
+
+    def __init__(self, original):
+        super().__init__()
+        self.norm, self.linear = original.norm, original.linear
+
+    def forward(self, hidden, temb, index):
+        shift, scale = self.linear(temb.to(_computes_in(self.linear))).chunk(2, dim=-1)
+        return self.norm(hidden) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
 
 
 def _model_class():
@@ -560,8 +584,8 @@ def _model_class():
     def build(adaln_curve_grid: int = 0, **config):
         """The unmodified diffusers model, its rope.inv_freq (computed by diffusers, not saved) held in the state dict
         so it loads from the file as ComfyUI reads it (the same forward). A pruned file's model (adaln_curve_grid):
-        the time embedding a table lookup and the modulations without their SiLU, as ComfyUI runs it (forward hooks
-        on diffusers' modulation modules, whose weights are the file's)."""
+        the time embedding a table lookup and the modulations without their SiLU, as ComfyUI runs it (diffusers'
+        modulation modules stood for by ones holding the same projections, whose weights are the file's)."""
         model = MiniMaxH3Transformer3DModel(**config)
         inv_freq = model.rope.inv_freq
         del model.rope.inv_freq
@@ -570,8 +594,8 @@ def _model_class():
             model.time_proj = _Timesteps()
             model.time_embedder = _CurveTable(adaln_curve_grid, config["time_embed_dim"])
             for block in model.transformer_blocks:
-                block.adaln_proj.register_forward_hook(_modulation_without_activation)
-            model.norm_out.register_forward_hook(_norm_out_without_activation)
+                block.adaln_proj = _ModulationWithoutActivation(block.adaln_proj)
+            model.norm_out = _NormOutWithoutActivation(model.norm_out)
         return model
     build.model_class = MiniMaxH3Transformer3DModel
     return build
@@ -601,7 +625,7 @@ FAMILY = Family(
     cond_width=lambda config: config["text_dim"],
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
-    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
+    forward=forward, forwards=lambda rows: rows, cfg=1.0, text_tokens=TEXT_TOKENS,
     tokens=TokenTable(processor=H3Processor, gather_after="norm_out",
                       split_after=(("rope", 0, 0), ("rope", 1, 0)),
                       split_args=(("transformer_blocks.0", 0, 1), ("transformer_blocks.*", 2, 0), ("norm_out", 2, 0)),

@@ -21,7 +21,7 @@ from .sharded import gathered
 # A benchmark instrument (bench guider --stub-forward), read from the ranks' environment: each forward returns zeros of
 # its output's shape at once, so what surrounds the model (the bridge, the protocol, the splits and gathers) is timed
 # at real token counts where a tiny model's attention on the CPU would take minutes a call. Unset: the model runs.
-FORWARD_STUB_ENV = "XDIT_FORWARD_STUB"
+FORWARD_STUB_ENV = "XDIT_FORWARD_STUB"   # only from Engine(env=...): runtime/launch.py BENCHMARK_SWITCHES
 FORWARD_STUB = os.environ.get(FORWARD_STUB_ENV, "") == "zeros"
 
 

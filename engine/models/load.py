@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .convert import key_map
 from .detect import SCALE_KEYS, CheckpointInfo, detect
 from .reader import (FP8, LOAD_DELAY_ENV, LoadedTransformer, LoadStopped, checkpoint_files,  # noqa: F401 (also
-                     held_bytes, install_quantized, int8_count, island_dtype, read_headers,     # read through here)
+                     Holding, held_bytes, install_quantized, int8_count, read_headers,     # read through here)
                      stream, wrap_quantized_linears)
 from .safetensors_file import TORCH_DTYPES, CheckpointError
 from .sharded import held_rows, is_divided, load_sharded, local, random_sharded
@@ -116,15 +117,15 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     if targets != set(expected):
         raise CheckpointError(f"{path}: conversion does not cover the diffusers model: "
                               f"{_few(set(expected) ^ targets)}")
+    holding = Holding.of(info, model, compute, fp8_weights)
     if shard is not None:
         if keep is not None:
             raise ValueError("a PipeFusion stage's blocks are not divided among ranks as well: give keep or shard")
-        return load_sharded(path, files, where, info, model, expected, mapping, compute, device, fp8_weights, shard,
-                            stop, t0)
+        return load_sharded(path, files, where, info, model, expected, mapping, holding, device, shard, stop, t0)
     wanted = mapping if keep is None else [(d, s_, o) for d, s_, o in mapping if keep(d)]
     groups: dict = {}
-    state, quantized, scales, bytes_read = stream(path, where, info, wanted, expected, compute, device, fp8_weights,
-                                                   stop, int8_groups=groups)
+    state, quantized, scales, bytes_read = stream(path, where, info, wanted, expected, holding, device, stop,
+                                                   int8_groups=groups)
     model.requires_grad_(False)   # (an int8 weight cannot be a parameter that takes gradients)
     model.load_state_dict(state, strict=False, assign=True)  # what is absent is found by the meta check below
     del state
@@ -144,7 +145,7 @@ def load_transformer(path: str, *, dtype: str = "fp32", device: str | torch.devi
     if info.quantization:
         stats["quantization"] = info.quantization
     return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats, mapping=mapping,
-                             fp8_weights=fp8_weights)
+                             fp8_weights=fp8_weights, holding=holding)
 
 
 @torch.no_grad()
@@ -165,8 +166,8 @@ def restore_weights(loaded: LoadedTransformer, names: set[str]) -> int:
     # weights divided among ranks: this rank reads back only the rows it holds
     rows = {dst: held_rows(params[dst], loaded.shard) for dst, _, _ in subset if is_divided(params[dst])}
     where, _ = read_headers(checkpoint_files(loaded.path))
-    state, quantized, _, bytes_read = stream(loaded.path, where, loaded.info, subset, expected, loaded.dtype,
-                                              local(params[subset[0][0]]).device, loaded.fp8_weights, rows=rows)
+    state, quantized, _, bytes_read = stream(loaded.path, where, loaded.info, subset, expected, loaded.holding,
+                                              local(params[subset[0][0]]).device, rows=rows)
     if quantized:
         raise ValueError(f"{loaded.path}: {_few(quantized)} are held quantized and cannot be written to")
     for name, value in state.items():
@@ -203,16 +204,15 @@ def diffusers_keys(info: CheckpointInfo) -> set[str]:
     return set(build_empty(info).state_dict())
 
 
-def _materialize(model: torch.nn.Module, keep: Keep | None, device, dtype: torch.dtype, info=None) -> None:
-    """Give the kept meta tensors storage on `device` (floating ones in `dtype`, the family's float32 islands in
-    float32); the rest stay meta."""
+def _materialize(model: torch.nn.Module, keep: Keep | None, device, holding: Holding) -> None:
+    """Give the kept meta tensors storage on `device`, floating ones in the dtype `holding` names; the rest stay
+    meta."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not t.is_meta or (keep is not None and not keep(name)):
             continue
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
-        held = (dtype if info is None else island_dtype(info, name, dtype)) if t.is_floating_point() else t.dtype
-        new = torch.empty(t.shape, dtype=held, device=device)
+        new = torch.empty(t.shape, dtype=holding.dtype(name) if t.is_floating_point() else t.dtype, device=device)
         if leaf in module._parameters:
             module._parameters[leaf] = torch.nn.Parameter(new, requires_grad=False)
         else:
@@ -245,17 +245,21 @@ def random_model(info: CheckpointInfo, source: str, *, dtype: str = "fp32", devi
         raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(COMPUTE_DTYPES)}")
     t0 = time.perf_counter()
     model = build_empty(info)
-    _materialize(model, keep, device, COMPUTE_DTYPES[dtype], info)  # never materialised in fp32 (but its islands)
+    holding = Holding.of(info, model, COMPUTE_DTYPES[dtype], fp8_weights)
+    # drawn in the compute dtype (never materialised in fp32 but its islands), then held as a file's would be
+    _materialize(model, keep, device, replace(holding, fp8_weights=False))
     init_random_(model, seed)
-    if fp8_weights:  # as a file's matrices would be stored: every Linear weight in fp8, cast per call
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and not module.weight.is_meta:
-                module.weight = torch.nn.Parameter(module.weight.to(torch.float8_e4m3fn), requires_grad=False)
+    for name, p in list(model.named_parameters()):
+        if not p.is_meta and holding.dtype(name) == torch.float8_e4m3fn:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(p.to(torch.float8_e4m3fn),
+                                                                              requires_grad=False)
     cast_layers = wrap_quantized_linears(model)
     info.spec.rebuild_off_meta(model)
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     return LoadedTransformer(info=info, model=model, dtype=COMPUTE_DTYPES[dtype], path=source, fp8_weights=fp8_weights,
+                             holding=holding,
                              stats={"load_s": time.perf_counter() - t0, "parameters": params,
                                     "fp8_linears": cast_layers, "held_bytes": held_bytes(model)})
 

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,20 +33,39 @@ LOAD_DELAY_ENV = "XDIT_LOAD_DELAY_MS"
 LOAD_DELAY_S = max(0.0, float(os.environ.get(LOAD_DELAY_ENV) or 0)) / 1e3
 
 
-def held_dtype(stored: torch.dtype | None, ndim: int, compute: torch.dtype, fp8_weights: bool) -> torch.dtype:
-    """The dtype a plain (not block-quantized) tensor stored as `stored` is held in: a matrix stored in fp8 stays in
-    its fp8, any matrix is fp8_e4m3fn with fp8_weights, the rest is the compute dtype."""
-    if ndim == 2 and stored in FP8:
-        return stored
-    return torch.float8_e4m3fn if ndim == 2 and fp8_weights else compute
+@dataclass(frozen=True)
+class Holding:
+    """The one rule for the dtype a plain tensor (not in GGUF blocks, not int8) is held in, on every load path (a file
+    whole or divided among ranks, random weights whole or divided, weights read back after a LoRA):
+    - a Linear layer's weight stored in fp8 stays in its fp8 (cast per call: CastLinear, as ComfyUI's fp8 ops do);
+    - with the fp8 weight option, every other Linear weight is held in fp8_e4m3fn too, except a family's float32
+      islands (Family.fp32_params: ComfyUI builds those layers in float32 whatever the weight dtype);
+    - a float32 island is held in float32 where the compute dtype is lower;
+    - everything else (biases, norms, modulation tables such as LTX's scale_shift_table, embeddings: tensors that
+      are not a Linear's weight, even 2-D ones, and so never take the per-call cast) in the compute dtype, also where
+      the file stores it in fp8.
+    Built once per load from the model (on the meta device) before any Linear is wrapped."""
+    compute: torch.dtype
+    fp8_weights: bool
+    linear_weights: frozenset
+    fp32: Callable[[str], bool]
 
+    @classmethod
+    def of(cls, info, model: torch.nn.Module, compute: torch.dtype, fp8_weights: bool) -> "Holding":
+        linear = frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+        return cls(compute, fp8_weights, linear, info.spec.fp32_params)
 
-def island_dtype(info, name: str, held: torch.dtype) -> torch.dtype:
-    """float32 for a parameter the family keeps in float32 (Family.fp32_params) where it would be held in a lower
-    floating dtype (not where it stays fp8: a quantized file's layer keeps its own format); else `held`."""
-    if held in (torch.bfloat16, torch.float16) and info.spec.fp32_params(name):
-        return torch.float32
-    return held
+    def dtype(self, name: str, stored: torch.dtype | None = None) -> torch.dtype:
+        """The held dtype of floating tensor `name` (diffusers name) stored as `stored` (None: no file)."""
+        linear = name in self.linear_weights
+        if linear and stored in FP8:
+            return stored
+        island = self.fp32(name)
+        if linear and self.fp8_weights and not island:
+            return torch.float8_e4m3fn
+        if island and self.compute in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.compute
 
 
 @dataclass
@@ -57,6 +77,7 @@ class LoadedTransformer:
     stats: dict = field(default_factory=dict)
     mapping: list | None = None        # (diffusers key, source key, op) for weights that came from a file
     fp8_weights: bool = False
+    holding: Holding | None = None     # the dtypes its tensors are held in (a file's: read back by restore_weights)
     shard: object = None               # sharded.ShardSpec: the weights divided among a group of ranks (None: whole)
 
     @property
@@ -188,7 +209,7 @@ def _int8_layer(path, info, src, tinfo, scale, conf) -> int | None:
     return int8_group(path, layer, conf, tuple(tinfo.shape))
 
 
-def stream(path, where, info, mapping, expected, compute, device, fp8_weights, stop=None,
+def stream(path, where, info, mapping, expected, holding: Holding, device, stop=None,
            rows: dict | None = None, sink=None, int8_groups: dict | None = None) -> tuple[dict, dict, dict, int]:
     """Read each source tensor once (one at a time) and produce the diffusers tensors `mapping` makes of it: plain
     tensors (state), GGUF block rows for Linear weights (quantized: {name: (uint8 rows, type)}), and fp8_scaled
@@ -277,7 +298,7 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
                                           f"expects {list(want)}")
                 if blocks and not (len(shape) == 2 and dst.endswith(".weight")):
                     # a vector or a conv kernel in blocks (converters keep them float): expanded once
-                    full = dequantize(t.to(device), tinfo.dtype, tuple(expected[dst])).to(compute)
+                    full = dequantize(t.to(device), tinfo.dtype, tuple(expected[dst])).to(holding.dtype(dst))
                     keep(state, dst, full if w is None else full[w[0]:w[1]].contiguous())
                     continue
                 if raw is not None and w is not None:   # the whole source was read: this rank's rows of it
@@ -303,7 +324,7 @@ def stream(path, where, info, mapping, expected, compute, device, fp8_weights, s
                         raise CheckpointError(f"{path}: {scale_key} scales {src}, which is not a matrix "
                                               f"(shape {list(t.shape)}); only Linear weights are scaled")
                     scales[dst] = _scale_of(path, where, scale_key, info, scale, src, dst, op).to(device)
-                held = island_dtype(info, dst, held_dtype(t.dtype, t.ndim, compute, fp8_weights))
+                held = holding.dtype(dst, t.dtype) if t.is_floating_point() else t.dtype
                 keep(state, dst, t.to(device=device, dtype=held).contiguous())
             del raw
     finally:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from .reader import (FP8, LoadedTransformer, held_bytes, held_dtype, install_quantized, int8_count, island_dtype,
-                     stream, wrap_quantized_linears)
+from .reader import (FP8, Holding, LoadedTransformer, held_bytes, install_quantized, int8_count, stream,
+                     wrap_quantized_linears)
 from .detect import SCALE_KEYS
 from .quantized import BLOCKS
 from .safetensors_file import TORCH_DTYPES, CheckpointError
@@ -64,21 +64,28 @@ def held_rows(t: torch.Tensor, spec: "ShardSpec | None") -> tuple[int, int]:
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module):
     """The root unit's weights (embedders, final layer) whole for the duration: a family's forward reaches them outside
-    the model's own forward too. A model whose weights are not divided needs nothing."""
+    the model's own forward too. Nested, the outermost gathers and lets go (one gather for all the model calls of a
+    request: ranks that divide the weights then make the same collectives however their calls are cut). A model
+    whose weights are not divided needs nothing."""
     if not hasattr(model, "unshard"):
         yield
         return
-    model.unshard()
+    depth = model.__dict__.get("_xdit_gathered", 0)
+    if not depth:
+        model.unshard()
+    model.__dict__["_xdit_gathered"] = depth + 1
     try:
         yield
     finally:
-        model.reshard()
+        model.__dict__["_xdit_gathered"] = depth
+        if not depth:
+            model.reshard()
 
 
-def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, tuple]:
+def _storage(where, info, mapping, expected, holding: Holding) -> dict[str, tuple]:
     """{diffusers name: (dtype, shape, kind, qtype)} as the loader stores each tensor of this file: GGUF matrices as
-    their block rows (uint8), int8_tensorwise matrices in int8, fp8 matrices (and every other matrix with fp8_weights)
-    in fp8, the rest in the compute dtype, as reader.stream produces them."""
+    their block rows (uint8), int8_tensorwise matrices in int8, the rest in the dtype `holding` names (reader.stream
+    produces them so)."""
     plan = {}
     for dst, src, _ in mapping:
         tinfo = where[info.prefix + src][1]
@@ -90,11 +97,8 @@ def _storage(where, info, mapping, expected, compute, fp8_weights) -> dict[str, 
         if tinfo.dtype == "I8":   # an int8_tensorwise matrix: held as stored (an Int8Linear's)
             plan[dst] = (torch.int8, shape, "int8", None)
             continue
-        # a tensor in blocks that is no matrix (a vector, a kernel) is expanded to the compute dtype as it is read
-        dtype = compute if tinfo.dtype in BLOCKS else held_dtype(TORCH_DTYPES.get(tinfo.dtype), len(shape), compute,
-                                                                   fp8_weights)
-        if tinfo.dtype not in BLOCKS and tinfo.dtype != "I8":   # a plain tensor: the family's float32 islands too
-            dtype = island_dtype(info, dst, dtype)
+        # a tensor in blocks that is no matrix (a vector, a kernel) is expanded as it is read
+        dtype = holding.dtype(dst, None if tinfo.dtype in BLOCKS else TORCH_DTYPES.get(tinfo.dtype))
         plan[dst] = (dtype, shape, "fp8" if dtype in FP8 else "plain", None)
     return plan
 
@@ -114,12 +118,13 @@ def _scale_shapes(where, info, mapping) -> dict[str, tuple]:
     return out
 
 
-def load_sharded(path, files, where, info, model, expected, mapping, compute, device, fp8_weights, spec: ShardSpec,
+def load_sharded(path, files, where, info, model, expected, mapping, holding: Holding, device, spec: ShardSpec,
                  stop=None, t0: float | None = None) -> LoadedTransformer:
     """The model (built on the meta device, checked against the file by load.py) loaded into this rank's share of the
     weights under `spec`; see the module."""
     t0 = time.perf_counter() if t0 is None else t0
-    storage = _storage(where, info, mapping, expected, compute, fp8_weights)
+    compute = holding.compute
+    storage = _storage(where, info, mapping, expected, holding)
     gguf = {}
     for name, (dtype, shape, kind, qtype) in storage.items():
         owner_name, _, leaf = name.rpartition(".")
@@ -157,7 +162,7 @@ def load_sharded(path, files, where, info, model, expected, mapping, compute, de
         target.copy_(value)
         filled.add(name)
     groups: dict = {}
-    _, _, scale_values, bytes_read = stream(path, where, info, mapping, expected, compute, device, fp8_weights, stop,
+    _, _, scale_values, bytes_read = stream(path, where, info, mapping, expected, holding, device, stop,
                                             rows=rows, sink=fill, int8_groups=groups)
     for name, value in scale_values.items():
         layer = model.get_submodule(name.rpartition(".")[0])
@@ -179,7 +184,7 @@ def load_sharded(path, files, where, info, model, expected, mapping, compute, de
     if info.quantization:
         stats["quantization"] = info.quantization
     return LoadedTransformer(info=info, model=model, dtype=compute, path=path, stats=stats, mapping=mapping,
-                             fp8_weights=fp8_weights, shard=spec)
+                             fp8_weights=holding.fp8_weights, holding=holding, shard=spec)
 
 
 @torch.no_grad()
@@ -190,11 +195,12 @@ def random_sharded(info, source: str, *, compute: torch.dtype, device, seed: int
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = info.spec.model_class()(**info.config)
+    holding = Holding.of(info, model, compute, fp8_weights)
+    drawn = replace(holding, fp8_weights=False)   # drawn as load.random_model draws them, then held as it holds them
     stored = {}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        fp8 = fp8_weights and p.ndim == 2 and name.endswith(".weight") and isinstance(
-            model.get_submodule(name.rpartition(".")[0]), torch.nn.Linear)
-        dtype = island_dtype(info, name, compute) if p.is_floating_point() else p.dtype
+        dtype = drawn.dtype(name) if p.is_floating_point() else p.dtype
+        fp8 = p.is_floating_point() and holding.dtype(name) == torch.float8_e4m3fn
         stored[name] = (tuple(p.shape), dtype, fp8)
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
@@ -223,6 +229,6 @@ def random_sharded(info, source: str, *, compute: torch.dtype, device, seed: int
     info.spec.rebuild_off_meta(model)
     model.eval()
     return LoadedTransformer(info=info, model=model, dtype=compute, path=source, fp8_weights=fp8_weights, shard=spec,
-                             stats={"load_s": time.perf_counter() - t0, "fp8_linears": cast_layers,
+                             holding=holding, stats={"load_s": time.perf_counter() - t0, "fp8_linears": cast_layers,
                                     "held_bytes": held_bytes(model),
                                     "shard": {"size": spec.size, "rank": spec.rank, "ranks": list(spec.ranks)}})

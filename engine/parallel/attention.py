@@ -20,14 +20,14 @@ from .mesh import Mesh
 
 
 class SequenceParallelAttention:
-    """comm_only skips the attention arithmetic (the output is the queries) and keeps every collective, for the
-    communication benchmark at full model size on CPU ranks."""
+    """A layer's attention across the sequence-parallel ranks. Its local arithmetic is two methods (`_local`: all the
+    keys at once; `_block`: one ring block, with its log-sum-exp), which the communication benchmark's subclass
+    (parallel/comm.py) replaces while every collective stays as it is."""
 
-    def __init__(self, mesh: Mesh, comm_only: bool = False, stale=None):
+    def __init__(self, mesh: Mesh, stale=None):
         """stale: a PipeFusion K/V buffer (families/stage.py StaleKV) this layer attends through: the call's fresh keys
         are written into it and the queries see all of it (the other patches' keys from their latest call)."""
         self.mesh = mesh
-        self.comm_only = comm_only
         self.stale = stale
         self.ulysses = mesh["ulysses"]
         self.ring = mesh["ring"]
@@ -60,15 +60,8 @@ class SequenceParallelAttention:
         values = torch.cat([text_kv[1], v], dim=1) if text_kv is not None else v
         if self.pad_tokens and self.ring.rank == self.ring.size - 1:   # this rank's own keys end in the pad rows
             keys, values = keys[:, :keys.shape[1] - self.pad_tokens], values[:, :values.shape[1] - self.pad_tokens]
-        if self.comm_only:
-            out = queries.clone()
-            if self.ring.size > 1:
-                self._ring(queries, keys, values, k, v)
-        elif self.ring.size == 1:
-            # under a bias through the kernels that take a mask (whatever kernel torch's attention is held to: the
-            # engine's attention setting may name one that takes none)
-            out = bias.attend(queries, keys, values, 0, 0)[0].to(queries.dtype) if bias is not None else \
-                F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
+        if self.ring.size == 1:
+            out = self._local(queries, keys, values, bias)
         else:
             out = self._ring(queries, keys, values, k, v, bias)
         text_out, image_out = out[:, :n_text], out[:, n_text:]
@@ -80,6 +73,17 @@ class SequenceParallelAttention:
             elif joint is not None:   # no text queries in this call: an empty text output of every head
                 text_out = image_out.new_zeros(image_out.shape[0], 0, *image_out.shape[2:])
         return image_out, (text_out if joint is not None else None)
+
+    def _local(self, queries, keys, values, bias=None):
+        """Every key at once: torch's attention (the engine's attention setting chooses its kernel); under a bias the
+        engine's own kernels, which take one whatever kernel torch's attention is held to."""
+        if bias is not None:
+            return bias.attend(queries, keys, values, 0, 0)[0].to(queries.dtype)
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (queries, keys, values))).transpose(1, 2)
+
+    def _block(self, q, k, v, q0: int, k0: int, bias=None):
+        """One ring block: queries from token q0 over keys from token k0 -> (out, log-sum-exp)."""
+        return bias.attend(q, k, v, q0, k0) if bias is not None else attention_with_lse(q, k, v)
 
     def _exchange_qkv(self, q, k, v):
         """Ulysses' exchange of q, k and v in one all-to-all (one call, not three): this rank's tokens of every head
@@ -112,12 +116,8 @@ class SequenceParallelAttention:
         bias each block takes its part of it: member m's tokens (after Ulysses' exchange) start at m x its count."""
         r = self.ring
         span = k.shape[1]   # each member's tokens, pad rows included
-        if self.comm_only:
-            kernel = (lambda q, k, v, m: (q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)))
-        elif bias is not None:
-            kernel = (lambda q, k, v, m: bias.attend(q, k, v, r.rank * span, m * span))
-        else:
-            kernel = (lambda q, k, v, m: attention_with_lse(q, k, v))
+        def kernel(q, k, v, member):
+            return self._block(q, k, v, r.rank * span, member * span, bias)
         nxt, prv = r.ranks[(r.rank + 1) % r.size], r.ranks[(r.rank - 1) % r.size]
         incoming, requests = self._pass_on(torch.stack([k, v]), nxt, prv)
         out, lse = _merge(None, None, *kernel(queries, keys0, values0, r.rank))

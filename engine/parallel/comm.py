@@ -67,11 +67,22 @@ def pipefusion_job_bytes(plan: ParallelPlan, *, stage: int, layers: int, dual_la
     return {k: v for k, v in kinds.items() if v}
 
 
+class CommOnlyAttention(SequenceParallelAttention):
+    """The sequence-parallel entry point with its local arithmetic left out (the output is the queries) and every
+    collective kept: the communication benchmark at full model size on CPU ranks."""
+
+    def _local(self, queries, keys, values, bias=None):
+        return queries.clone()
+
+    def _block(self, q, k, v, q0, k0, bias=None):
+        return q, torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+
+
 def probe_step(mesh: Mesh, spec: dict) -> dict[str, int]:
     """One denoising step's collectives at full size: every attention layer sends full-size bf16 Q/K/V through the
     sequence-parallel entry point, then the per-step gathers run as parallelize runs them. Returns the bytes this
     rank sent, per kind."""
-    attention = SequenceParallelAttention(mesh, comm_only=True)
+    attention = CommOnlyAttention(mesh)
     sp = mesh["sp"].size
     batch = spec["batch_per_forward"]
     image, text, heads, head_dim = spec["image_tokens"], spec["text_tokens"], spec["heads"], spec["head_dim"]

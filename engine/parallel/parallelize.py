@@ -29,6 +29,7 @@ import torch
 
 from ..families.base import TokenTable
 from ..models.flow import Conditioning, FlowModel, Prepared
+from ..models.sharded import gathered
 from .attention import SequenceParallelAttention
 from .cache import StepCache
 from .mesh import Mesh
@@ -294,17 +295,24 @@ class ParallelFlow:
         rank; None on the others. One call: its rows split as `call` splits them. Several (a step's positive and
         negative passes, each at its own text length): CFG parallel runs call i on CFG group i mod 2, so the passes
         run side by side with no padding of one to the other, and group 1 sends its outputs to rank 0."""
+        with gathered(self.flow.model):   # the root once for all the parts (each group's collectives the same)
+            return self._call_parts(parts)
+
+    def _call_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor, Prepared]]) -> list[torch.Tensor] | None:
         if len(parts) == 1:
             out = self.call(*parts[0])
             return None if out is None else [out]
         cfg = self.mesh["cfg"]
         mine = {i: self._rows(*parts[i]) for i in range(cfg.rank, len(parts), cfg.size)}
-        if len(parts) % cfg.size and self.mesh.spans("shard", "cfg"):
+        if self.mesh.spans("shard", "cfg"):
             # weights divided across CFG groups: every forward gathers each block over members of both, so every
-            # group runs as many forwards; a group one short runs its first part again (it would wait idle as long)
-            rounds = -(-len(parts) // cfg.size)
-            if len(mine) < rounds:
-                self._rows(*parts[cfg.rank % len(parts)], answer=False)
+            # group makes as many forwards (a family may make one a row); a group short of the most runs forwards of
+            # one row of its first part (it would wait idle as long)
+            work = [sum(self._forwards(parts[i][0].shape[0]) for i in range(g, len(parts), cfg.size))
+                    for g in range(cfg.size)]
+            x, t, prepared = parts[cfg.rank % len(parts)]
+            for _ in range(max(work) - work[cfg.rank]):
+                self._rows(x[:1], t[:1], prepared.rows(slice(0, 1)), answer=False)
         if any(v is None for v in mine.values()):
             return None
         if cfg.rank:
@@ -322,6 +330,11 @@ class ParallelFlow:
         for i in others:   # each member's in the order it sent them
             mine[i] = by_member[i % cfg.size].pop(0)
         return [mine[i] for i in range(len(parts))]
+
+    def _forwards(self, rows: int) -> int:
+        """The model forwards this rank makes for a CFG group's call of `rows` rows (`_rows`: data parallel's share)."""
+        dp = self.mesh["dp"]
+        return self.family.forwards(rows // dp.size if dp.size > 1 and rows % dp.size == 0 else rows)
 
     def _rows(self, x_model: torch.Tensor, timestep: torch.Tensor, prepared: Prepared,
               answer: bool = True) -> torch.Tensor | None:

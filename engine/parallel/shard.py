@@ -2,9 +2,9 @@
 each transformer block is one unit whose parameters every member holds a 1/shard row slice of, and the model's other
 parameters (embedders, final layer) one more unit at the root. A block's whole weights are gathered just before it
 runs and freed after (inference: nothing is kept for a backward pass); the next block's gather is posted while this
-one computes (explicit forward prefetch), on the communicator's own stream on GPUs. The root's are gathered for the
-whole forward (models/sharded.py `gathered`), since a family's forward reaches the embedders outside the model's own
-forward too.
+one computes (explicit forward prefetch), on the communicator's own stream on GPUs. The root's are gathered once for
+the whole call (models/sharded.py `gathered`; not resharded after each forward), since a family's forward reaches the
+embedders outside the model's own forward too, and a family may run several forwards a call.
 
 Everything is sharded as it is stored: FSDP2 gathers each parameter in its own dtype, so fp8 and fp8_scaled matrices
 travel as fp8 and GGUF blocks as their bytes, dequantized after the gather by the layer that holds them (a row of a
@@ -34,7 +34,9 @@ def shard_spec(mesh, family) -> ShardSpec | None:
         units = [block for name in blocks for block in model.get_submodule(name)]
         for unit in units:
             fully_shard(unit, mesh=device_mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=device_mesh, reshard_after_forward=True)
+        # the root stays whole after a forward until `gathered` lets it go at the end of the call: a family that runs
+        # several forwards a call (MiniMax-H3, one a row) gathers it once, not once a forward
+        fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
         for unit, following in zip(units, units[1:]):   # the next block's gather posted while this one computes
             unit.set_modules_to_forward_prefetch([following])
 

@@ -14,9 +14,15 @@ PACK_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 MMAP_THRESHOLD_BYTES = 2 ** 20
 
 
+# benchmark switches a rank reads from its environment, which change what a job computes: taken only from what the
+# caller hands the engine (Engine(env=...): `bench guider`), never inherited from the environment it runs in
+BENCHMARK_SWITCHES = ("XDIT_FORWARD_STUB",)
+
+
 def rank_env(gpus: list[int] | None) -> dict[str, str]:
-    """The ranks' environment: the engine importable by path, collectives on loopback, the engine's GPUs only."""
-    env = dict(os.environ)
+    """The ranks' environment: the engine importable by path, collectives on loopback, the engine's GPUs only, no
+    benchmark switch the caller's environment holds, and on GPUs the CUDA allocator set against fragmentation."""
+    env = {k: v for k, v in os.environ.items() if k not in BENCHMARK_SWITCHES}
     # Subprocesses must find the engine even when the pack is not on sys.path (ComfyUI imports by path).
     env["PYTHONPATH"] = os.pathsep.join([PACK_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")   # a local engine talks over loopback only
@@ -28,6 +34,11 @@ def rank_env(gpus: list[int] | None) -> dict[str, str]:
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        # a rank's allocations change size from block to block (divided weights gathered and freed, a ring's buffers,
+        # per-call dense copies of quantized layers): segments that grow in place instead of new fixed blocks keep the
+        # freed memory usable for the next size. A setting the user made is kept.
+        if "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
 
 
