@@ -45,7 +45,12 @@ def files(tmp_path_factory):
     save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(16, 3072),
                "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(9216, 16)},
               str(d / "full_size_lora.safetensors"))
-    return {"dir": str(d), "flux": write_tiny("flux", str(d)), "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium"),
+    flux = write_tiny("flux", str(d))
+    non_utf8 = os.path.join(os.fsencode(d), b"tiny-\xff.safetensors")   # a name of bytes that are not UTF-8
+    os.link(flux, non_utf8)
+    os.makedirs(d / "blocked" / "tiny-flux-dev-cond.safetensors")   # a folder where make-tiny writes a file
+    return {"dir": str(d), "flux": flux, "sd3": write_tiny("sd3", str(d), variant="sd3.5-medium"),
+            "non_utf8": os.fsdecode(non_utf8), "blocked": str(d / "blocked"),
             "flux_cond": str(d / "flux_cond.safetensors"), "sd3_cond": str(d / "sd3_cond.safetensors"),
             "other": str(d / "other.safetensors"), "latent": str(d / "latent.safetensors"),
             "garbage": str(d / "garbage.bin"), "out": str(d / "out.safetensors"), "png": str(d / "image.png"),
@@ -101,6 +106,8 @@ CASES = {
     "gen-out-fifo": (GEN + ["--out", "{fifo}"], r"argument --out: .*pipe.safetensors is a named pipe, which is never"),
     "gen-out-proc": (GEN + ["--out", "/proc/x.safetensors"], r"argument --out: /proc/x.safetensors is invalid: no file "
                                                              r"can be created in /proc \(.*\); write elsewhere$"),
+    "gen-out-name-too-long": (GEN + ["--out", "{dir}/" + "a" * 300 + ".safetensors"],
+                              r"argument --out: .*/a{300}.safetensors is invalid: File name too long; write elsewhere$"),
     "gen-out-not-safetensors": (GEN + ["--out", "{dir}/image.png"],
                                 r"argument --out: .*/image.png is invalid: a LATENT is written as a .safetensors "
                                 r"file; give a name ending in .safetensors, e.g. .*/image.safetensors$"),
@@ -114,6 +121,17 @@ CASES = {
                                    r"down \[16, 3072\] and up \[9216, 16\], but this flux-dev model's layer takes "
                                    r"\[rank, 128\] and \[384, rank\]"),
     "gen-model-missing": (GEN + ["--model", "{dir}/nope.safetensors"], r"argument --model: .*nope.* does not exist"),
+    "gen-model-not-utf8": (GEN + ["--model", "{non_utf8}"], r"argument --model: .*/tiny-\\xff.safetensors is not a "
+                                                            r"UTF-8 path: .*rename"),
+    "gen-cond-not-utf8": (GEN + ["--cond", "{non_utf8}"], r"argument --cond: .*/tiny-\\xff.safetensors is not a UTF-8 "
+                                                          r"path"),
+    "gen-lora-not-utf8": (GEN + ["--lora", "{non_utf8}:0.5"], r"argument --lora: .*/tiny-\\xff.safetensors:0.5: .* is "
+                                                              r"not a UTF-8 path"),
+    "gen-model-a-name": (GEN + ["--model", "ltx23"], r"argument --model: ltx23 is a model's name, not a file or folder "
+                                                     r"here: give its checkpoint, or synthetic:ltx-2.3:tiny"),
+    "gen-shard-not-dividing-the-ranks": (GEN + ["--ranks", "3", "--shard", "2"],
+                                         r"argument --shard: 2 on 3 rank\(s\): no plan of 3 rank\(s\) runs this job "
+                                         r"with the weights divided 2 ways .*: give --shard 3"),
     "gen-model-not-safetensors": (GEN + ["--model", "{garbage}"], r"--model: garbage.bin is not a safetensors file "
                                   r"\(or is truncated\): .*; checkpoints are read from .safetensors and .gguf files"),
     "gen-model-synthetic-unknown": (GEN + ["--model", "synthetic:flux-pro"], r"--model: .*flux-pro.*'flux-dev'"),
@@ -155,7 +173,25 @@ CASES = {
     "demo-unknown-flag": (["demo", "--fast"], r"demo: error: unrecognized arguments: --fast"),
     # make-tiny
     "tiny-usage-one-line": (["make-tiny"], r"make-tiny: error: the following arguments are required: --kind, --out"),
-    "tiny-kind": (["make-tiny", "--kind", "sdxl", "--out", "{dir}"], r"argument --kind: invalid choice: 'sdxl'"),
+    "tiny-kind": (["make-tiny", "--kind", "sdxl", "--out", "{dir}"],
+                  r"argument --kind: 'sdxl' is not a model the engine knows: use a variant \(flux-dev, .*\) or a "
+                  r"family \(flux, .*ltx23\)$"),
+    "tiny-variant-of-another-kind": (TINY + ["--variant", "ltx23"], r"argument --variant: ltx23 is LTX-2.3, not FLUX.1 "
+                                                                    r"as --kind says: give a flux variant"),
+    "tiny-variant-contradicts-kind": (["make-tiny", "--kind", "flux-dev", "--variant", "flux-schnell", "--out",
+                                       "{dir}"], r"argument --variant: flux-schnell contradicts --kind, which names "
+                                                 r"flux-dev"),
+    "tiny-out-proc": (TINY + ["--out", "/proc/xdir"], r"argument --out: /proc/xdir is invalid: no folder can be "
+                                                      r"created in /proc \(.*\); write elsewhere$"),
+    "tiny-out-existing-proc-folder": (TINY + ["--out", "/proc/self"], r"argument --out: /proc/self is invalid: no file "
+                                                                      r"can be created in /proc/self"),
+    "tiny-out-name-too-long": (TINY + ["--out", "{dir}/" + "a" * 300], r"argument --out: .*/a{300} is invalid: File "
+                                                                       r"name too long; write elsewhere$"),
+    "tiny-out-under-a-file": (TINY + ["--out", "{other}/x"], r"argument --out: .*/x is invalid: .*other.safetensors is "
+                                                             r"a file, not a folder$"),
+    "tiny-out-holds-a-folder-of-its-name": (TINY + ["--out", "{blocked}"],
+                                            r"argument --out: .*/tiny-flux-dev-cond.safetensors is a folder, which "
+                                            r"make-tiny never replaces: remove it or write elsewhere$"),
     "tiny-variant": (TINY + ["--variant", "flux-pro"], r"argument --variant: variant='flux-pro' is not a flux variant"),
     "tiny-out-is-a-file": (TINY + ["--out", "{other}"], r"argument --out: .* is a file, not a folder"),
     "tiny-dtype": (TINY + ["--dtype", "int8"], r"argument --dtype: invalid choice: 'int8'"),
@@ -178,7 +214,10 @@ CASES = {
     "bench-comm-models": (["bench", "comm", "--models", "FLUX.2-dev"], r"--models: 'FLUX.2-dev' is not one of"),
     "bench-generate-gpus-without-cuda": (["bench", "generate", "--gpus", "0"], r"bench (generate|overhead): error: .*needs CUDA"),
     "bench-generate-two-gpus": (["bench", "generate", "--gpus", "0,1"], r"--gpus: 0,1 names 2 GPUs: bench generate", 2),
-    "bench-generate-model": (["bench", "generate", "--model", "flux-pro"], r"--model: invalid choice: 'flux-pro'"),
+    "bench-generate-model": (["bench", "generate", "--model", "flux-pro"], r"--model: 'flux-pro' is not a model the "
+                                                                           r"engine knows"),
+    "bench-generate-family-of-several": (["bench", "generate", "--model", "wan"],
+                                         r"--model: 'wan' is the Wan family, which has several models: name one"),
     "bench-generate-steps": (["bench", "generate", "--steps", "0"], r"argument --steps: 0 is invalid"),
     "bench-generate-width": (["bench", "generate", "--width", "100"], r"argument --width: 100 is invalid"),
     "bench-generate-repeats": (["bench", "generate", "--repeats", "0"], r"argument --repeats: 0 is invalid"),
@@ -531,3 +570,113 @@ def test_make_tiny_takes_the_wan_names_the_video_issue_uses_and_bench_takes_vide
     refused = run("bench", "overhead", "--model", "wan2.1-1.3b", "--frames", "8")
     print(refused.stderr)
     assert refused.returncode == 2 and "8 frames is not a count" in refused.stderr and "use 5 or 9" in refused.stderr
+
+
+# ---- nothing the job reads is replaced by what it writes ---------------------------------------------------------
+def _digest(path: str) -> str:
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("given,link", [("model", None), ("cond", "symlink"), ("lora", "hard link")])
+def test_generate_refuses_an_out_that_is_or_links_to_an_input_and_the_input_stays_byte_identical(
+        given, link, files, tmp_path, capsys, monkeypatch):
+    """--out equal to --model, a symbolic link to --cond, a hard link to a --lora: one line, exit 2, no rank started,
+    the input file as it was."""
+    monkeypatch.setattr(Engine, "start", lambda self: pytest.fail("a rank was started for a user error"))
+    source = {"model": files["flux"], "cond": files["flux_cond"], "lora": files["other"]}[given]
+    out = source
+    if link == "symlink":
+        out = str(tmp_path / "link.safetensors")
+        os.symlink(source, out)
+    elif link == "hard link":
+        out = str(tmp_path / "hard.safetensors")
+        os.link(source, out)
+    before = _digest(source)
+    argv = [a.format(**files) for a in GEN] + ["--lora", files["other"], "--out", out]
+    code = main(argv)
+    err = capsys.readouterr().err
+    print(err)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    how = "is" if link is None else "is the same file as"
+    assert err.startswith(f"python -m engine generate: error: argument --out: {out} {how} the --{given} file {source}: "
+                          f"writing there would replace it; give a new name, e.g. ")
+    assert _digest(source) == before
+
+
+def test_bench_refuses_a_json_path_that_is_the_model_it_reads_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """The same rule for every command that writes: bench --json naming bench guider's --model file."""
+    monkeypatch.setattr(Engine, "start", lambda self: pytest.fail("a rank was started for a user error"))
+    model = tmp_path / "model.json"
+    model.write_text("{}")
+    assert main(["bench", "--json", str(model), "guider", "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert err.count("\n") == 1 and f"argument --json: {model} is the --model file {model}" in err
+    assert model.read_text() == "{}"
+
+
+# ---- one name per model ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ltx23", "ltx-2.3"])
+def test_make_tiny_takes_either_name_of_ltx23_and_prints_the_one_canonical_name(name, tmp_path, capsys):
+    assert main(["make-tiny", "--kind", name, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert out.startswith(f"wrote   {tmp_path}/tiny-ltx-2.3.safetensors (")
+    assert "\nmodel   ltx-2.3, " in out
+    assert "\ncond    none: generate does not sample LTX-2.3's audio and video together" in out
+
+
+def test_bench_calibrate_and_synthetic_sources_take_any_name_of_a_model_as_its_canonical_variant():
+    from engine.cli import build_parser
+    from engine.models.load import inspect_model
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "overhead", "--model", "ltx23"]).model == "ltx-2.3"
+    assert parser.parse_args(["bench", "project", "--model", "H3"]).model == "minimax-h3"
+    assert parser.parse_args(["bench", "shard", "--model", "qwen-image"]).model == "qwen-image"
+    assert parser.parse_args(["bench", "av", "--models", "h3,ltx23"]).models == ["minimax-h3", "ltx-2.3"]
+    assert parser.parse_args(["calibrate", "--model", "ltx2.3"]).model == "ltx-2.3"
+    assert inspect_model("synthetic:ltx23:tiny").variant == "ltx-2.3"
+
+
+# ---- --shard alone: auto chooses the other degrees ---------------------------------------------------------------
+def test_generate_with_only_ranks_and_shard_lets_auto_choose_the_other_degrees_and_says_which(files, capsys):
+    """--ranks 2 --shard 2 runs the plan auto ranks first among those dividing the weights 2 ways, says so before
+    running, and gives the 1-rank latent."""
+    from safetensors.torch import load_file
+
+    common = [a.format(**files) for a in GEN] + ["--steps", "2", "--width", "64", "--height", "64"]
+    one, two = os.path.join(files["dir"], "shard1.safetensors"), os.path.join(files["dir"], "shard2.safetensors")
+    assert main(common + ["--out", one]) == 0
+    capsys.readouterr()
+    assert main(common + ["--ranks", "2", "--shard", "2", "--out", two]) == 0
+    out = capsys.readouterr().out
+    chosen = re.match(r"auto chose (\S+ x shard2) for 2 rank\(s\) with the weights divided 2 ways \(--shard 2\): ", out)
+    diff = (load_file(two)["samples"] - load_file(one)["samples"]).abs().max().item()
+    print(f"{out.splitlines()[0]}\n--ranks 2 --shard 2 vs 1 rank: max abs diff {diff:.3g}")
+    assert chosen and f"plan {chosen.group(1)} on 2 rank(s)" in out
+    assert diff <= 1e-4
+
+
+# ---- make-tiny's conditioning file ---------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["flux-dev", "wan2.1-i2v-14b"])
+def test_make_tiny_writes_a_conditioning_file_and_the_generate_command_it_prints_runs(variant, tmp_path, capsys):
+    """No ComfyUI needed: make-tiny's cond file (with an image-to-video model's CLIP-vision features and image
+    latent) is what generate --cond reads, and the command it prints runs as printed."""
+    import shlex
+    from safetensors.torch import load_file
+
+    assert main(["make-tiny", "--kind", variant, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    cond = str(tmp_path / f"tiny-{variant}-cond.safetensors")
+    assert f"\ncond    {cond} (random: cond [1, 32, " in out
+    (command,) = [line[len("try     "):] for line in out.splitlines() if line.startswith("try     ")]
+    words = shlex.split(command)
+    assert words[:4] == ["python", "-m", "engine", "generate"] and words[words.index("--cond") + 1] == cond
+    assert main(words[3:]) == 0
+    latent = load_file(words[words.index("--out") + 1])["samples"]
+    print(capsys.readouterr().out)
+    assert latent.shape[-2:] == (16, 16) and torch.isfinite(latent).all()

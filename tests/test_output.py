@@ -155,3 +155,52 @@ def test_when_nothing_can_be_written_the_message_says_so_in_one_line(tmp_path, m
     print(message)
     assert message.startswith(f"could not write {path} (Input/output error); it could not be kept elsewhere either (")
     assert "\n" not in message and os.listdir(tmp_path) == []
+
+
+# ---- output folders (make-tiny --out, calibrate --folder) ------------------------------------------------------
+def refused_dir(path) -> str:
+    with pytest.raises(ArgumentTypeError) as info:
+        output.check_dir(str(path))
+    message = str(info.value)
+    print(message)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("path, reason", [("/proc/xdir", "no folder can be created in /proc"),
+                                          ("/proc/self", "no file can be created in /proc/self"),
+                                          ("/sys/xdir/deeper", "no folder can be created in /sys")])
+def test_a_folder_that_cannot_be_made_or_written_is_refused_before_any_work(path, reason):
+    message = refused_dir(path)
+    assert message.startswith(f"{path} is invalid: {reason} (") and message.endswith("); write elsewhere")
+
+
+def test_a_file_where_a_folder_is_needed_is_refused_and_a_new_folder_passes_without_being_made(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    assert refused_dir(tmp_path / "file") == f"{tmp_path}/file is a file, not a folder"
+    assert refused_dir(tmp_path / "file" / "sub") == f"{tmp_path}/file/sub is invalid: {tmp_path}/file is a file, " \
+                                                     f"not a folder"
+    assert output.check_dir(str(tmp_path / "new" / "deeper")) == str(tmp_path / "new" / "deeper")
+    assert output.check_dir(str(tmp_path)) == str(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]   # the probes are gone, the new folder not made yet
+
+
+# ---- an output is never an input -------------------------------------------------------------------------------
+def test_a_file_inside_a_model_folder_given_as_input_is_refused_and_a_new_name_there_passes(tmp_path):
+    """A diffusers model is a folder: a result that would replace one of its files is refused; a new name beside them
+    replaces nothing."""
+    from argparse import Namespace
+    from engine.cli.args import UsageError
+
+    model = tmp_path / "model"
+    (model / "transformer").mkdir(parents=True)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(b"weights")
+    a = Namespace(command="generate", model=str(model), steps=4, loras=[])
+    with pytest.raises(UsageError) as info:
+        output.refuse_inputs("--out", str(weights), a)
+    print(info.value)
+    assert str(info.value) == (f"argument --out: {weights} is a file inside the --model folder {model}, which the job "
+                               f"reads: writing there would replace it; write elsewhere")
+    output.refuse_inputs("--out", str(model / "new.safetensors"), a)
+    assert weights.read_bytes() == b"weights"

@@ -11,7 +11,8 @@ import sys
 
 from ..errors import EngineError
 from ..families import TITLES
-from .args import UsageError
+from .args import UsageError, shown
+from . import output
 from .output import ResultNotWritten
 
 PROG = "python -m engine"
@@ -30,7 +31,7 @@ def build_parser():
 
 
 def _error(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    print(f"{prog}: error: {shown(message)}", file=sys.stderr, flush=True)   # a path of non-UTF-8 bytes as \xNN
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         prog = a.parser.prog
         if unknown:  # named by the subcommand's parser, not the top one
             a.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        output.refuse_outputs_that_are_inputs(a)   # every command: no output replaces what the job reads
         return a.run(a)
     except UsageError as e:
         _error(e.prog or prog, str(e))

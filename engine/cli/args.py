@@ -137,11 +137,51 @@ def name_list(valid):
     return parse
 
 
+def model_name(among=None):
+    """Any name of a model (a variant, a family's alias such as ltx23, a one-variant family) as its canonical variant
+    name (families.variant, the resolver every command uses); `among`: the variants the command takes (default all)."""
+    def parse(text: str) -> str:
+        from .. import families
+
+        try:
+            name = families.variant(text)
+        except ValueError as e:
+            raise ArgumentTypeError(str(e)) from None
+        if among is not None and name not in among:
+            raise ArgumentTypeError(f"{text} is {name}, which this command does not take: use one of "
+                                    f"{', '.join(among)}")
+        return name
+    parse.__name__ = "model name"
+    return parse
+
+
 # ---- files -----------------------------------------------------------------------------------------------------
+def shown(path: str) -> str:
+    """A path as a line can print it: bytes that are not UTF-8 (which Python holds as surrogate escapes) as \\xNN."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        try:
+            return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:   # a surrogate no file name decodes to
+            return path.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def readable_by_ranks(text: str) -> str:
+    """A path the job can carry: its JSON and safetensors take UTF-8 paths only, so a name holding other bytes is
+    refused here rather than failing on a rank."""
+    if shown(text) != text:
+        raise ArgumentTypeError(f"{shown(text)} is not a UTF-8 path: the ranks and safetensors read UTF-8 file names "
+                                f"only; rename the file or a folder above it (or link to it) under a UTF-8 name")
+    return text
+
+
 def existing_file(text: str) -> str:
     if not os.path.isfile(text):
-        raise ArgumentTypeError(f"{text} is not a file" if os.path.exists(text) else f"{text} does not exist")
-    return text
+        raise ArgumentTypeError(f"{shown(text)} is not a file" if os.path.exists(text) else
+                                f"{shown(text)} does not exist")
+    return readable_by_ranks(text)
 
 
 def lora(text: str) -> tuple[str, float]:
@@ -159,6 +199,19 @@ def model_source(text: str) -> str:
     """A model checkpoint file (one of the families in engine/families), a diffusers folder or synthetic:<variant>[:tiny], read from its headers."""
     from ..models.load import inspect_model
 
+    from .. import families
+
+    readable_by_ranks(text)
+    if not os.path.lexists(text) and not text.startswith("synthetic:"):
+        try:   # a model's name where its file belongs
+            family, name = families.resolve(text)
+        except ValueError:
+            pass
+        else:
+            sources = f"synthetic:{name}:tiny" if name else \
+                f"synthetic:<variant>:tiny with one of {', '.join(family.variants)}"
+            raise ArgumentTypeError(f"{text} is a model's name, not a file or folder here: give its checkpoint, or "
+                                    f"{sources} for tiny random weights")
     try:
         inspect_model(text)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
@@ -173,10 +226,6 @@ def checkpoint_file(text: str) -> str:
     return model_source(existing_file(text))
 
 
-def _writable_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-
-
 def output_file(suffix: str, what: str):
     """A file to write `what` to, ending in `suffix`: a regular file or a new name in a folder where a file can be
     created, checked before any work (output.check), so no result is lost and no special file replaced."""
@@ -188,16 +237,10 @@ def output_file(suffix: str, what: str):
 
 
 def output_dir(text: str) -> str:
-    """A folder to write into, created if missing: it, or its nearest existing parent, must be a writable folder."""
-    path = os.path.abspath(text)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        raise ArgumentTypeError(f"{text} is a file, not a folder" if path == os.path.abspath(text) else
-                                f"{text} is invalid: {path} is a file, not a folder")
-    if not _writable_dir(path):
-        raise ArgumentTypeError(f"{text} is invalid: {path} is not writable; write elsewhere")
-    return text
+    """A folder to write into, created if missing: an existing folder where a file can be created, or a new one that
+    can be made (output.check_dir)."""
+    from .output import check_dir
+    return check_dir(text)
 
 
 # ---- devices ---------------------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ def register(sub) -> None:
                          help="one-rank generate job vs the same loop in process (alternating)",
                          description="One rank's generate job against a plain in-process diffusers Euler loop with "
                                      "the same random weights and inputs, run alternately after a warm-up of each.")
-    g.add_argument("--model", default="flux-dev", choices=list(VARIANTS), help="synthetic variant (random weights)")
+    g.add_argument("--model", default="flux-dev", type=types.model_name(), metavar="NAME",
+                   help=f"synthetic variant (random weights), by any of its names: {', '.join(VARIANTS)}")
     g.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
     g.add_argument("--gpus", type=types.gpu_list, help="one CUDA GPU index to run on (default: the CPU)")
     g.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")

@@ -46,9 +46,17 @@ def register(bench, emit) -> None:
 
 
 def _models(text: str) -> list[str]:
-    """Comma-separated: minimax-h3, ltx-2.3, or synthetic:<variant>[:tiny|:small] sources of those families."""
+    """Comma-separated: minimax-h3, ltx-2.3 (by any of their names: h3, ltx23), or synthetic:<variant>[:tiny|:small]
+    sources of those families."""
     from argparse import ArgumentTypeError
-    names = [n.strip() for n in text.split(",")]
+    from .. import families
+
+    def canonical(name: str) -> str:
+        try:
+            return families.variant(name)
+        except ValueError:
+            return name
+    names = [n.strip() if n.strip().startswith("synthetic:") else canonical(n) for n in text.split(",")]
     bad = [n for n in names if n not in MODELS and not n.startswith("synthetic:")]
     if bad:
         raise ArgumentTypeError(f"{', '.join(map(repr, bad))} is not one of {', '.join(MODELS)} or a synthetic:<variant>"

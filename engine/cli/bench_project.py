@@ -46,7 +46,8 @@ def register(bench, emit) -> None:
                                      "time of the plan's collectives over the link as calibration measured it (or as "
                                      "the planner models it), beside the planner's own estimate. On the "
                                      "CPU, checked against real 2-rank runs with each rank pinned to its own core.")
-    p.add_argument("--model", default="flux-dev", choices=list(VARIANTS), help="synthetic variant (random weights)")
+    p.add_argument("--model", default="flux-dev", type=types.model_name(), metavar="NAME",
+                   help=f"synthetic variant (random weights), by any of its names: {', '.join(VARIANTS)}")
     p.add_argument("--size", default="tiny", choices=["tiny", "full"], help="tiny test dims or the real model's")
     p.add_argument("--gpus", type=types.gpu_list, help="one CUDA GPU index to run the shares on (default: the CPU)")
     p.add_argument("--width", type=types.pixels, default=256, help="image width in pixels")

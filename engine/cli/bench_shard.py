@@ -29,8 +29,9 @@ def register(bench, emit) -> None:
                                      "model's real block counts: what each rank reads from the file and holds, its "
                                      "peak resident memory above its memory before the load, and the machine's (all "
                                      "ranks'); then FSDP2's host time per unit and forward.")
-    m.add_argument("--model", choices=list(VARIANTS), default="wan2.1-14b", help="the variant whose block counts are "
-                                                                                  "used (default wan2.1-14b: 40 blocks)")
+    m.add_argument("--model", type=types.model_name(list(VARIANTS)), default="wan2.1-14b", metavar="NAME",
+                   help=f"the variant whose block counts are used, by any of its names: {', '.join(VARIANTS)} "
+                        f"(default wan2.1-14b: 40 blocks)")
     m.add_argument("--degrees", type=types.int_list, default="1,2,4", help="rank counts, e.g. 1,2,4: each with whole "
                                                                          "weights and with them divided")
     m.set_defaults(run=lambda a: emit(a, "shard", bench_shard(a.model, a.degrees)), parser=m)

@@ -5,7 +5,9 @@ its real widths on every device, and the memory a GPU has free once a CUDA conte
 from __future__ import annotations
 
 import json
+import os
 import time
+from argparse import ArgumentTypeError
 
 from ..families import VARIANTS
 from ..generate.request import GenerateRequest, default_dtype
@@ -13,6 +15,7 @@ from ..models.load import COMPUTE_DTYPES
 from ..runtime.client import Engine
 from ..runtime.machine import Machine, default_folder, job_of
 from . import args as types
+from . import output
 from .args import UsageError
 
 
@@ -30,8 +33,9 @@ def register(sub) -> None:
     p.add_argument("--pin-cpus", action="store_true", help="CPU ranks each on their own cores (as bench project's "
                                                            "2-rank check runs them): a setup of its own")
     p.add_argument("--model", default="flux-dev", type=_model,
-                   help=f"the model whose step is measured: a known variant ({', '.join(VARIANTS)}) or a checkpoint "
-                        f"(only its header is read: the weights are random, at its widths)")
+                   help=f"the model whose step is measured: a known variant, by any of its names "
+                        f"({', '.join(VARIANTS)}), or a checkpoint (only its header is read: the weights are random, "
+                        f"at its widths)")
     p.add_argument("--size", choices=["tiny", "full"],
                    help="a known variant's dims (default: full with --gpus, tiny on CPU ranks)")
     p.add_argument("--width", type=types.pixels, help="image width in pixels (default 1024 with --gpus, 128 on CPU)")
@@ -49,7 +53,19 @@ def register(sub) -> None:
 
 
 def _model(text: str) -> str:
-    return text if text in VARIANTS else types.model_source(text)
+    """A known model by any of its names (its canonical variant), else a checkpoint."""
+    from .. import families
+
+    try:
+        return families.variant(text)
+    except ValueError as e:
+        if os.path.lexists(text) or text.startswith("synthetic:"):
+            return types.model_source(text)
+        try:   # a family of several models: say which to name
+            families.resolve(text)
+        except ValueError:
+            return types.model_source(text)
+        raise ArgumentTypeError(str(e)) from None
 
 
 def run(a) -> int:
@@ -67,6 +83,7 @@ def run(a) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     machine = Machine(device, ranks, a.gpus, folder=a.folder, pinned=a.pin_cpus)
+    output.refuse_inputs("--folder", machine.path, a)   # the file it stores the figures in: never the model
     print(f"calibrating {machine.setup} on {machine.describe()}: {ranks} rank(s), {source} "
           f"{a.width or side}x{a.height or side}, {request.dtype}", flush=True)
     t0 = time.perf_counter()

@@ -44,3 +44,26 @@ def cond_tensors(info: CheckpointInfo, tokens: int, generator: torch.Generator) 
     pooled = info.spec.pooled_width(info.config)
     return (torch.randn(1, tokens, info.spec.cond_width(info.config), generator=generator),
             torch.randn(1, pooled, generator=generator) if pooled else None)
+
+
+def conditioning_file(info: CheckpointInfo, width: int, height: int, frames: int = 1, tokens: int = 32,
+                      seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random conditioning `generate --cond` reads for this model (engine/cli/generate.py): cond and pooled where
+    the family has one, their negatives for cfg != 1, and an image-to-video model's CLIP-vision features and image
+    latent for a width x height video of `frames` frames."""
+    from ..generate.request import empty_latent
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for side in ("", "neg_"):
+        cond, pooled = cond_tensors(info, tokens, gen)
+        tensors[side + "cond"] = cond
+        if pooled is not None:
+            tensors[side + "pooled"] = pooled
+        clip = info.spec.image_context_width(info.config)
+        if clip:   # CLIPVisionEncode's penultimate hidden states: 257 tokens
+            tensors[side + "clip_vision_output"] = torch.randn(1, 257, clip, generator=gen)
+        if info.spec.concat_channels(info.config):   # the image's VAE latent, at the latent's size
+            tensors[side + "concat_latent_image"] = 0.5 * torch.randn(empty_latent(info, width, height, 1,
+                                                                                   frames).shape, generator=gen)
+    return tensors

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from safetensors import safe_open
@@ -16,7 +17,8 @@ from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.safetensors_file import read_header
 from ..models.speed import ATTENTION, CUDA_ONLY
 from ..errors import PlanError
-from ..parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan
+from ..parallel import cost
+from ..parallel.plan import AUTO, FASTEST, MAX_RANKS, ParallelPlan, feasible
 from ..runtime.client import Engine
 from ..runtime.machine import Machine
 from ..sampling.samplers import SAMPLERS
@@ -85,9 +87,10 @@ def register(sub) -> None:
     p.add_argument("--dp", type=types.positive_int, help="data-parallel degree over the batch (explicit plan)")
     p.add_argument("--pipefusion", type=types.positive_int, help="PipeFusion stages (explicit plan): each rank holds "
                    "and runs only its stage's blocks")
-    p.add_argument("--shard", type=types.positive_int, help="divide the weights among groups of this many ranks "
-                   "(explicit plan; a divisor of the other degrees' product, e.g. --ulysses 4 --shard 4): each rank "
-                   "holds and reads 1/shard of them, a block's whole weights gathered as it runs")
+    p.add_argument("--shard", type=types.positive_int, help="divide the weights among groups of this many ranks: "
+                   "each rank holds and reads 1/shard of them, a block's whole weights gathered as it runs; alone "
+                   "(with --ranks or --gpus), auto chooses the other degrees; with other degree flags, a divisor of "
+                   "their product (e.g. --ulysses 4 --shard 4)")
     pf = p.add_argument_group("PipeFusion (with --pipefusion 2 or more)")
     pf.add_argument("--patches", type=types.request_field("patches", types.integer),
                     help="latent row bands, at least the stages (default: one per stage)")
@@ -141,13 +144,22 @@ def _some(names: list[str], shown: int = 2) -> str:
     return f"{len(names)} tensor(s): {listed}" + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
 
 
+def _given_degrees(a) -> list[str]:
+    return [f"--{n}" for n in DEGREES if getattr(a, n) is not None] + (["--cfg-parallel"] if a.cfg_parallel else [])
+
+
+def _shard_only(a) -> bool:
+    """--shard without another degree (nor --plan explicit): the user said how to divide the weights, and auto
+    chooses the other degrees for the ranks (_shard_plan)."""
+    return _given_degrees(a) == ["--shard"] and a.plan != "explicit"
+
+
 def _plan(a) -> ParallelPlan | str:
-    given = [f"--{n}" for n in DEGREES if getattr(a, n) is not None] + (
-        ["--cfg-parallel"] if a.cfg_parallel else [])
-    if a.plan in (AUTO, FASTEST) and given:
+    given = _given_degrees(a)
+    if a.plan in (AUTO, FASTEST) and given and not _shard_only(a):
         raise UsageError(f"argument --plan: {a.plan} cannot be combined with {', '.join(given)}: drop --plan {a.plan} "
                          f"for the explicit plan those flags give, or drop them to let {a.plan} choose")
-    if not given and a.plan != "explicit":
+    if _shard_only(a) or (not given and a.plan != "explicit"):
         return a.plan or AUTO
     try:
         return ParallelPlan(cfg=2 if a.cfg_parallel else 1, **{n: getattr(a, n) or 1 for n in DEGREES})
@@ -262,15 +274,44 @@ def prepare(a):
     if explicit and not a.ranks and request.plan.world_size > MAX_RANKS:   # the degree flags alone give the ranks
         raise UsageError(f"the degree flags give plan {request.plan.describe()}, which needs "
                          f"{request.plan.world_size} ranks: the engine runs 1 to {MAX_RANKS}; lower the degrees")
-    ranks = a.ranks or (request.plan.world_size if explicit else len(a.gpus) if a.gpus else 1)
+    ranks = a.ranks or (request.plan.world_size if explicit else len(a.gpus) if a.gpus else
+                        a.shard if _shard_only(a) else 1)
     if a.gpus and len(a.gpus) != ranks:
         raise UsageError(f"argument --gpus: {','.join(map(str, a.gpus))} names {len(a.gpus)} GPUs for {ranks} "
                          f"ranks: give one GPU per rank")
+    request = validated(a, request, ranks, machine_of(a, ranks).hardware())
+    return request, ranks, request.choice
+
+
+def validated(a, request: GenerateRequest, ranks: int, hardware) -> GenerateRequest:
+    """request.validate, the plan chosen first where only --shard was given; raises UsageError."""
     try:
-        request = request.validate(ranks, machine_of(a, ranks).hardware())
+        if not _shard_only(a):
+            return request.validate(ranks, hardware)
+        plan = _shard_plan(request, a.shard, ranks, hardware)
+        request = replace(request, plan=plan).validate(ranks, hardware)
     except ValueError as e:  # PlanError, CheckpointError, a tensor of the wrong shape ...
         raise UsageError(str(e)) from None
-    return request, ranks, request.choice
+    why = request.choice.reason.split(": ", 1)[-1]
+    return replace(request, choice=replace(request.choice, reason=f"auto chose {plan.describe()} for {ranks} rank(s) "
+                                                                  f"with the weights divided {a.shard} ways (--shard "
+                                                                  f"{a.shard}): {why}"))
+
+
+def _shard_plan(request: GenerateRequest, shard: int, ranks: int, hardware) -> ParallelPlan:
+    """The plan auto would run on `ranks` ranks among those dividing the weights `shard` ways: on CPU ranks the one
+    that sends least (as auto there), else the cost model's first (cost.rank, auto's rule on one rank count)."""
+    work = request.workload(inspect_model(request.model))
+    plans = [p for p in feasible(ranks, work) if p.shard == shard]
+    if not plans:
+        divisors = [d for d in range(2, ranks + 1) if any(p.shard == d for p in feasible(ranks, work))]
+        works = f"give --shard {' or '.join(map(str, divisors))}" if divisors else "give no --shard"
+        raise UsageError(f"argument --shard: {shard} on {ranks} rank(s): no plan of {ranks} rank(s) runs this job with "
+                         f"the weights divided {shard} ways (a shard degree divides the ranks): {works}, or set "
+                         f"--ranks")
+    if hardware.device == "cpu" and not (hardware.measured is not None and hardware.measured.covers(work, ranks)):
+        return min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
+    return cost.rank([cost.estimate(p, work, hardware) for p in plans])[0].plan
 
 
 class Progress:
@@ -317,10 +358,7 @@ def run(a) -> int:
             view = fresh
             print(f"measured this machine ({machine.setup}) in {fresh.measured.figures.get('calibrate_s', 0):.1f} s: "
                   f"{'; '.join(fresh.measured.summary())}; stored in {machine.path}", flush=True)
-            try:
-                request = build_request(a).validate(ranks, view.hardware)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+            request = validated(a, build_request(a), ranks, view.hardware)
             print(request.choice.reason, flush=True)
         try:
             result = request.submit(engine, on_progress=progress)

@@ -1,5 +1,9 @@
-"""Files the command line writes (a LATENT, a benchmark's JSON): the path checked before any work starts, and the
-result written so that nothing but a regular file is ever replaced and a finished result is never lost.
+"""Files the command line writes (a LATENT, a benchmark's JSON, make-tiny's files): the path checked before any work
+starts, and the result written so that nothing but a regular file is ever replaced and a finished result is never lost.
+
+An output path that is, or links to, a path the command was given for anything else (a model, a conditioning file, a
+LoRA, a file inside a model folder) is refused before any work (`refuse_inputs`): `main` checks every flag whose value
+`check` or `check_dir` returned, and a command checks the files it names inside an output folder.
 
 A result is written to a temporary name in the target's folder and renamed over the target, so a reader never sees
 half a file. If that fails after the work is done (the folder went away, the disk filled, the target became a folder
@@ -13,15 +17,26 @@ import stat
 import tempfile
 from argparse import ArgumentTypeError
 
+SUBCOMMANDS = ("command", "what")   # the parsed namespace's entries that name a subcommand, not a path
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
          (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+class OutputPath(str):
+    """A path a command writes, as check() (a file) or check_dir() (a folder) returned it; `given`: as the user typed
+    it."""
+
+    def __new__(cls, path: str, given: str, folder: bool = False):
+        self = super().__new__(cls, path)
+        self.given, self.folder = given, folder
+        return self
 
 
 class ResultNotWritten(Exception):
     """Writing a finished result to its path failed; the message (one line) says why and where the result is."""
 
 
-def _kind(path: str) -> str | None:
+def special_kind(path: str) -> str | None:
     """What `path` is when it exists and is not a regular file (None: a regular file, or nothing there)."""
     try:
         mode = os.stat(path).st_mode
@@ -35,7 +50,10 @@ def check(text: str, suffix: str, what: str) -> str:
     created, ending in `suffix`. Raises ArgumentTypeError ("<text> is invalid: ...", one line) otherwise. Symbolic
     links are followed: the file they point to is the one replaced."""
     path = os.path.realpath(text)
-    kind = _kind(path)
+    try:
+        kind = special_kind(path)
+    except OSError as e:   # a name too long, a loop of links, a folder not searchable
+        raise ArgumentTypeError(f"{text} is invalid: {e.strerror}; write elsewhere") from None
     if kind == "a folder":
         raise ArgumentTypeError(f"{text} is a folder: give a file name in it, e.g. "
                                 f"{os.path.join(text, 'out' + suffix)}")
@@ -55,7 +73,94 @@ def check(text: str, suffix: str, what: str) -> str:
                                 f"elsewhere") from None
     os.close(fd)
     os.unlink(probe)
-    return path
+    return OutputPath(path, text)
+
+
+def check_dir(text: str) -> str:
+    """The folder to write into, before any work: an existing folder where a file can be created, or a new one that
+    can be made (created when the command writes). Raises ArgumentTypeError ("<text> is invalid: ...", one line)."""
+    path = os.path.abspath(text)
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):   # a folder to make, or a file on the way (said below)
+        pass
+    except OSError as e:   # a name too long, a loop of links, a folder not searchable
+        raise ArgumentTypeError(f"{text} is invalid: {e.strerror}; write elsewhere") from None
+    parent = path
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        what = "a file" if os.path.exists(parent) else "a link to nothing"
+        raise ArgumentTypeError(f"{text} is {what}, not a folder" if parent == path else
+                                f"{text} is invalid: {parent} is {what}, not a folder")
+    try:   # as check(): the one sure test; a missing folder is made (and removed) where it would be made
+        if parent == path:
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".xdit-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".xdit-probe-"))
+    except OSError as e:
+        what = "no file can be created in" if parent == path else "no folder can be created in"
+        raise ArgumentTypeError(f"{text} is invalid: {what} {parent} ({e.strerror}); write elsewhere") from None
+    return OutputPath(text, text, folder=True)
+
+
+def given_paths(a) -> list[tuple[str, str]]:
+    """(flag, path) of every existing path the command's flags name, outputs aside: what the job reads."""
+    found = []
+
+    def walk(flag, value):
+        if isinstance(value, OutputPath):
+            return
+        if isinstance(value, str):
+            if os.path.lexists(value):
+                found.append((flag, value))
+        elif isinstance(value, (list, tuple)):   # --lora PATH:STRENGTH (repeated) -> [(path, strength), ...]
+            for item in value:
+                walk(flag, item)
+    for dest, value in vars(a).items():
+        if dest not in SUBCOMMANDS:
+            walk("--" + dest.replace("_", "-"), value)
+    return found
+
+
+def refuse_inputs(flag: str, path: str, a, given: str | None = None) -> None:
+    """Raise UsageError when `path`, a file the command would write, is, or links to, a path given to another of its
+    flags, or replaces a file inside a folder given to one (a diffusers model): nothing the user gave is overwritten."""
+    from .args import UsageError
+
+    shown = given or path
+    real = os.path.realpath(path)
+    for other, value in given_paths(a):
+        source = os.path.realpath(value)
+        if real == source or _same_file(path, value):
+            how = "is" if os.path.abspath(shown) == os.path.abspath(value) else "is the same file as"
+            raise UsageError(f"argument {flag}: {shown} {how} the {other} file {value}: writing there would replace "
+                             f"it; give a new name, e.g. {_example(shown)}")
+        if os.path.isdir(source) and os.path.lexists(path) and real.startswith(source.rstrip(os.sep) + os.sep):
+            raise UsageError(f"argument {flag}: {shown} is a file inside the {other} folder {value}, which the job "
+                             f"reads: writing there would replace it; write elsewhere")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """One file under two names (a hard link, a bind mount)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _example(path: str) -> str:
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}-out{suffix}"
+
+
+def refuse_outputs_that_are_inputs(a) -> None:
+    """Every output file the parsed flags name (OutputPath), checked against every other flag's paths."""
+    for dest, value in vars(a).items():
+        if isinstance(value, OutputPath) and not value.folder:
+            refuse_inputs("--" + dest.replace("_", "-"), value, a, value.given)
 
 
 def _write_new(folder: str, prefix: str, suffix: str, data: bytes, mode: int) -> str:
@@ -97,7 +202,7 @@ def write(path: str, data: bytes) -> str:
     except OSError as e:
         raise ResultNotWritten(f"could not write {path} ({e.strerror or e}); {_keep(name, suffix, data, mode)}") \
             from None
-    kind = _kind(path)   # the job ran for a while: the target may have changed meanwhile
+    kind = special_kind(path)   # the job ran for a while: the target may have changed meanwhile
     if kind:
         raise ResultNotWritten(f"{path} is now {kind}, which is never replaced; the result is in {tmp}")
     try:

@@ -1,15 +1,31 @@
-"""`python -m engine make-tiny`: write a tiny random-weight checkpoint in a ComfyUI layout, and say what it takes."""
+"""`python -m engine make-tiny`: write a tiny random-weight checkpoint in a ComfyUI layout and a conditioning file
+`generate --cond` reads for it, and say what the model takes."""
 from __future__ import annotations
 
 import os
+import shlex
+from argparse import ArgumentTypeError
+
+from safetensors.torch import save
 
 from ..models.load import inspect_model
 from ..models.quantized import SUPPORTED
 from .. import families
-from ..models.tiny import DTYPES, FORMATS, variants, write_tiny
+from ..models.tiny import DTYPES, FORMATS, tiny_file, variants, write_tiny
 from . import args as types
-from . import describe
+from . import describe, output
 from .args import UsageError
+
+SIDE = 128    # the image side the conditioning file is made for (an image-to-video model's image latent has a size)
+STEPS = 4     # the steps of the generate command printed
+
+
+def kind(text: str):
+    """Any name of a model (families.resolve): a family (flux, ltx23) or a variant or alias of one (ltx-2.3)."""
+    try:
+        return families.resolve(text)
+    except ValueError as e:
+        raise ArgumentTypeError(str(e)) from None
 
 
 def register(sub) -> None:
@@ -17,7 +33,9 @@ def register(sub) -> None:
                        description="Write a deterministic random-weight checkpoint of a model family in the layout "
                                    "its released files have (e.g. FLUX.1: BFL, SD3/SD3.5: SAI MMDiT) with 4 heads and "
                                    "4 blocks of each kind, and print its dimensions and the conditioning it takes.")
-    p.add_argument("--kind", choices=list(families.names()), required=True, help="model family")
+    p.add_argument("--kind", type=kind, required=True, metavar="NAME",
+                   help=f"model family ({', '.join(families.names())}) or one of its variants, by any of its names "
+                        f"(e.g. ltx23 or ltx-2.3)")
     p.add_argument("--variant", help="; ".join(
         f"{k}: {' | '.join(variants(k) + tuple(families.get(k).variant_aliases))}" for k in families.names())
         + " (default: the first of the kind)")
@@ -39,15 +57,55 @@ def register(sub) -> None:
     p.set_defaults(run=run, parser=p)
 
 
+def _variant(a) -> tuple[str, str]:
+    """(family name, variant) from --kind and --variant, the variant by its canonical name (the family's first when
+    neither names one; a name no family has is passed on, for write_tiny to name the family's variants)."""
+    family, chosen = a.kind
+    if a.variant is None:
+        return family.name, chosen or family.variants[0]
+    try:
+        other, given = families.resolve(a.variant)
+    except ValueError:
+        return family.name, a.variant
+    if other is not family:
+        raise UsageError(f"argument --variant: {a.variant} is {other.title}, not {family.title} as --kind says: give "
+                         f"a {family.name} variant ({', '.join(variants(family.name))}), or leave out --variant")
+    if given is None:
+        raise UsageError(f"argument --variant: {a.variant} names the {family.title} family, not one of its models: "
+                         f"give one of {', '.join(variants(family.name))}")
+    if chosen is not None and given != chosen:
+        raise UsageError(f"argument --variant: {a.variant} contradicts --kind, which names {chosen}: leave out one "
+                         f"of them")
+    return family.name, given
+
+
+def _check(folder: str, name: str, a) -> None:
+    """A file make-tiny writes in --out: never one that is not a regular file (as generate's --out), nor an input."""
+    path = os.path.join(folder, name)
+    what = output.special_kind(os.path.realpath(path))
+    if what:
+        raise UsageError(f"argument --out: {path} is {what}, which make-tiny never replaces: remove it or write "
+                         f"elsewhere")
+    output.refuse_inputs("--out", path, a)
+
+
 def run(a) -> int:
     if a.quant and a.format != "gguf":   # it would be ignored: a safetensors file has no GGUF types
         raise UsageError(f"argument --quant: {a.quant} applies to GGUF files only and the format is {a.format}: add "
                          f"--format gguf, or leave out --quant")
+    kind_name, variant = _variant(a)
+    quant = a.quant or "Q8_0"
+    if variant in variants(kind_name):   # the files it writes, checked before either is written
+        name = tiny_file(variant, dtype=a.dtype, prefix=a.prefix, full=a.full, format=a.format, quant=quant)
+        _check(a.out, name, a)
+        _check(a.out, _cond_name(name), a)
     try:
-        path = write_tiny(a.kind, a.out, variant=a.variant, dtype=a.dtype, seed=a.seed, prefix=a.prefix, full=a.full,
-                          format=a.format, quant=a.quant or "Q8_0")
+        path = write_tiny(kind_name, a.out, variant=variant, dtype=a.dtype, seed=a.seed, prefix=a.prefix,
+                          full=a.full, format=a.format, quant=quant)
     except ValueError as e:  # a variant of another kind, or options the format does not take
         raise UsageError(f"argument --{'variant' if 'variant' in str(e) else 'format'}: {e}") from None
+    except OSError as e:   # what no check foresees (a name too long, the disk full): nothing else was written
+        raise UsageError(f"argument --out: could not write in {a.out} ({e.strerror or e}); write elsewhere") from None
     info = inspect_model(path)
     weights = {"safetensors": f"{a.dtype} weights", "fp8_scaled": "fp8_scaled weights",
                "fp8_mixed": "ComfyUI mixed-precision fp8 weights",
@@ -58,4 +116,21 @@ def run(a) -> int:
     print(f"model   {describe.summary(info)}")
     print(f"takes   {describe.conditioning(info)}")
     print(f"latent  {describe.latent_rule(info)}")
+    if info.spec.packed_streams:   # generate refuses these: a conditioning file would serve nothing
+        print(f"cond    none: generate does not sample {info.spec.title}'s audio and video together; ComfyUI's "
+              f"KSampler on the xDiT Engine's MODEL does")
+        return 0
+    tensors = describe.conditioning_file(info, SIDE, SIDE, seed=a.seed)
+    cond = output.write(os.path.join(os.path.dirname(path), _cond_name(os.path.basename(path))), save(tensors))
+    print(f"cond    {cond} (random: " + ", ".join(f"{k} {list(t.shape)}" for k, t in tensors.items())
+          + (f"; the image latent is {SIDE}x{SIDE} px's" if "concat_latent_image" in tensors else "") + ")")
+    latent = os.path.join(os.path.dirname(path), f"{os.path.splitext(os.path.basename(path))[0]}-latent.safetensors")
+    print("try     " + " ".join(shlex.quote(w) for w in (
+        "python", "-m", "engine", "generate", "--model", path, "--cond", cond, "--out", latent, "--width", str(SIDE),
+        "--height", str(SIDE), "--steps", str(STEPS))))
     return 0
+
+
+def _cond_name(model_name: str) -> str:
+    """The conditioning file beside a tiny checkpoint: tiny-flux-dev.safetensors -> tiny-flux-dev-cond.safetensors."""
+    return f"{os.path.splitext(model_name)[0]}-cond.safetensors"

@@ -1,7 +1,9 @@
 """The model families the engine runs, one module each: adding a family is adding its module here.
 
-`get(name)` gives a family by the name a CheckpointInfo holds; `by_variant(variant)` by a variant name; `FAMILIES`
-lists them in detection order; `TITLES` names them for help texts.
+`get(name)` gives a family by the name a CheckpointInfo holds; `by_variant(variant)` by a variant name;
+`resolve(name)` and `variant(name)` take any name a user types for a model (a variant, one of a family's
+variant_aliases, a family name), the one resolver every command uses; `FAMILIES` lists them in detection order;
+`TITLES` names them for help texts.
 """
 from __future__ import annotations
 
@@ -32,3 +34,31 @@ def by_variant(variant: str) -> Family:
 
 def names() -> tuple[str, ...]:
     return tuple(_BY_NAME)
+
+
+def resolve(name: str) -> tuple[Family, str | None]:
+    """(family, variant) for any name of a model, case and spaces aside: a variant (ltx-2.3) or one of a family's
+    variant_aliases (ltx23, h3) gives its variant; a family name (flux, ltx23) gives (family, None) unless it is an
+    alias too. Raises ValueError naming every name that works."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key in _BY_VARIANT:
+        return _BY_VARIANT[key], key
+    for family in FAMILIES:
+        if key in family.variant_aliases:
+            return family, family.variant_aliases[key]
+    if key in _BY_NAME:
+        return _BY_NAME[key], None
+    raise ValueError(f"{name!r} is not a model the engine knows: use a variant ({', '.join(VARIANTS)}) or a family "
+                     f"({', '.join(_BY_NAME)})")
+
+
+def variant(name: str) -> str:
+    """The one canonical variant name for any name of a model (resolve); a family name only where the family has one
+    variant. Raises ValueError naming what works."""
+    family, found = resolve(name)
+    if found is None and len(family.variants) == 1:
+        found = family.variants[0]
+    if found is None:
+        raise ValueError(f"{name!r} is the {family.title} family, which has several models: name one, "
+                         f"{' or '.join(family.variants)}")
+    return found

@@ -151,7 +151,7 @@ class Family:
     # model holds them (MiniMax-H3: its patch projections, time embedding, output heads and RoPE frequencies)
     fp32_params: Callable[[str], bool] = lambda name: False
 
-    variant_aliases: dict = field(default_factory=dict)   # other names make-tiny takes for a variant
+    variant_aliases: dict = field(default_factory=dict)   # other names every command takes for a variant
     # dims -> entries of the safetensors header the family's files carry (make-tiny writes them; e.g. LTX-2.3's config)
     tiny_metadata: Callable[[Any], dict[str, str]] = lambda dims: {}
 

@@ -23,7 +23,8 @@ def is_synthetic(source: str) -> bool:
 def _dims(source: str):
     parts = source[len(PREFIX):].split(":")
     variant, size = parts[0], parts[1] if len(parts) > 1 else "full"
-    try:
+    try:   # any name of the model (families.resolve): synthetic:ltx23 is synthetic:ltx-2.3
+        variant = families.variant(variant)
         family = families.by_variant(variant)
         dims = family.dims[size][variant]
     except (ValueError, KeyError):

@@ -228,7 +228,7 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
     os.makedirs(out_dir, exist_ok=True)
     weights = make_state_dict(variant, seed=seed, dtype=dtype, dims=tiny)
     if format == "gguf":
-        path = os.path.join(out_dir, f"tiny-{variant}-{quant}{'-real-depth' if real_depth else ''}.gguf")
+        path = os.path.join(out_dir, tiny_file(variant, format=format, quant=quant, real_depth=real_depth))
         # the family's header entries as GGUF strings (LTX-2.3's `config`, which ComfyUI-GGUF hands ComfyUI as the
         # metadata its detection reads)
         write_gguf(path, family.gguf_arches[0], weights, quant,
@@ -252,9 +252,18 @@ def write_tiny(kind: str, out_dir: str, *, variant: str | None = None, dtype: st
         gen = torch.Generator().manual_seed(seed + 1)
         for name in family.full_extras:
             weights[name] = torch.randn(8, 8, generator=gen).to(torch.float16)
+    path = os.path.join(out_dir, tiny_file(variant, dtype=dtype, prefix=prefix, full=full, format=format,
+                                           real_depth=real_depth))
+    save_file(weights, path, metadata=metadata)
+    return path
+
+
+def tiny_file(variant: str, *, dtype: str = "fp32", prefix: bool = False, full: bool = False,
+              format: str = "safetensors", quant: str = "Q8_0", real_depth: bool = False) -> str:
+    """The name write_tiny gives the checkpoint of these options (a command checks it before writing)."""
+    if format == "gguf":
+        return f"tiny-{variant}-{quant}{'-real-depth' if real_depth else ''}.gguf"
     suffix = ("-full" if full else "-prefixed" if prefix else "") + ("" if dtype == "fp32" else f"-{dtype}")
     suffix += "-real-depth" if real_depth else ""
     suffix += f"-{format}" if format != "safetensors" else ""
-    path = os.path.join(out_dir, f"tiny-{variant}{suffix}.safetensors")
-    save_file(weights, path, metadata=metadata)
-    return path
+    return f"tiny-{variant}{suffix}.safetensors"
