@@ -231,3 +231,63 @@ def test_a_step_cache_value_dropped_unread_keeps_its_block_until_the_side_stream
     print(f"dropped block {block:#x}, new allocation {fresh.data_ptr():#x}")
     assert fresh.data_ptr() != block
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guides_bias_on_the_cuda_kernels_with_the_ring_merge_a_removed_block_included(dtype):
+    """LTX-2.3's guides' bias (families/ltx23_guides.py) through the CUDA kernels: the generated queries' unbiased
+    pieces on the fast kernels, the guide keys through the efficient kernel with their weights, split into ring blocks
+    one of which holds only guide tokens of weight 0 (the efficient kernel scales the bias by log2(e): the removing
+    bias must stay finite there), merged by the log-sum-exp; against the dense-mask attention in float64 on the CPU.
+    Bound: fp32 a few ulps of the kernels' reductions (1e-5 relative); bf16 its 8 mantissa bits over two reductions
+    (2^-8 x 4 relative)."""
+    import itertools
+    from engine.families.ltx23_guides import GuideBias, log_weights
+    from engine.kernels import merge
+    g = torch.Generator().manual_seed(3)
+    total, start, count, heads, dim = 640, 384, 192, 4, 64
+    q, k, v = (torch.randn(1, total, heads, dim, generator=g) for _ in range(3))
+    weights = torch.rand(count, generator=g, dtype=torch.float64) * 2
+    weights[:64] = 0.0   # the first guide frame not seen: the ring block [384, 448) holds only these
+    log_w = log_weights(weights, dtype)
+    mask = torch.zeros(total, total, dtype=torch.float64)
+    mask[:start, start:start + count] = log_w.double()   # the bias the kernels see, the removing value included
+    mask[start:start + count, :start] = log_w.double()[:, None]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / math.sqrt(dim) + mask
+    want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v.double())
+    bias = GuideBias(start, count, log_w.cuda())
+    cq, ck, cv = (t.to("cuda", dtype) for t in (q, k, v))
+    shards = (0, 192, 384, 448, 640)
+    rows = []
+    for a, b in itertools.pairwise(shards):
+        out = lse = None
+        for c, d in itertools.pairwise(shards):
+            out, lse = merge(out, lse, *bias.attend(cq[:, a:b], ck[:, c:d], cv[:, c:d], a, c))
+        rows.append(out)
+    got = torch.cat(rows, dim=1).double().cpu()
+    rel = float((got - want).norm() / want.norm())
+    bound = 1e-5 if dtype == torch.float32 else 2 ** -8 * 4
+    print(f"guides' bias on CUDA {dtype}, ring blocks with one removed whole: relative L2 {rel:.3g} (bound {bound})")
+    assert torch.isfinite(got).all() and rel <= bound
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3", "qwen-image", "flux2", "wan", "minimax-h3", "ltx23"])
+def test_the_fp8_weight_option_on_cuda_holds_linear_weights_alone_in_fp8(tmp_path, kind):
+    """The fp8 weight option on a CUDA rank (bf16 compute): every Linear weight fp8 but a family's float32 islands,
+    nothing else fp8; LTX-2.3's and MiniMax-H3's calls run and stay within fp8's rounding of the fp32 CPU result."""
+    from engine import families
+    loaded = load_model(write_tiny(kind, str(tmp_path), dtype="bf16"), dtype="bf16", device="cuda", fp8_weights=True)
+    model, family = loaded.model, families.get(kind)
+    fp8 = {n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert fp8 and all(n.endswith(".weight") and not family.fp32_params(n) for n in fp8)
+    assert not [n for n, p in model.named_parameters() if family.fp32_params(n) and p.dtype != torch.float32]
+    if kind not in ("minimax-h3", "ltx23"):
+        return
+    import importlib
+    helpers = importlib.import_module("test_minimax_h3" if kind == "minimax-h3" else "test_ltx23")
+    x, t, c = helpers.h3_call() if kind == "minimax-h3" else helpers.guided_call()
+    want = helpers.reference(FlowModel(load_model(loaded.path, dtype="fp32")), x, t, c)
+    got = helpers.reference(FlowModel(loaded), x, t, c).float().cpu()
+    rel = float((got - want).norm() / want.norm())
+    print(f"{kind} fp8 weights on CUDA, bf16 compute vs fp32 CPU: relative L2 {rel:.3g} (bound 0.15)")
+    assert torch.isfinite(got).all() and rel < 0.15
