@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, TokenTable, placed
+from .base import Family, Marker, StockJob, TokenTable, placed
 from .minimax_h3_layout import DIMS, infer, key_map, shapes  # noqa: F401 (read here)
 
 SHIFT, AUDIO_SHIFT = 12.0, 3.0         # supported_models.MiniMaxH3.sampling_settings
@@ -602,6 +602,8 @@ FAMILY = Family(
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
     forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
+    stock_jobs={v: StockJob("minimax-h3-t2v", 864, 480, 8, 1.0, frames=124, shift=SHIFT, note="with its 8-step "
+                            "turbo LoRA; the template's switch off: 20 steps") for v in DIMS["full"]},
     tokens=TokenTable(processor=H3Processor, gather_after="norm_out",
                       split_after=(("rope", 0, 0), ("rope", 1, 0)),
                       split_args=(("transformer_blocks.0", 0, 1), ("transformer_blocks.*", 2, 0), ("norm_out", 2, 0)),

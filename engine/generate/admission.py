@@ -10,7 +10,7 @@ from ..errors import PlanError
 from ..parallel.devices import Hardware, assumed_hardware
 from ..parallel.memory import fit_stages, memory_gib
 from ..parallel.plan import MAX_RANKS, GiB, ParallelPlan, PlanChoice, Workload, feasible
-from ..parallel.planner import memory_helps
+from ..parallel.planner import memory_helps, shrink_advice
 
 
 def host_memory_gib() -> float | None:
@@ -60,7 +60,7 @@ def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardw
         help = f"the weights alone need {parts['weights'] * (ranks if cpu else 1):,.1f} GiB: " \
                f"{wording.say('lighter weights')}"
     else:
-        help = "use a smaller image, batch or prompt"
+        help = shrink_advice(work, imperative=True)
     raise ValueError(f"{work.variant} with latent {size_px}, batch {work.batch}, {work.text_tokens} text tokens needs "
                      f"about {need:,.0f} GiB {'in all' if cpu else 'per GPU'} (per rank: activations "
                      f"{parts['activations']:,.1f} GiB, inputs {inputs_gib:,.1f} GiB, weights "
@@ -100,5 +100,5 @@ def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict |
     if lighter:
         advice.append("plans that need less: " + ", ".join(f"{name} (est. {g:.1f} GiB)" for g, name in lighter[:3]))
     advice += memory_helps(ranks, work, budget * (1 if total else 0.99))
-    advice.append("a smaller image or batch shrinks the activations")
+    advice.append(shrink_advice(work))
     return "; ".join(advice)
