@@ -15,6 +15,7 @@ from . import describe
 from .tables import TERMINAL_WIDTH, aligned, sections
 
 PLACED = {RESIDENT: "all resident", HOST: "idle in host memory"}
+SHORT_PLACED = {RESIDENT: "resident", HOST: "host"}   # the terminal table's: the idle expert in host memory
 
 
 def header(info, work: Workload, hw, a) -> list[str]:
@@ -77,11 +78,12 @@ def table(ranked: list[cost.Estimate], work: Workload, chosen: cost.Estimate | N
             ["| " + " | ".join(r) + " |" for r in rows[1:]]
     head = ("", "#", "plan", "GPUs", f"s/{work.per}", "ms/step", "compute", "comm", "host", "GB/step", "GiB/GPU") + \
         (("experts",) if experts else ()) + ("fits", "exact")
-    rows = [("*" if e is chosen else "", str(i), e.plan.describe(), str(e.ranks), f"{e.s_per_image:.2f}",
+    rows = [("*" if e is chosen else "", str(i), e.plan.describe() + " ", str(e.ranks), f"{e.s_per_image:.2f}",
              f"{e.step_ms:.1f}", f"{e.compute_ms:.1f}", f"{e.comm_ms:.1f}", f"{e.host_ms:.1f}",
-             f"{e.comm_bytes / 1e9:.3f}", f"{e.memory['total']:.1f}") + ((PLACED[e.placement],) if experts else ())
-            + ("yes" if e.fits else "NO", "yes" if e.exact else "no") for i, e in enumerate(ranked, 1)]
-    lines = aligned(head, rows, right=tuple(range(3, 11)))
+             f"{e.comm_bytes / 1e9:.3f}", f"{e.memory['total']:.1f}")
+            + ((SHORT_PLACED[e.placement],) if experts else ()) + ("yes" if e.fits else "NO", "yes" if e.exact else "no")
+            for i, e in enumerate(ranked, 1)]
+    lines = aligned(head, rows, right=(1,) + tuple(range(3, 11)), gap=1)
     return lines[:1] + ["-" * max(map(len, lines))] + lines[1:]
 
 
@@ -119,7 +121,7 @@ def experts_lines(work: Workload, hw, e: cost.Estimate) -> list[str]:
              f"under {plan.describe()}:"]
     for placement in (RESIDENT, HOST):
         one = cost.estimate(plan, replace(work, placement=placement), hw)
-        fits = "fits" if one.fits else f"does not fit {hw.memory_gib:g} GiB"
+        fits = "fits" if one.fits else f"does not fit {hw.memory_gib:.4g} GiB"
         extra = (f"; + {one.swap_ms / 1e3:.1f} s a clip copying each expert to the GPU and back "
                  f"({host_link_gbs(hw.gpu):g} GB/s), host memory {one.host_gib:.0f} GiB per machine"
                  if placement == HOST else "; no copies between clips")

@@ -14,12 +14,12 @@ def markdown(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def aligned(header: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] = ()) -> list[str]:
-    """Columns padded to their widest cell, two spaces apart; the columns in `right` (numbers) aligned right."""
+def aligned(header: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] = (), gap: int = 2) -> list[str]:
+    """Columns padded to their widest cell, `gap` spaces apart; the columns in `right` (numbers) aligned right."""
     cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-            for r in cells]
+    return [(" " * gap).join(c.rjust(w) if i in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells]
 
 
 def sections(header: tuple[str, ...], rows: list[tuple], keys: int, pivot: int | None = None) -> list[str]:

@@ -53,7 +53,7 @@ def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardw
             return
         parts = min((memory_gib(p, work) for p in plans), key=lambda m: m["activations"])
         need = parts["activations"] + inputs_gib
-        where = f"the GPUs have {have:.0f} GiB each"
+        where = f"the GPUs have {have:.4g} GiB each"
     if need <= have:
         return
     if parts["weights"] * (ranks if cpu else 1) >= have / 2:   # the model itself is the most of it
@@ -76,12 +76,12 @@ def fitted_stages(info, choice: PlanChoice, work: Workload, hardware: Hardware) 
     per_stage = ", ".join(f"{g:.1f}" for g in gib)
     if counts is None:
         raise PlanError(f"{wording.say('plan subject', plan=wording.plan(plan))} does not fit {work.variant} in "
-                        f"{hardware.memory_gib:.0f} GiB per GPU: its stages need {per_stage} GiB (weights, K/V "
+                        f"{hardware.memory_gib:.4g} GiB per GPU: its stages need {per_stage} GiB (weights, K/V "
                         f"buffers, activations) however the blocks are split; {wording.say('stages do not fit')}")
     if balanced:
         return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks need {per_stage} GiB"), None
     return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks (the compute-balanced split does not fit "
-                            f"{hardware.memory_gib:.0f} GiB) need {per_stage} GiB"), list(counts)
+                            f"{hardware.memory_gib:.4g} GiB) need {per_stage} GiB"), list(counts)
 
 
 def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict | None) -> str:

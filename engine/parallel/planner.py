@@ -81,7 +81,7 @@ def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
         note = (f"the {work.experts} experts both resident on every GPU{share} ({work.experts} x {one:.1f} GiB, "
                 f"{both:.1f} GiB per GPU with the activations): no copies between clips")
     else:
-        why = (f"both need {both:.1f} GiB per GPU, more than {hw.memory_gib:g}" if hw.memory_gib is not None
+        why = (f"both need {both:.1f} GiB per GPU, more than {hw.memory_gib:.4g}" if hw.memory_gib is not None
                and both > hw.memory_gib else "as asked")
         note = (f"the idle expert in host memory ({why}): each expert copied to the GPU and back once per clip, "
                 f"{e.swap_ms / 1e3:.1f} s at {host_link_gbs(hw.gpu):g} GB/s; host memory {e.host_gib:.0f} GiB per "
@@ -101,7 +101,7 @@ def shard_note(best: cost.Estimate, found: "Survey", work: Workload, hw: Hardwar
     if not fitting:
         least = min((e.memory["total"] for e in whole), default=float("nan"))
         return (f"the weights are divided {best.plan.shard} ways because no plan with whole weights on every GPU fits "
-                f"{hw.memory_gib:g} GiB (the least needs {least:.1f} GiB); each GPU holds "
+                f"{hw.memory_gib:.4g} GiB (the least needs {least:.1f} GiB); each GPU holds "
                 f"{best.memory['weights']:.1f} GiB of weights, and the gathers add about {gathered:.0f} ms a step")
     fastest = min(fitting, key=lambda e: e.job_ms)
     return (f"the weights are divided {best.plan.shard} ways: faster than {fastest.plan.describe()} with whole weights "
