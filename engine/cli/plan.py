@@ -1,11 +1,11 @@
 """`python -m engine plan`: every parallel plan that can run a job on up to N GPUs, ranked by the planner's cost
-model, the plan `auto` (or `fastest`) would choose and why, or the price of one plan (`--plan ulysses4,ring2`); `--json`
-for the same as data; `--validate` for the model against published multi-GPU runs. No rank starts."""
+model, the plan `auto` (or `fastest`) would choose and why, or the price of one plan (`--plan ulysses4,ring2`); the job
+the model's stock workflow's where flags leave it out (plan_job.py); `--json` for the same as data, `--markdown` for
+the README's tables (plan_view.py); `--validate` for the model against published multi-GPU runs. No rank starts."""
 from __future__ import annotations
 
 import json
 from argparse import ArgumentTypeError
-from dataclasses import replace
 
 from ..errors import PlanError
 from ..families import VARIANTS

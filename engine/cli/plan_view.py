@@ -8,7 +8,7 @@ import textwrap
 from dataclasses import replace
 
 from ..parallel import cost, fits
-from ..parallel.devices import PCIE_A2A_CONTENTION, host_link_gbs
+from ..parallel.devices import GPUS, LINK_NAMES, PCIE_A2A_CONTENTION, host_link_gbs
 from ..parallel.plan import HOST, RESIDENT, GiB, Workload
 from ..parallel.planner import FEWER_RANKS_TIE, pipefusion_refusal, tokens_said
 from . import describe
@@ -29,7 +29,8 @@ def header(info, work: Workload, hw, a) -> list[str]:
              f"{', compiled' if work.compiled else ', eager'}, {tokens_said(work)} + {work.text_tokens} text "
              f"tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / GiB:.1f} GiB): "
              f"{cost.step_tflop(work):.1f} TFLOP per step",
-             (f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:.4g} GiB each as torch reports it, "
+             (f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:.4g} GiB each "
+              f"{'free once a CUDA context exists (measured)' if hw.measured else 'as torch reports it'}, "
               f"{tflops:.0f} TFLOP/s effective on one GPU ({source})" if hw.device == "cuda" else
               f"hardware  {hw.describe()}, {tflops * 1e3:.3g} GFLOP/s on one rank ({source})")]
     if hw.gpus > 1:
@@ -81,36 +82,41 @@ def table(ranked: list[cost.Estimate], work: Workload, chosen: cost.Estimate | N
     rows = [("*" if e is chosen else "", str(i), e.plan.describe() + " ", str(e.ranks), f"{e.s_per_image:.2f}",
              f"{e.step_ms:.1f}", f"{e.compute_ms:.1f}", f"{e.comm_ms:.1f}", f"{e.host_ms:.1f}",
              f"{e.comm_bytes / 1e9:.3f}", f"{e.memory['total']:.1f}")
-            + ((SHORT_PLACED[e.placement],) if experts else ()) + ("yes" if e.fits else "NO", "yes" if e.exact else "no")
-            for i, e in enumerate(ranked, 1)]
+            + ((SHORT_PLACED[e.placement],) if experts else ())
+            + ("yes" if e.fits else "NO", "yes" if e.exact else "no") for i, e in enumerate(ranked, 1)]
     lines = aligned(head, rows, right=(1,) + tuple(range(3, 11)), gap=1)
     return lines[:1] + ["-" * max(map(len, lines))] + lines[1:]
 
 
-def passed_over(e: cost.Estimate, chosen: cost.Estimate, found, approximate: bool) -> str:
-    """Why auto did not choose `e`, a plan its table prices faster than its choice."""
+def passed_over(e: cost.Estimate, chosen: cost.Estimate, found, approximate: bool) -> tuple[str, str]:
+    """Why auto did not choose `e`, a plan its table prices faster than its choice: (verb for one row, for several,
+    the rest of the clause)."""
     if not e.fits:
-        return "does not fit"
+        return "does", "do", "not fit"
     if not e.exact and chosen.exact and not approximate:
-        return "is approximate (PipeFusion), and auto picks among exact plans (--plan fastest allows it)"
+        return "is", "are", "approximate (PipeFusion), and auto picks among exact plans (--plan fastest allows it)"
     if e.plan.shard > 1 and any(x.fits and x.plan == e.plan.without_shard() for x in found.estimates):
-        return "divides the weights, where the same plan with whole weights fits"
+        return "divides", "divide", "the weights, where the same plan with whole weights fits"
     if e.ranks > chosen.ranks:
-        return (f"needs {e.ranks} GPUs to be within {FEWER_RANKS_TIE:.0%} of {chosen.ranks}: the fewer GPUs win, "
-                f"the rest stay free")
+        return "runs", "run", (f"on {e.ranks} GPUs, within {FEWER_RANKS_TIE:.0%} of the fastest on {chosen.ranks}: "
+                               f"fewer GPUs win")
     why = ("is exact" if chosen.exact and not e.exact else "sends less" if chosen.comm_bytes < e.comm_bytes
            else "is the simpler plan")
-    return f"is within {cost.TIE:.0%}: a tie, and {chosen.plan.describe()} {why}"
+    return "is", "are", f"within {cost.TIE:.0%}: a tie, and {chosen.plan.describe()} {why}"
 
 
 def choice_note(ranked: list[cost.Estimate], chosen: cost.Estimate, found, approximate: bool) -> str:
-    """The line under the table: which row auto chose, and why each row above it was passed over."""
+    """The line under the table: which row auto chose, and why the rows above it were passed over (rows passed over
+    for one reason named together)."""
     row = next(i for i, e in enumerate(ranked, 1) if e is chosen)
-    above = [(i, e) for i, e in enumerate(ranked[:row - 1], 1) if e.fits and e.job_ms < chosen.job_ms]
+    groups: dict[tuple, list[str]] = {}
+    for i, e in enumerate(ranked[:row - 1], 1):
+        if e.fits and e.job_ms < chosen.job_ms:
+            groups.setdefault(passed_over(e, chosen, found, approximate), []).append(f"row {i} {e.plan.describe()}")
     note = f"* auto's choice, row {row}: {chosen.plan.describe()}"
-    if above:
+    if groups:
         note += "; priced faster but passed over: " + "; ".join(
-            f"row {i} {e.plan.describe()} {passed_over(e, chosen, found, approximate)}" for i, e in above)
+            f"{', '.join(rows)} {one if len(rows) == 1 else many} {rest}" for (one, many, rest), rows in groups.items())
     return note
 
 
@@ -141,17 +147,21 @@ def av_title(variant: str) -> str:
 
 def fixed_table(a) -> list[str]:
     """The table a table flag asks for: as the README has it (--markdown), else one aligned section per machine."""
-    def show(head_rows, keys, pivot=None):
-        return fits.markdown(*head_rows) if a.markdown else sections(*head_rows, keys=keys, pivot=pivot)
+    def show(head_rows, keys, machines, pivot=None):
+        titles = [f"{m.label}: {m.gpus}x {m.gpu}, {GPUS[m.gpu].memory_gib:.4g} GiB each as torch reports it, "
+                  f"{LINK_NAMES[m.link]}" for m in machines]
+        return fits.markdown(*head_rows) if a.markdown else sections(*head_rows, keys=keys, pivot=pivot, titles=titles)
 
     def prose(lines):
         return lines if a.markdown else [w for line in lines for w in (textwrap.wrap(line, TERMINAL_WIDTH) or [""])]
     if a.fit_table:
-        return prose(fits.header()) + show(fits.fit_rows(), 3)
+        return prose(fits.header()) + show(fits.fit_rows(), 3, fits.MACHINES)
     if a.memory_table:
         rows = fits.memory_rows()
         return fits.markdown(*rows) if a.markdown else aligned(*rows)
     if a.shard_table:
-        return prose(fits.shard_header()) + show(fits.shard_rows(), 3)
-    return (prose([av_title("minimax-h3")] + fits.av_header()) + show(fits.av_rows(), 3, pivot=2) + [""]
-            + prose([av_title("ltx-2.3")] + fits.ltx_header()) + show(fits.av_rows("ltx-2.3"), 3, pivot=2))
+        return prose(fits.shard_header()) + show(fits.shard_rows(), 3, fits.SHARD_MACHINES)
+    return (prose([av_title("minimax-h3")] + fits.av_header())
+            + show(fits.av_rows(), 3, fits.AV_MACHINES, pivot=2) + [""]
+            + prose([av_title("ltx-2.3")] + fits.ltx_header())
+            + show(fits.av_rows("ltx-2.3"), 3, fits.AV_MACHINES, pivot=2))

@@ -22,10 +22,11 @@ def aligned(header: tuple[str, ...], rows: list[tuple], right: tuple[int, ...] =
                              for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells]
 
 
-def sections(header: tuple[str, ...], rows: list[tuple], keys: int, pivot: int | None = None) -> list[str]:
+def sections(header: tuple[str, ...], rows: list[tuple], keys: int, pivot: int | None = None,
+             titles: list[str] | None = None) -> list[str]:
     """A table of `keys` leading key columns and one column per machine, as one aligned section per machine: its
-    title, then a line per row with the key columns and that machine's cell. `pivot`: a key column whose values
-    become columns of their own (rows that differ only in it share a line)."""
+    title (`titles`, else its header), then a line per row with the key columns and that machine's cell. `pivot`: a
+    key column whose values become columns of their own (rows that differ only in it share a line)."""
     out = []
     for column in range(keys, len(header)):
         if pivot is None:
@@ -38,5 +39,6 @@ def sections(header: tuple[str, ...], rows: list[tuple], keys: int, pivot: int |
                 grouped.setdefault(tuple(r[i] for i in kept), {})[r[pivot]] = r[column]
             head = tuple(header[i] for i in kept) + tuple(f"{header[pivot]} {v}" for v in values)
             lines = [k + tuple(cells.get(v, "") for v in values) for k, cells in grouped.items()]
-        out += [header[column]] + ["  " + line for line in aligned(head, lines)] + [""]
+        title = titles[column - keys] if titles else header[column]
+        out += [title] + ["  " + line for line in aligned(head, lines)] + [""]
     return out
