@@ -19,8 +19,8 @@ def flag(dest: str) -> str:
 
 def given(a: Namespace) -> list[str]:
     """The flags the command line set to something other than their default, as dests, in the parser's order."""
-    return [action.dest for action in a.parser._actions
-            if action.dest not in ("help",) and getattr(a, action.dest, action.default) != action.default]
+    return [dest for dest, value in vars(a).items()
+            if dest not in ("run", "parser", "command") and value != a.parser.get_default(dest)]
 
 
 def check_flags(a: Namespace) -> None:
