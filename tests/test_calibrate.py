@@ -177,10 +177,10 @@ def test_cpu_ranks_without_measured_compute_keep_sending_the_least():
 
 
 def test_measured_free_memory_refuses_a_plan_that_the_cards_size_would_fit():
-    """FLUX.1-dev bf16 under ulysses2 needs 24.0 GiB: a 24 GiB 4090 fits it on paper, not with the 23.4 GiB it has
-    free once a CUDA context exists; then no plan with whole weights fits, and auto divides them."""
+    """FLUX.1-dev bf16 under ulysses2 needs 24.0 GiB: a card stated at 24 GiB fits it on paper, not with the 23.4 GiB
+    it has free once a CUDA context exists; then no plan with whole weights fits, and auto divides them."""
     flux = Workload.for_variant("flux-dev")
-    stated = stated_hardware(2, "RTX 4090", "pcie")
+    stated = stated_hardware(2, "RTX 4090", "pcie", memory_gib=24)
     assert resolve_plan("auto", 2, flux, stated).plan == ParallelPlan(ulysses=2)
     fig = {"device": "cuda", "devices": [{"device": "cuda", "free_gib": 23.4, "total_gib": 23.99}] * 2}
     measured = Measured("cuda:0,1", fig).apply(stated)

@@ -740,7 +740,8 @@ def test_plan_prices_a_video_and_make_tiny_writes_what_comfyui_detects(tmp_path,
                  "8", "--interconnect", "nvlink", "--cfg", "5"]) == 0
     out = capsys.readouterr().out
     print(out)
-    assert "1280x720, 81 frames" in out and "75600 image + 512 text tokens" in out and "auto chose" in out
+    assert "1280x720, 81 frames (21 latent)" in out and "75600 video tokens + 512 text tokens" in out
+    assert "s/clip" in out and "s/image" not in out and "auto chose" in out
     assert main(["plan", "--model", "flux-dev", "--frames", "5", "--gpus", "2", "--interconnect", "nvlink"]) == 2
     assert "flux-dev makes still images" in capsys.readouterr().err
     assert main(["make-tiny", "--kind", "wan", "--variant", "wan2.2-ti2v-5b", "--out", str(tmp_path)]) == 0

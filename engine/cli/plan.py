@@ -1,28 +1,29 @@
 """`python -m engine plan`: every parallel plan that can run a job on up to N GPUs, ranked by the planner's cost
-model, the plan `auto` (or `fastest`) would choose and why, or the price of one plan (`--plan ulysses4,ring2`); `--json`
-for the same as data; `--validate` for the model against published multi-GPU runs. No rank starts."""
+model, the plan `auto` (or `fastest`) would choose and why, or the price of one plan (`--plan ulysses4,ring2`); the job
+the model's stock workflow's where flags leave it out (plan_job.py); `--json` for the same as data, `--markdown` for
+the README's tables (plan_view.py); `--validate` for the model against published multi-GPU runs. No rank starts."""
 from __future__ import annotations
 
 import json
 from argparse import ArgumentTypeError
-from dataclasses import replace
 
 from ..errors import PlanError
+from .. import families
 from ..families import VARIANTS
 from ..generate.inputs import check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
-from ..parallel import cost, fits
+from ..parallel import cost
 from ..published import images as published
 from ..published import sharding
-from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, PCIE_A2A_CONTENTION, find_gpu, host_link_gbs, stated_hardware
-from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, HOST, RESIDENT, TWO_EXPERTS, GiB, ParallelPlan,
-                             Workload, candidates, feasible, plan_problems)
-from ..parallel.planner import pipefusion_refusal, resolve_plan, survey
+from ..parallel.devices import GPUS, LINK_ALIASES, LINKS, find_gpu, stated_hardware
+from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, TWO_EXPERTS, ParallelPlan, Workload, candidates,
+                             feasible, plan_problems)
+from ..parallel.planner import resolve_plan, survey
 from ..runtime.machine import Machine
 from . import args as types
-from . import describe
+from . import plan_job, plan_view
 from .args import UsageError
 
 # an H100 of the kind the link has: H100 PCIe over any PCIe class, else H100 SXM
@@ -32,8 +33,10 @@ STATED_LINKS = [k for k in LINKS if k != "cpu"] + list(LINK_ALIASES)   # CPU ran
 
 def model_or_variant(text: str) -> str:
     """A known variant (its full-size dims) or a checkpoint, as a model source inspect_model reads."""
-    if text in VARIANTS:
-        return f"synthetic:{text}"
+    try:   # any name of a model (ltx23 or ltx-2.3, h3): its one canonical variant
+        return f"synthetic:{families.variant(text)}"
+    except ValueError:
+        pass
     try:
         inspect_model(text)
     except (ValueError, OSError) as e:
@@ -52,9 +55,10 @@ def gpu_name(text: str) -> str:
 def register(sub) -> None:
     p = sub.add_parser("plan", help="rank the parallel plans for a model on N GPUs (no rank starts)",
                        description="Estimate every parallel plan that can run the job on up to --gpus GPUs (seconds "
-                                   "per image and per step: compute, exposed communication, host launches; memory per "
-                                   "GPU) and print them ranked, with the plan auto chooses and why. Nothing runs: the "
-                                   "figures are the cost model's.")
+                                   "per image or clip and per step: compute, exposed communication, host launches; "
+                                   "memory per GPU) and print them ranked, with the plan auto chooses and why. The job "
+                                   "is the model's stock ComfyUI workflow's (workflows/) unless flags say otherwise. "
+                                   "Nothing runs: the figures are the cost model's.")
     p.add_argument("--model", type=model_or_variant,
                    help=f"a known model ({', '.join(VARIANTS)}) or a checkpoint file or diffusers folder "
                         f"(required unless --validate)")
@@ -65,13 +69,15 @@ def register(sub) -> None:
                         "nvidia-smi topo -m shows it: nvlink (NV#), pcie-switch (PIX, PXB), pcie-bridge (PHB, NODE), "
                         "pcie-socket (SYS), pcie-no-peer (no peer access, e.g. GeForce cards), network; pcie means "
                         "pcie-bridge (required unless --validate)")
-    p.add_argument("--width", type=types.pixels, default=1024, help="image width in pixels")
-    p.add_argument("--height", type=types.pixels, default=1024, help="image height in pixels")
-    p.add_argument("--frames", type=types.positive_int, default=1,
+    stock = "(default: the model's stock workflow's, e.g. FLUX.1-dev's 1024x1024, 28 steps, cfg 1; Wan 2.2 A14B's " \
+            "640x640, 81 frames, 20 steps, cfg 3.5)"
+    p.add_argument("--width", type=types.pixels, help=f"image width in pixels {stock}")
+    p.add_argument("--height", type=types.pixels, help="image height in pixels (default: the stock workflow's)")
+    p.add_argument("--frames", type=types.positive_int,
                    help="video frames as ComfyUI's video nodes count them (Wan: 4k + 1, e.g. 81 at 1280x720: 21 "
-                        "latent frames of 45x80 tokens)")
-    p.add_argument("--cfg", type=types.request_field("cfg", types.finite_float), default=1.0,
-                   help="CFG scale; != 1.0 adds the negative pass")
+                        "latent frames of 45x80 tokens; default: the stock workflow's, 1 for an image model)")
+    p.add_argument("--cfg", type=types.request_field("cfg", types.finite_float),
+                   help="CFG scale; != 1.0 adds the negative pass (default: the stock workflow's)")
     p.add_argument("--batch", type=types.positive_int, default=1, help="images per job")
     p.add_argument("--dtype", default="bf16", choices=list(COMPUTE_DTYPES), help="compute dtype")
     p.add_argument("--fp8", action="store_true", help="fp8 weights (ComfyUI's fp8_e4m3fn weight dtype)")
@@ -80,9 +86,11 @@ def register(sub) -> None:
                         "weights); a GGUF or fp8 checkpoint given as --model is priced as it is stored")
     p.add_argument("--gpu-name", type=gpu_name, help=f"one of {', '.join(GPUS)} (default: an H100 of the kind the "
                                                      f"interconnect has: H100 PCIe over PCIe, else H100 SXM)")
-    p.add_argument("--gpu-memory-gb", type=types.positive_float, help="GiB per GPU (default: the GPU's)")
-    p.add_argument("--steps", type=types.positive_int, default=28, help="denoising steps per image (PipeFusion's "
-                                                                         "warmup and pipeline fill are per job)")
+    p.add_argument("--gpu-memory-gb", type=types.positive_float,
+                   help="GiB per GPU, the total torch reports (default: the GPU's, e.g. 23.64 for an RTX 4090)")
+    p.add_argument("--steps", type=types.positive_int, help="denoising steps per image or clip (PipeFusion's warmup "
+                                                            "and pipeline fill are per job; default: the stock "
+                                                            "workflow's)")
     p.add_argument("--warmup-steps", type=types.positive_int, default=1,
                    help="PipeFusion: steps run whole before patches use stale activations (= --steps: exact)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
@@ -102,6 +110,8 @@ def register(sub) -> None:
     p.add_argument("--folder", help="where the machine's measurements are stored (default: the per-user cache)")
     p.add_argument("--json", action="store_true", help='print {"chosen": ..., "one_gpu": ..., "candidates": [...]} '
                                                        "instead of the tables")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown, as the README has them "
+                                                           "(default: aligned columns for a terminal)")
     p.add_argument("--validate", action="store_true", help="print the cost model against published multi-GPU runs "
                                                            "(every residual; which rows its constants are fitted to, "
                                                            "which are held out) and exit")
@@ -140,85 +150,6 @@ def _setup(text: str) -> tuple:
     raise ArgumentTypeError(f"{text!r} is invalid: give cuda:0,1 or cpu:2 (cpu:2:pinned)")
 
 
-def _header(info, work: Workload, hw, a) -> list[str]:
-    tflops, source = cost.throughput_tflops(hw, work)
-    weights = f"GGUF {a.quant}" if a.quant else "fp8" if a.fp8 else info.format if info.stored_fp8 else work.dtype
-    cfg = f"cfg {a.cfg:g}" + ("" if work.negative_pass else " (no negative pass)")
-    link = hw.link
-    lines = [f"model     {describe.summary(info)}",
-             f"job       {a.width}x{a.height}{f', {a.frames} frames' if a.frames > 1 else ''}, batch {a.batch}, "
-             f"{cfg}, {work.steps} steps"
-             f"{', compiled' if work.compiled else ', eager'}, {work.image_tokens} image + {work.text_tokens} text "
-             f"tokens, {work.dtype} compute, {weights} weights ({work.weight_bytes / GiB:.1f} GiB): "
-             f"{cost.step_tflop(work):.1f} TFLOP per step",
-             (f"hardware  {hw.gpus}x {hw.gpu_name}, {hw.memory_gib:{'.1f' if hw.measured else 'g'}} GiB each, "
-              f"{tflops:.0f} TFLOP/s effective on one GPU ({source})" if hw.device == "cuda" else
-              f"hardware  {hw.describe()}, {tflops * 1e3:.3g} GFLOP/s on one rank ({source})")]
-    if hw.gpus > 1:
-        contention = PCIE_A2A_CONTENTION if link.contention is None else link.contention
-        lines.append(f"link      {link.describe()}: {link.bandwidth_gbs:.4g} GB/s per GPU, {link.latency_us:.4g} us per "
-                     f"call" + (f"; an all-to-all of n GPUs gets 1 / (1 + {contention:.2f} x (n - 2)) of that (flows "
-                                f"through the CPU)" if link.tree else ""))
-    code = cost.engine_code()
-    lines.append(f"code      {code.name}: ring overlap {code.ring_overlap:g}, PipeFusion overlap "
-                 f"{code.pipefusion_overlap:g}, {code.ulysses_calls_per_layer} all-to-alls per attention layer; launches "
-                 f"{cost.launches.ops_per_block(work.variant):.0f} a block, + {code.ulysses_ops} a Ulysses layer, "
-                 f"+ {code.ring_layer_ops} a ring layer and {code.ring_hop_ops} a hop, {cost.LAUNCH_US:.1f} us each"
-                 + (f", {cost.COMPILED_LAUNCH_SHARE:.0%} of the blocks' compiled" if work.compiled else ""))
-    if hw.measured is not None:
-        lines.append(f"measured  {', '.join(hw.measured.sources(work))}: {'; '.join(hw.measured.summary())}")
-    else:
-        lines.append("figures   modelled (stated hardware; --measured uses what was measured on this machine)")
-    return lines
-
-
-def entry(e: cost.Estimate) -> dict:
-    """One plan's estimate as `--json` gives it (with several experts: where the idle one waits, its copies' seconds
-    per clip and the host memory per machine)."""
-    out = {"plan": e.plan.describe(), "gpus": e.ranks, "s_per_image": round(e.s_per_image, 4),
-           "ms_per_step": round(e.step_ms, 3), "compute_ms": round(e.compute_ms, 3), "comm_ms": round(e.comm_ms, 3),
-           "host_ms": round(e.host_ms, 3), "comm_gb_per_step": round(e.comm_bytes / 1e9, 4),
-           "memory_gib": round(e.memory["total"], 3), "fits": e.fits, "exact": e.exact}
-    if e.placement:
-        out.update(placement=e.placement, swap_s=round(e.swap_ms / 1e3, 3), host_gib=round(e.host_gib, 3))
-    return out
-
-
-def _table(ranked: list[cost.Estimate]) -> list[str]:
-    experts = any(e.placement for e in ranked)
-    rows = [("#", "plan", "GPUs", "s/image", "ms/step", "compute ms", "comm ms", "host ms", "comm GB/step per GPU",
-             "memory GiB per GPU") + (("experts",) if experts else ()) + ("fits", "exact")]
-    for i, e in enumerate(ranked, 1):
-        rows.append((str(i), e.plan.describe(), str(e.ranks), f"{e.s_per_image:.2f}", f"{e.step_ms:.1f}",
-                     f"{e.compute_ms:.1f}", f"{e.comm_ms:.1f}", f"{e.host_ms:.1f}", f"{e.comm_bytes / 1e9:.3f}",
-                     f"{e.memory['total']:.1f}") + ((PLACED[e.placement],) if experts else ())
-                    + ("yes" if e.fits else "no", "yes" if e.exact else "no"))
-    return ["| " + " | ".join(r) + " |" for r in rows[:1]] + ["|" + "---|" * len(rows[0])] + \
-        ["| " + " | ".join(r) + " |" for r in rows[1:]]
-
-
-PLACED = {RESIDENT: "all resident", HOST: "idle in host memory"}
-
-
-def _experts(work: Workload, hw, e: cost.Estimate) -> list[str]:
-    """Each placement of a clip's experts under the chosen plan, priced in memory and time."""
-    plan = e.plan
-    lines = [f"experts   {work.experts} per clip, one after the other, {work.weight_bytes / GiB:.1f} GiB each; "
-             f"under {plan.describe()}:"]
-    for placement in (RESIDENT, HOST):
-        one = cost.estimate(plan, replace(work, placement=placement), hw)
-        fits = "fits" if one.fits else f"does not fit {hw.memory_gib:g} GiB"
-        extra = (f"; + {one.swap_ms / 1e3:.1f} s a clip copying each expert to the GPU and back "
-                 f"({host_link_gbs(hw.gpu):g} GB/s), host memory {one.host_gib:.0f} GiB per machine"
-                 if placement == HOST else "; no copies between clips")
-        lines.append(f"  {PLACED[placement]}: {one.memory['total']:.1f} GiB per GPU ({fits}), est. "
-                     f"{one.s_per_image:.2f} s a clip{extra}")
-    if work.pipefusion_conflict:
-        lines.append(f"  PipeFusion stages (a share of each expert's blocks per GPU): refused, "
-                     f"{pipefusion_refusal(work)}")
-    return lines
-
-
 def _required(a) -> None:
     missing = [f"--{n}" for n in ("model", "gpus", "interconnect") if getattr(a, n) is None]
     if missing:
@@ -234,19 +165,11 @@ def _validate() -> int:
 
 
 def run(a) -> int:
+    plan_job.check_flags(a)
     if a.validate:
         return _validate()
-    if a.fit_table:
-        print("\n".join(fits.header() + fits.fit_table()))
-        return 0
-    if a.memory_table:
-        print("\n".join(fits.memory_table()))
-        return 0
-    if a.shard_table:
-        print("\n".join(fits.shard_header() + fits.shard_table()))
-        return 0
-    if a.av_table:
-        print("\n".join(fits.av_header() + fits.av_table() + [""] + fits.ltx_header() + fits.av_table("ltx-2.3")))
+    if a.fit_table or a.memory_table or a.shard_table or a.av_table:
+        print("\n".join(plan_view.fixed_table(a)))
         return 0
     if a.measured:
         if a.model is None:
@@ -261,10 +184,11 @@ def run(a) -> int:
         a.gpus = ranks
     else:
         _required(a)
+    info = inspect_model(a.model)
+    defaults = plan_job.fill_job(a, info)
     if a.warmup_steps > a.steps:
         raise UsageError(f"argument --warmup-steps: {a.warmup_steps} is more than --steps {a.steps}: use 1 to "
                          f"{a.steps} ({a.steps}: PipeFusion exact)")
-    info = inspect_model(a.model)
     try:
         check_frames(info, a.frames)
     except ValueError as e:
@@ -274,17 +198,21 @@ def run(a) -> int:
         latent_h, latent_w = check_latent(info, latent)
     except ValueError as e:
         raise UsageError(f"argument --width/--height: {e}") from None
+    experts = a.experts or (2 if info.variant in TWO_EXPERTS else 1)
+    plan_job.check_experts(a, experts, info.variant)
     work = Workload.from_info(info, latent_h, latent_w, batch=a.batch, negative_pass=a.cfg != 1.0,
                               frames=latent.shape[2] if info.spec.frames else 1,
                               text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8,
                               compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps,
                               bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None,
-                              experts=a.experts or (2 if info.variant in TWO_EXPERTS else 1), placement=a.placement)
+                              experts=experts, placement=a.placement)
+    notes = [line for line in (defaults, plan_job.size_note(info, a.width, a.height, work.token_rows,
+                                                            _token_cols(work))) if line]
     hw = machine.hardware() if a.measured else stated_hardware(
         a.gpus, a.gpu_name or DEFAULT_GPU.get(a.interconnect, "H100 SXM"), a.interconnect, a.gpu_memory_gb)
     one = cost.estimate(ParallelPlan(), work, hw)
     if isinstance(a.plan, ParallelPlan):
-        return _price(a, info, work, hw, one)
+        return _price(a, info, work, hw, one, notes)
     found = survey(a.gpus, work, hw, approximate=a.plan == FASTEST, pipefusion=True)
     try:
         choice = resolve_plan(a.plan, a.gpus, work, hw)
@@ -292,25 +220,31 @@ def run(a) -> int:
         choice = e
     if a.json:
         if isinstance(choice, PlanError):
-            raise UsageError(str(choice)) from None
-        print(json.dumps({"chosen": entry(found.chosen), "one_gpu": entry(one), "reason": choice.reason,
-                          "candidates": [entry(e) for e in sorted(found.estimates, key=lambda e: e.job_ms)]},
+            raise UsageError(_refusal(choice, a, work, found)) from None
+        print(json.dumps({"chosen": plan_view.entry(found.chosen, work), "one_gpu": plan_view.entry(one, work),
+                          "reason": choice.reason, "job": _job(a, work),
+                          "candidates": [plan_view.entry(e, work) for e in sorted(found.estimates,
+                                                                                  key=lambda e: e.job_ms)]},
                          indent=1))
         return 0
-    print("\n".join(_header(info, work, hw, a)) + "\n")
-    mine = sorted((e for e in found.estimates if e.ranks == a.gpus), key=lambda e: (not e.fits, e.job_ms))
+    print("\n".join(plan_view.header(info, work, hw, a) + notes) + "\n")
+    chosen = found.chosen if not isinstance(choice, PlanError) else None
+    mine = sorted((e for e in found.estimates if e.ranks == a.gpus or e is chosen),
+                  key=lambda e: (not e.fits, e.job_ms))
     # plans that divide the weights are listed where no plan with whole weights fits (or one of them is the choice)
-    whole_fits = any(e.fits and e.plan.shard == 1 for e in mine)
-    divided = [e for e in mine if e.plan.shard > 1 and e is not found.chosen]
+    whole_fits = any(e.fits and e.plan.shard == 1 and e.plan.pipefusion == 1 for e in mine)
+    divided = [e for e in mine if e.plan.shard > 1 and e is not chosen]
     if whole_fits and divided:
         mine = [e for e in mine if e not in divided]
     if mine:
-        print("\n".join(_table(mine)))
+        print("\n".join(plan_view.table(mine, work, chosen, a.markdown)))
+    if chosen is not None and chosen in mine:
+        print(plan_view.choice_note(mine, chosen, found, a.plan == FASTEST))
     if whole_fits and divided:
         fastest = min(divided, key=lambda e: e.job_ms)
-        print(f"not listed: {len(divided)} plans dividing the weights (shard), since whole weights fit; the fastest, "
-              f"{fastest.plan.describe()}, est. {fastest.s_per_image:.2f} s/image, {fastest.memory['total']:.1f} GiB "
-              f"(--json lists them all)")
+        print(f"not listed: {len(divided)} plan(s) dividing the weights (shard), since whole weights fit; the fastest, "
+              f"{fastest.plan.describe()}, est. {fastest.s_per_image:.2f} s/{work.per}, "
+              f"{fastest.memory['total']:.1f} GiB (--json lists them all)")
     relevant = [p for p in candidates(a.gpus, pipefusion=True) if (p.cfg == 1 or work.negative_pass)
                 and work.batch % p.dp == 0]
     runs = feasible(a.gpus, work, pipefusion=True)
@@ -322,20 +256,40 @@ def run(a) -> int:
         best = found.best_on(k, exact_only=a.plan == AUTO)
         if best is not None:
             gpus = f"{k} GPU{'s' if k > 1 else ''}"
-            print(f"best on {gpus}: {best.plan.describe()}, est. {best.s_per_image:.2f} s/image, {best.step_ms:.1f} "
-                  f"ms/step, {best.memory['total']:.1f} GiB")
+            print(f"best on {gpus}: {best.plan.describe()}, est. {best.s_per_image:.2f} s/{work.per}, "
+                  f"{best.step_ms:.1f} ms/step, {best.memory['total']:.1f} GiB")
     if not one.fits:
-        print(f"1 GPU does not fit: it needs {one.memory['total']:.1f} GiB")
+        print(f"1 GPU does not fit: it needs {one.memory['total']:.1f} GiB of {hw.memory_gib:.4g}")
     if work.experts > 1:
-        print("\n".join(_experts(work, hw, found.chosen or min(found.estimates, key=lambda e: e.memory["total"]))))
+        print("\n".join(plan_view.experts_lines(work, hw, chosen or min(found.estimates,
+                                                                          key=lambda e: e.memory["total"]))))
     print()
     if isinstance(choice, PlanError):
-        raise UsageError(str(choice)) from None
+        raise UsageError(_refusal(choice, a, work, found)) from None
     print(choice.reason)
     return 0
 
 
-def _price(a, info, work: Workload, hw, one: cost.Estimate) -> int:
+def _token_cols(work: Workload) -> int:
+    return (work.image_tokens - work.audio_tokens) // max(1, work.latent_frames) // max(1, work.token_rows)
+
+
+def _job(a, work: Workload) -> dict:
+    """The job priced, as --json gives it (the stock workflow's values where the flags left them out)."""
+    return {"width": a.width, "height": a.height, "frames": a.frames, "steps": a.steps, "cfg": a.cfg,
+            "batch": a.batch, "per": work.per, "tokens": work.image_tokens, "audio_tokens": work.audio_tokens}
+
+
+def _refusal(error: PlanError, a, work: Workload, found) -> str:
+    """The no-fit line, led by the flag whose value drives the memory when a clip's activations outweigh its weights
+    (the frames)."""
+    least = min(found.estimates, key=lambda e: e.memory["total"])
+    if work.video and least.memory["activations"] > least.memory["weights"]:
+        return f"argument --frames: {a.frames} frames at {a.width}x{a.height}: {error}"
+    return str(error)
+
+
+def _price(a, info, work: Workload, hw, one: cost.Estimate, notes: list[str]) -> int:
     """`--plan DEGREES`: that plan's estimate on its own ranks (at most --gpus), against one GPU."""
     plan = a.plan
     if plan.world_size > a.gpus:
@@ -346,15 +300,16 @@ def _price(a, info, work: Workload, hw, one: cost.Estimate) -> int:
         raise UsageError(f"argument --plan: {plan.describe()} cannot run this job: " + "; ".join(problems))
     e = cost.estimate(plan, work, hw)
     if a.json:
-        print(json.dumps({"chosen": entry(e), "one_gpu": entry(one), "candidates": [entry(e)]}, indent=1))
+        print(json.dumps({"chosen": plan_view.entry(e, work), "one_gpu": plan_view.entry(one, work),
+                          "job": _job(a, work), "candidates": [plan_view.entry(e, work)]}, indent=1))
         return 0
-    print("\n".join(_header(info, work, hw, a)) + "\n")
-    print("\n".join(_table([e] + ([one] if plan.world_size > 1 else []))))
+    print("\n".join(plan_view.header(info, work, hw, a) + notes) + "\n")
+    print("\n".join(plan_view.table([e] + ([one] if plan.world_size > 1 else []), work, markdown=a.markdown)))
     if work.experts > 1:
-        print("\n".join(_experts(work, hw, e)))
+        print("\n".join(plan_view.experts_lines(work, hw, e)))
     print()
-    print(f"{plan.describe()} on {plan.world_size} of {a.gpus} GPU(s): est. {e.s_per_image:.2f} s/image "
+    print(f"{plan.describe()} on {plan.world_size} of {a.gpus} GPU(s): est. {e.s_per_image:.2f} s/{work.per} "
           f"({one.s_per_image / e.s_per_image:.2f}x one GPU's {one.s_per_image:.2f})"
-          + ("" if e.fits else f"; does not fit {hw.memory_gib:g} GiB per GPU")
+          + ("" if e.fits else f"; does not fit {hw.memory_gib:.4g} GiB per GPU")
           + ("" if e.exact else "; approximate (PipeFusion: stale activations after the warmup steps)"))
     return 0

@@ -78,6 +78,20 @@ class StageParams:
 
 
 @dataclass(frozen=True)
+class StockJob:
+    """A variant's job as the pack's workflow for it, ComfyUI's stock template (workflows/README.md), runs it: what
+    `python -m engine plan` prices unless told otherwise."""
+    workflow: str            # workflows/<workflow>.json; `note` says when the values are another variant's
+    width: int
+    height: int
+    steps: int
+    cfg: float               # 1.0: no negative pass (FLUX's guidance is embedded, not CFG)
+    frames: int = 1          # as ComfyUI's video nodes count them
+    shift: float | None = None   # the model sampling's shift (None: a scheduler that sets its own, e.g. Flux2Scheduler)
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family. Callables take the diffusers config a checkpoint's shapes gave (`config`)."""
 
@@ -133,6 +147,7 @@ class Family:
     stage: type | None = None                               # PipeFusion's stage model (engine/parallel/stage.py)
     stage_params: StageParams | None = None
     text_splits: bool = False                               # text tokens may split with the image tokens
+    stock_jobs: dict[str, StockJob] = field(default_factory=dict)   # variant -> its stock workflow's job (planner)
     linear_width: float | Callable[[dict], float] = 12      # block weights each token meets, in hidden^2 (planner;
     #                                                         a callable: from the config)
     text_stream: tuple[str, ...] = ("context", "add_", "to_add_out")  # block parameter names of the text stream

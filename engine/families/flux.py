@@ -19,8 +19,8 @@ from ..errors import CheckpointError
 from .stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import (Family, Marker, StageParams, TokenTable, count, fused, grid_ids, linear, linear_shapes, pack_2x2,
-                   pre_hook, rope_axes, tile_offsets, unpack_2x2)
+from .base import (Family, Marker, StageParams, StockJob, TokenTable, count, fused, grid_ids, linear, linear_shapes,
+                   pack_2x2, pre_hook, rope_axes, tile_offsets, unpack_2x2)
 
 REFERENCE_METHODS = ("offset", "index", "uxo")   # FluxKontextMultiReferenceLatentMethod ("uxo/uno": uxo)
 HEAD_DIM_AXES = {128: (16, 56, 56)}               # FLUX.1's RoPE split of its 128-wide heads
@@ -330,6 +330,8 @@ FAMILY = Family(
     pooled_width=lambda config: config["pooled_projection_dim"],
     takes_guidance=lambda config: bool(config.get("guidance_embeds")),
     forward=forward, cfg=1.0, text_tokens=512, reference_methods=REFERENCE_METHODS,
+    stock_jobs={"flux-dev": StockJob("flux1-dev", 1024, 1024, 28, 1.0, shift=1.15),
+                "flux-schnell": StockJob("flux1-schnell", 1024, 1024, 4, 1.0, shift=1.0)},
     tokens=TokenTable(processor=FluxSPProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("img_ids", 0)),
                       text_inputs=(("encoder_hidden_states", 1), ("txt_ids", 0)),

@@ -39,7 +39,7 @@ import torch
 from .stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, StageParams, TokenTable, pre_hook, tile_offsets
+from .base import Family, Marker, StageParams, StockJob, TokenTable, pre_hook, tile_offsets
 from .flux2_layout import THETA, DIMS, Flux2Dims, bfl_shapes, infer, key_map  # noqa: F401 (read here)
 
 REFERENCE_METHODS = ("index", "offset", "uxo")   # "index" unless FluxKontextMultiReferenceLatentMethod says else
@@ -271,6 +271,10 @@ FAMILY = Family(
     pooled_width=lambda config: None,
     takes_guidance=lambda config: bool(config["guidance_embeds"]),
     forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, reference_methods=REFERENCE_METHODS, pad_text_to=TEXT_TOKENS,
+    stock_jobs={"flux2-dev": StockJob("flux2-dev", 1024, 1024, 20, 1.0),
+                "flux2-klein-4b": StockJob("flux2-klein-4b", 1024, 1024, 4, 1.0),
+                "flux2-klein-9b": StockJob("flux2-klein-4b", 1024, 1024, 4, 1.0, note="the distilled [klein] 4B "
+                                           "workflow's values; klein base: 20 steps, cfg 5")},
     tokens=TokenTable(processor=Flux2SPProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("img_ids", 0)),
                       text_inputs=(("encoder_hidden_states", 1), ("txt_ids", 0)),

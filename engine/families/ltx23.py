@@ -83,7 +83,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, TokenTable, placed
+from .base import Family, Marker, StockJob, TokenTable, placed
 from .ltx23_guides import GuideBias, guide_extras, log_weights, mask_per_token  # noqa: F401 (read here)
 from .ltx23_layout import DIMS, REGISTERS, build_model, infer, key_map, shapes, tiny_metadata  # noqa: F401
 
@@ -488,6 +488,8 @@ FAMILY = Family(
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
     forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
+    stock_jobs={"ltx-2.3": StockJob("ltx-2.3-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; "
+                                    "the second: --width 1280 --height 704 --steps 3")},
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1)),
                       gather_args=(("transformer_blocks.*.video_to_audio_attn", "encoder_hidden_states", 1),

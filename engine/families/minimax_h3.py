@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, TokenTable, placed
+from .base import Family, Marker, StockJob, TokenTable, placed
 from .minimax_h3_layout import DIMS, infer, key_map, shapes  # noqa: F401 (read here)
 from .minimax_h3_sequence import (  # noqa: F401 (the sequence and the call's extras, read here)
     AUDIO_COND_T, AUDIO_SHIFT, AUDIO_TAG, BLOCK_FIELDS, BLOCK_KINDS, EXTRAS, SHIFT, TEXT_TAG, VIDEO_TAG, VISUAL_COND_T,
@@ -358,6 +358,8 @@ FAMILY = Family(
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
     forward=forward, forwards=lambda rows: rows, cfg=1.0, text_tokens=TEXT_TOKENS,
+    stock_jobs={v: StockJob("minimax-h3-t2v", 864, 480, 8, 1.0, frames=124, shift=SHIFT, note="with its 8-step "
+                            "turbo LoRA; the template's switch off: 20 steps") for v in DIMS["full"]},
     tokens=TokenTable(processor=H3Processor, gather_after="norm_out",
                       split_after=(("rope", 0, 0), ("rope", 1, 0)),
                       split_args=(("transformer_blocks.0", 0, 1), ("transformer_blocks.*", 2, 0), ("norm_out", 2, 0)),

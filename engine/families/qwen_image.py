@@ -32,8 +32,8 @@ from ..errors import CheckpointError
 from .stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import (Family, Marker, StageParams, TokenTable, count, forward_hook, linear_shapes, pre_hook,
-                   tile_offsets)
+from .base import (Family, Marker, StageParams, StockJob, TokenTable, count, forward_hook, linear_shapes,
+                   pre_hook, tile_offsets)
 
 REFERENCE_METHODS = ("index", "offset", "uxo")   # "index" unless FluxKontextMultiReferenceLatentMethod says else
 THETA = 10000
@@ -320,6 +320,7 @@ FAMILY = Family(
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
     forward=forward, cfg=2.5, text_tokens=256, reference_methods=REFERENCE_METHODS,
+    stock_jobs={"qwen-image": StockJob("qwen-image", 1328, 1328, 20, 2.5, shift=3.1)},
     tokens=TokenTable(processor=QwenSPProcessor, gather_after="proj_out", split_inputs=(("hidden_states", 1),),
                       text_inputs=(("encoder_hidden_states", 1),), split_after=(("pos_embed", 0, 0),),
                       text_after=(("pos_embed", 1, 0),), blocks=("transformer_blocks",), reference_tokens=True,

@@ -17,7 +17,8 @@ from ..errors import CheckpointError
 from .stage import StageModel
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, StageParams, TokenTable, count, fused, linear, linear_shapes, pre_hook
+from .base import (Family, Marker, StageParams, StockJob, TokenTable, count, fused, linear, linear_shapes,
+                   pre_hook)
 
 CLIP_TOKENS = 77  # CLIP-L+G tokens, padded to the T5 width and put before T5's
 
@@ -272,6 +273,9 @@ FAMILY = Family(
     pooled_width=lambda config: config["pooled_projection_dim"],
     takes_guidance=lambda config: False,
     forward=forward, cfg=4.5, text_tokens=CLIP_TOKENS + 256,
+    stock_jobs={v: StockJob("sd3.5-large", 1024, 1024, 28, 4.5, shift=3.0,
+                            note="" if v == "sd3.5-large" else "the SD3.5-large workflow's values (none of its own)")
+                for v in ("sd3-medium", "sd3.5-medium", "sd3.5-large")},
     max_latent_side=lambda config: config["pos_embed_max_size"] * config["patch_size"],
     # SD3 adds its positional embedding to the whole patch grid: split right after it. Its 77+N text tokens rarely
     # divide a degree, so they are always joint (they reach the processor separately, as encoder_hidden_states).

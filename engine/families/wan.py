@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, TokenTable, forward_hook, pre_hook
+from .base import Family, Marker, StockJob, TokenTable, forward_hook, pre_hook
 from .qwen_image import WAN21_MEAN, WAN21_STD
 from .wan_layout import CLIP_TOKENS, DIMS, FREQ_DIM, WanDims, dims_of, infer, key_map, shapes  # noqa: F401 (read here)
 
@@ -293,6 +293,12 @@ FAMILY = Family(
     concat_cond=concat_cond, process_timestep=process_timestep,
     masked_latent_clean=lambda config: config["out_channels"] == 48,
     forward=forward, cfg=5.0, text_tokens=TEXT_TOKENS,
+    stock_jobs={**{v: StockJob("wan2.1-t2v-1.3b", 832, 480, 30, 6.0, frames=33, shift=SHIFT,
+                               note="" if v == "wan2.1-1.3b" else "the Wan 2.1 1.3B workflow's values")
+                   for v in ("wan2.1-1.3b", "wan2.1-14b", "wan2.1-i2v-14b", "wan2.1-flf2v-14b")},
+                "wan2.2-a14b": StockJob("wan2.2-t2v-a14b", 640, 640, 20, 3.5, frames=81, shift=SHIFT),
+                "wan2.2-i2v-a14b": StockJob("wan2.2-i2v-a14b", 640, 640, 20, 3.5, frames=81, shift=SHIFT),
+                "wan2.2-ti2v-5b": StockJob("wan2.2-ti2v-5b", 1280, 704, 20, 5.0, frames=121, shift=SHIFT)},
     max_latent_side=lambda config: 2 * config["rope_max_seq_len"],
     tokens=TokenTable(processor=WanProcessor, gather_after="proj_out", split_inputs=(("timestep", 1),),
                       split_grid_after=(("patch_embedding", 2),), split_after=(("rope", 0, 1), ("rope", 1, 1)),

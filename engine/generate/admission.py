@@ -10,7 +10,7 @@ from ..errors import PlanError
 from ..parallel.devices import Hardware, assumed_hardware
 from ..parallel.memory import fit_stages, memory_gib
 from ..parallel.plan import MAX_RANKS, GiB, ParallelPlan, PlanChoice, Workload, feasible
-from ..parallel.planner import memory_helps
+from ..parallel.planner import memory_helps, shrink_advice
 
 
 def host_memory_gib() -> float | None:
@@ -53,14 +53,14 @@ def check_memory(plan, inputs_gib: float, work: Workload, ranks, hardware: Hardw
             return
         parts = min((memory_gib(p, work) for p in plans), key=lambda m: m["activations"])
         need = parts["activations"] + inputs_gib
-        where = f"the GPUs have {have:.0f} GiB each"
+        where = f"the GPUs have {have:.4g} GiB each"
     if need <= have:
         return
     if parts["weights"] * (ranks if cpu else 1) >= have / 2:   # the model itself is the most of it
         help = f"the weights alone need {parts['weights'] * (ranks if cpu else 1):,.1f} GiB: " \
                f"{wording.say('lighter weights')}"
     else:
-        help = "use a smaller image, batch or prompt"
+        help = shrink_advice(work, imperative=True)
     raise ValueError(f"{work.variant} with latent {size_px}, batch {work.batch}, {work.text_tokens} text tokens needs "
                      f"about {need:,.0f} GiB {'in all' if cpu else 'per GPU'} (per rank: activations "
                      f"{parts['activations']:,.1f} GiB, inputs {inputs_gib:,.1f} GiB, weights "
@@ -76,12 +76,12 @@ def fitted_stages(info, choice: PlanChoice, work: Workload, hardware: Hardware) 
     per_stage = ", ".join(f"{g:.1f}" for g in gib)
     if counts is None:
         raise PlanError(f"{wording.say('plan subject', plan=wording.plan(plan))} does not fit {work.variant} in "
-                        f"{hardware.memory_gib:.0f} GiB per GPU: its stages need {per_stage} GiB (weights, K/V "
+                        f"{hardware.memory_gib:.4g} GiB per GPU: its stages need {per_stage} GiB (weights, K/V "
                         f"buffers, activations) however the blocks are split; {wording.say('stages do not fit')}")
     if balanced:
         return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks need {per_stage} GiB"), None
     return PlanChoice(plan, f"{choice.reason}; stages of {counts} blocks (the compute-balanced split does not fit "
-                            f"{hardware.memory_gib:.0f} GiB) need {per_stage} GiB"), list(counts)
+                            f"{hardware.memory_gib:.4g} GiB) need {per_stage} GiB"), list(counts)
 
 
 def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict | None) -> str:
@@ -100,5 +100,5 @@ def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict |
     if lighter:
         advice.append("plans that need less: " + ", ".join(f"{name} (est. {g:.1f} GiB)" for g, name in lighter[:3]))
     advice += memory_helps(ranks, work, budget * (1 if total else 0.99))
-    advice.append("a smaller image or batch shrinks the activations")
+    advice.append(shrink_advice(work))
     return "; ".join(advice)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 class GPU:
     name: str
     tflops: float            # rated dense bf16 tensor TFLOP/s with fp32 accumulate (no sparsity)
-    memory_gib: float
+    memory_gib: float        # the card's total as torch reports it on Linux (below), not its marketed size
     aliases: tuple = ()      # token sets of torch.cuda.get_device_name() that mean this GPU, most specific first
     arch: str = "ampere"     # ampere | ada | hopper | blackwell: what the efficiency table knows of it
     nvlink_gbs: float = 0    # datasheet NVLink bandwidth, GB/s both directions together (0: none)
@@ -36,32 +36,43 @@ class GPU:
 # accumulate at half their fp16-accumulate rate; the halved rate is the one listed, since torch's bf16 matmuls
 # accumulate in fp32. NVLink: H100 SXM / H200 / H20 900 GB/s, H100 NVL and H100 PCIe bridges 600, H200 NVL bridge
 # 900, A100 600, A800 400, A40 / RTX A6000 / RTX 3090 bridges 112.5; the others have none.
+# Memory: what torch.cuda.get_device_properties(i).total_memory gives on Linux (detect_hardware reads the same), as
+# torch's out-of-memory message prints it ("GPU 0 has a total capacity of X GiB"): the card less the driver's reserve,
+# and less 1/16 where GDDR ECC is on by default. Reported in GitHub issues: RTX 4090 23.64 (ali-vilab/VGen#104,
+# 3DTopia/Phidias-Diffusion#8), RTX 3090 23.70 (Lightning-AI/lit-llama#137), RTX 5090 31.36
+# (TrajectoryCrafter/TrajectoryCrafter#20), H100 80GB 79.11 (vllm-project/vllm#27508), A100 80GB 79.25
+# (levihsu/OOTDiffusion#235), A100 40GB 39.50 (TianheWu/CoSeR#10), H20 95.00 (modelscope/DiffSynth-Studio#1238), L40S
+# 44.42 (stepfun-ai/Step-Video-T2V#8), L40 44.40 (QwenLM/Qwen3-VL#2097), L4 22.03 (ArcInstitute/evo2#190), A10 21.99
+# (zai-org/CogVLM#236); RTX 6000 Ada with ECC on 44.43 (DINGYANB/MTVCrafter#21, nvidia-smi 46068 MiB). The others are
+# derived: the marketed GiB x 0.985, the share the cards above without an ECC cost keep (0.980-0.991), x 15/16 more
+# for the datacenter GDDR cards (L20, A40: ECC on, as the L40S's 0.925); the A800s as the A100s. A card with ECC
+# switched on or off: --gpu-memory-gb.
 GPUS = {g.name: g for g in (
-    GPU("H100 PCIe", 756, 80, (("h100", "pcie"),), "hopper", 600, 5),
-    GPU("H100 NVL", 835, 94, (("h100", "nvl"),), "hopper", 600, 5),
-    GPU("H100 SXM", 989, 80, (("h100",),), "hopper", 900, 5),          # torch names it "NVIDIA H100 80GB HBM3"
-    GPU("H200 NVL", 835, 141, (("h200", "nvl"),), "hopper", 900, 5),
-    GPU("H200", 989, 141, (("h200",),), "hopper", 900, 5),
-    GPU("H20", 148, 96, (("h20",),), "hopper", 900, 5, efficiency=0.62,
+    GPU("H100 PCIe", 756, 79.11, (("h100", "pcie"),), "hopper", 600, 5),
+    GPU("H100 NVL", 835, 92.59, (("h100", "nvl"),), "hopper", 600, 5),
+    GPU("H100 SXM", 989, 79.11, (("h100",),), "hopper", 900, 5),          # torch names it "NVIDIA H100 80GB HBM3"
+    GPU("H200 NVL", 835, 138.9, (("h200", "nvl"),), "hopper", 900, 5),
+    GPU("H200", 989, 138.9, (("h200",),), "hopper", 900, 5),
+    GPU("H20", 148, 95.0, (("h20",),), "hopper", 900, 5, efficiency=0.62,
         efficiency_source="assumed: the H20 has an H100's memory system and 1/7 of its tensor throughput, so eager "
                           "elementwise work weighs as little as on an L40 (62.7%), not as on an H100"),
-    GPU("A100 40GB", 312, 40, (("a100", "40gb"),), "ampere", 600, 4),
-    GPU("A100 80GB", 312, 80, (("a100",),), "ampere", 600, 4),
-    GPU("A800 40GB", 312, 40, (("a800", "40gb"),), "ampere", 400, 4),
-    GPU("A800 80GB", 312, 80, (("a800",),), "ampere", 400, 4),
-    GPU("L40S", 362, 48, (("l40s",),), "ada"),
-    GPU("L40", 181, 48, (("l40",),), "ada"),
-    GPU("L20", 119.5, 48, (("l20",),), "ada"),
-    GPU("L4", 121, 24, (("l4",),), "ada"),
-    GPU("A40", 149.7, 48, (("a40",),), "ampere", 112.5),
-    GPU("A10", 125, 24, (("a10",),), "ampere"),
-    GPU("RTX PRO 6000", 503.8, 96, (("pro", "6000"),), "blackwell", 0, 5),
-    GPU("RTX 6000 Ada", 364.2, 48, (("6000", "ada"),), "ada"),
-    GPU("RTX A6000", 154.8, 48, (("a6000",),), "ampere", 112.5),
-    GPU("RTX 5090", 209.5, 32, (("5090",),), "blackwell", 0, 5),
-    GPU("RTX 4090", 165.2, 24, (("4090",),), "ada"),
-    GPU("RTX 4080", 97.5, 16, (("4080",),), "ada"),
-    GPU("RTX 3090", 71, 24, (("3090",),), "ampere", 112.5),
+    GPU("A100 40GB", 312, 39.5, (("a100", "40gb"),), "ampere", 600, 4),
+    GPU("A100 80GB", 312, 79.25, (("a100",),), "ampere", 600, 4),
+    GPU("A800 40GB", 312, 39.5, (("a800", "40gb"),), "ampere", 400, 4),
+    GPU("A800 80GB", 312, 79.25, (("a800",),), "ampere", 400, 4),
+    GPU("L40S", 362, 44.42, (("l40s",),), "ada"),
+    GPU("L40", 181, 44.4, (("l40",),), "ada"),
+    GPU("L20", 119.5, 44.4, (("l20",),), "ada"),
+    GPU("L4", 121, 22.03, (("l4",),), "ada"),
+    GPU("A40", 149.7, 44.4, (("a40",),), "ampere", 112.5),
+    GPU("A10", 125, 21.99, (("a10",),), "ampere"),
+    GPU("RTX PRO 6000", 503.8, 94.56, (("pro", "6000"),), "blackwell", 0, 5),
+    GPU("RTX 6000 Ada", 364.2, 47.28, (("6000", "ada"),), "ada"),
+    GPU("RTX A6000", 154.8, 47.28, (("a6000",),), "ampere", 112.5),
+    GPU("RTX 5090", 209.5, 31.36, (("5090",),), "blackwell", 0, 5),
+    GPU("RTX 4090", 165.2, 23.64, (("4090",),), "ada"),
+    GPU("RTX 4080", 97.5, 15.76, (("4080",),), "ada"),
+    GPU("RTX 3090", 71, 23.7, (("3090",),), "ampere", 112.5),
 )}
 # Memory bandwidth, GB/s, from the same datasheets and whitepapers: what a ring's log-sum-exp merges stream at (cost.py).
 MEMORY_GBS = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100 SXM": 3350, "H200 NVL": 4800, "H200": 4800, "H20": 4000,

@@ -61,20 +61,28 @@ def header() -> list[str]:
             f"peer access), 48 GB: L40S (PCIe across sockets), 80 GB: H100 SXM (NVLink).", ""]
 
 
-def fit_table() -> list[str]:
-    """Markdown, one row per model, weights and size, one column per machine."""
-    head = ("| model | weights | video | " + " | ".join(m.label for m in MACHINES) + " |",
-            "|---|---|---|" + "---|" * len(MACHINES))
-    lines = list(head)
+def markdown(header: tuple, rows: list[tuple]) -> list[str]:
+    """The README's form of a table: a header, its rule and a line a row, cells unpadded."""
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def fit_rows() -> tuple[tuple, list[tuple]]:
+    """The video fit table: (header, rows), one row per model, weights and size, one column per machine."""
+    rows = []
     for title, variant, placement in MODELS:
         for weights, kw in WEIGHTS:
             for w, h, frames in SIZES:
                 work = Workload.for_variant(variant, w, h, frames=frames, negative_pass=True, steps=STEPS,
                                             placement=placement, **kw)
-                cells = " | ".join(cell(work, m) for m in MACHINES)
-                lines.append(f"| {title} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {w}x{h}x{frames} | "
-                             f"{cells} |")
-    return lines
+                rows.append((title, f"{weights} ({work.weight_bytes / 2 ** 30:.1f} GiB)", f"{w}x{h}x{frames}",
+                             *(cell(work, m) for m in MACHINES)))
+    return ("model", "weights", "video", *(m.label for m in MACHINES)), rows
+
+
+def fit_table() -> list[str]:
+    """Markdown, one row per model, weights and size, one column per machine."""
+    return markdown(*fit_rows())
 
 
 # ---- weights divided among the GPUs (the sharding fit table) ------------------------------------------------------
@@ -98,18 +106,22 @@ def shard_header() -> list[str]:
             f"X GiB per GPU. 16 GB: RTX 4080, 24 GB: RTX 4090 (PCIe, no peer access), 48 GB: RTX 6000 Ada (PCIe).", ""]
 
 
-def shard_table() -> list[str]:
-    """Markdown, one row per model, size and weights, one column per machine of SHARD_MACHINES."""
-    lines = ["| model | weights | size | " + " | ".join(m.label for m in SHARD_MACHINES) + " |",
-             "|---|---|---|" + "---|" * len(SHARD_MACHINES)]
+def shard_rows() -> tuple[tuple, list[tuple]]:
+    """The sharding fit table: (header, rows), one row per model, size and weights, one column per machine."""
+    rows = []
     for title, variant, (w, h, frames), kw in SHARD_MODELS:
         for weights, wkw in SHARD_WEIGHTS:
             work = Workload.for_variant(variant, w, h, frames=frames, steps=STEPS,
                                         **{"negative_pass": True, **kw, **wkw})
             size = f"{w}x{h}x{frames}" if frames > 1 else f"{w}x{h}"
-            cells = " | ".join(cell(work, m) for m in SHARD_MACHINES)
-            lines.append(f"| {title} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {size} | {cells} |")
-    return lines
+            rows.append((title, f"{weights} ({work.weight_bytes / 2 ** 30:.1f} GiB)", size,
+                         *(cell(work, m) for m in SHARD_MACHINES)))
+    return ("model", "weights", "size", *(m.label for m in SHARD_MACHINES)), rows
+
+
+def shard_table() -> list[str]:
+    """Markdown, one row per model, size and weights, one column per machine of SHARD_MACHINES."""
+    return markdown(*shard_rows())
 
 
 # ---- memory per GPU (docs/fit.md's first table) ---------------------------------------------------------------------
@@ -132,17 +144,20 @@ def memory_cell(work: Workload, plan: ParallelPlan) -> str:
     return f"{cost.estimate(plan, work, hw).memory['total']:.1f}"
 
 
-def memory_table() -> list[str]:
-    """Markdown: GiB per GPU at 1024x1024, batch 1, bf16 compute, each model's usual text tokens, per plan."""
-    head = ["| model | weights | 1 GPU | " + " | ".join(MEMORY_PLANS[1:]) + " |",
-            "|---|---|---|" + "---|" * (len(MEMORY_PLANS) - 1)]
-    lines = list(head)
+def memory_rows() -> tuple[tuple, list[tuple]]:
+    """GiB per GPU at 1024x1024, batch 1, bf16 compute, each model's usual text tokens, per plan: (header, rows)."""
+    rows = []
     for title, variant, cfg, fp8 in MEMORY_MODELS:
         for weights in (("bf16", False), ("fp8", True))[:2 if fp8 else 1]:
             work = Workload.for_variant(variant, negative_pass=cfg, fp8_weights=weights[1])
-            cells = " | ".join(memory_cell(work, ParallelPlan.parse(p)) for p in MEMORY_PLANS)
-            lines.append(f"| {title} | {weights[0]} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {cells} |")
-    return lines
+            rows.append((title, f"{weights[0]} ({work.weight_bytes / 2 ** 30:.1f} GiB)",
+                         *(memory_cell(work, ParallelPlan.parse(p)) for p in MEMORY_PLANS)))
+    return ("model", "weights", "1 GPU", *MEMORY_PLANS[1:]), rows
+
+
+def memory_table() -> list[str]:
+    """Markdown: GiB per GPU at 1024x1024, batch 1, bf16 compute, each model's usual text tokens, per plan."""
+    return markdown(*memory_rows())
 
 
 # ---- MiniMax-H3 (audio + video): with and without the weights divided ----------------------------------------------
@@ -193,16 +208,21 @@ def ltx_header() -> list[str]:
             "text is the connectors' 1024 tokens.", ""]
 
 
-def av_table(variant: str = "minimax-h3") -> list[str]:
-    """Markdown, one row per job, weights and placement (auto / whole), one column per machine of AV_MACHINES."""
-    lines = ["| job | weights | weights divided | " + " | ".join(m.label for m in AV_MACHINES) + " |",
-             "|---|---|---|" + "---|" * len(AV_MACHINES)]
+def av_rows(variant: str = "minimax-h3") -> tuple[tuple, list[tuple]]:
+    """(header, rows): one row per job, weights and placement (auto / whole), one column per machine of
+    AV_MACHINES."""
+    rows = []
     jobs, formats = AV_MODELS[variant]
     for title, w, h, frames, steps, negative in jobs:
         for weights, wkw in formats:
             work = Workload.for_variant(variant, w, h, frames=frames, steps=steps, negative_pass=negative, **wkw)
             job = f"{w}x{h}x{frames}, {steps} steps, {title}"
             for label, fn in (("where needed (auto)", cell), ("never", whole_cell)):
-                cells = " | ".join(fn(work, m) for m in AV_MACHINES)
-                lines.append(f"| {job} | {weights} ({work.weight_bytes / 2 ** 30:.1f} GiB) | {label} | {cells} |")
-    return lines
+                rows.append((job, f"{weights} ({work.weight_bytes / 2 ** 30:.1f} GiB)", label,
+                             *(fn(work, m) for m in AV_MACHINES)))
+    return ("job", "weights", "weights divided", *(m.label for m in AV_MACHINES)), rows
+
+
+def av_table(variant: str = "minimax-h3") -> list[str]:
+    """Markdown, one row per job, weights and placement (auto / whole), one column per machine of AV_MACHINES."""
+    return markdown(*av_rows(variant))

@@ -23,11 +23,19 @@ ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidd
 # with the residual stream's float32 copies. `tests/test_planner.py` measures the 14B figure again.
 MEASURED_ACT_WIDTHS = {"wan2.1-14b": 11.3, "wan2.1-i2v-14b": 11.3, "wan2.1-flf2v-14b": 11.3, "wan2.2-a14b": 11.3,
                        "wan2.2-i2v-a14b": 11.3, "wan2.1-1.3b": 15.9, "wan2.2-ti2v-5b": 32.6}
-# What a GPU's memory gives less than its size: the rank's CUDA context, cuBLAS and NCCL workspaces (a few hundred
-# MiB) and allocator slack, about the 1.2 GiB ComfyUI itself keeps free on Linux beside a model and its activations
-# (comfy/model_management.py: 0.8 GiB minimum inference memory + 0.4 GiB reserve) plus a context; so a "24 GB" card
-# (24 GiB) gives 22.5 GiB to weights and activations.
-RUNTIME_GIB = 1.5
+# What a GPU gives less than its total (devices.GPU.memory_gib, as torch reports it): the rank's CUDA context (the
+# kernels it loads, cuBLAS and cuDNN handles), which torch's allocator does not count, and what the caching allocator
+# holds reserved but unallocated at the job's peak (blocks freed between the weights' and the activations' sizes).
+# Read from torch's out-of-memory reports (the issues devices.py cites), "this process has X GiB in use" less what
+# PyTorch allocated and reserved: 0.41-0.60 GiB outside the allocator (RTX 4090 0.46 pinokiofactory/flux-webui#11,
+# 0.49 Phidias-Diffusion#8; RTX 5090 0.60 and 0.58 TrajectoryCrafter#20, Wan-Video/Wan2.1#465; L40S 0.41, L40 0.49,
+# A100 0.49; one at 2.15 with other libraries' buffers, VGen#104), and 0.00-0.98 GiB reserved but unallocated. So 0.5
+# GiB of context and 1.0 of allocator headroom, about the 1.2 GiB ComfyUI keeps free beside a model beyond its context
+# (comfy/model_management.py: 0.8 GiB minimum inference memory + 0.4 reserve on Linux): an RTX 4090 (23.64 GiB) gives
+# 22.1 GiB to weights, activations and NCCL's buffers, and a plan fits only when all of it is within the total.
+CUDA_CONTEXT_GIB = 0.5
+ALLOCATOR_HEADROOM_GIB = 1.0
+RUNTIME_GIB = CUDA_CONTEXT_GIB + ALLOCATOR_HEADROOM_GIB
 # NCCL's buffers, per channel and per peer a rank connects to in a communicator: the Simple protocol's NCCL_BUFFSIZE
 # (4 MiB by default: NCCL user guide, "Environment Variables", NCCL_BUFFSIZE,
 # https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) and the LL protocol's 512 KiB (8 lines x 512

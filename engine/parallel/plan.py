@@ -149,6 +149,16 @@ class Workload:
     # low-noise), each of weight_bytes; `placement` says where the idle one waits (EXPERT_PLACEMENTS)
     experts: int = 1
     placement: str = "auto"
+    # a clip (a family that takes frames: seconds a clip, not an image), its latent frames, and the tokens of its
+    # audio stream, which image_tokens counts with the video's (they split alike)
+    video: bool = False
+    latent_frames: int = 1
+    audio_tokens: int = 0
+
+    @property
+    def per(self) -> str:
+        """What a job makes, as the estimates' units say it: "clip" or "image"."""
+        return "clip" if self.video else "image"
 
     @property
     def rows(self) -> int:
@@ -173,21 +183,26 @@ class Workload:
         if bytes_per_weight is None and info.quantized_parameters and not fp8_weights:
             bytes_per_weight = info.quantized_bytes / info.quantized_parameters   # the file's: 1 for fp8, ~0.56 Q4_K
         per_parameter = bytes_per_weight if bytes_per_weight is not None else 1 if fp8 else DTYPE_BYTES[dtype]
+        if family.pads_to_patches:   # ComfyUI's model pads the latent to whole patches: the tokens it runs
+            rows, cols = -(-latent_h // patch), -(-latent_w // patch)
+        else:
+            rows, cols = latent_h // patch, latent_w // patch
+        audio = family.extra_tokens(info.config, frames)
         return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
-                   image_tokens=frames * (latent_h // patch) * (latent_w // patch)
-                   + family.extra_tokens(info.config, frames), negative_pass=negative_pass,
+                   image_tokens=frames * rows * cols + audio, negative_pass=negative_pass,
                    head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=round(info.parameters * per_parameter),
                    block_weight_bytes=round(info.block_parameters * per_parameter),
-                   dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=latent_h // patch, steps=steps,
+                   dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=rows, steps=steps,
                    warmup_steps=warmup_steps, patches=patches, pipefusion_conflict=pipefusion_conflict,
                    text_splits=family.text_splits, linear_width=width,
                    out_features=info.latent.channels * patch * patch,
                    # diffusers names a joint-attention transformer's text width `joint_attention_dim`; one without it
                    # (Wan: `text_dim`) attends to the text by cross-attention
                    text_cross=("joint_attention_dim" not in info.config) if family.text_cross is None
-                   else family.text_cross, experts=experts, placement=placement)
+                   else family.text_cross, experts=experts, placement=placement, video=family.frames,
+                   latent_frames=frames, audio_tokens=audio)
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,

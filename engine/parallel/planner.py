@@ -27,7 +27,7 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
     if plan.dp > 1:
         parts.append(f"batch of {work.batch} split {plan.dp} ways")
     if plan.ulysses > 1:
-        parts.append(f"{work.image_tokens} image tokens split {plan.ulysses} ways, {work.heads} heads exchanged")
+        parts.append(f"{tokens_said(work)} split {plan.ulysses} ways, {work.heads} heads exchanged")
     if plan.ring > 1:
         parts.append(f"K/V passed around a ring of {plan.ring}")
     if plan.pipefusion > 1:
@@ -38,8 +38,28 @@ def _why(plan: ParallelPlan, work: Workload) -> str:
     return "; ".join(parts) if parts else "one rank runs the whole job"
 
 
-def _fmt_estimate(e: cost.Estimate) -> str:
-    return (f"est. {e.step_ms:.0f} ms/step, {e.s_per_image:.2f} s/image (compute {e.compute_ms:.0f}, comm "
+def tokens_said(work: Workload) -> str:
+    """The tokens a model call splits, by stream: "4096 image tokens", "75600 video tokens", "14080 video + 121 audio
+    tokens"."""
+    if not work.video:
+        return f"{work.image_tokens} image tokens"
+    audio = f" + {work.audio_tokens} audio" if work.audio_tokens else ""
+    return f"{work.image_tokens - work.audio_tokens} video{audio} tokens"
+
+
+def shrink_advice(work: Workload, imperative: bool = False) -> str:
+    """What shrinks the activations, naming the input that drives them: a clip's frames before its size."""
+    if not work.video:
+        return "use a smaller image, batch or prompt" if imperative else \
+            "a smaller image or batch shrinks the activations"
+    per_frame = (work.image_tokens - work.audio_tokens) // max(1, work.latent_frames)
+    frames = f"{work.latent_frames} latent frames of {per_frame} tokens each"
+    return (f"use fewer frames ({frames}), a smaller size or batch" if imperative else
+            f"fewer frames shrink the activations most ({frames}), then a smaller size or batch")
+
+
+def _fmt_estimate(e: cost.Estimate, work: Workload) -> str:
+    return (f"est. {e.step_ms:.0f} ms/step, {e.s_per_image:.2f} s/{work.per} (compute {e.compute_ms:.0f}, comm "
             f"{e.comm_ms:.0f}, host {e.host_ms:.0f})")
 
 
@@ -61,7 +81,7 @@ def experts_note(e: cost.Estimate, work: Workload, hw: Hardware) -> str:
         note = (f"the {work.experts} experts both resident on every GPU{share} ({work.experts} x {one:.1f} GiB, "
                 f"{both:.1f} GiB per GPU with the activations): no copies between clips")
     else:
-        why = (f"both need {both:.1f} GiB per GPU, more than {hw.memory_gib:g}" if hw.memory_gib is not None
+        why = (f"both need {both:.1f} GiB per GPU, more than {hw.memory_gib:.4g}" if hw.memory_gib is not None
                and both > hw.memory_gib else "as asked")
         note = (f"the idle expert in host memory ({why}): each expert copied to the GPU and back once per clip, "
                 f"{e.swap_ms / 1e3:.1f} s at {host_link_gbs(hw.gpu):g} GB/s; host memory {e.host_gib:.0f} GiB per "
@@ -81,7 +101,7 @@ def shard_note(best: cost.Estimate, found: "Survey", work: Workload, hw: Hardwar
     if not fitting:
         least = min((e.memory["total"] for e in whole), default=float("nan"))
         return (f"the weights are divided {best.plan.shard} ways because no plan with whole weights on every GPU fits "
-                f"{hw.memory_gib:g} GiB (the least needs {least:.1f} GiB); each GPU holds "
+                f"{hw.memory_gib:.4g} GiB (the least needs {least:.1f} GiB); each GPU holds "
                 f"{best.memory['weights']:.1f} GiB of weights, and the gathers add about {gathered:.0f} ms a step")
     fastest = min(fitting, key=lambda e: e.job_ms)
     return (f"the weights are divided {best.plan.shard} ways: faster than {fastest.plan.describe()} with whole weights "
@@ -126,7 +146,7 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
     """Why no plan fits the GPUs' memory, with the numbers and what would help."""
     m = best.memory
     helps = memory_helps(ranks, work, hw.memory_gib)
-    helps.append("a smaller image or batch shrinks the activations" if m["activations"] > 1 else
+    helps.append(shrink_advice(work) if m["activations"] > 1 else
                  "GPUs with more memory")
     pipefusion = (f"PipeFusion, which would divide the blocks, cannot run it ({pipefusion_refusal(work)})"
                   if work.pipefusion_conflict else "no PipeFusion split of the blocks fits either")
@@ -134,7 +154,7 @@ def _no_fit(ranks: int, work: Workload, hw: Hardware, best: cost.Estimate) -> st
             best.placement != RESIDENT else "")
     divided = (f"with the weights divided {best.plan.shard} ways the blocks in flight and the root stay whole" if
                best.plan.shard > 1 else "sequence, CFG and data parallel keep a full copy of the weights on every GPU")
-    return (f"no parallel plan fits {work.variant}{held} in {hw.memory_gib:.0f} GiB per GPU on {hw.describe()}: the "
+    return (f"no parallel plan fits {work.variant}{held} in {hw.memory_gib:.4g} GiB per GPU on {hw.describe()}: the "
             f"least needs {m['total']:.1f} GiB ({wording.plan(best.plan)}: weights {m['weights']:.1f}, activations "
             f"{m['activations']:.1f}, runtime {m['runtime']:.1f}; {divided}, and {pipefusion}); " + "; ".join(helps))
 
@@ -216,7 +236,7 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         plans = feasible(ranks, work)
         if not plans:
             raise PlanError(f"no parallel plan runs this job on {ranks} ranks ({work.variant}: {work.heads} heads, "
-                            f"{work.image_tokens} image tokens, batch {work.batch}"
+                            f"{tokens_said(work)}, batch {work.batch}"
                             f"{', cfg 1.0' if not work.negative_pass else ''}): {wording.say('change ranks or size')}")
         plan = min(plans, key=lambda p: sum(cost.comm_bytes(p, work).values()))
         return PlanChoice(plan, f"auto chose {plan.describe()} for {ranks} rank(s): {_why(plan, work)}")
@@ -226,7 +246,7 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         raise PlanError(_no_fit(ranks, work, hw, min(found.estimates, key=lambda e: e.memory["total"])))
     k = best.ranks
     where = f"for {ranks} rank(s)" if k == ranks else f"on {k} of {ranks} ranks (the other {ranks - k} idle)"
-    reason = f"auto chose {best.plan.describe()} {where}: {_fmt_estimate(best)} on {hw.describe()}"
+    reason = f"auto chose {best.plan.describe()} {where}: {_fmt_estimate(best, work)} on {hw.describe()}"
     same = sorted((e for e in found.estimates if e.ranks == k and e.fits and e is not best
                    and (e.exact or found.pool != "exact")), key=lambda e: e.job_ms)
     if same:
@@ -241,14 +261,14 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         faster = "as fast on fewer GPUs" if full and full.job_ms <= best.job_ms * (1 + FEWER_RANKS_TIE) else \
             "fewer GPUs are faster"
         reason += (f"; on all {ranks} the best is {full.plan.describe()} est. {full.step_ms:.0f} ms/step, "
-                   f"{full.s_per_image:.2f} s/image: {faster}" if full else
+                   f"{full.s_per_image:.2f} s/{work.per}: {faster}" if full else
                    f"; no plan of {ranks} ranks runs this job and fits")
     elif ranks > 1:
         fewer = [found.best_on(n, exact_only=found.pool == "exact") for n in range(1, ranks)]
         fewer = [e for e in fewer if e is not None]
         if fewer:
             near = min(fewer, key=lambda e: e.job_ms)
-            reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/image"
+            reason += f"; {near.ranks} GPU{'s' if near.ranks > 1 else ''} est. {near.s_per_image:.2f} s/{work.per}"
     if best.plan.shard > 1:
         reason += f"; {shard_note(best, found, work, hw)}"
     if work.experts > 1:
@@ -260,7 +280,7 @@ def _auto(ranks: int, work: Workload, hw: Hardware, approximate: bool = False) -
         reason += (f"; PipeFusion is approximate (after {warm} warmup step(s) its patches see the previous step's "
                    f"activations), chosen because "
                    + ("approximate plans are allowed (plan fastest)" if found.pool == "approximate allowed" else
-                      f"no exact plan fits {hw.memory_gib:.0f} GiB per GPU"))
+                      f"no exact plan fits {hw.memory_gib:.4g} GiB per GPU"))
     return PlanChoice(best.plan, reason)
 
 
@@ -295,7 +315,7 @@ def resolve_plan(requested: ParallelPlan | str, ranks: int, work: Workload, hard
     reason = f"explicit plan {requested.describe()} on {ranks} rank(s): {_why(requested, work)}"
     if hw.device != "cpu":
         e = cost.estimate(requested, work, hw)
-        reason += f"; {_fmt_estimate(e)} on {hw.describe()}"
+        reason += f"; {_fmt_estimate(e, work)} on {hw.describe()}"
         if work.experts > 1:
             reason += f"; {experts_note(e, work, hw)}"
     return PlanChoice(requested, reason)
