@@ -45,7 +45,9 @@ def test_bytes_per_gpu_per_flux_step_are_the_field_notes_volumes(plan, gb):
 def test_fp8_weights_halve_the_weights_and_pipefusion_stages_would_divide_the_block_weights():
     bf16, fp8 = memory_gib(ParallelPlan(), FLUX), memory_gib(ParallelPlan(), Workload.for_variant(
         "flux-dev", fp8_weights=True))
-    assert fp8["weights"] == pytest.approx(bf16["weights"] / 2)
+    # half the bytes, and one layer at a time made dense in the compute dtype as it runs (the largest: 4 hidden^2)
+    from engine.parallel.memory import dense_layer_bytes
+    assert fp8["weights"] == pytest.approx(bf16["weights"] / 2 + dense_layer_bytes(FLUX) / GiB)
     staged = memory_gib(ParallelPlan(pipefusion=2), FLUX)
     outside_blocks = (FLUX.weight_bytes - FLUX.block_weight_bytes) / GiB
     assert staged["weights"] == pytest.approx(outside_blocks + FLUX.block_weight_bytes / GiB / 2)
@@ -191,18 +193,18 @@ def test_when_no_plan_with_whole_weights_fits_auto_divides_them_exactly_before_p
     less memory, the more ways the weights are divided, down to what no plan fits."""
     work = Workload.for_variant("flux-dev", fp8_weights=True)
     ways = {}
-    for gib in (8, 6, 4, 3.5):
+    for gib in (8, 6, 4.5, 4):
         choice = choose(work, 8, "RTX 4090", "pcie", memory_gib=gib)
         print(f"{gib} GiB: {choice.reason}")
         assert choice.plan.pipefusion == 1 and choice.plan.shard > 1
         assert (f"the weights are divided {choice.plan.shard} ways because no plan with whole weights on every GPU "
                 f"fits {gib:g} GiB") in choice.reason
         ways[gib] = choice.plan.shard
-    assert ways[8] <= ways[6] <= ways[4] <= ways[3.5] and ways[8] < ways[3.5]
+    assert ways[8] <= ways[6] <= ways[4.5] <= ways[4] and ways[8] < ways[4]
 
 
 def test_when_nothing_would_fit_the_refusal_says_what_is_left():
-    with pytest.raises(PlanError, match=r"in 3 GiB per GPU .*ring8 x shard8: weights 1\.8.*with the weights divided 8 "
+    with pytest.raises(PlanError, match=r"in 3 GiB per GPU .*ring8 x shard8: weights 2\.1.*with the weights divided 8 "
                                         r"ways the blocks in flight and the root stay whole, and no PipeFusion split of "
                                         r"the blocks fits either\); GPUs with more memory$"):
         choose(Workload.for_variant("flux-dev", fp8_weights=True), 8, "RTX 4090", "pcie", memory_gib=3)
@@ -724,10 +726,10 @@ def test_wan_activations_per_token_are_the_measured_peak_of_the_engines_forward(
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_wan_14b_bf16_at_1280x720x81_is_no_fit_on_one_or_two_24_gb_cards(gpus):
     """Its 26.6 GiB of weights alone exceed what a 24 GB card gives (23.64 GiB less the 1.5 GiB runtime); divided over
-    two, each card's half (with a forward's root and two blocks whole) and a whole clip's activations still do not."""
+    two, each card's half (with the call's root and three blocks whole) and a whole clip's activations still do not."""
     with pytest.raises(PlanError, match=r"^no parallel plan fits wan2.1-14b in 23.64 GiB per GPU on .*: the least "
                                         r"needs \d+\.\d GiB \(\S.*: weights " + ("26\\.6, " if gpus == 1 else
-                                                                      "15\\.0, .*divided 2 ways")) as refused:
+                                                                      "15\\.7, .*divided 2 ways")) as refused:
         choose(WAN14_720, gpus, "RTX 4090", "pcie-no-peer")
     print(refused.value)
     least = float(re.search(r"the least needs (\d+\.\d) GiB", str(refused.value)).group(1))
@@ -788,7 +790,7 @@ def test_the_idle_expert_in_host_memory_costs_its_copies_each_clip_and_host_memo
 
 @pytest.mark.parametrize("gpus,gpu,link,weights,placed", [
     ("4", "RTX 4090", "pcie-no-peer", ["--fp8"],
-     "the idle expert in host memory (both need 32.2 GiB per GPU, more than 23.64): each expert copied to the GPU and "
+     "the idle expert in host memory (both need 32.4 GiB per GPU, more than 23.64): each expert copied to the GPU and "
      "back once per clip"),
     ("8", "H100 SXM", "nvlink", [], "the 2 experts both resident on every GPU (2 x 26.6 GiB"),
 ])

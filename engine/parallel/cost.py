@@ -326,19 +326,28 @@ def shard_gather_ms(plan, work, link: Interconnect, compute: float, code: Code |
     """(all, exposed) milliseconds of one forward's weight gathers under a sharded plan: each unit's all-gather moves
     (shard - 1) / shard of its weights through every rank's link (a ring: shard - 1 hops of latency). The root's
     (embedders, final layer) and the first block's are paid before the forward; each later block's hides behind the
-    compute of the block before it, up to the code's `shard_overlap` of it. One forward a step (the passes batched, or
-    one a CFG group); a clip's experts gather only the one that runs."""
+    compute of the block before it, up to the code's `shard_overlap` of it. The root once a step (it stays whole for
+    the call); the blocks once a forward, `forwards_per_step` of them (the passes batched, or one a CFG group; one a row
+    where the family's model takes a batch of one); a clip's experts gather only the one that runs."""
     if plan.shard == 1:
         return 0.0, 0.0
     code = code or engine_code()
-    n, blocks = plan.shard, max(1, work.layers)
+    n, blocks, forwards = plan.shard, max(1, work.layers), forwards_per_step(plan, work)
     latency = (n - 1) * link.latency_us / 1e3
 
     def gather(nbytes: float) -> float:
         return (n - 1) / n * nbytes / (link.bandwidth_gbs * 1e9) * 1e3 + latency
     root, block = gather(work.weight_bytes - work.block_weight_bytes), gather(work.block_weight_bytes / blocks)
-    hidden = min(block, code.shard_overlap * compute / blocks)
-    return root + blocks * block, root + block + (blocks - 1) * (block - hidden)
+    hidden = min(block, code.shard_overlap * compute / forwards / blocks)
+    return root + forwards * blocks * block, root + forwards * (block + (blocks - 1) * (block - hidden))
+
+
+def forwards_per_step(plan, work) -> int:
+    """The model forwards one rank makes a step: its rows (items_per_rank) in one, or one a row for a family whose model
+    takes a batch of one (Family.forwards: MiniMax-H3)."""
+    from ..families import VARIANTS, by_variant
+    rows = items_per_rank(plan, work)
+    return by_variant(work.variant).forwards(rows) if work.variant in VARIANTS else 1
 
 
 # ---- communication time ---------------------------------------------------------------------------------------

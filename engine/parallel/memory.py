@@ -44,11 +44,17 @@ RUNTIME_GIB = CUDA_CONTEXT_GIB + ALLOCATOR_HEADROOM_GIB
 # more, on GPUs that have the memory.
 NCCL_BUFFER_BYTES = 4 * 2**20 + 512 * 2**10
 NCCL_CHANNELS = 2
-# Weights divided among a group (plan.shard, parallel/shard.py: FSDP2): while a forward runs, a GPU holds beside its
-# share the root's weights whole (embedders, final layer: gathered for the whole forward) and this many blocks'
-# whole weights: the block running and the next one's gather posted ahead (FSDP2 copies a gather's output into the
-# block's parameters and frees it before it posts the following one, and frees a block's after its forward).
-IN_FLIGHT_BLOCKS = 2
+# Weights divided among a group (plan.shard, parallel/shard.py: FSDP2): while block i runs a GPU holds, beside its
+# share and the root's weights (whole for the call), three blocks' whole weights: block i's unsharded parameters; block
+# i's all-gather output, which FSDP2 keeps after the copy-out in a forward until the next block's wait (torch
+# 2.13 distributed/fsdp/_fully_shard/_fsdp_param_group.py wait_for_unshard: "defer free to allow for overlap of this
+# copy-out with next all-gather"; a prefetched gather is posted synchronously, so the deferral applies); and block
+# i+1's all-gather output, posted ahead (explicit forward prefetch). GPU_CHECKS measures it.
+IN_FLIGHT_BLOCKS = 3
+# Weights held quantized (fp8, GGUF, int8) are made dense in the compute dtype one layer at a time as each runs (a
+# CastLinear's cast, a GGUF or int8 layer's dequantization, a LoRA's product on top): the largest a block holds, its
+# 4x feed-forward's first matrix, is live at once beside the rest.
+DENSE_LAYER_WIDTH = 4
 
 
 def act_widths(work) -> float:
@@ -66,8 +72,10 @@ def memory_gib(plan, work, placement: str | None = None) -> dict[str, float]:
     placement = placement or work.placement
     held = work.experts if placement == RESIDENT else 1
     weights = held * (work.weight_bytes - work.block_weight_bytes + work.block_weight_bytes / plan.pipefusion)
-    if plan.shard > 1:   # 1/shard of every expert held; one forward's root and IN_FLIGHT_BLOCKS blocks whole
+    if plan.shard > 1:   # 1/shard of every expert held; the call's root and IN_FLIGHT_BLOCKS blocks whole
         weights = held * work.weight_bytes / plan.shard + gathered_bytes(work)
+    if work.fp8_weights:   # one layer at a time dense in the compute dtype
+        weights += dense_layer_bytes(work)
     p = plan.ulysses * plan.ring
     text = joint_text(work)
     tokens = shard_tokens(work.image_tokens, p) + (text / p if text_split(plan, work) else text)
@@ -83,6 +91,12 @@ def gathered_bytes(work) -> float:
     IN_FLIGHT_BLOCKS blocks'."""
     root = work.weight_bytes - work.block_weight_bytes
     return root + IN_FLIGHT_BLOCKS * work.block_weight_bytes / max(1, work.layers)
+
+
+def dense_layer_bytes(work) -> float:
+    """The largest layer's weights made dense in the compute dtype as it runs (weights held quantized)."""
+    hidden = work.heads * work.head_dim
+    return DENSE_LAYER_WIDTH * hidden * hidden * DTYPE_BYTES[work.dtype]
 
 
 def host_gib_per_machine(plan, work) -> float:
