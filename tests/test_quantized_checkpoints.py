@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from engine.generate.request import GenerateRequest
 from engine.models.gguf_file import find_gguf_files, read_gguf_header
 from engine.models.load import inspect_model, load_model
-from engine.models.quantized import BLOCKS, SUPPORTED, GGUFLinear, dequantize, quantize
+from engine.models.quantize_files import quantize
+from engine.models.quantized import BLOCKS, SUPPORTED, GGUFLinear, dequantize
 from engine.models.safetensors_file import CheckpointError
 from engine.models.tiny import make_state_dict, write_tiny
 from engine.parallel.pipefusion.layout import make_layout, stage_keep

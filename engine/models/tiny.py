@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from .. import families
-from .quantized import BLOCKS, CONVROT_GROUP, FP8_MAX, INT8_FORMAT, SUPPORTED, quantize, quantize_int8
+from .quantize_files import quantize
+from .quantized import BLOCKS, CONVROT_GROUP, FP8_MAX, INT8_FORMAT, SUPPORTED, quantize_int8
 
 COMFY_PREFIX = "model.diffusion_model."
 
