@@ -121,10 +121,12 @@ class LtxProcessor:
     """What diffusers' LTX2AudioVideoAttnProcessor computes (per-head gates from the query input, q/k RMS norms over
     all heads, split RoPE with separate query and key embeddings), the video self-attention (marked `xdit_sequence` at
     load) through the sequence-parallel entry point when one is given; the text cross-attentions, the audio attentions,
-    a2v (video queries over the whole audio) and v2a (the audio over the video gathered whole: the token table's
-    gather_args) local. The text connectors' mask is all zeros by construction (diffusers' connector replaces it so
+    a2v (video queries over the whole audio) local; v2a (the audio, whole on every rank, over the video) over each
+    rank's own video keys, merged across the ranks through the log-sum-exp (the token table's local_keys). The text connectors' mask is all zeros by construction (diffusers' connector replaces it so
     after filling the registers: their attentions are marked `xdit_zero_mask` at load) and is no mask; any other is
     refused (ComfyUI's LTX text encoder gives none), without reading it."""
+
+    takes_local_keys = True   # v2a's video keys stay split under sequence parallel (TokenTable.local_keys)
 
     def __init__(self, attention=None):
         self.attention = attention
@@ -151,6 +153,8 @@ class LtxProcessor:
         bias = attn.xdit_ltx_state.get("guide") if sequence else None   # the guides' attention weights, this forward
         if self.attention is not None and sequence:
             out = self.attention(q, k, v, bias=bias)[0]
+        elif self.attention is not None and getattr(attn, "xdit_local_keys", False):
+            out = self.attention.local_keys(q, k, v)
         elif bias is not None:   # through the kernels that take a mask, whatever torch's attention is held to
             out = bias.attend(q, k, v, 0, 0)[0]
         else:
@@ -490,8 +494,7 @@ FAMILY = Family(
     forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1)),
-                      gather_args=(("transformer_blocks.*.video_to_audio_attn", "encoder_hidden_states", 1),
-                                   ("transformer_blocks.*.video_to_audio_attn", "key_rotary_emb", 2)),
+                      local_keys=("transformer_blocks.*.video_to_audio_attn",),
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width,
     native_layout="ltx", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load, tiny_metadata=tiny_metadata,
@@ -500,6 +503,9 @@ FAMILY = Family(
                  "audio_vae.decoder.conv_in.conv.weight", "vocoder.conv_pre.weight"),
     packed_streams=True, extras=EXTRAS, host_extras=HOST_EXTRAS, call_extras=comfy_call,
     extra_tokens=lambda config, latent_frames: audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
+    local_key_queries=lambda config, latent_frames: (audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
+                                                     config["audio_num_attention_heads"],
+                                                     config["audio_attention_head_dim"]),
     describe_blocks=lambda c: (f"{c['num_layers']} audio-video blocks (video {c['num_attention_heads']} x "
                                f"{c['attention_head_dim']}, audio {c['audio_num_attention_heads']} x "
                                f"{c['audio_attention_head_dim']}) and two {c['connector_num_layers']}-block text "

@@ -149,6 +149,12 @@ class Workload:
     # low-noise), each of weight_bytes; `placement` says where the idle one waits (EXPERT_PLACEMENTS)
     experts: int = 1
     placement: str = "auto"
+    # queries every rank holds whole that attend, once a block, to the split image tokens (TokenTable.local_keys:
+    # LTX-2.3's audio over the video), and their heads and head width: under sequence parallel their partial results
+    # are exchanged and merged (traffic.sp_merge_bytes); 0: none
+    merge_queries: int = 0
+    merge_heads: int = 0
+    merge_head_dim: int = 0
 
     @property
     def rows(self) -> int:
@@ -187,7 +193,9 @@ class Workload:
                    # diffusers names a joint-attention transformer's text width `joint_attention_dim`; one without it
                    # (Wan: `text_dim`) attends to the text by cross-attention
                    text_cross=("joint_attention_dim" not in info.config) if family.text_cross is None
-                   else family.text_cross, experts=experts, placement=placement)
+                   else family.text_cross, experts=experts, placement=placement,
+                   **dict(zip(("merge_queries", "merge_heads", "merge_head_dim"),
+                              family.local_key_queries(info.config, frames))))
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,
