@@ -606,6 +606,32 @@ def test_every_sequence_plan_runs_the_guides_and_equals_one_rank(engines, path, 
                   (got - want).abs().max(), bound(want))
 
 
+def test_compiled_blocks_compile_once_for_every_block_and_guided_call_and_equal_eager(path):
+    """torch.compile of each block (the engine's compile option): three guided calls whose guides' weights differ (a
+    new bias object each forward, its layouts laid out on first use) run on graphs compiled once for all four blocks
+    (Dynamo set to raise on any recompile; before, each block's STG index and the bias's layout cache sent every block
+    to a graph of its own, past Dynamo's limit of 8 on the 48-block model), each call equal to eager within the bound
+    (a compiled block may fuse and reorder the same arithmetic)."""
+    import torch._dynamo
+    from engine.models.speed import compiled_graphs, set_compiled
+    flow = FlowModel(load_model(path, dtype="fp32", device=torch.device("cpu")))
+    calls = [guided_call(seed=4, strengths=s) for s in ((0.7, 0.7), (0.5, 0.9), (0.3, 0.6))]
+    want = [reference(flow, *c) for c in calls]
+    torch._dynamo.reset()
+    set_compiled(flow.model, ("transformer_blocks",), True)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = [reference(flow, *c) for c in calls]
+        graphs = compiled_graphs()
+    finally:
+        set_compiled(flow.model, ("transformer_blocks",), False)
+        torch._dynamo.reset()
+    print(f"{len(flow.model.transformer_blocks)} compiled blocks, 3 guided calls: {graphs} graphs, no recompile")
+    assert graphs
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert report(f"LTX-2.3 compiled guided call {i} vs eager", (g - w).abs().max(), bound(w))
+
+
 # ---- the guidance nodes' extra passes ----------------------------------------------------------------------------------
 def guidance_call(seed=2, stg=(), severed=False, reference=0):
     """A masked call (ltx_call) as the pass an LTX guidance node adds: STG's (`stg` blocks), modality guidance's

@@ -122,9 +122,15 @@ class LtxProcessor:
     all heads, split RoPE with separate query and key embeddings), the video self-attention (marked `xdit_sequence` at
     load) through the sequence-parallel entry point when one is given; the text cross-attentions, the audio attentions,
     a2v (video queries over the whole audio) local; v2a (the audio, whole on every rank, over the video) over each
-    rank's own video keys, merged across the ranks through the log-sum-exp (the token table's local_keys). The text connectors' mask is all zeros by construction (diffusers' connector replaces it so
-    after filling the registers: their attentions are marked `xdit_zero_mask` at load) and is no mask; any other is
-    refused (ComfyUI's LTX text encoder gives none), without reading it."""
+    rank's own video keys, merged across the ranks through the log-sum-exp (the token table's local_keys). The text
+    connectors' mask is all zeros by construction (diffusers' connector replaces it so after filling the registers:
+    their attentions are marked `xdit_zero_mask` at load) and is no mask; any other is refused (ComfyUI's LTX text
+    encoder gives none), without reading it.
+
+    Under torch.compile (each block compiled) the graph stays the same across blocks and calls: what the processor
+    reads in it is the same for every block (flags set at load, STG's `xdit_perturbed` per forward, whether the
+    forward has guides), and the guides' bias (a new object each forward) and the sequence group's exchanges run
+    outside the graph (`_outside_graph`)."""
 
     takes_local_keys = True   # v2a's video keys stay split under sequence parallel (TokenTable.local_keys)
 
@@ -134,8 +140,7 @@ class LtxProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None):
         from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
-        state = getattr(attn, "xdit_ltx_state", None)
-        if state and getattr(attn, "xdit_stg_block", None) in state.get("stg", ()):
+        if getattr(attn, "xdit_perturbed", False):   # this forward is STG's pass and this block one it perturbs
             return self._passthrough(attn, hidden_states)
         if attention_mask is not None:   # all zeros by construction in a connector with registers (marked at load)
             if not getattr(attn, "xdit_zero_mask", False):
@@ -150,13 +155,11 @@ class LtxProcessor:
             k = apply_split_rotary_emb(k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         sequence = getattr(attn, "xdit_sequence", False)
-        bias = attn.xdit_ltx_state.get("guide") if sequence else None   # the guides' attention weights, this forward
-        if self.attention is not None and sequence:
-            out = self.attention(q, k, v, bias=bias)[0]
-        elif self.attention is not None and getattr(attn, "xdit_local_keys", False):
-            out = self.attention.local_keys(q, k, v)
-        elif bias is not None:   # through the kernels that take a mask, whatever torch's attention is held to
-            out = bias.attend(q, k, v, 0, 0)[0]
+        guided = sequence and "guide" in attn.xdit_ltx_state   # the guides' attention weights, this forward
+        if guided or (self.attention is not None and getattr(attn, "xdit_local_keys", False)):
+            out = _outside_graph(self.attention, attn, q, k, v)
+        elif self.attention is not None and sequence:
+            out = self.attention(q, k, v)[0]
         else:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         out = out.flatten(2, 3).to(q.dtype)
@@ -174,6 +177,20 @@ class LtxProcessor:
         then the gates and the output projection as always. Each token's own: no exchange under sequence parallel."""
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         return self._out(attn, attn.to_v(hidden_states), gate_logits)
+
+
+@torch.compiler.disable
+def _outside_graph(attention, attn, q, k, v):
+    """The attentions a compiled block leaves to eager code: the video self-attention under the guides' bias (the
+    bias is a new object each forward, with the block layouts it lays out on first use: Dynamo would guard on it and
+    compile every block again each call) through the sequence-parallel entry point or, on one rank, the kernels that
+    take a mask whatever torch's attention is held to; and v2a over each rank's own video keys, merged across them."""
+    if not getattr(attn, "xdit_sequence", False):
+        return attention.local_keys(q, k, v)
+    bias = attn.xdit_ltx_state["guide"]
+    if attention is not None:
+        return attention(q, k, v, bias=bias)[0]
+    return bias.attend(q, k, v, 0, 0)[0]
 
 
 # ---- the compensations, registered once at load ------------------------------------------------------------------
@@ -232,11 +249,11 @@ def _after_load(model) -> None:
     for name, module in model.named_modules():
         if name.endswith(("norm_q", "norm_k")):
             module.eps = QK_EPS
-    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias, STG's blocks
-    for i, block in enumerate(model.transformer_blocks):
+    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias
+    for block in model.transformer_blocks:
         block.attn1.xdit_sequence = True
-        for attn in (block.attn1, block.audio_attn1):   # the self-attentions STG perturbs
-            attn.xdit_ltx_state, attn.xdit_stg_block = state, i
+        for attn in (block.attn1, block.audio_attn1):   # the self-attentions STG perturbs (per forward)
+            attn.xdit_ltx_state, attn.xdit_perturbed = state, False
         _v2a_renorm(block)
     for connector in (model.video_connector, model.audio_connector):   # their mask: zeros once registers fill it
         if connector.learnable_registers is not None:
@@ -445,12 +462,17 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     state = model.xdit_ltx_state
     state.update(a2v=(gates[0] * mult, cross / mult), v2a=(gates[1] * mult, cross / mult))
-    if "stg" in extras:   # STG's pass: these blocks' self-attentions pass their values through
-        state["stg"] = frozenset(int(b) for b in extras["stg"][0].tolist())
+    perturbed = []   # STG's pass: these blocks' self-attentions pass their values through
+    if "stg" in extras:
+        blocks = model.transformer_blocks
+        perturbed = [a for b in sorted({int(b) for b in extras["stg"][0].tolist()}) if 0 <= b < len(blocks)
+                     for a in (blocks[b].attn1, blocks[b].audio_attn1)]
     coupled = "coupled" not in extras or bool(extras["coupled"][0] != 0)   # (host values: nothing waits)
     if tracked:   # the guides' attention weights as log weights in the model's dtype (log_weights)
         state["guide"] = GuideBias(kept - guides, tracked, log_weights(extras["guide_weights"][0].to(device), dtype))
     try:
+        for attn in perturbed:
+            attn.xdit_perturbed = True
         v_out, a_out = model(
             hidden_states=v_rows, audio_hidden_states=a_rows,
             encoder_hidden_states=connect(model.video_connector, text[..., :inner]),
@@ -459,6 +481,8 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
             video_coords=coords, audio_coords=a_coords, isolate_modalities=not coupled, return_dict=False)
     finally:
         state.clear()
+        for attn in perturbed:
+            attn.xdit_perturbed = False
     a_out = a_out[:, refs:]
     if keep is not None:   # the dropped tokens' output: zeros
         v_out = v_out.new_zeros(n, frames * h * w, v_out.shape[-1]).index_copy(1, keep, v_out)
