@@ -387,6 +387,49 @@ def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side
         assert report(f"LTX-2.3 cfg2: {name}", (g - w).abs().max(), bound(w))
 
 
+def test_a_forward_given_the_held_connectors_output_runs_no_connector_and_gives_the_same_bits(local):
+    """What the ranks hold with a context (the family's hold: both text connectors' output, ComfyUI's
+    preprocess_text_embeds) stands in for the connectors: a call carrying it runs neither connector and gives the
+    same output as one that runs them itself (the same arithmetic on the same rows)."""
+    x, t, c = ltx_call(seed=7)
+    extras = {k: v for k, v in c.items() if k in ltx23.EXTRAS}
+    held = ltx23.FAMILY.hold(local, "context", c["context"])
+    assert set(held) == {"video_text", "audio_text"} and ltx23.FAMILY.hold(local, "y", c["context"]) is None
+    runs = []
+    connectors = (local.model.video_connector, local.model.audio_connector)
+    handles = [m.register_forward_hook(lambda *a: runs.append(1)) for m in connectors]
+    try:
+        got = local.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras, held=held))
+        assert not runs
+        want = local.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras))
+        assert len(runs) == 2
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world,plan", [(2, ParallelPlan(ulysses=2, shard=2)), (2, ParallelPlan(cfg=2, shard=2))],
+                         ids=["ulysses2-shard2", "cfg2-shard2"])
+def test_the_connectors_run_once_per_held_context_over_a_sessions_calls(engines, path, local, world, plan):
+    """Three rounds of a session: a positive (9 tokens) and a negative (4 tokens) context cross once and every rank
+    runs the connectors once for each, when it is first held, whatever rows its CFG group computes (cfg2 x shard2: the
+    connectors' weights are gathered over both CFG groups, so each rank must run them for both contexts at the same
+    point); each call equals one rank's."""
+    x, t, pos = ltx_call(seed=1, text=9, masked=True)
+    _, _, neg = ltx_call(seed=2, text=4, masked=True)
+    rounds = [(x, t), (x * 0.5, t * 0.8), (-x, t * 0.6)]
+    with ModelSession(engines(world), request(path, pos, plan, neg=neg["context"])) as s:
+        got = [s.call_group([(xi, ti, pos), (xi, ti, neg)]) for xi, ti in rounds]
+    held = [r["model_calls"]["held"] for r in s.result.ranks]
+    print(f"LTX-2.3 {plan.describe()}: 3 rounds of 2 calls, connectors run for {held} contexts on each rank")
+    assert held == [2] * world
+    for (xi, ti), outs in zip(rounds, got):
+        for name, g, c in zip(("positive", "negative"), outs, (pos, neg)):
+            w = reference(local, xi, ti, c)
+            assert report(f"LTX-2.3 {plan.describe()} held connectors, {name}", (g - w).abs().max(), bound(w))
+
+
 # ---- LTXVAddGuide's guides -------------------------------------------------------------------------------------------
 def dense_guide_mask(total, start, log_w):
     """ComfyUI's guide attention as one dense additive mask [1, 1, total, total] (GuideAttentionMask's two groups

@@ -179,6 +179,15 @@ class Family:
     # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
     # frames) -> count (MiniMax-H3: both audio channels' frames)
     extra_tokens: Callable[[dict, int], int] = lambda config, latent_frames: 0
+    # (flow, conditioning name, the tensor [rows, ...] as the ranks hold it for the session) -> {name: tensor [rows,
+    # ...]} the family derives from it once (LTX-2.3: its text connectors' output from the context), or None: carried
+    # with the calls that hold it (Prepared.held, sliced with its rows); a forward given none computes them itself.
+    # Every rank of the job runs it for the same tensors at the same point (when a tensor is first held), so the
+    # gathers of divided weights it makes stay matched
+    hold: Callable | None = None
+    # modules besides the blocks whose divided weights are units of their own (parallel/shard.py): gathered only while
+    # they run, not with the root for the whole call (LTX-2.3's text connectors, MiniMax-H3's token refiner)
+    shard_units: tuple[str, ...] = ()
     # the model forwards a call of `rows` rows makes (its `forward` runs them in one, or one a row: MiniMax-H3, whose
     # model takes a batch of one): ranks that gather divided weights in every forward must make as many
     forwards: Callable[[int], int] = lambda rows: 1

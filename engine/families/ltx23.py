@@ -71,7 +71,9 @@ their times moved back to end one latent before 0, trimmed from the output: av_m
 
 Conditioning the engine does not take yet (refused in one line on the MODEL route): one direction of the coupling
 severed alone, a pass without one stream (run_vx / run_ax off). A text ComfyUI did not mark unprocessed (its
-connectors already run) is refused too: the ranks run the connectors.
+connectors already run) is refused too: the ranks run the connectors, as ComfyUI does once a sampling run: once for
+each context the ranks hold for a session (the family's `hold`), on every rank when it is first held; under divided
+weights each connector is a unit of its own, gathered only while it runs.
 """
 from __future__ import annotations
 
@@ -407,6 +409,21 @@ def connect(connector, text: torch.Tensor) -> torch.Tensor:
     return connector(F.pad(text, (0, 0, 0, total - length)), attention_mask=mask)[0]
 
 
+@torch.no_grad()
+def connected(flow, text: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The raw text [n, L, video inner + audio inner] through both connectors: what ComfyUI's preprocess_text_embeds
+    computes once a sampling run. The family's `hold`: once for each context the ranks hold for a session."""
+    model = flow.model
+    inner = flow.loaded.info.config["num_attention_heads"] * flow.loaded.info.config["attention_head_dim"]
+    text = text.to(flow.device, flow.dtype)
+    return {"video_text": connect(model.video_connector, text[..., :inner]),
+            "audio_text": connect(model.audio_connector, text[..., inner:])}
+
+
+def _hold(flow, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    return connected(flow, tensor) if name == "context" else None
+
+
 def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
     """The packed velocity [n, 1, N] for packed latents x [n, 1, N] (ComfyUI's pack_latents of the video and audio
     streams) at ComfyUI's video timestep ([n], or [n, F*H*W] per token under a noise mask): what ComfyUI's LTXAVModel
@@ -458,8 +475,8 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     audio_sigma = a_scaled.amax(dim=1) if a_scaled.ndim == 2 else a_scaled
     gates = extras["gate_t"][0].to(device, torch.float32) if "gate_t" in extras \
         else torch.stack([a_t.max(), v_t.max()])
-    text = prepared.cond.to(device, dtype)
-    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    # the connectors' output, held with the context for the session (Family.hold), else computed for this call
+    text = prepared.held if prepared.held and "video_text" in prepared.held else connected(flow, prepared.cond)
     state = model.xdit_ltx_state
     state.update(a2v=(gates[0] * mult, cross / mult), v2a=(gates[1] * mult, cross / mult))
     perturbed = []   # STG's pass: these blocks' self-attentions pass their values through
@@ -475,8 +492,7 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
             attn.xdit_perturbed = True
         v_out, a_out = model(
             hidden_states=v_rows, audio_hidden_states=a_rows,
-            encoder_hidden_states=connect(model.video_connector, text[..., :inner]),
-            audio_encoder_hidden_states=connect(model.audio_connector, text[..., inner:]),
+            encoder_hidden_states=text["video_text"], audio_encoder_hidden_states=text["audio_text"],
             timestep=v_scaled, audio_timestep=a_scaled, sigma=sigma, audio_sigma=audio_sigma,
             video_coords=coords, audio_coords=a_coords, isolate_modalities=not coupled, return_dict=False)
     finally:
@@ -515,7 +531,7 @@ FAMILY = Family(
     cond_width=lambda config: config["cross_attention_dim"] + config["audio_cross_attention_dim"],
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
-    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
+    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, hold=_hold, shard_units=("video_connector", "audio_connector"),
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1)),
                       local_keys=("transformer_blocks.*.video_to_audio_attn",),
