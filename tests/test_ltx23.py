@@ -4,6 +4,7 @@ config required), the positions ComfyUI's LTXAV model gives the tokens, the engi
 real rank processes equal to one rank. ComfyUI's own LTXAV model against the engine is in the live check
 (tests/comfyui_ltx_check.py, skipped without COMFYUI_PATH)."""
 import contextlib
+import dataclasses
 import importlib
 import itertools
 import json
@@ -23,6 +24,7 @@ from engine.models.flow import FlowModel, Prepared
 from engine.models.load import inspect_model, load_model
 from engine.models.tiny import write_tiny
 from engine.parallel.plan import ParallelPlan
+from engine.parallel.traffic import sp_gather_bytes, sp_merge_bytes
 
 from conftest import PACK_NAME, RecordingLink
 from tolerance import fp32_bound, report
@@ -287,12 +289,13 @@ def test_the_compensations_and_the_per_token_timesteps_reach_the_model(local):
 
 @pytest.mark.parametrize("world,plan,masked", [
     (1, ParallelPlan(), True), (2, ParallelPlan(ulysses=2), True), (2, ParallelPlan(ring=2), False),
-    (2, ParallelPlan(ulysses=2, shard=2), True)],
-    ids=["single", "ulysses2-masked", "ring2", "ulysses2-shard2-masked"])
+    (2, ParallelPlan(ulysses=2, shard=2), True), (4, ParallelPlan(ulysses=2, ring=2), True)],
+    ids=["single", "ulysses2-masked", "ring2", "ulysses2-shard2-masked", "ulysses2-ring2-masked"])
 def test_every_sequence_plan_splits_the_video_and_equals_one_rank(engines, path, local, world, plan, masked):
-    """3 x 2 x 3 = 18 video tokens split across the ranks (Ulysses: the heads exchanged; Ring: the K/V passed on),
-    with their positions and per-token timesteps (masked: the first latent frame at 0.3 sigma); the audio (7 rows)
-    and the text held whole on every rank, v2a's video keys and values gathered whole."""
+    """3 x 2 x 3 = 18 video tokens split across the ranks (Ulysses: the heads exchanged; Ring: the K/V passed on;
+    ulysses2 x ring2: 5 a rank, the last ending in 2 pad rows), with their positions and per-token timesteps (masked:
+    the first latent frame at 0.3 sigma); the audio (7 rows) and the text held whole on every rank, v2a's audio
+    queries attending to each rank's own video keys, merged across the ranks."""
     x, t, c = ltx_call(masked=masked)
     want = reference(local, x, t, c)
     with ModelSession(engines(world), request(path, c, plan)) as s:
@@ -310,6 +313,70 @@ def test_a_video_the_degree_does_not_divide_is_padded_and_its_pad_rows_never_rea
     assert report("LTX-2.3, 5 video tokens on ring2", (got - want).abs().max(), bound(want))
 
 
+def test_v2a_sends_only_its_partial_audio_results_never_the_video(engines, path, local):
+    """Under sequence parallel the video-to-audio attention attends the audio (whole on every rank) to each rank's own
+    video keys and exchanges only each rank's partial output and log-sum-exp (7 audio rows x 4 heads x (8 values +
+    1 lse) fp32 a block, to 3 other ranks); the only video that travels is the output gathered after proj_out (18
+    tokens padded to 20, 5 a rank, x 128 values, to 3 others), counted per call against the planner's formulas."""
+    x, t, c = ltx_call(seed=6)
+    plan = ParallelPlan(ulysses=2, ring=2)
+    want = reference(local, x, t, c)
+    with ModelSession(engines(4), request(path, c, plan)) as s:
+        got = s.call(x, t, c)
+    sent = s.result.ranks[0]["bytes_sent_per_step"]   # per call on the MODEL route
+    merge = sp_merge_bytes(7, TINY.audio_heads, TINY.audio_head_dim, TINY.depth, plan, 1, elem_bytes=4)
+    gather = sp_gather_bytes(18, 128, plan, 1, elem_bytes=4)
+    print(f"LTX-2.3 ulysses2 x ring2, rank 0 per call: {dict(sent)}; v2a merge {merge} B, output gather {gather} B")
+    assert sent["sp_merge"] == merge and sent["sp_gather"] == gather
+    assert report("LTX-2.3 ulysses2 x ring2, v2a merged", (got - want).abs().max(), bound(want))
+
+
+def test_the_v2a_merge_of_split_keys_equals_one_softmax_over_all_of_them_on_every_rank_alike():
+    """attention.py local_keys on each rank's share of the keys (the last share ending in 2 pad rows, copies of the
+    last key, which must not enter the softmax), merged through the ranks' log-sum-exps, equals one attention over the
+    real keys, the same to the bit on every rank (the audio stream stays identical across the ranks). Four stand-in
+    ranks: each one's part is posted first, then each all-gather answers with all four."""
+    from engine.parallel.attention import SequenceParallelAttention
+    from engine.parallel.mesh import CommStats
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, n, 4, 8, generator=g) for n in (7, 18, 18))
+    size, per = 4, 5
+    padded = [torch.cat([t, t[:, -1:].expand(-1, 2, -1, -1)], dim=1) for t in (k, v)]
+    parts = {}
+
+    class Posted(Exception):
+        pass
+
+    class Stand:   # one rank of the sequence group
+        def __init__(self, rank):
+            self.rank, self.stats = rank, CommStats()
+
+        def __getitem__(self, name):
+            return types.SimpleNamespace(rank=self.rank, size=size)
+
+        def all_gather(self, t, group, dim, kind):
+            if len(parts) < size:
+                parts[self.rank] = t
+                raise Posted
+            self.stats.add(kind, t.numel() * t.element_size() * (size - 1))
+            return torch.cat([parts[r] for r in range(size)], dim=dim)
+
+    ranks = []
+    for r in range(size):
+        attention = SequenceParallelAttention.__new__(SequenceParallelAttention)
+        attention.mesh, attention.pad_tokens = Stand(r), 2
+        ranks.append((attention, *(t[:, r * per:(r + 1) * per] for t in padded)))
+    for attention, keys, values in ranks:
+        with pytest.raises(Posted):
+            attention.local_keys(q, keys, values)
+    outs = [attention.local_keys(q, keys, values) for attention, keys, values in ranks]
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert report("local_keys over 4 ranks with 2 pad rows vs one softmax", (outs[0] - want).abs().max(),
+                  fp32_bound(want.abs().max(), reduction=18 * 8, depth=2))
+    assert ranks[0][0].mesh.stats.sent["sp_merge"] == 3 * 2 * 7 * 4 * (8 * 4 + 4)   # (out + lse) fp32, 3 others
+
+
 def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side(engines, path, local):
     x, t, pos = ltx_call(seed=1, text=9, masked=True)
     _, _, neg = ltx_call(seed=2, text=4, masked=True)
@@ -318,6 +385,49 @@ def test_cfg_parallel_runs_the_two_passes_at_their_own_text_lengths_side_by_side
         got = s.call_group([(x, t, pos), (x, t, neg)])
     for name, g, w in zip(("positive (9 tokens)", "negative (4 tokens)"), got, want):
         assert report(f"LTX-2.3 cfg2: {name}", (g - w).abs().max(), bound(w))
+
+
+def test_a_forward_given_the_held_connectors_output_runs_no_connector_and_gives_the_same_bits(local):
+    """What the ranks hold with a context (the family's hold: both text connectors' output, ComfyUI's
+    preprocess_text_embeds) stands in for the connectors: a call carrying it runs neither connector and gives the
+    same output as one that runs them itself (the same arithmetic on the same rows)."""
+    x, t, c = ltx_call(seed=7)
+    extras = {k: v for k, v in c.items() if k in ltx23.EXTRAS}
+    held = ltx23.FAMILY.hold(local, "context", c["context"])
+    assert set(held) == {"video_text", "audio_text"} and ltx23.FAMILY.hold(local, "y", c["context"]) is None
+    runs = []
+    connectors = (local.model.video_connector, local.model.audio_connector)
+    handles = [m.register_forward_hook(lambda *a: runs.append(1)) for m in connectors]
+    try:
+        got = local.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras, held=held))
+        assert not runs
+        want = local.output(x, t, Prepared(c["context"], None, torch.ones(1), extras=extras))
+        assert len(runs) == 2
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world,plan", [(2, ParallelPlan(ulysses=2, shard=2)), (2, ParallelPlan(cfg=2, shard=2))],
+                         ids=["ulysses2-shard2", "cfg2-shard2"])
+def test_the_connectors_run_once_per_held_context_over_a_sessions_calls(engines, path, local, world, plan):
+    """Three rounds of a session: a positive (9 tokens) and a negative (4 tokens) context cross once and every rank
+    runs the connectors once for each, when it is first held, whatever rows its CFG group computes (cfg2 x shard2: the
+    connectors' weights are gathered over both CFG groups, so each rank must run them for both contexts at the same
+    point); each call equals one rank's."""
+    x, t, pos = ltx_call(seed=1, text=9, masked=True)
+    _, _, neg = ltx_call(seed=2, text=4, masked=True)
+    rounds = [(x, t), (x * 0.5, t * 0.8), (-x, t * 0.6)]
+    with ModelSession(engines(world), request(path, pos, plan, neg=neg["context"])) as s:
+        got = [s.call_group([(xi, ti, pos), (xi, ti, neg)]) for xi, ti in rounds]
+    held = [r["model_calls"]["held"] for r in s.result.ranks]
+    print(f"LTX-2.3 {plan.describe()}: 3 rounds of 2 calls, connectors run for {held} contexts on each rank")
+    assert held == [2] * world
+    for (xi, ti), outs in zip(rounds, got):
+        for name, g, c in zip(("positive", "negative"), outs, (pos, neg)):
+            w = reference(local, xi, ti, c)
+            assert report(f"LTX-2.3 {plan.describe()} held connectors, {name}", (g - w).abs().max(), bound(w))
 
 
 # ---- LTXVAddGuide's guides -------------------------------------------------------------------------------------------
@@ -523,19 +633,46 @@ def test_guides_on_one_rank_never_hand_torchs_attention_a_mask(local, monkeypatc
 @pytest.mark.parametrize("world,plan,kw", [
     (2, ParallelPlan(ulysses=2), {}), (2, ParallelPlan(ring=2), {}),
     (2, ParallelPlan(ring=2), {"h": 2, "w": 4, "dilated": True}),
-    (2, ParallelPlan(ulysses=2, shard=2), {"pixel_mask": torch.linspace(0, 1, 64 * 96).reshape(1, 1, 1, 64, 96)})],
-    ids=["ulysses2", "ring2", "ring2-dilated", "ulysses2-shard2-pixel-mask"])
+    (2, ParallelPlan(ulysses=2, shard=2), {"pixel_mask": torch.linspace(0, 1, 64 * 96).reshape(1, 1, 1, 64, 96)}),
+    (4, ParallelPlan(ulysses=2, ring=2), {})],
+    ids=["ulysses2", "ring2", "ring2-dilated", "ulysses2-shard2-pixel-mask", "ulysses2-ring2"])
 def test_every_sequence_plan_runs_the_guides_and_equals_one_rank(engines, path, local, world, plan, kw):
     """Two guide frames ending the video tokens (the first and the last image at strength 0.7): split across the
     ranks with the generated tokens, their positions and per-token timesteps, each rank's attention taking its part of
     the guides' bias (ring2: the second member holds the boundary; dilated: 34 of 40 tokens kept, padded to 17 a rank;
-    a pixel attention mask on the last guide)."""
+    a pixel attention mask on the last guide; ulysses2 x ring2: 30 tokens, 8 a rank, the last ending in 2 pad rows)."""
     x, t, c = guided_call(seed=4, **kw)
     want = reference(local, x, t, c)
     with ModelSession(engines(world), request(path, c, plan)) as s:
         got = s.call(x, t, c)
     assert report(f"LTX-2.3 guided call, {plan.describe()} {kw.get('dilated') and 'dilated' or ''}",
                   (got - want).abs().max(), bound(want))
+
+
+def test_compiled_blocks_compile_once_for_every_block_and_guided_call_and_equal_eager(path):
+    """torch.compile of each block (the engine's compile option): three guided calls whose guides' weights differ (a
+    new bias object each forward, its layouts laid out on first use) run on graphs compiled once for all four blocks
+    (Dynamo set to raise on any recompile; before, each block's STG index and the bias's layout cache sent every block
+    to a graph of its own, past Dynamo's limit of 8 on the 48-block model), each call equal to eager within the bound
+    (a compiled block may fuse and reorder the same arithmetic)."""
+    import torch._dynamo
+    from engine.models.speed import compiled_graphs, set_compiled
+    flow = FlowModel(load_model(path, dtype="fp32", device=torch.device("cpu")))
+    calls = [guided_call(seed=4, strengths=s) for s in ((0.7, 0.7), (0.5, 0.9), (0.3, 0.6))]
+    want = [reference(flow, *c) for c in calls]
+    torch._dynamo.reset()
+    set_compiled(flow.model, ("transformer_blocks",), True)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = [reference(flow, *c) for c in calls]
+        graphs = compiled_graphs()
+    finally:
+        set_compiled(flow.model, ("transformer_blocks",), False)
+        torch._dynamo.reset()
+    print(f"{len(flow.model.transformer_blocks)} compiled blocks, 3 guided calls: {graphs} graphs, no recompile")
+    assert graphs
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert report(f"LTX-2.3 compiled guided call {i} vs eager", (g - w).abs().max(), bound(w))
 
 
 # ---- the guidance nodes' extra passes ----------------------------------------------------------------------------------
@@ -571,12 +708,13 @@ def test_the_reference_audio_is_placed_before_time_zero_and_each_guidance_pass_m
 
 
 @pytest.mark.parametrize("plan,kw", [(ParallelPlan(ulysses=2), {"stg": (0, 2), "reference": 5}),
-                                     (ParallelPlan(ring=2), {"severed": True})], ids=["ulysses2-stg-reference",
-                                                                                      "ring2-severed"])
+                                     (ParallelPlan(ring=2), {"severed": True}),
+                                     (ParallelPlan(ulysses=2, ring=2), {"stg": (1,), "reference": 3})],
+                         ids=["ulysses2-stg-reference", "ring2-severed", "ulysses2-ring2-stg-reference"])
 def test_the_guidance_passes_on_a_sequence_plan_equal_one_rank(engines, path, local, plan, kw):
     x, t, c = guidance_call(**kw)
     want = reference(local, x, t, c)
-    with ModelSession(engines(2), request(path, c, plan)) as s:
+    with ModelSession(engines(plan.world_size), request(path, c, plan)) as s:
         got = s.call(x, t, c)
     assert report(f"LTX-2.3 guidance pass {sorted(kw)}, {plan.describe()}", (got - want).abs().max(), bound(want))
 
@@ -683,3 +821,23 @@ def test_the_planner_counts_the_audio_rows_and_the_engines_own_loop_refuses():
     latent = torch.zeros(1, 128, 2, 2, 2)
     with pytest.raises(ValueError, match="samples audio and video together"):
         GenerateRequest(model="synthetic:ltx-2.3:tiny", cond=torch.zeros(1, 4, TEXT), latent_raw=latent).submit(None)
+
+
+def test_the_planner_prices_the_v2a_merge_each_block_sends_at_full_size():
+    """1280 x 704 x 121 frames (14080 video tokens, 121 audio latents), 48 blocks: under ulysses2 each rank sends per
+    forward its partial v2a output and log-sum-exp to the other, 121 x 32 heads x (64 bf16 + 1 fp32) x 48 =
+    24,532,992 bytes (where gathering the video's keys-and-values input and its fp32 RoPE keys whole sent 7040 x
+    (4096 x 2 + 2 x 32 x 32 x 4) x 48 = 5.5 GB); the planner prices it on the link, one all-gather a block."""
+    from engine.parallel import cost
+    from engine.parallel.devices import Interconnect
+    from engine.parallel.plan import Workload
+    work = Workload.for_variant("ltx-2.3", 1280, 704, frames=121)
+    assert (work.merge_queries, work.merge_heads, work.merge_head_dim) == (121, 32, 64)
+    plan = ParallelPlan(ulysses=2)
+    assert cost.comm_bytes(plan, work)["sp_merge"] == 121 * 32 * (64 * 2 + 4) * 48 == 24_532_992
+    assert cost.comm_bytes(ParallelPlan(ring=4), work)["sp_merge"] == 3 * 24_532_992
+    assert cost.comm_bytes(ParallelPlan(cfg=2), work)["sp_merge"] == 0
+    link = Interconnect("nvlink", bandwidth_gbs=100.0, latency_us=10.0)
+    priced = cost.comm_ms(plan, work, link, 0.0) - cost.comm_ms(plan, dataclasses.replace(work, merge_queries=0), link,
+                                                                0.0)
+    assert math.isclose(priced, 24_532_992 / 100e9 * 1e3 + 48 * 10e-3)

@@ -287,13 +287,15 @@ def test_bench_shard_refuses_a_degree_it_cannot_run_in_one_line_before_any_rank_
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr
 
 
-ROOT_GATHERS_PROBE = r'''
-import sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+UNIT_GATHERS_PROBE = r'''
+import collections, json, sys, torch, torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as groups
+from torch.distributed.fsdp import FSDPModule
 from engine import families
+from engine.families import ltx23
 from engine.models.flow import FlowModel, Prepared
 from engine.models.load import load_model
+from engine.models.sharded import gathered
 from engine.parallel.shard import shard_spec
 
 class Group:   # the mesh's "shard" group as shard_spec reads it (a size above one, or it divides nothing)
@@ -304,45 +306,76 @@ class Mesh:
     device_type = "cpu"
     groups = {"shard": Group()}
 
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+family, path, port = sys.argv[1:4]
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=0, world_size=1)
 Group.pg = dist.group.WORLD
-spec = shard_spec(Mesh(), families.get("minimax-h3"))
+spec = shard_spec(Mesh(), families.get(family))
 spec = type(spec)(size=1, rank=0, ranks=(0,), wrap=spec.wrap)   # the process group's one rank holds every row
-loaded = load_model(sys.argv[1], dtype="fp32", shard=spec)
-gathers = []
+loaded = load_model(path, dtype="fp32", shard=spec)
+model, flow = loaded.model, FlowModel(loaded)
+gathers = collections.Counter()
 unshard = groups.FSDPParamGroup.unshard
 def counting(self, *args, **kwargs):
     if not self.is_unsharded and self._all_gather_result is None:
-        gathers.append(len(self.fsdp_params))
+        gathers[self._module_fqn or "root"] += 1
     return unshard(self, *args, **kwargs)
 groups.FSDPParamGroup.unshard = counting
 g = torch.Generator().manual_seed(0)
-x = torch.randn(2, 1, 24 * 3 * 4 * 6 + 32 * 2 * 7, generator=g)
-extras = {"av_shape": torch.tensor([[24, 3, 4, 6, 32, 2, 7]] * 2, dtype=torch.float64),
-          "audio_scale": torch.full((2,), 4.0, dtype=torch.float64),
-          "sigma_shift": torch.tensor([[12.0, 3.0]] * 2, dtype=torch.float64)}
-text = torch.randn(2, 9, loaded.info.config["text_dim"], generator=g)
-FlowModel(loaded).output(x, torch.tensor([700.0, 700.0]), Prepared(text, None, torch.ones(2), extras=extras))
-blocks = len(loaded.model.transformer_blocks)
-print(len(gathers), len([n for n in gathers if n != gathers[1]]), blocks)
+if family == "minimax-h3":   # one call of two rows: a forward each
+    x = torch.randn(2, 1, 24 * 3 * 4 * 6 + 32 * 2 * 7, generator=g)
+    extras = {"av_shape": torch.tensor([[24, 3, 4, 6, 32, 2, 7]] * 2, dtype=torch.float64),
+              "audio_scale": torch.full((2,), 4.0, dtype=torch.float64),
+              "sigma_shift": torch.tensor([[12.0, 3.0]] * 2, dtype=torch.float64)}
+    text = torch.randn(2, 9, loaded.info.config["text_dim"], generator=g)
+    flow.output(x, torch.tensor([700.0, 700.0]), Prepared(text, None, torch.ones(2), extras=extras))
+else:   # the context held once (the connectors run), then two calls that use it, all in one request's gather
+    x = torch.randn(1, 1, 128 * 2 * 2 * 3 + 8 * 5 * 16, generator=g)
+    extras, t = ltx23.comfy_call([(1, 128, 2, 2, 3), (1, 8, 5, 16)], {"frame_rate": 24.0}, {}, torch.tensor([0.7]))
+    text = torch.randn(1, 7, loaded.info.config["cross_attention_dim"] + loaded.info.config["audio_cross_attention_dim"],
+                       generator=g)
+    with gathered(model):
+        held = flow.family.hold(flow, "context", text)
+        for _ in range(2):
+            flow.output(x, t, Prepared(text, None, torch.ones(1), extras=extras, held=held))
+units = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
+print(json.dumps({"gathers": dict(gathers), "units": units}))
 '''
 
 
-def test_the_root_unit_is_gathered_once_a_call_however_many_forwards_the_family_makes(tmp_path):
-    """MiniMax-H3 runs one forward a row: a call of two rows on divided weights gathers each block once a forward
-    (twice) and the root unit (embedders, refiner, output heads) once for the call, not once a forward. (FSDP2 on a
-    group of one, in a process of its own: the same units, gathers and reshards as on a shard group.)"""
+def unit_gathers(tmp_path, family):
+    import json
     import socket
     import subprocess
     import sys
     from conftest import ROOT
-    path = write_tiny("minimax-h3", str(tmp_path))
+    path = write_tiny(family, str(tmp_path))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, "-c", ROOT_GATHERS_PROBE, path, str(port)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", UNIT_GATHERS_PROBE, family, path, str(port)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    total, roots, blocks = (int(v) for v in out.stdout.split()[-3:])
-    print(f"two rows: {total} gathers, {roots} of the root, {blocks} blocks a forward")
-    assert (total, roots) == (2 * blocks + 1, 1)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_the_root_unit_is_gathered_once_a_call_however_many_forwards_the_family_makes(tmp_path):
+    """MiniMax-H3 runs one forward a row: a call of two rows on divided weights gathers each block once a forward
+    (twice), its token refiner (a unit of its own) once a forward, and the root unit (embedders, output heads) once for
+    the call, not once a forward. (FSDP2 on a group of one, in a process of its own: the same units, gathers and
+    reshards as on a shard group.)"""
+    got = unit_gathers(tmp_path, "minimax-h3")
+    print(f"MiniMax-H3, two rows: gathers {got['gathers']}")
+    blocks = [u for u in got["units"] if u.startswith("transformer_blocks.")]
+    assert "token_refiner" in got["units"] and "" in got["units"]
+    assert got["gathers"] == {"root": 1, "token_refiner": 2, **{b: 2 for b in blocks}}
+
+
+def test_ltx_text_connectors_are_units_of_their_own_gathered_only_when_a_context_is_first_held(tmp_path):
+    """LTX-2.3's two text connectors are FSDP units of their own (not the root's): holding a context runs and
+    gathers each once; two calls that use the held output gather the blocks each call and the connectors never, the
+    root once for the request."""
+    got = unit_gathers(tmp_path, "ltx23")
+    print(f"LTX-2.3, a context held then two calls: gathers {got['gathers']}")
+    blocks = [u for u in got["units"] if u.startswith("transformer_blocks.")]
+    assert {"video_connector", "audio_connector", ""} <= set(got["units"]) and blocks
+    assert got["gathers"] == {"root": 1, "video_connector": 1, "audio_connector": 1, **{b: 2 for b in blocks}}

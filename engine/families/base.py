@@ -62,11 +62,17 @@ class TokenTable:
     reference_tokens: bool = False                  # split_inputs may end in reference tokens (FlowModel says how
     #                                                 many per forward): split with them or joint
     kwargs_name: str = "joint_attention_kwargs"     # the model's forward argument that reaches the processors
-    gather_args: tuple[tuple[str, str, int], ...] = ()  # (module, keyword argument, token dim): an input of a module
-    #                                                 gathered whole as it enters (image tokens only; a tuple's tensors
-    #                                                 each; the pad rows dropped), for a module whose queries are not
-    #                                                 image tokens but attend to all of them (e.g. audio queries over
-    #                                                 the video); a module path with ".*" names every module of a list
+    local_keys: tuple[str, ...] = ()                # modules whose queries every rank holds whole but whose keys and
+    #                                                 values are the image tokens, split (e.g. audio queries over the
+    #                                                 video): each rank attends to its own keys and the partial results
+    #                                                 merge exactly through their log-sum-exp (parallel/attention.py
+    #                                                 local_keys); marked `xdit_local_keys` for the processor, which
+    #                                                 says it takes them (`takes_local_keys`); a path with ".*" names
+    #                                                 every module of a list
+
+    def __post_init__(self):
+        if self.local_keys and self.reference_tokens:   # joint reference keys would enter every rank's softmax
+            raise ValueError("a token table with local_keys cannot take reference tokens held whole on every rank")
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,22 @@ class Family:
     # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
     # frames) -> count (MiniMax-H3: both audio channels' frames)
     extra_tokens: Callable[[dict, int], int] = lambda config, latent_frames: 0
+    # (flow, conditioning name, the tensor [rows, ...] as the ranks hold it for the session) -> {name: tensor [rows,
+    # ...]} the family derives from it once (LTX-2.3: its text connectors' output from the context), or None: carried
+    # with the calls that hold it (Prepared.held, sliced with its rows); a forward given none computes them itself.
+    # Every rank of the job runs it for the same tensors at the same point (when a tensor is first held), so the
+    # gathers of divided weights it makes stay matched
+    hold: Callable | None = None
+    # modules besides the blocks whose divided weights are units of their own (parallel/shard.py): gathered only while
+    # they run, not with the root for the whole call (LTX-2.3's text connectors, MiniMax-H3's token refiner)
+    shard_units: tuple[str, ...] = ()
     # the model forwards a call of `rows` rows makes (its `forward` runs them in one, or one a row: MiniMax-H3, whose
     # model takes a batch of one): ranks that gather divided weights in every forward must make as many
     forwards: Callable[[int], int] = lambda rows: 1
+    # (config, latent frames) -> (queries, heads, head width) of the attention each block runs with queries every rank
+    # holds whole over the split image tokens (TokenTable.local_keys; LTX-2.3's v2a: the audio over the video): the
+    # planner prices the merge of its partial results; (0, 0, 0): none
+    local_key_queries: Callable[[dict, int], tuple[int, int, int]] = lambda config, latent_frames: (0, 0, 0)
     text_cross: bool | None = None   # the text reached by cross-attention (None: as the diffusers config says, no
     #                                  joint_attention_dim); False: the text in the sequence
 

@@ -71,7 +71,9 @@ their times moved back to end one latent before 0, trimmed from the output: av_m
 
 Conditioning the engine does not take yet (refused in one line on the MODEL route): one direction of the coupling
 severed alone, a pass without one stream (run_vx / run_ax off). A text ComfyUI did not mark unprocessed (its
-connectors already run) is refused too: the ranks run the connectors.
+connectors already run) is refused too: the ranks run the connectors, as ComfyUI does once a sampling run: once for
+each context the ranks hold for a session (the family's `hold`), on every rank when it is first held; under divided
+weights each connector is a unit of its own, gathered only while it runs.
 """
 from __future__ import annotations
 
@@ -121,10 +123,18 @@ class LtxProcessor:
     """What diffusers' LTX2AudioVideoAttnProcessor computes (per-head gates from the query input, q/k RMS norms over
     all heads, split RoPE with separate query and key embeddings), the video self-attention (marked `xdit_sequence` at
     load) through the sequence-parallel entry point when one is given; the text cross-attentions, the audio attentions,
-    a2v (video queries over the whole audio) and v2a (the audio over the video gathered whole: the token table's
-    gather_args) local. The text connectors' mask is all zeros by construction (diffusers' connector replaces it so
-    after filling the registers: their attentions are marked `xdit_zero_mask` at load) and is no mask; any other is
-    refused (ComfyUI's LTX text encoder gives none), without reading it."""
+    a2v (video queries over the whole audio) local; v2a (the audio, whole on every rank, over the video) over each
+    rank's own video keys, merged across the ranks through the log-sum-exp (the token table's local_keys). The text
+    connectors' mask is all zeros by construction (diffusers' connector replaces it so after filling the registers:
+    their attentions are marked `xdit_zero_mask` at load) and is no mask; any other is refused (ComfyUI's LTX text
+    encoder gives none), without reading it.
+
+    Under torch.compile (each block compiled) the graph stays the same across blocks and calls: what the processor
+    reads in it is the same for every block (flags set at load, STG's `xdit_perturbed` per forward, whether the
+    forward has guides), and the guides' bias (a new object each forward) and the sequence group's exchanges run
+    outside the graph (`_outside_graph`)."""
+
+    takes_local_keys = True   # v2a's video keys stay split under sequence parallel (TokenTable.local_keys)
 
     def __init__(self, attention=None):
         self.attention = attention
@@ -132,8 +142,7 @@ class LtxProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None):
         from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
-        state = getattr(attn, "xdit_ltx_state", None)
-        if state and getattr(attn, "xdit_stg_block", None) in state.get("stg", ()):
+        if getattr(attn, "xdit_perturbed", False):   # this forward is STG's pass and this block one it perturbs
             return self._passthrough(attn, hidden_states)
         if attention_mask is not None:   # all zeros by construction in a connector with registers (marked at load)
             if not getattr(attn, "xdit_zero_mask", False):
@@ -148,11 +157,11 @@ class LtxProcessor:
             k = apply_split_rotary_emb(k, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         sequence = getattr(attn, "xdit_sequence", False)
-        bias = attn.xdit_ltx_state.get("guide") if sequence else None   # the guides' attention weights, this forward
-        if self.attention is not None and sequence:
-            out = self.attention(q, k, v, bias=bias)[0]
-        elif bias is not None:   # through the kernels that take a mask, whatever torch's attention is held to
-            out = bias.attend(q, k, v, 0, 0)[0]
+        guided = sequence and "guide" in attn.xdit_ltx_state   # the guides' attention weights, this forward
+        if guided or (self.attention is not None and getattr(attn, "xdit_local_keys", False)):
+            out = _outside_graph(self.attention, attn, q, k, v)
+        elif self.attention is not None and sequence:
+            out = self.attention(q, k, v)[0]
         else:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         out = out.flatten(2, 3).to(q.dtype)
@@ -170,6 +179,20 @@ class LtxProcessor:
         then the gates and the output projection as always. Each token's own: no exchange under sequence parallel."""
         gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
         return self._out(attn, attn.to_v(hidden_states), gate_logits)
+
+
+@torch.compiler.disable
+def _outside_graph(attention, attn, q, k, v):
+    """The attentions a compiled block leaves to eager code: the video self-attention under the guides' bias (the
+    bias is a new object each forward, with the block layouts it lays out on first use: Dynamo would guard on it and
+    compile every block again each call) through the sequence-parallel entry point or, on one rank, the kernels that
+    take a mask whatever torch's attention is held to; and v2a over each rank's own video keys, merged across them."""
+    if not getattr(attn, "xdit_sequence", False):
+        return attention.local_keys(q, k, v)
+    bias = attn.xdit_ltx_state["guide"]
+    if attention is not None:
+        return attention(q, k, v, bias=bias)[0]
+    return bias.attend(q, k, v, 0, 0)[0]
 
 
 # ---- the compensations, registered once at load ------------------------------------------------------------------
@@ -228,11 +251,11 @@ def _after_load(model) -> None:
     for name, module in model.named_modules():
         if name.endswith(("norm_q", "norm_k")):
             module.eps = QK_EPS
-    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias, STG's blocks
-    for i, block in enumerate(model.transformer_blocks):
+    state: dict = {}   # per forward: the crossed gate timesteps, the guides' attention bias
+    for block in model.transformer_blocks:
         block.attn1.xdit_sequence = True
-        for attn in (block.attn1, block.audio_attn1):   # the self-attentions STG perturbs
-            attn.xdit_ltx_state, attn.xdit_stg_block = state, i
+        for attn in (block.attn1, block.audio_attn1):   # the self-attentions STG perturbs (per forward)
+            attn.xdit_ltx_state, attn.xdit_perturbed = state, False
         _v2a_renorm(block)
     for connector in (model.video_connector, model.audio_connector):   # their mask: zeros once registers fill it
         if connector.learnable_registers is not None:
@@ -386,6 +409,21 @@ def connect(connector, text: torch.Tensor) -> torch.Tensor:
     return connector(F.pad(text, (0, 0, 0, total - length)), attention_mask=mask)[0]
 
 
+@torch.no_grad()
+def connected(flow, text: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The raw text [n, L, video inner + audio inner] through both connectors: what ComfyUI's preprocess_text_embeds
+    computes once a sampling run. The family's `hold`: once for each context the ranks hold for a session."""
+    model = flow.model
+    inner = flow.loaded.info.config["num_attention_heads"] * flow.loaded.info.config["attention_head_dim"]
+    text = text.to(flow.device, flow.dtype)
+    return {"video_text": connect(model.video_connector, text[..., :inner]),
+            "audio_text": connect(model.audio_connector, text[..., inner:])}
+
+
+def _hold(flow, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    return connected(flow, tensor) if name == "context" else None
+
+
 def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Tensor:
     """The packed velocity [n, 1, N] for packed latents x [n, 1, N] (ComfyUI's pack_latents of the video and audio
     streams) at ComfyUI's video timestep ([n], or [n, F*H*W] per token under a noise mask): what ComfyUI's LTXAVModel
@@ -437,24 +475,30 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     audio_sigma = a_scaled.amax(dim=1) if a_scaled.ndim == 2 else a_scaled
     gates = extras["gate_t"][0].to(device, torch.float32) if "gate_t" in extras \
         else torch.stack([a_t.max(), v_t.max()])
-    text = prepared.cond.to(device, dtype)
-    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    # the connectors' output, held with the context for the session (Family.hold), else computed for this call
+    text = prepared.held if prepared.held and "video_text" in prepared.held else connected(flow, prepared.cond)
     state = model.xdit_ltx_state
     state.update(a2v=(gates[0] * mult, cross / mult), v2a=(gates[1] * mult, cross / mult))
-    if "stg" in extras:   # STG's pass: these blocks' self-attentions pass their values through
-        state["stg"] = frozenset(int(b) for b in extras["stg"][0].tolist())
+    perturbed = []   # STG's pass: these blocks' self-attentions pass their values through
+    if "stg" in extras:
+        blocks = model.transformer_blocks
+        perturbed = [a for b in sorted({int(b) for b in extras["stg"][0].tolist()}) if 0 <= b < len(blocks)
+                     for a in (blocks[b].attn1, blocks[b].audio_attn1)]
     coupled = "coupled" not in extras or bool(extras["coupled"][0] != 0)   # (host values: nothing waits)
     if tracked:   # the guides' attention weights as log weights in the model's dtype (log_weights)
         state["guide"] = GuideBias(kept - guides, tracked, log_weights(extras["guide_weights"][0].to(device), dtype))
     try:
+        for attn in perturbed:
+            attn.xdit_perturbed = True
         v_out, a_out = model(
             hidden_states=v_rows, audio_hidden_states=a_rows,
-            encoder_hidden_states=connect(model.video_connector, text[..., :inner]),
-            audio_encoder_hidden_states=connect(model.audio_connector, text[..., inner:]),
+            encoder_hidden_states=text["video_text"], audio_encoder_hidden_states=text["audio_text"],
             timestep=v_scaled, audio_timestep=a_scaled, sigma=sigma, audio_sigma=audio_sigma,
             video_coords=coords, audio_coords=a_coords, isolate_modalities=not coupled, return_dict=False)
     finally:
         state.clear()
+        for attn in perturbed:
+            attn.xdit_perturbed = False
     a_out = a_out[:, refs:]
     if keep is not None:   # the dropped tokens' output: zeros
         v_out = v_out.new_zeros(n, frames * h * w, v_out.shape[-1]).index_copy(1, keep, v_out)
@@ -487,13 +531,12 @@ FAMILY = Family(
     cond_width=lambda config: config["cross_attention_dim"] + config["audio_cross_attention_dim"],
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
-    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS,
+    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, hold=_hold, shard_units=("video_connector", "audio_connector"),
     stock_jobs={"ltx-2.3": StockJob("ltx-2.3-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; "
                                     "the second: --width 1280 --height 704 --steps 3")},
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1)),
-                      gather_args=(("transformer_blocks.*.video_to_audio_attn", "encoder_hidden_states", 1),
-                                   ("transformer_blocks.*.video_to_audio_attn", "key_rotary_emb", 2)),
+                      local_keys=("transformer_blocks.*.video_to_audio_attn",),
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width,
     native_layout="ltx", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load, tiny_metadata=tiny_metadata,
@@ -502,6 +545,9 @@ FAMILY = Family(
                  "audio_vae.decoder.conv_in.conv.weight", "vocoder.conv_pre.weight"),
     packed_streams=True, extras=EXTRAS, host_extras=HOST_EXTRAS, call_extras=comfy_call,
     extra_tokens=lambda config, latent_frames: audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
+    local_key_queries=lambda config, latent_frames: (audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
+                                                     config["audio_num_attention_heads"],
+                                                     config["audio_attention_head_dim"]),
     describe_blocks=lambda c: (f"{c['num_layers']} audio-video blocks (video {c['num_attention_heads']} x "
                                f"{c['attention_head_dim']}, audio {c['audio_num_attention_heads']} x "
                                f"{c['audio_attention_head_dim']}) and two {c['connector_num_layers']}-block text "

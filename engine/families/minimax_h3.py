@@ -365,6 +365,7 @@ FAMILY = Family(
                       split_args=(("transformer_blocks.0", 0, 1), ("transformer_blocks.*", 2, 0), ("norm_out", 2, 0)),
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width, modulation=("adaln_proj",), text_stream=("token_refiner",),
+    shard_units=("token_refiner",),
     native_layout="minimax", dims=DIMS, shapes=shapes, rebuild_off_meta=_after_load, fp32_params=_fp32_param,
     packed_streams=True, extras=EXTRAS, host_extras=EXTRAS, call_extras=comfy_call, text_splits=True, text_cross=False,
     extra_tokens=lambda config, latent_frames: 2 * audio_frames(H3_VIDEO.pixel_frames(latent_frames)),

@@ -23,6 +23,7 @@ from ..errors import EngineError, PlanError
 from ..models.flow import Prepared, frame
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.lora import HeldPatches, WeightPatches
+from ..models.sharded import gathered
 from ..models.speed import attention_kernels
 from .request import GenerateRequest
 from .run import _finish, _parallel_model
@@ -229,8 +230,9 @@ class CallClock:
         return (self._done or time.perf_counter()) - self.started
 
 
-def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepared:
-    """The Prepared of one call from the tensors ComfyUI's model passed (already on the device, in their dtypes)."""
+def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict, held: dict | None = None) -> Prepared:
+    """The Prepared of one call from the tensors ComfyUI's model passed (already on the device, in their dtypes) and
+    what the family derived from them when they were first held (Family.hold)."""
     n = conditioning["context"].shape[0]
     guidance = conditioning.get("guidance")
     refs = sorted((k for k in conditioning if k.startswith("ref_latents.")), key=lambda k: int(k.split(".")[1]))
@@ -242,7 +244,7 @@ def _prepared(flow, conditioning: dict[str, torch.Tensor], meta: dict) -> Prepar
     return Prepared(conditioning["context"], conditioning.get("y"),
                     guidance if guidance is not None else torch.full((n,), 3.5, device=flow.device),
                     tuple(frame(conditioning[k]) for k in refs), method, image_context=conditioning.get("clip_fea"),
-                    extras=extras or None)
+                    extras=extras or None, held=held or None)
 
 
 def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str, torch.Tensor] | None:
@@ -259,7 +261,8 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
     parallel = _parallel_model(ctx, request, mesh, weight_patches=patches)
     flow = parallel.flow
     held: dict[str, torch.Tensor] = {}   # "<name>@<slot>" -> on the device, in the dtype the model takes
-    calls, compute_s = 0, 0.0
+    derived: dict[str, dict] = {}        # "<name>@<slot>" -> what the family derived from it (Family.hold)
+    calls, compute_s, holds = 0, 0.0, 0
     # a test instrument around the calls (a call is its step); a no-op unless the rank's environment arms it
     with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device):
         syncs.start()
@@ -269,26 +272,38 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
         for call, meta, tensors in ctx.calls(device=ctx.device, host=lambda key: key.split("@")[0] in host):
             t0 = time.perf_counter()
             clock = CallClock(ctx.device)
+            new = []
             for key, t in tensors.items():
                 if "@" in key:   # a copy: the call's buffer is not kept alive by what the session holds
                     name = key.split("@")[0]
                     held[key] = t.to(torch.float64 if name in flow.family.extras else
                                      torch.float32 if name in FLOAT32 else flow.dtype, copy=True)
-            parts = []
-            for i, part in enumerate(meta["parts"]):
-                conditioning = {name: held[f"{name}@{slot}"] for name, slot in part["held"].items()}
-                x = tensors[f"{i}.x"]
-                concat = conditioning.pop(CONCAT, None)
-                if concat is not None:
-                    x = torch.cat([x.to(flow.dtype), concat], dim=1)
-                parts.append((x, tensors[f"{i}.timestep"], _prepared(flow, conditioning, part)))
-            outs = parallel.call_parts(parts)
+                    derived.pop(key, None)
+                    new.append(key)
+            with gathered(flow.model):   # the root's weights once for the call (call_parts nests in it)
+                if flow.family.hold is not None:   # every rank, for the same new tensors, in the call's order
+                    for key in new:
+                        out = flow.family.hold(flow, key.split("@")[0], held[key])
+                        if out:
+                            derived[key], holds = out, holds + 1
+                parts = []
+                for i, part in enumerate(meta["parts"]):
+                    keys = [f"{name}@{slot}" for name, slot in part["held"].items()]
+                    conditioning = {key.split("@")[0]: held[key] for key in keys}
+                    x = tensors[f"{i}.x"]
+                    concat = conditioning.pop(CONCAT, None)
+                    if concat is not None:
+                        x = torch.cat([x.to(flow.dtype), concat], dim=1)
+                    from_held = {k: v for key in keys for k, v in derived.get(key, {}).items()}
+                    parts.append((x, tensors[f"{i}.timestep"], _prepared(flow, conditioning, part, from_held)))
+                outs = parallel.call_parts(parts)
             clock.computed()
             calls += 1
             ctx.answer(call, {f"{i}.out": out for i, out in enumerate(outs)} if ctx.rank == 0 else None, clock=clock)
             compute_s += time.perf_counter() - t0
             syncs.step(calls)
-    ctx.info["model_calls"] = {"calls": calls, "compute_s": compute_s}
+    # held: the conditioning tensors the family derived from (LTX-2.3: each context through its text connectors)
+    ctx.info["model_calls"] = {"calls": calls, "compute_s": compute_s, "held": holds}
     _finish(ctx, request, mesh, flow.loaded.info, torch.empty(0))
     ctx.info["bytes_sent_per_step"] = {k: v / max(calls, 1) for k, v in mesh.stats.sent.items()}  # per call here
     return None

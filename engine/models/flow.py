@@ -65,6 +65,8 @@ class Prepared:
     denoise_mask: torch.Tensor | None = None    # ComfyUI's denoise_mask [rows, C, ...] (1: denoise), for the family's
     #                                             process_timestep
     extras: dict | None = None                  # the family's own per-call tensors (Family.extras), [rows, ...]
+    held: dict | None = None                    # what the family derived once from the held conditioning
+    #                                             (Family.hold), [rows, ...]; None: nothing held (its forward computes)
 
     def rows(self, items: slice) -> "Prepared":
         """The conditioning of batch rows `items` (each row has its own)."""
@@ -73,7 +75,8 @@ class Prepared:
         return Prepared(self.cond[items], take(self.pooled), self.guidance[items],
                         tuple(r[items] for r in self.references), self.reference_method, take(self.image_context),
                         take(self.concat), take(self.denoise_mask),
-                        None if self.extras is None else {k: take(v) for k, v in self.extras.items()})
+                        None if self.extras is None else {k: take(v) for k, v in self.extras.items()},
+                        None if self.held is None else {k: take(v) for k, v in self.held.items()})
 
 
 def rows(t: torch.Tensor, batch: int, items: slice, name: str = "conditioning") -> torch.Tensor:

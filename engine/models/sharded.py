@@ -72,6 +72,9 @@ def gathered(model: torch.nn.Module):
         return
     depth = model.__dict__.get("_xdit_gathered", 0)
     if not depth:
+        # FSDP2 takes the first unit whose forward runs for its root; a family may run a unit of its own (a text
+        # connector, Family.shard_units) before the model's forward: the model is made the root first
+        model._get_fsdp_state()._lazy_init()
         model.unshard()
     model.__dict__["_xdit_gathered"] = depth + 1
     try:

@@ -74,6 +74,29 @@ class SequenceParallelAttention:
                 text_out = image_out.new_zeros(image_out.shape[0], 0, *image_out.shape[2:])
         return image_out, (text_out if joint is not None else None)
 
+    def local_keys(self, q, k, v):
+        """Queries every sequence-parallel rank holds whole (all heads) over keys and values that are this rank's
+        shard of the image tokens (e.g. audio queries over the video): each rank attends its queries to its own keys
+        (the pad rows off), then the ranks exchange only these partial results, each output with its log-sum-exp
+        (out in the queries' dtype and lse in fp32, in one all-gather over the sequence group, counted as
+        "sp_merge"), and every rank merges them in group order: the same exact softmax over all the keys, the same
+        values on every rank. Returns the output (the queries' dtype)."""
+        sp = self.mesh["sp"]
+        if self.pad_tokens and sp.rank == sp.size - 1:   # this rank's keys end in the pad rows
+            k, v = k[:, :k.shape[1] - self.pad_tokens], v[:, :v.shape[1] - self.pad_tokens]
+        out, lse = self._block(q, k, v, 0, 0)
+        if sp.size == 1:
+            return out.to(q.dtype)
+        out, lse = out.contiguous(), lse.contiguous()
+        split = out.numel() * out.element_size()
+        parts = self.mesh.all_gather(torch.cat([out.reshape(-1).view(torch.uint8), lse.reshape(-1).view(torch.uint8)]),
+                                     "sp", dim=0, kind="sp_merge").chunk(sp.size)
+        merged = merged_lse = None
+        for part in parts:   # group order on every rank: every rank's merge is the same to the bit
+            merged, merged_lse = _merge(merged, merged_lse, part[:split].view(out.dtype).view(out.shape),
+                                        part[split:].view(lse.dtype).view(lse.shape))
+        return merged.to(q.dtype)
+
     def _local(self, queries, keys, values, bias=None):
         """Every key at once: torch's attention (the engine's attention setting chooses its kernel); under a bias the
         engine's own kernels, which take one whatever kernel torch's attention is held to."""

@@ -34,7 +34,7 @@ from .memory import expert_placement, host_gib_per_machine, memory_gib, stage_me
 from .plan import HOST, ParallelPlan, Workload, items_per_rank, joint_text, shard_tokens, text_split
 # what each method sends (traffic.py), read through this module too
 from .traffic import (attention_bytes, comm_bytes, patches, pipefusion_attention_bytes,  # noqa: F401
-                      pipefusion_step_bytes, sp_gather_bytes)
+                      pipefusion_step_bytes, sp_gather_bytes, sp_merge_bytes)
 
 FP32_SLOWDOWN = 8        # fp32 matmuls leave the bf16 tensor path: 1/15 of bf16 on H100, 1/2 on GeForce cards
 TIE = 0.10               # estimates within 10% of the fastest are a tie: the plan that sends less wins, then the
@@ -381,6 +381,8 @@ def comm_ms(plan, work, link: Interconnect, attention_ms: float, code: Code | No
     for kind in ("sp_gather", "cfg_gather", "dp_gather"):
         if kinds[kind]:
             ms += over(kinds[kind], link.bandwidth_gbs) + latency
+    if kinds["sp_merge"]:   # one all-gather a block (attention.py local_keys), the block waits on it
+        ms += over(kinds["sp_merge"], link.bandwidth_gbs) + work.layers / plan.pipefusion * latency
     if plan.pipefusion > 1:
         p2p = over(kinds["pipefusion_p2p"], link.bandwidth_gbs)
         ms += p2p - code.pipefusion_overlap * min(p2p, compute) + m * p2p_latency

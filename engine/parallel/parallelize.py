@@ -59,6 +59,7 @@ class ParallelFlow:
         self._image_tokens = 0       # image tokens (before padding) of the current forward
         self._pad = 0                # pad rows at the end of the last rank's image shard in the current forward
         self.attention: SequenceParallelAttention | None = None
+        self._marked: list = []      # modules marked for the processor (local_keys), unmarked at close
         if mesh["sp"].size > 1:
             self._split_tokens()
 
@@ -78,10 +79,13 @@ class ParallelFlow:
         for name, index, dim in table.split_args:
             for module in modules_at(model, name):
                 self._hooks.append(module.register_forward_pre_hook(self._split_arg(name, index, dim)))
-        for name, keyword, dim in table.gather_args:
+        if table.local_keys and not getattr(table.processor, "takes_local_keys", False):
+            raise ValueError(f"{self.family.title}'s token table names modules whose keys stay split "
+                             f"(local_keys), which its attention processor does not take")
+        for name in table.local_keys:   # the processor sends these through the entry point's local_keys
             for module in modules_at(model, name):
-                self._hooks.append(module.register_forward_pre_hook(self._gather_arg(name, keyword, dim),
-                                                                    with_kwargs=True))
+                module.xdit_local_keys = True
+                self._marked.append(module)
         for name, item, dim in table.text_after:
             self._hooks.append(model.get_submodule(name).register_forward_hook(
                 self._split_output(name, item, dim, text=True)))
@@ -111,28 +115,6 @@ class ParallelFlow:
                 raise ValueError(f"{name} was called with {len(args)} positional inputs; the family's token table "
                                  f"splits input {index}")
             return args[:index] + (self._shard_image(args[index], dim, name),) + args[index + 1:]
-        return hook
-
-    def _gather_arg(self, name: str, keyword: str, dim: int):
-        """A forward pre-hook that gathers a module's keyword input `keyword` (this rank's image tokens along `dim`, or
-        a tuple of such tensors) whole from every sequence-parallel rank, the pad rows dropped: for a module whose
-        queries every rank holds whole but that attends to all the image tokens (e.g. audio queries over the
-        video)."""
-        def whole(t: torch.Tensor) -> torch.Tensor:
-            if self._joint_references:
-                raise ValueError(f"{name}: its {keyword} cannot be gathered with joint reference tokens")
-            t = self.mesh.all_gather(t, "sp", dim=dim, kind="sp_gather")
-            return t.narrow(dim, 0, self._image_tokens) if self._pad else t
-
-        def hook(module, args, kwargs):
-            if keyword not in kwargs:
-                raise ValueError(f"{name} was called without the keyword input {keyword!r}, which the family's token "
-                                 f"table gathers")
-            value = kwargs[keyword]
-            if value is None:
-                return None
-            value = tuple(whole(t) for t in value) if isinstance(value, (tuple, list)) else whole(value)
-            return args, {**kwargs, keyword: value}
         return hook
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -224,6 +206,9 @@ class ParallelFlow:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for module in self._marked:
+            del module.xdit_local_keys
+        self._marked.clear()
         if self._original_processors is not None:
             self.flow.model.set_attn_processor(self._original_processors)
             self._original_processors = None

@@ -154,6 +154,12 @@ class Workload:
     video: bool = False
     latent_frames: int = 1
     audio_tokens: int = 0
+    # queries every rank holds whole that attend, once a block, to the split image tokens (TokenTable.local_keys:
+    # LTX-2.3's audio over the video), and their heads and head width: under sequence parallel their partial results
+    # are exchanged and merged (traffic.sp_merge_bytes); 0: none
+    merge_queries: int = 0
+    merge_heads: int = 0
+    merge_head_dim: int = 0
 
     @property
     def per(self) -> str:
@@ -202,7 +208,9 @@ class Workload:
                    # (Wan: `text_dim`) attends to the text by cross-attention
                    text_cross=("joint_attention_dim" not in info.config) if family.text_cross is None
                    else family.text_cross, experts=experts, placement=placement, video=family.frames,
-                   latent_frames=frames, audio_tokens=audio)
+                   latent_frames=frames, audio_tokens=audio,
+                   **dict(zip(("merge_queries", "merge_heads", "merge_head_dim"),
+                              family.local_key_queries(info.config, frames))))
 
     @classmethod
     def for_variant(cls, variant: str, width: int = 1024, height: int = 1024, *, batch: int = 1,

@@ -1,6 +1,7 @@
 """Weights divided among a group of ranks (the plan's `shard` degree), with torch's own FSDP2 (`fully_shard`):
-each transformer block is one unit whose parameters every member holds a 1/shard row slice of, and the model's other
-parameters (embedders, final layer) one more unit at the root. A block's whole weights are gathered just before it
+each transformer block is one unit whose parameters every member holds a 1/shard row slice of, each module the family
+names (`Family.shard_units`: text connectors, a token refiner) one more, and the model's other parameters (embedders,
+final layer) one more unit at the root. A block's whole weights are gathered just before it
 runs and freed after (inference: nothing is kept for a backward pass); the next block's gather is posted while this
 one computes (explicit forward prefetch), on the communicator's own stream on GPUs. The root's are gathered once for
 the whole call (models/sharded.py `gathered`; not resharded after each forward), since a family's forward reaches the
@@ -34,6 +35,8 @@ def shard_spec(mesh, family) -> ShardSpec | None:
         units = [block for name in blocks for block in model.get_submodule(name)]
         for unit in units:
             fully_shard(unit, mesh=device_mesh, reshard_after_forward=True)
+        for name in family.shard_units:   # a family's own units (text connectors): whole only while they run
+            fully_shard(model.get_submodule(name), mesh=device_mesh, reshard_after_forward=True)
         # the root stays whole after a forward until `gathered` lets it go at the end of the call: a family that runs
         # several forwards a call (MiniMax-H3, one a row) gathers it once, not once a forward
         fully_shard(model, mesh=device_mesh, reshard_after_forward=False)

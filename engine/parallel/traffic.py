@@ -42,6 +42,15 @@ def sp_gather_bytes(image_tokens: int, out_features: int, plan, batch: int, elem
     return (p - 1) * batch * shard_tokens(image_tokens, p) * out_features * elem_bytes
 
 
+def sp_merge_bytes(queries: int, heads: int, head_dim: int, layers: int, plan, batch: int,
+                   elem_bytes: int = 2) -> int:
+    """What each sequence-parallel rank sends per model call for `layers` attentions whose queries every rank holds
+    whole over its own image tokens (attention.py local_keys): its partial output (the activations' dtype) and
+    log-sum-exp (fp32) of every query and head, to every other rank."""
+    p = plan.ulysses * plan.ring
+    return (p - 1) * batch * queries * heads * (head_dim * elem_bytes + 4) * layers
+
+
 def patches(plan, work) -> int:
     """PipeFusion's patches per model call (1 without PipeFusion): the job's, else one per stage."""
     return (work.patches or plan.pipefusion) if plan.pipefusion > 1 else 1
@@ -73,6 +82,8 @@ def comm_bytes(plan, work) -> dict[str, int]:
         dual = attention_bytes(work.image_tokens, 0, work.heads, work.head_dim, work.dual_layers, False, plan, items,
                                elem)
     kinds = {k: v + dual[k] for k, v in kinds.items()}
+    kinds["sp_merge"] = sp_merge_bytes(work.merge_queries, work.merge_heads, work.merge_head_dim, work.layers, plan,
+                                       items, elem)
     if plan.pipefusion > 1:   # a stage's sequence-parallel group runs only its share of the layers
         kinds = {k: v // plan.pipefusion for k, v in kinds.items()}
     kinds["sp_gather"] = sp_gather_bytes(work.image_tokens, work.out_features, plan, items, elem)
