@@ -909,3 +909,19 @@ def test_the_gather_and_memory_terms_against_published_fsdp_inference_runs(capsy
     gathers = [r for r in rows if r.unit != "GB"]
     assert memory and all(abs(r.residual) <= 0.25 for r in memory)
     assert gathers and all(0.5 <= r.predicted / r.measured <= 2 for r in gathers)
+
+
+def test_a_divided_models_separate_units_are_not_held_whole_with_the_root():
+    """LTX-2.3's text connectors (about 2.0 B parameters) and MiniMax-H3's refiner are FSDP units of their own under
+    divided weights: gathered while they run (before the blocks), not kept whole with the root for the call. A GPU
+    holds the root without them and the larger of three blocks and the largest unit; FLUX.1 has none."""
+    from engine.parallel.memory import IN_FLIGHT_BLOCKS, gathered_bytes
+    for variant, units in (("ltx-2.3", 2), ("minimax-h3", 1), ("flux-dev", 0)):
+        work = Workload.for_variant(variant)
+        assert len(work.unit_weight_bytes) == units
+        root = work.weight_bytes - work.block_weight_bytes - sum(work.unit_weight_bytes)
+        blocks = IN_FLIGHT_BLOCKS * work.block_weight_bytes / work.layers
+        assert gathered_bytes(work) == pytest.approx(root + max([blocks, *work.unit_weight_bytes]))
+        print(f"{variant}: units {[round(u / GiB, 2) for u in work.unit_weight_bytes]} GiB, held whole while divided "
+              f"{gathered_bytes(work) / GiB:.2f} GiB")
+    assert sum(Workload.for_variant("ltx-2.3").unit_weight_bytes) / GiB > 3.5   # bf16: 2.0 B parameters

@@ -26,6 +26,7 @@ class CheckpointInfo:
     ignored: int = 0            # other tensors in the file (text encoders, VAE)
     parameters: int = 0         # the transformer's parameter count (what the planner's memory model weighs)
     block_parameters: int = 0   # of which in the transformer blocks
+    unit_parameters: tuple = ()  # of which in each of the family's shard_units (gathered alone under divided weights)
     stored_fp8: bool = False    # the file stores matrices in fp8 or GGUF blocks (<= ~1 byte a weight), which stay so
     format: str = "safetensors"  # "safetensors" | "fp8_scaled" (ComfyUI's per-layer scale_weight) | "fp8_mixed"
     #                              (ComfyUI's mixed precision: weight_scale on the layers its metadata lists) |
@@ -61,15 +62,16 @@ class CheckpointInfo:
         return self.spec.latent_patch(self.config)
 
 
-def count_parameters(family: Family, layout: str, config: dict, shapes: dict[str, tuple]) -> tuple[int, int]:
-    """(all, in the transformer blocks) parameters of a transformer's tensors, `shapes` in the file's `layout`: a tensor
-    is in the blocks when what it becomes in diffusers' names is."""
+def count_parameters(family: Family, layout: str, config: dict,
+                     shapes: dict[str, tuple]) -> tuple[int, int, tuple[int, ...]]:
+    """(all, in the transformer blocks, in each of the family's shard_units) parameters of a transformer's tensors,
+    `shapes` in the file's `layout`: a tensor is in the blocks (a unit) when what it becomes in diffusers' names is."""
     mapping = family.key_map(layout, config)
     diffusers_name = {src: dst for dst, src, _ in mapping} if mapping else {}
     blocks = tuple(f"{name}." for name in family.tokens.blocks)
-    sizes = {k: math.prod(shape) for k, shape in shapes.items()}
-    return (sum(sizes.values()),
-            sum(n for k, n in sizes.items() if diffusers_name.get(k, k).startswith(blocks)))
+    sizes = [(diffusers_name.get(k, k), math.prod(shape)) for k, shape in shapes.items()]
+    return (sum(n for _, n in sizes), sum(n for k, n in sizes if k.startswith(blocks)),
+            tuple(sum(n for k, n in sizes if k.startswith(f"{unit}.")) for unit in family.shard_units))
 
 
 def _recognise(tensors: dict) -> tuple[Family, str, str] | None:
@@ -143,7 +145,7 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
     if bad or config.get("patch_size", 1) < 1:
         raise CheckpointError(f"{path}: {what} whose tensor shapes give "
                               f"{bad or {'patch_size': config.get('patch_size')}}; the file is damaged")
-    parameters, in_blocks = count_parameters(family, layout, config, shapes)
+    parameters, in_blocks, in_units = count_parameters(family, layout, config, shapes)
     dtypes = [tensors[prefix + k].dtype for k in keys]
     fp8 = any(d.startswith("F8") for d in dtypes)
     gguf = "gguf.architecture" in metadata
@@ -167,7 +169,7 @@ def detect(path: str, tensors: dict[str, TensorInfo], metadata: dict, stated: di
                  or tensors[prefix + k].dtype == "I8" or (gguf and tensors[prefix + k].dtype not in ("F32", "F16", "BF16"))]
     return CheckpointInfo(family.name, variant, layout, prefix, config, keys,
                           ignored=len(tensors) - len(keys) - len(scaled), parameters=parameters,
-                          block_parameters=in_blocks, stored_fp8=fp8, format=fmt, quantization=quantization,
+                          block_parameters=in_blocks, unit_parameters=in_units, stored_fp8=fp8, format=fmt, quantization=quantization,
                           quantized_parameters=sum(math.prod(t.shape) for t in quantized),
                           quantized_bytes=sum(t.end - t.begin for t in quantized), layer_quant=layer_quant)
 

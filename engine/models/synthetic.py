@@ -42,9 +42,9 @@ def synthetic_info(source: str) -> CheckpointInfo:
     shapes = family.shapes(dims)
     metadata = {"xdit.synthetic": json.dumps({"variant": variant, "dims": asdict(dims)})}
     config, _ = family.infer(family.native_layout, shapes, metadata)
-    parameters, in_blocks = count_parameters(family, family.native_layout, config, shapes)
+    parameters, in_blocks, in_units = count_parameters(family, family.native_layout, config, shapes)
     return CheckpointInfo(family=family.name, variant=variant, layout="synthetic", prefix="", config=config,
-                          parameters=parameters, block_parameters=in_blocks)
+                          parameters=parameters, block_parameters=in_blocks, unit_parameters=in_units)
 
 
 @torch.no_grad()

@@ -87,10 +87,12 @@ def memory_gib(plan, work, placement: str | None = None) -> dict[str, float]:
 
 
 def gathered_bytes(work) -> float:
-    """What a GPU of a sharded plan holds whole while a forward runs, beside its share: the root's weights and
-    IN_FLIGHT_BLOCKS blocks'."""
-    root = work.weight_bytes - work.block_weight_bytes
-    return root + IN_FLIGHT_BLOCKS * work.block_weight_bytes / max(1, work.layers)
+    """What a GPU of a sharded plan holds whole at most, beside its share: the root's weights (the family's separate
+    units, e.g. LTX-2.3's text connectors, left out), and IN_FLIGHT_BLOCKS blocks' while the blocks run, or the largest
+    separate unit while it runs (before the blocks)."""
+    units = tuple(work.unit_weight_bytes)
+    root = work.weight_bytes - work.block_weight_bytes - sum(units)
+    return root + max(IN_FLIGHT_BLOCKS * work.block_weight_bytes / max(1, work.layers), max(units, default=0))
 
 
 def dense_layer_bytes(work) -> float:

@@ -129,6 +129,8 @@ class Workload:
     weight_bytes: int = 0    # the transformer's weights as each rank holds them (fp8 matrices: a byte a parameter,
     #                          GGUF blocks: their bytes a parameter)
     block_weight_bytes: int = 0   # of which in the transformer blocks (what PipeFusion stages would divide)
+    unit_weight_bytes: tuple = ()  # of which in each of the family's shard_units (divided: gathered alone, not kept
+    #                                whole with the root: LTX-2.3's text connectors, MiniMax-H3's refiner)
     dtype: str = "bf16"      # compute dtype (activations)
     fp8_weights: bool = False     # weight_bytes counts quantized matrices (an fp8 or GGUF file's, the fp8 option)
     compiled: bool = False   # torch.compile: the planner uses the GPU's compiled calibration when it has one
@@ -200,6 +202,7 @@ class Workload:
                    dual_layers=len(info.config.get("dual_attention_layers") or ()),
                    weight_bytes=round(info.parameters * per_parameter),
                    block_weight_bytes=round(info.block_parameters * per_parameter),
+                   unit_weight_bytes=tuple(round(n * per_parameter) for n in info.unit_parameters),
                    dtype=dtype, fp8_weights=fp8, compiled=compiled, token_rows=rows, steps=steps,
                    warmup_steps=warmup_steps, patches=patches, pipefusion_conflict=pipefusion_conflict,
                    text_splits=family.text_splits, linear_width=width,
