@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..engine.families import FAMILIES
+from ..engine.families.base import PACKED_SHAPE
 from ..engine.errors import SESSION_IDLE, EngineError, JobCancelled
 from ..engine.generate.request import GenerateRequest
 from ..engine.models.load import inspect_model
@@ -267,7 +268,7 @@ def model_request(settings, calls: list[ModelCall], *, latent_channels: int, har
     if plan == FASTEST:   # PipeFusion runs only inside the engine's own loop
         plan = AUTO
     x = pos_call.x
-    shape = pos_call.conditioning.get("av_shape")   # packed streams: the video stream is the latent planned for
+    shape = pos_call.conditioning.get(PACKED_SHAPE)   # packed streams: the video stream is the latent planned for
     grid = tuple(int(v) for v in shape[0, 1:4].tolist()) if shape is not None else tuple(x.shape[2:])
     latent = torch.zeros(()).expand(b, latent_channels, *grid)
     negative_pass = negative is not None

@@ -97,6 +97,12 @@ class StockJob:
     note: str = ""
 
 
+# The extras entry in which a family whose latent packs several streams (Family.packed_streams) puts their shapes, each
+# row (video C, F, H, W, then the other streams' dims): what code outside the family reads of them (the video stream
+# is the latent a plan is checked against).
+PACKED_SHAPE = "av_shape"
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. Callables take the diffusers config a checkpoint's shapes gave (`config`)."""
@@ -203,6 +209,9 @@ class Family:
     # modules besides the blocks whose divided weights are units of their own (parallel/shard.py): gathered only while
     # they run, not with the root for the whole call (LTX-2.3's text connectors, MiniMax-H3's token refiner)
     shard_units: tuple[str, ...] = ()
+    # the clips the fit tables price for an audio-video family (plan --av-table): (title, width, height, frames, steps,
+    # negative pass) each
+    fit_jobs: tuple = ()
     # the model forwards a call of `rows` rows makes (its `forward` runs them in one, or one a row: MiniMax-H3, whose
     # model takes a batch of one): ranks that gather divided weights in every forward must make as many
     forwards: Callable[[int], int] = lambda rows: 1

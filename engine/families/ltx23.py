@@ -85,7 +85,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, StockJob, TokenTable, placed
+from .base import PACKED_SHAPE, Family, Marker, StockJob, TokenTable, placed
 from .ltx23_guides import GuideBias, guide_extras, log_weights, mask_per_token  # noqa: F401 (read here)
 from .ltx23_call import (  # noqa: F401 (positions and the call's extras, read here)
     AUDIO_DOWNSAMPLE, EXTRAS, FPS, HOP, HOST_EXTRAS, REFUSED_OPTIONS, SAMPLE_RATE, audio_coords, comfy_call,
@@ -97,6 +97,12 @@ AUDIO_LATENTS_PER_SECOND = 25.0       # 16000 Hz / 160 hop / 4 (ComfyUI's audio 
 AUDIO_CHANNELS, AUDIO_BINS = 8, 16    # av_model.py: num_audio_channels, audio_frequency_bins
 TEXT_TOKENS = 1024                    # the connected text: registers fill it to at least 1024 tokens
 QK_EPS = 1e-5                         # ComfyUI's q/k RMSNorm eps (model.py CrossAttention)
+
+# LTX-2.3: ComfyUI's templates' two passes (half size with 8 steps, then the x2 upsampled latent with 3, the distilled
+# LoRA at cfg 1; 5 s at 25 fps + 1 frame, its audio 25 latents a second) and the dev model alone at cfg > 1. GGUF
+# files carry the header's config as a GGUF string (the engine reads it as ComfyUI does through ComfyUI-GGUF)
+FIT_JOBS = (("template pass 1, cfg 1", 640, 352, 121, 8, False), ("template pass 2 (x2), cfg 1", 1280, 704, 121, 3, False),
+            ("dev, cfg > 1", 1280, 704, 121, 30, True))
 
 
 @dataclass(frozen=True)
@@ -304,12 +310,12 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     streams) at ComfyUI's video timestep ([n], or [n, F*H*W] per token under a noise mask): what ComfyUI's LTXAVModel
     returns for the batch, through the unmodified diffusers transformer and connectors."""
     extras = prepared.extras or {}
-    if "av_shape" not in extras:
+    if PACKED_SHAPE not in extras:
         raise ValueError("an LTX-2.3 model call needs the packed streams' shapes (ComfyUI's latent_shapes)")
     model, dtype, device = flow.model, flow.dtype, flow.device
     config = flow.loaded.info.config
     n = x.shape[0]
-    cv, frames, h, w, ca, ta, bins = (int(v) for v in extras["av_shape"][0].tolist())
+    cv, frames, h, w, ca, ta, bins = (int(v) for v in extras[PACKED_SHAPE][0].tolist())
     nv, na = cv * frames * h * w, ca * ta * bins
     flat = x.reshape(n, -1)
     if flat.shape[1] != nv + na:
@@ -406,7 +412,8 @@ FAMILY = Family(
     cond_width=lambda config: config["cross_attention_dim"] + config["audio_cross_attention_dim"],
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
-    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, hold=_hold, shard_units=("video_connector", "audio_connector"),
+    forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, hold=_hold, fit_jobs=FIT_JOBS,
+    shard_units=("video_connector", "audio_connector"),
     stock_jobs={"ltx-2.3": StockJob("ltx-2.3-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; "
                                     "the second: --width 1280 --height 704 --steps 3")},
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .base import PACKED_SHAPE
 from .ltx23_guides import guide_extras
 
 FPS = 25.0                            # LTXAV.extra_conds' frame_rate when none is set
@@ -60,9 +61,9 @@ def reference_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
 # ref_audio: LTXVReferenceAudio's reference tokens [R x 128] (ID-LoRA), ahead of the audio; stg: the blocks whose
 # self-attentions STG's pass perturbs; coupled: 0 for a pass with the audio-video cross-attentions severed
 # (LTXVModalityGuidance's).
-EXTRAS = ("av_shape", "frame_rate", "audio_t", "gate_t", "guide", "guide_coords", "guide_weights", "keep",
+EXTRAS = (PACKED_SHAPE, "frame_rate", "audio_t", "gate_t", "guide", "guide_coords", "guide_weights", "keep",
           "ref_audio", "stg", "coupled")
-HOST_EXTRAS = ("av_shape", "frame_rate", "guide", "keep", "stg", "coupled")   # read on the host
+HOST_EXTRAS = (PACKED_SHAPE, "frame_rate", "guide", "keep", "stg", "coupled")   # read on the host
 REFUSED_OPTIONS = {   # transformer_options ComfyUI's LTXAV model reads that the engine does not run yet
     "run_vx": "a pass without the video (run_vx off)", "run_ax": "a pass without the audio (run_ax off)"}
 
@@ -133,7 +134,7 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
     if not a2v:
         extras["coupled"] = torch.zeros(rows, dtype=f64)
     extras.update({
-        "av_shape": torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=f64).expand(rows, -1),
+        PACKED_SHAPE: torch.tensor([list(shapes[0][1:]) + list(shapes[1][1:])], dtype=f64).expand(rows, -1),
         "frame_rate": torch.full((rows,), rate, dtype=f64), "audio_t": audio.to(f64),
         "gate_t": torch.tensor([[float(audio.max()), float(video.max())]], dtype=f64).expand(rows, -1)})
     return {k: v.contiguous() for k, v in extras.items()}, video

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
-from .base import Family, Marker, StockJob, TokenTable, placed
+from .base import PACKED_SHAPE, Family, Marker, StockJob, TokenTable, placed
 from .minimax_h3_layout import DIMS, infer, key_map, shapes  # noqa: F401 (read here)
 from .minimax_h3_sequence import (  # noqa: F401 (the sequence and the call's extras, read here)
     AUDIO_COND_T, AUDIO_SHIFT, AUDIO_TAG, BLOCK_FIELDS, BLOCK_KINDS, EXTRAS, SHIFT, TEXT_TAG, VIDEO_TAG, VISUAL_COND_T,
@@ -42,6 +42,11 @@ from .minimax_h3_sequence import (  # noqa: F401 (the sequence and the call's ex
     split_streams, time_shift_sigma, unpatchify)
 
 TEXT_TOKENS = 256
+
+# (title, width, height, frames, steps, negative pass): ComfyUI's template preview size with the 8-step turbo LoRA
+# (cfg 1), and the native 768p canvas at 5 s and 15 s, turbo and full (cfg > 1, ComfyUI's template's 20 steps)
+FIT_JOBS = (("turbo, cfg 1", 864, 480, 124, 8, False), ("turbo, cfg 1", 1344, 768, 124, 8, False),
+           ("full, cfg > 1", 1344, 768, 124, 20, True), ("turbo, cfg 1", 1344, 768, 362, 8, False))
 GRID, FIRST = 17, 5                    # nodes_minimax_h3.py: lengths snap up to 17k + 5 frames at 24 fps
 FPS, AUDIO_FPS = 24, 40                # video frames and audio latent frames a second
 
@@ -85,7 +90,7 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     streams, as ComfyUI's sampler carries them) at ComfyUI's model timestep (sigma x 1000): per row, what ComfyUI's
     MiniMaxH3Model returns (its batch is one), through the unmodified diffusers MiniMaxH3Transformer3DModel."""
     extras = prepared.extras or {}
-    if "av_shape" not in extras:
+    if PACKED_SHAPE not in extras:
         raise ValueError("a MiniMax-H3 model call needs the packed streams' shapes (ComfyUI's latent_shapes)")
     outs = [_one(flow, x[i:i + 1], timestep[i], prepared.cond[i:i + 1],
                  {k: v[i] for k, v in extras.items() if v is not None}) for i in range(x.shape[0])]
@@ -98,7 +103,7 @@ def _one(flow, x, timestep, context, extras) -> torch.Tensor:
     rows built from it are placed on the device once per distinct content; the timesteps are computed on the device
     from the call's own. So a call waits for the device nowhere (on ranks that hold the extras on the host)."""
     model, dtype, device = flow.model, flow.dtype, flow.device
-    video, audio_carried = split_streams(x.reshape(1, -1), extras["av_shape"])
+    video, audio_carried = split_streams(x.reshape(1, -1), extras[PACKED_SHAPE])
     shift_v, shift_a = (float(v) for v in extras["sigma_shift"].tolist()) if "sigma_shift" in extras \
         else (SHIFT, AUDIO_SHIFT)
     scale = float(extras["audio_scale"]) if "audio_scale" in extras else 1.0
@@ -357,7 +362,7 @@ FAMILY = Family(
     cond_width=lambda config: config["text_dim"],
     pooled_width=lambda config: None,
     takes_guidance=lambda config: False,
-    forward=forward, forwards=lambda rows: rows, cfg=1.0, text_tokens=TEXT_TOKENS,
+    forward=forward, forwards=lambda rows: rows, fit_jobs=FIT_JOBS, cfg=1.0, text_tokens=TEXT_TOKENS,
     stock_jobs={v: StockJob("minimax-h3-t2v", 864, 480, 8, 1.0, frames=124, shift=SHIFT, note="with its 8-step "
                             "turbo LoRA; the template's switch off: 20 steps") for v in DIMS["full"]},
     tokens=TokenTable(processor=H3Processor, gather_after="norm_out",

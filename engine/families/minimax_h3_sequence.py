@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .base import PACKED_SHAPE
+
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)      # pixel frames per latent frame, cycling
 FRAME_RESCALE = 5.0 / 3.0              # time-axis units per pixel frame
 TEXT_TAG, VIDEO_TAG, AUDIO_TAG = 1, 0, 2
@@ -22,7 +24,7 @@ SHIFT, AUDIO_SHIFT = 12.0, 3.0         # supported_models.MiniMaxH3.sampling_set
 # token_tags: the text encoder's per-token modality tags (absent: all text); blocks: the keyframes and reference blocks
 # (BLOCK_FIELDS each), their latents flattened in `cond_latents` (video ones, then audio ones, in block order);
 # cond_aug: (video, audio) condition noise augmentation; cond_seed: the sampler's seed in four 16-bit limbs
-EXTRAS = ("av_shape", "audio_scale", "sigma_shift", "token_tags", "blocks", "cond_latents", "cond_aug", "cond_seed",
+EXTRAS = (PACKED_SHAPE, "audio_scale", "sigma_shift", "token_tags", "blocks", "cond_latents", "cond_aug", "cond_seed",
           "video_mask", "audio_mask")   # ComfyUI's denoise_mask / audio_denoise_mask flattened: [T*H*W], [2*T']
 VISUAL_COND_T, AUDIO_COND_T = 0.999, 1.0   # model.py VISUAL_COND_TIMESTEP, AUDIO_COND_TIMESTEP
 BLOCK_KINDS = ("keyframe", "image", "audio", "video", "video_audio")
@@ -181,7 +183,7 @@ def call_extras(shapes: list[tuple], payload: dict, transformer_options: dict, s
     shift_v = float(transformer_options.get("minimax_h3_sigma_shift_video", shifts[0]))
     shift_a = float(transformer_options.get("minimax_h3_sigma_shift_audio", shifts[1]))
     f64 = torch.float64
-    out = {"av_shape": per_row(torch.tensor(list(shapes[0][1:]) + list(shapes[1][1:]), dtype=f64)),
+    out = {PACKED_SHAPE: per_row(torch.tensor(list(shapes[0][1:]) + list(shapes[1][1:]), dtype=f64)),
            "audio_scale": torch.full((rows,), float(payload.get("audio_scale", 1.0)), dtype=f64),
            "sigma_shift": per_row(torch.tensor([shift_v, shift_a], dtype=f64))}
     tags = payload.get("text_token_tags")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import families
 from ..errors import PlanError
 from ..models.quantized import BLOCKS
 from . import cost
@@ -166,10 +167,6 @@ AV_MACHINES = (Machine("2x24 GB", 2, "RTX 4090", "pcie-no-peer"), Machine("4x24 
                Machine("4x48 GB", 4, "RTX 6000 Ada", "pcie-bridge"), Machine("1x80 GB", 1, "H100 SXM", "nvlink"),
                Machine("2x80 GB", 2, "H100 SXM", "nvlink"), Machine("4x80 GB", 4, "H100 SXM", "nvlink"),
                Machine("8x80 GB", 8, "H100 SXM", "nvlink"))
-# (title, width, height, frames, steps, negative pass): ComfyUI's template preview size with the 8-step turbo LoRA
-# (cfg 1), and the native 768p canvas at 5 s and 15 s, turbo and full (cfg > 1, ComfyUI's template's 20 steps)
-AV_JOBS = (("turbo, cfg 1", 864, 480, 124, 8, False), ("turbo, cfg 1", 1344, 768, 124, 8, False),
-           ("full, cfg > 1", 1344, 768, 124, 20, True), ("turbo, cfg 1", 1344, 768, 362, 8, False))
 
 
 def whole_cell(work: Workload, m: Machine) -> str:
@@ -193,12 +190,9 @@ def av_header() -> list[str]:
             "count its audio rows (both channels, 40 a second) and its text with the video's.", ""]
 
 
-# LTX-2.3: ComfyUI's templates' two passes (half size with 8 steps, then the x2 upsampled latent with 3, the distilled
-# LoRA at cfg 1; 5 s at 25 fps + 1 frame, its audio 25 latents a second) and the dev model alone at cfg > 1. GGUF
-# files carry the header's config as a GGUF string (the engine reads it as ComfyUI does through ComfyUI-GGUF)
-LTX_JOBS = (("template pass 1, cfg 1", 640, 352, 121, 8, False), ("template pass 2 (x2), cfg 1", 1280, 704, 121, 3, False),
-            ("dev, cfg > 1", 1280, 704, 121, 30, True))
-AV_MODELS = {"minimax-h3": (AV_JOBS, SHARD_WEIGHTS), "ltx-2.3": (LTX_JOBS, SHARD_WEIGHTS)}
+# the audio-video families whose clips the tables price (Family.fit_jobs), each in every divided-weights format
+AV_MODELS = {v: (families.by_variant(v).fit_jobs, SHARD_WEIGHTS) for v in ("minimax-h3", "ltx-2.3")}
+AV_JOBS, LTX_JOBS = AV_MODELS["minimax-h3"][0], AV_MODELS["ltx-2.3"][0]
 
 
 def ltx_header() -> list[str]:
