@@ -638,11 +638,12 @@ def test_plan_help_shows_the_defaults(capsys):
 def test_ring_overlap_hides_transfers_behind_attention_only_when_the_ring_can(monkeypatch):
     """attention.py's _ring posts each hop before computing the block in hand (RING_OVERLAP 1): the model hides up
     to the attention of r-1 blocks, nothing without the overlap, and never Ulysses' all-to-alls."""
-    assert cost.RING_OVERLAP == 1.0
+    from engine.parallel import code
+    assert code.RING_OVERLAP == 1.0
     hw = stated_hardware(4, "H100 SXM", "pcie")
-    monkeypatch.setattr(cost, "RING_OVERLAP", 0.0)
+    monkeypatch.setattr(code, "RING_OVERLAP", 0.0)
     exposed = {p: cost.estimate(ParallelPlan(**{p: 4}), FLUX, hw).comm_ms for p in ("ring", "ulysses")}
-    monkeypatch.setattr(cost, "RING_OVERLAP", 1.0)
+    monkeypatch.setattr(code, "RING_OVERLAP", 1.0)
     hidden = {p: exposed[p] - cost.estimate(ParallelPlan(**{p: 4}), FLUX, hw).comm_ms for p in ("ring", "ulysses")}
     _, attention_ms = cost.compute_ms(ParallelPlan(ring=4), FLUX, cost.rate_tflops(hw, FLUX)[0])
     print(f"ring4 over PCIe: {exposed['ring']:.1f} ms exposed without overlap, {hidden['ring']:.1f} ms hideable")
