@@ -35,7 +35,8 @@ def dtype_name(dtype) -> str:
 @dataclass(frozen=True)
 class Kind:
     """One VAE type: `detect` on the file's tensor names (ComfyUI's test), `widths` from its shapes, `build` the
-    network (the kwargs from `widths`), the latent's `spatial` and `temporal` ratios, `tiny` the widths of a tiny file."""
+    network (the kwargs from `widths`), the latent's `spatial` and `temporal` ratios, `tiny` the widths of a tiny file,
+    `comfy_class` the module of ComfyUI's own network for it and `comfyui_since` the first ComfyUI release with it."""
     name: str
     title: str
     detect: Callable[[set], bool]
@@ -44,6 +45,8 @@ class Kind:
     spatial: int
     temporal: int
     tiny: dict
+    comfy_class: str
+    comfyui_since: str
 
 
 def _wan21_widths(shapes: dict) -> dict:
@@ -73,9 +76,10 @@ WAN22_UP = "decoder.upsamples.0.upsamples.0.residual.2.weight"   # sd.py:817
 # in comfy.sd.VAE's order of tests (sd.py:816-829)
 KINDS: tuple[Kind, ...] = (
     Kind("wan2.2", "Wan 2.2 (TI2V-5B, 48 channels)", lambda k: WAN_MIDDLE in k and WAN22_UP in k, _wan22_widths,
-         _wan22, 16, 4, {"dim": 16, "dec_dim": 16, "z_dim": 48}),
+         _wan22, 16, 4, {"dim": 16, "dec_dim": 16, "z_dim": 48}, "comfy.ldm.wan.vae2_2.WanVAE", "0.3.46"),
     Kind("wan2.1", "Wan 2.1 (also Wan 2.2 A14B's and Qwen-Image's)", lambda k: WAN_MIDDLE in k and WAN22_UP not in k,
-         _wan21_widths, _wan21, 8, 4, {"dim": 8, "z_dim": 16, "image_channels": 3, "out_channels": 3}),
+         _wan21_widths, _wan21, 8, 4, {"dim": 8, "z_dim": 16, "image_channels": 3, "out_channels": 3},
+         "comfy.ldm.wan.vae.WanVAE", "0.3.16"),
 )
 NAMES = tuple(k.name for k in KINDS)
 
