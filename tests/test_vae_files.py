@@ -163,3 +163,17 @@ def test_make_tiny_writes_a_vae_file_that_the_engine_reads(tmp_path, capsys):
                    "vae-wan2.1 writes a VAE file: leave it out",
                    "python -m engine make-tiny: error: argument --kind: 'vae-sdxl' is not a VAE make-tiny writes: use "
                    "vae-wan2.1 or vae-wan2.2"]
+
+
+def test_a_comfyui_that_reads_the_file_as_another_vae_gets_the_release_it_needs_in_one_line(files):
+    from conftest import PACK_NAME, load_pack
+    import importlib
+    load_pack()
+    vae = importlib.import_module(PACK_NAME + ".xdit_nodes.vae")
+    info = inspect_vae(files["wan2.2"])
+    assert vae.comfyui_mismatch(info, ["comfy.ldm.wan.vae.WanVAE", "torch.nn.modules.module.Module"], 16, "0.3.45") \
+        == ("xDiT VAE Loader: this ComfyUI (0.3.45) reads tiny-wan2.2-vae.safetensors as comfy.ldm.wan.vae.WanVAE with "
+            "16 latent channels, not as Wan 2.2 (TI2V-5B, 48 channels): update ComfyUI to 0.3.46 or newer")
+    assert vae.comfyui_mismatch(info, ["tests.TinyWidths", "comfy.ldm.wan.vae2_2.WanVAE"], 48, "0.33.0") is None
+    assert vae.splits(None) == (None, "it is not a single file (ComfyUI builds it)")
+    assert vae.splits(files["wan2.1"])[0].kind.name == "wan2.1"

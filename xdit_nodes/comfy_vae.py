@@ -53,8 +53,8 @@ class EngineVAE(comfy.sd.VAE):
             say_once(f"xDiT VAE Loader: ComfyUI's own decode runs: {why}")
             return super().decode(samples_in, vae_options)
         self.throw_exception_if_invalid()
-        out = self._run("decode", samples_in.to(self.vae_dtype))   # sd.py:1231: the latent in the VAE's dtype
-        out = out.to(device=self.output_device, dtype=self.vae_output_dtype(), copy=True)   # sd.py:1245
+        out = self._run("decode", samples_in.to(self.vae_dtype))   # sd.py:1242: the latent in the VAE's dtype
+        out = out.to(device=self.output_device, dtype=self.vae_output_dtype(), copy=True)   # sd.py:1246
         self.process_output(out)   # sd.py:1251, in place
         return out.movedim(1, -1)
 

@@ -7,7 +7,7 @@ rows put together in the frame's order.
     latent = client.encode(engine, "wan_2.1_vae.safetensors", pixels, "bf16")    # pixels [B, 3, T, H, W] in [-1, 1]
 
 The result is the raw network output in the compute dtype (ComfyUI's VAE then casts it to float32 and maps it to
-[0, 1]: its process_output, comfy/sd.py:1244-1251)."""
+[0, 1]: its process_output, comfy/sd.py:1246-1251)."""
 from __future__ import annotations
 
 import math

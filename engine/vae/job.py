@@ -73,6 +73,7 @@ def _vae(ctx, spec: dict) -> torch.nn.Module:
 
 def run_vae(ctx, spec: dict, inputs: dict[str, torch.Tensor], op: str) -> dict[str, torch.Tensor] | None:
     """decode (inputs["latent"]) or encode (inputs["pixels"]) of the file's VAE: this rank's band of the result."""
+    ctx.reset_peak_memory()
     model = _vae(ctx, spec)
     x = inputs["latent" if op == "decode" else "pixels"]
     scale = 1 if op == "decode" else model.spatial
