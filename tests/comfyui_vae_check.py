@@ -26,7 +26,8 @@ report = {"comfyui": VERSION, "kinds": {}}
 
 # ---- Wan 2.2's widths from the tiny file (a size-only patch of ComfyUI's class) --------------------------------------
 with safe_open(os.path.join(models, "vae", FILES["wan2.2"]), "pt") as f:
-    DIM, DEC_DIM = f.get_slice("encoder.conv1.weight").get_shape()[0], f.get_slice("decoder.head.0.gamma").get_shape()[0]
+    DIM = f.get_slice("encoder.conv1.weight").get_shape()[0]
+    DEC_DIM = f.get_slice("decoder.head.0.gamma").get_shape()[0]
 Released = wan22.WanVAE
 
 
@@ -56,7 +57,8 @@ def compare(name, run, stock, ours):
         a, b, ref = run(stock), run(ours), run(float64(stock))
     del ours.xdit.run
     own, measured = rel(a, ref), rel(b, ref)
-    entry = {"shape": list(b.shape), "engine_jobs": len(jobs), "rel_l2": rel(b, a), "max_abs": float((b - a).abs().max()),
+    entry = {"shape": list(b.shape), "engine_jobs": len(jobs), "rel_l2": rel(b, a),
+             "max_abs": float((b - a).abs().max()),
              "stock_vs_float64": own, "ours_vs_float64": measured, "within": measured <= 4 * own,
              "scale": float(a.abs().max())}
     print(name, json.dumps(entry), flush=True)

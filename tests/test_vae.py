@@ -154,7 +154,8 @@ def test_wan_on_row_bands_of_several_ranks_equals_one_rank(engines, wan, world, 
 def test_progress_comes_per_temporal_chunk_and_the_weights_stay_loaded(engines, wan):
     case, seen = wan["wan2.1"], []
     first = client.run(engines(2), "decode", case["path"], case["decode"])[1]
-    again = client.run(engines(2), "decode", case["path"], case["decode"], on_progress=lambda s, t: seen.append((s, t)))[1]
+    again = client.run(engines(2), "decode", case["path"], case["decode"],
+                       on_progress=lambda s, t: seen.append((s, t)))[1]
     assert seen == [(1, 3), (2, 3), (3, 3)]   # 4 latent frames: the first alone, then two a chunk
     assert {r["vae_source"] for r in again.ranks} == {"resident"}
     assert {r["vae_source"] for r in first.ranks} <= {"file", "resident"}

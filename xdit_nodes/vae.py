@@ -65,10 +65,11 @@ class EngineVAELink:
         record = self.registry.get(self.settings)
         t0 = time.perf_counter()
         out, result = client.run(record.engine, op, self.info.path, x, self.dtype, attention=self.attention,
-                                 on_progress=on_progress, should_cancel=should_cancel, deadlines=self.settings.deadlines)
+                                 on_progress=on_progress, should_cancel=should_cancel,
+                                 deadlines=self.settings.deadlines)
         vae = next((r["vae"] for r in result.ranks if "rows" in r.get("vae", {})), {})
         core.note(record, "vae:", f"vae: last {op} of {os.path.basename(self.info.path)} ({self.info.kind.title}, "
                                   f"{self.dtype}) on {len(vae.get('rows', [1]))} rank(s), latent rows "
-                                  f"{vae.get('rows')} a rank, {vae.get('chunks')} chunks, "
+                                  f"{vae.get('rows')} a rank, {vae.get('chunks')} chunk(s), "
                                   f"{time.perf_counter() - t0:.3f} s")
         return out

@@ -1,8 +1,8 @@
 """`python -m engine bench vae`: a VAE's decode and encode on 1, 2, 4 ... ranks in one run (CPU ranks, or GPUs with
 --gpus): seconds per job as the ranks measured them (the slowest rank's compute) and as the caller waited, the
 speed-up over one rank, the bytes rank 0 sent (halo rows and the attention's K/V gather) and the result against one
-rank's (relative L2). The VAE is a file of the kind's (--vae) or a tiny random one (make-tiny's widths) at the clip
-size asked, so the CPU shows how the split scales where compute and exchange are in real proportions of rows."""
+rank's (relative L2). The VAE is a file (--vae) or a random one of the kind's, at make-tiny's widths (CPU ranks) or the
+released ones (--widths full, for GPUs), at the clip size asked."""
 from __future__ import annotations
 
 import statistics
@@ -13,6 +13,7 @@ import torch
 
 from ..runtime.client import Engine
 from ..vae import client
+from ..vae import load
 from ..vae.load import DTYPES, NAMES, inspect_vae, write_tiny_vae
 from . import args as types
 from .args import UsageError
@@ -23,7 +24,9 @@ def register(bench, emit) -> None:
     p = bench.add_parser("vae", help="a VAE decode and encode on 1, 2, 4 ranks: s per job, speed-up, bytes exchanged",
                          description=__doc__.split(": ", 1)[1].replace("\n", " "))
     p.add_argument("--kind", choices=NAMES, default="wan2.1", help="the tiny VAE's kind when --vae is not given")
-    p.add_argument("--vae", type=types.existing_file, help="a VAE file (default: a tiny random one of --kind)")
+    p.add_argument("--vae", type=types.existing_file, help="a VAE file (default: a random one of --kind)")
+    p.add_argument("--widths", choices=["tiny", "full"], default="tiny",
+                   help="the random VAE's widths: make-tiny's, or the released VAE's (written in --dtype first)")
     p.add_argument("--ranks", type=lambda t: types.int_list(t, types.ranks, "1,2,4"), default="1,2,4",
                    help="comma-separated rank counts")
     p.add_argument("--width", type=types.pixels, default=832, help="clip width in pixels")
@@ -35,24 +38,27 @@ def register(bench, emit) -> None:
     p.add_argument("--repeats", type=types.positive_int, default=2, help="timed jobs per row after one warm-up")
     p.add_argument("--gpus", type=types.gpu_list, default=None, help="CUDA GPU indices, one rank each (default: CPU)")
     p.set_defaults(run=lambda a: emit(a, "vae", bench_vae(a.vae, a.kind, a.ranks, a.width, a.height, a.frames,
-                                                          a.dtype, a.ops, a.repeats, a.gpus)), parser=p)
+                                                          a.dtype, a.ops, a.repeats, a.gpus, a.widths)), parser=p)
 
 
-def bench_vae(path, kind, ranks, width, height, frames, dtype, ops, repeats, gpus) -> list[dict]:
+def bench_vae(path, kind, ranks, width, height, frames, dtype, ops, repeats, gpus, widths="tiny") -> list[dict]:
     if (frames - 1) % 4:
-        raise UsageError(f"argument --frames: {frames} is not 4k + 1 frames (a Wan clip's): e.g. {(frames - 1) // 4 * 4 + 1}")
+        raise UsageError(f"argument --frames: {frames} is not 4k + 1 frames (a Wan clip's): e.g. "
+                         f"{(frames - 1) // 4 * 4 + 1}")
     if gpus is not None and max(ranks) > len(gpus):
         raise UsageError(f"argument --ranks: {max(ranks)} ranks need as many GPUs and --gpus lists {len(gpus)}")
-    folder = tempfile.TemporaryDirectory(prefix="xdit-bench-vae-")
-    path = path or write_tiny_vae(kind, folder.name)
-    info = inspect_vae(path)
-    s = info.kind.spatial
-    if width % s or height % s:
-        raise UsageError(f"argument --width/--height: {width}x{height} is not whole latent pixels of {info.kind.title}'s "
-                         f"{s} px: use multiples of {s}")
     dtype = dtype or ("bf16" if gpus else "fp32")
+    vae_kind = inspect_vae(path).kind if path else load.kind(kind)
+    s = vae_kind.spatial
+    if width % s or height % s:
+        raise UsageError(f"argument --width/--height: {width}x{height} is not whole latent pixels of "
+                         f"{vae_kind.title}'s {s} px: use multiples of {s}")
+    folder = tempfile.TemporaryDirectory(prefix="xdit-bench-vae-")
+    path = path or write_tiny_vae(kind, folder.name, dtype=dtype, full=widths == "full")
+    info = inspect_vae(path)
     g = torch.Generator().manual_seed(0)
-    inputs = {"decode": torch.randn(1, info.latent_channels, 1 + (frames - 1) // 4, height // s, width // s, generator=g),
+    latent = (1, info.latent_channels, 1 + (frames - 1) // 4, height // s, width // s)
+    inputs = {"decode": torch.randn(latent, generator=g),
               "encode": torch.rand(1, info.image_channels, frames, height, width, generator=g) * 2 - 1}
     print(f"{info.describe()} ({info.widths}), a {width}x{height} clip of {frames} frames (latent "
           f"{list(inputs['decode'].shape)}), {dtype}, on {'GPUs ' + ','.join(map(str, gpus)) if gpus else 'CPU ranks'}",

@@ -188,9 +188,9 @@ class RowConv2d(RowLayer, nn.Conv2d):
 
 
 class RowDownConv2d(RowLayer, nn.Conv2d):
-    """A stride-2 conv (padding 0) after ComfyUI's ZeroPad2d((0, 1, 0, 1)) (Wan's downsamples, comfy/ldm/wan/vae.py:88-95;
-    FLUX's, comfy/ldm/modules/diffusionmodules/model.py:143-171): the row after the band comes from the member below,
-    the zero row is the last member's; the band's rows are even."""
+    """A stride-2 conv (padding 0) after ComfyUI's ZeroPad2d((0, 1, 0, 1)) (Wan's downsamples,
+    comfy/ldm/wan/vae.py:88-95; FLUX's, comfy/ldm/modules/diffusionmodules/model.py:143-171): the row after the band
+    comes from the member below, the zero row is the last member's; the band's rows are even."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.local:

@@ -207,12 +207,12 @@ def load_vae(info: VAEInfo, dtype: str, device: torch.device) -> torch.nn.Module
     return model.to(device).eval().requires_grad_(False)
 
 
-def tiny_state_dict(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of a tiny VAE of kind `name` with ComfyUI's key names: matrices and kernels with std
-    1/sqrt(fan-in), norm scales about 1, biases about 0.1, drawn in key order from `seed`."""
+def tiny_state_dict(name: str, seed: int = 0, full: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights of a tiny VAE of kind `name` (full: at the released widths) with ComfyUI's key names: matrices
+    and kernels with std 1/sqrt(fan-in), norm scales about 1, biases about 0.1, drawn in key order from `seed`."""
     k = kind(name)
     with torch.device("meta"):
-        model = k.build(**k.tiny)
+        model = k.build() if full else k.build(**k.tiny)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for key, t in sorted(model.state_dict().items()):
@@ -229,10 +229,12 @@ def tiny_vae_file(name: str) -> str:
     return f"tiny-{name}-vae.safetensors"
 
 
-def write_tiny_vae(name: str, out_dir: str, seed: int = 0, dtype: str = "fp32") -> str:
-    """Write a tiny VAE file of kind `name` (ComfyUI's key names and layout) into out_dir; returns its path."""
-    weights = {key: t.to(DTYPES[dtype_name(dtype)]).contiguous() for key, t in tiny_state_dict(name, seed).items()}
+def write_tiny_vae(name: str, out_dir: str, seed: int = 0, dtype: str = "fp32", full: bool = False) -> str:
+    """Write a tiny VAE file of kind `name` (ComfyUI's key names and layout; full: random weights at the released
+    widths, for benchmarks) into out_dir; returns its path."""
+    weights = {key: t.to(DTYPES[dtype_name(dtype)]).contiguous()
+               for key, t in tiny_state_dict(name, seed, full).items()}
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, tiny_vae_file(name))
+    path = os.path.join(out_dir, tiny_vae_file(name) if not full else f"random-{name}-vae.safetensors")
     save_file(weights, path, metadata={"format": "pt"})
     return path
