@@ -4,7 +4,7 @@
 # runs this). Needs the pack's requirements in this Python and a CUDA torch.
 #
 #     bash tests/gpu_checks.sh OUT_DIR   # limits in seconds: AV_EAGER, GUIDER, AV_COMPILED, AV_GUIDED, WAN,
-#                                        # CUDA_TESTS, FSDP (below)
+#                                        # VAE, CUDA_TESTS, FSDP (below)
 #
 # 1. MiniMax-H3 and LTX-2.3 at full size (random weights), bf16, through the engine's MODEL: s per call eager, with
 #    the host syncs a call makes counted (two are the call's own upload and download);
@@ -12,9 +12,11 @@
 # 3. the two audio-video families compiled;
 # 4. LTX-2.3 with LTXVAddGuide's first and last frames at 0.7 (the guides' attention weights: the masked kernels);
 # 5. Wan 2.1 14B at 832x480, 33 frames, on both routes;
-# 6. the CUDA tests of what only CUDA kernels show: the guides' bias through the efficient kernel with the ring merge
+# 6. the Wan 2.1 and 2.2 VAEs at their released widths (random weights), bf16, decode and encode of 832x480 (2.2:
+#    1280x704), 33 frames, on one GPU (with more GPUs: --ranks 1,2,4 --gpus 0,1,2,3);
+# 7. the CUDA tests of what only CUDA kernels show: the guides' bias through the efficient kernel with the ring merge
 #    (a ring block of removed guide keys included), the fp8 weight option on every family (tests/test_cuda.py);
-# 7. what FSDP2 holds whole while a block runs, two ranks of a shard group on the one GPU (tests/gpu_fsdp_memory.py),
+# 8. what FSDP2 holds whole while a block runs, two ranks of a shard group on the one GPU (tests/gpu_fsdp_memory.py),
 #    against the planner's memory.IN_FLIGHT_BLOCKS.
 # Several GPUs (NCCL, divided weights with prefetch, Ring with guides): tests/gpu_checks_multi.sh.
 set -uo pipefail
@@ -37,6 +39,8 @@ run av_compiled "${AV_COMPILED:-170}" av --rows compiled --no-syncs --width 1280
 run av_guided "${AV_GUIDED:-80}" av --models ltx-2.3 --rows guided --width 1280 --height 704 --calls 3
 run guider_wan "${WAN:-90}" guider --gpus 0 --model synthetic:wan2.1-14b --width 832 --height 480 --frames 33 \
     --steps 3 --repeats 1
+run vae_wan21 "${VAE:-150}" vae --widths full --kind wan2.1 --gpus 0 --ranks 1 --width 832 --height 480 --frames 33
+run vae_wan22 "${VAE:-150}" vae --widths full --kind wan2.2 --gpus 0 --ranks 1 --width 1280 --height 704 --frames 33
 echo "=== cuda tests (at most ${CUDA_TESTS:-120} s) $(date +%T)"
 timeout "${CUDA_TESTS:-120}" python -m pytest tests/test_cuda.py -q -s -k "guides_bias or fp8_weight_option" \
     > "$out/cuda_tests.log" 2>&1

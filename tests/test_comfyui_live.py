@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.tiny import write_tiny
+from engine.vae.load import write_tiny_vae
 
 from conftest import ROOT
 from released_prompts import RELEASED, TEXT_ENCODERS, VAE
@@ -56,6 +57,7 @@ def test_nodes_run_inside_comfyui_with_its_progress_bar_interrupt_and_model_fold
                                     "XDiTSampler": "xDiT Sampler", "XDiTEngineInfo": "xDiT Engine Info",
                                     "XDiTModelSampling": "xDiT Model Sampling", "XDiTCFGNorm": "xDiT CFGNorm",
                                     "XDiTSaveConditioning": "xDiT Save Conditioning",
+                                    "XDiTVAELoader": "xDiT VAE Loader",
                                     "XDiTSamplerAdvanced": "xDiT Sampler (Advanced)"}
     assert report["sampler_inputs"] == ["seed", "steps", "cfg", "sampler_name", "scheduler", "positive",
                                         "negative", "latent_image", "denoise"]
@@ -140,7 +142,8 @@ def test_comfyui_server_lists_the_nodes_and_runs_a_queued_prompt_through_its_htt
         assert {n for n in listed if n.startswith("XDiT")} == {"XDiTEngine", "XDiTCheckpointLoader", "XDiTLoRA",
                                                                 "XDiTSampler", "XDiTGuider",
                                                                 "XDiTEngineInfo", "XDiTModelSampling", "XDiTCFGNorm",
-                                                                "XDiTSaveConditioning", "XDiTSamplerAdvanced"}
+                                                                "XDiTSaveConditioning", "XDiTSamplerAdvanced",
+                                                                "XDiTVAELoader"}
         engine = listed["XDiTEngine"]["input"]
         assert "tiny-flux-dev.safetensors" in json.dumps(engine["required"]["model_name"])
         assert set(engine["optional"]) == {"cache_threshold", "compile", "attention", "pipefusion", "patches",
@@ -457,3 +460,32 @@ def test_sampler_custom_advanced_with_the_xdit_guider_equals_comfyui_own_guiders
     # xDiT Sampler with names its own loop lacks (ComfyUI's sampler drives the engine) and with one it has
     print("xDiT Sampler vs KSampler:", report["ksampler"])
     assert len(report["ksampler"]) == 8 and max(report["ksampler"].values()) < 1e-5
+
+
+@pytest.mark.timeout(900)
+def test_the_xdit_vae_loader_decodes_and_encodes_as_comfyuis_own_vae(setup):
+    """ComfyUI's Load VAE vs the xDiT VAE Loader on 2 CPU ranks, tiny Wan 2.1 and Wan 2.2 VAE files, through VAE
+    Decode / Encode, their tiled forms, WanImageToVideo and Wan22ImageToVideoLatent: every result within the bound
+    derived from ComfyUI's own float32 rounding (tests/comfyui_vae_check.py)."""
+    folder = setup["dir"] / "vae-files"
+    for name in ("wan2.1", "wan2.2"):
+        shutil.copy(write_tiny_vae(name, str(folder)), setup["models"] / "vae" / f"tiny-{name}-vae.safetensors")
+    shutil.copy(write_tiny("wan", str(folder), variant="wan2.1-1.3b"),
+                setup["models"] / "diffusion_models" / "tiny-wan2.1-1.3b.safetensors")
+    report = run_check("comfyui_vae_check.py", setup, 840)
+    graphs = {"wan2.1": {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled", "WanImageToVideo"},
+              "wan2.2": {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled", "Wan22ImageToVideoLatent"}}
+    for kind, entry in report["kinds"].items():
+        assert entry["ours"] == "EngineVAE" and entry["same_state"], (kind, entry)
+        assert entry["latent_channels"] == [16, 16] if kind == "wan2.1" else [48, 48], (kind, entry)
+        assert set(entry["graphs"]) == graphs[kind]
+        for graph, r in entry["graphs"].items():
+            print(f"{kind} {graph}: relative L2 {r['rel_l2']:.3g}, max abs {r['max_abs']:.3g} (vs float64: ComfyUI "
+                  f"{r['stock_vs_float64']:.3g}, ours {r['ours_vs_float64']:.3g}, bound {4 * r['stock_vs_float64']:.3g})")
+            assert r["within"], (kind, graph, r)
+            assert r["engine_jobs"] > (1 if "Tiled" in graph else 0), (kind, graph, r)   # a tiled graph: a job a tile
+        assert f"decodes {16 if kind == 'wan2.1' else 48}" in entry["wrong_latent"], entry["wrong_latent"]
+    assert set(report["kinds"]) == {"wan2.1", "wan2.2"}
+    assert "vae: last " in report["info"], report["info"]
+    assert report["no_engine"].startswith("xDiT VAE Loader: connect the xDiT Engine's engine output"), report
+    assert report["pixel_space"] == "VAE"   # a VAE the engine does not split: ComfyUI's own

@@ -124,8 +124,10 @@ def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_pri
 
         module("folder_paths", get_filename_list=lambda folder: [], get_folder_paths=lambda folder: [])
         comfy = module("comfy")
-        comfy.model_management, comfy.utils, comfy.samplers = (module("comfy.model_management"),
-                                                               module("comfy.utils"), module("comfy.samplers"))
+        comfy.model_management, comfy.utils, comfy.samplers, comfy.sd = (
+            module("comfy.model_management"), module("comfy.utils"), module("comfy.samplers"), module("comfy.sd"))
+        comfy.sd.VAE = type("VAE", (), {{}})
+        module("nodes", VAELoader=types.SimpleNamespace(vae_list=lambda cls: ["pixel_space"]))
         comfy.samplers.KSampler = types.SimpleNamespace(SAMPLERS=["euler"], SCHEDULERS=["simple"])
         module("comfy_api")
         class IO(Anything):
@@ -145,7 +147,7 @@ def test_loading_the_pack_in_comfyuis_process_imports_no_rank_side_stack_and_pri
         nodes = asyncio.run(load())
         loaded = sorted(k.removeprefix("ComfyUI-xDiT.") for k in sys.modules)
         rank_side = [m for m in {RANK_SIDE!r} if any(k == m or k.startswith(m + ".") for k in loaded)]
-        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 10 else "")
+        sys.stderr.write(f"REPORT {{nodes}} {{rank_side}}\\n" if rank_side or len(nodes) != 11 else "")
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
     out = subprocess.run([sys.executable, "-W", "default", "-c", script], cwd=str(tmp_path), capture_output=True,

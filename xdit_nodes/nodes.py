@@ -167,6 +167,25 @@ class XDiTCheckpointLoader(io.ComfyNode):
         return io.NodeOutput(model, clip, vae, settings)
 
 
+class XDiTVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        from .comfy_vae import vae_names
+        return _schema(specs.vae_loader_spec(vae_names()))
+
+    @classmethod
+    def validate_inputs(cls, vae_name=None):
+        from .comfy_vae import vae_names
+        return specs.check_file_name("vae_name", vae_name, vae_names(), "models/vae")
+
+    @classmethod
+    def execute(cls, vae_name, engine=None):
+        """ComfyUI's own VAELoader's VAE, its decode and encode on the engine's ranks where the engine splits the
+        file's type (comfy_vae.py)."""
+        from .comfy_vae import load
+        return io.NodeOutput(load(vae_name, engine))
+
+
 class XDiTSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -407,5 +426,5 @@ class XDiTSaveConditioning(io.ComfyNode):
 
 class XDiTExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [XDiTEngine, XDiTCheckpointLoader, XDiTLoRA, XDiTSampler, XDiTSamplerAdvanced, XDiTGuider, XDiTEngineInfo, XDiTModelSampling,
+        return [XDiTEngine, XDiTCheckpointLoader, XDiTVAELoader, XDiTLoRA, XDiTSampler, XDiTSamplerAdvanced, XDiTGuider, XDiTEngineInfo, XDiTModelSampling,
                 XDiTCFGNorm, XDiTSaveConditioning]

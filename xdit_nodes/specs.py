@@ -117,6 +117,22 @@ def checkpoint_spec(ckpt_names: list[str]) -> NodeSpec:
         (("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "VAE"), (ENGINE_TYPE, "engine")))
 
 
+def vae_loader_spec(vae_names: list[str]) -> NodeSpec:
+    """ComfyUI's Load VAE with its decode and encode on the engine's ranks: the same vae_name list and VAE output, so a
+    stock graph needs only this loader swapped."""
+    return NodeSpec(
+        "XDiTVAELoader", "xDiT VAE Loader", CATEGORY,
+        "Load VAE with its decode and encode on the xDiT Engine's GPUs: the same VAE as ComfyUI's Load VAE, for VAE "
+        "Decode, VAE Encode, their tiled forms and the nodes that encode images themselves (WanImageToVideo, "
+        "Wan22ImageToVideoLatent, ...). Each GPU decodes a band of rows of every frame, equal to ComfyUI's own decode "
+        "to rounding. Wan 2.1 (and Qwen-Image's) and Wan 2.2 VAEs run on the engine; any other VAE is ComfyUI's own.",
+        (Field("vae_name", "COMBO", options=tuple(vae_names), default=vae_names[0] if vae_names else None,
+               tooltip="vae file, as Load VAE lists it"),
+         Field("engine", ENGINE_TYPE, optional=True,
+               tooltip="the xDiT Engine's engine output: its GPUs decode and encode")),
+        (("VAE", "VAE"),))
+
+
 ENGINE_MODEL_TIP = ("the xDiT Engine's MODEL, directly or through ComfyUI's nodes that patch a MODEL (ModelSamplingAuraFlow "
                     "/ SD3 / Flux, CFGNorm, LoRA loaders): the job follows their sampling, post-CFG functions and LoRAs")
 

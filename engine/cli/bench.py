@@ -30,7 +30,7 @@ from ..runtime.launch import PACK_ROOT
 from . import args as types
 from .tables import markdown
 from . import (bench_av, bench_faults, bench_gpu, bench_guider, bench_memory, bench_plans, bench_project, bench_shard,
-               bench_soak, output)
+               bench_soak, bench_vae, output)
 from .bench_overhead import bench_overhead
 from .args import UsageError
 
@@ -43,7 +43,7 @@ def register(sub) -> None:
                    help="also write every row as JSON to this file")
     p.set_defaults(run=_run_suite, parser=p)
     bench = p.add_subparsers(dest="what",
-                             metavar="{overhead,bridge,comm,scaling,cache,memory,shard,project,gpu,guider,av,faults,soak}")
+                             metavar="{overhead,bridge,comm,scaling,cache,memory,shard,project,gpu,guider,av,faults,soak,vae}")
 
     b = bench.add_parser("bridge", help="tensor round trips: our bridge vs the xDiT-style pickle path",
                          description="Round trips of float32 tensors: client -> shared memory -> ranks -> client "
@@ -89,6 +89,7 @@ def register(sub) -> None:
     bench_av.register(bench, _emit)
     bench_faults.register(bench, _emit)
     bench_soak.register(bench, _emit)
+    bench_vae.register(bench, _emit)
 
 
 def _emit(a, name: str, rows: list[dict]) -> int:

@@ -12,6 +12,7 @@ from ..models.load import inspect_model
 from ..models.quantized import SUPPORTED
 from .. import families
 from ..models.tiny import DTYPES, FORMATS, tiny_file, variants, write_tiny
+from ..vae import load as vae_load
 from . import args as types
 from . import describe, output
 from .args import UsageError
@@ -20,8 +21,22 @@ SIDE = 128    # the image side the conditioning file is made for (an image-to-vi
 STEPS = 4     # the steps of the generate command printed
 
 
+VAE_PREFIX = "vae-"   # --kind vae-wan2.1: a VAE file, not a model
+
+
+class VaeKind(str):
+    """--kind's value when it names a VAE (vae-wan2.1): the VAE kind's name."""
+
+
 def kind(text: str):
-    """Any name of a model (families.resolve): a family (flux, ltx23) or a variant or alias of one (ltx-2.3)."""
+    """Any name of a model (families.resolve): a family (flux, ltx23) or a variant or alias of one (ltx-2.3); or a
+    VAE, vae-<kind> (engine/vae/load.py's kinds)."""
+    key = text.strip().lower()
+    if key.startswith(VAE_PREFIX):
+        if key[len(VAE_PREFIX):] not in vae_load.NAMES:
+            raise ArgumentTypeError(f"{text!r} is not a VAE make-tiny writes: use "
+                                    f"{' or '.join(VAE_PREFIX + n for n in sorted(vae_load.NAMES))}")
+        return VaeKind(key[len(VAE_PREFIX):])
     try:
         return families.resolve(text)
     except ValueError as e:
@@ -35,7 +50,8 @@ def register(sub) -> None:
                                    "4 blocks of each kind, and print its dimensions and the conditioning it takes.")
     p.add_argument("--kind", type=kind, required=True, metavar="NAME",
                    help=f"model family ({', '.join(families.names())}) or one of its variants, by any of its names "
-                        f"(e.g. ltx23 or ltx-2.3)")
+                        f"(e.g. ltx23 or ltx-2.3); or a VAE with ComfyUI's key names: "
+                        f"{', '.join(VAE_PREFIX + n for n in sorted(vae_load.NAMES))}")
     p.add_argument("--variant", help="; ".join(
         f"{k}: {' | '.join(variants(k) + tuple(families.get(k).variant_aliases))}" for k in families.names())
         + " (default: the first of the kind)")
@@ -90,6 +106,8 @@ def _check(folder: str, name: str, a) -> None:
 
 
 def run(a) -> int:
+    if isinstance(a.kind, VaeKind):
+        return _run_vae(a)
     if a.quant and a.format != "gguf":   # it would be ignored: a safetensors file has no GGUF types
         raise UsageError(f"argument --quant: {a.quant} applies to GGUF files only and the format is {a.format}: add "
                          f"--format gguf, or leave out --quant")
@@ -134,3 +152,29 @@ def run(a) -> int:
 def _cond_name(model_name: str) -> str:
     """The conditioning file beside a tiny checkpoint: tiny-flux-dev.safetensors -> tiny-flux-dev-cond.safetensors."""
     return f"{os.path.splitext(model_name)[0]}-cond.safetensors"
+
+
+def _run_vae(a) -> int:
+    """make-tiny --kind vae-<kind>: a tiny VAE file of ComfyUI's key names (engine/vae/load.py), for ComfyUI's
+    models/vae and the engine's VAE jobs."""
+    given = [flag for flag, value in (("--variant", a.variant), ("--prefix", a.prefix), ("--full", a.full),
+                                      ("--quant", a.quant), ("--format", a.format != "safetensors" and a.format))
+             if value]
+    if given:
+        raise UsageError(f"argument {given[0]}: applies to model files, and --kind {VAE_PREFIX}{a.kind} writes a VAE "
+                         f"file: leave it out")
+    if a.dtype not in vae_load.DTYPES:
+        raise UsageError(f"argument --dtype: a VAE file is written in {', '.join(vae_load.DTYPES)}, not {a.dtype}")
+    name = vae_load.tiny_vae_file(a.kind)
+    _check(a.out, name, a)
+    try:
+        path = vae_load.write_tiny_vae(a.kind, a.out, seed=a.seed, dtype=a.dtype)
+    except OSError as e:
+        raise UsageError(f"argument --out: could not write in {a.out} ({e.strerror or e}); write elsewhere") from None
+    info = vae_load.inspect_vae(path)
+    s = info.kind.spatial
+    print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {a.dtype} weights)")
+    print(f"vae     {info.kind.title}: widths {info.widths}")
+    print(f"latent  [batch, {info.latent_channels}, frames, height / {s}, width / {s}]; a clip of 4k + 1 frames "
+          f"encodes to k + 1 latent frames")
+    return 0

@@ -332,3 +332,24 @@ def comm_probe(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     if mesh.active:   # a plan on fewer ranks than the engine: the others idle
         ctx.info["sent"] = probe_step(mesh, spec)
     return None
+
+
+@job("vae_decode")
+def vae_decode(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """A VAE decode, each rank its band of rows of every frame (engine/vae/job.py)."""
+    from ..vae.job import run_vae
+    return run_vae(ctx, spec, inputs, "decode")
+
+
+@job("vae_encode")
+def vae_encode(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """A VAE encode, each rank its band of rows of every frame (engine/vae/job.py)."""
+    from ..vae.job import run_vae
+    return run_vae(ctx, spec, inputs, "encode")
+
+
+@job("vae_layer")
+def vae_layer(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """One row-split VAE layer on each rank's band, for the layers' own tests (engine/vae/job.py)."""
+    from ..vae.job import run_layer
+    return run_layer(ctx, spec, inputs)
