@@ -267,11 +267,11 @@ def test_a_rank_out_of_memory_mid_step_costs_one_job_on_the_same_ranks(shard, tm
         detected_s = time.time() - fault.firings()[0]["time"]
         message = str(info.value)
         print(f"{plan.describe()}: detected {detected_s:.2f} s after the injected OOM; {message}")
+        assert e.pids == pids and not e.restarts, e.restarts
         assert info.value.oom and info.value.rank == 1 and "\n" not in message
         assert f"rank 1 (cpu) ran out of memory in phase compute at step 2 under {plan.describe()}" in message
         assert "a smaller image or batch shrinks the activations" in message
         assert ("plans that need less: " in message) == (shard == 1)   # divided weights already need the least
-        assert e.pids == pids and not e.restarts
         t0 = time.monotonic()
         again = request.submit(e)
         print(f"the next job: {time.monotonic() - t0:.2f} s, model {[r['model_source'] for r in again.ranks]}")

@@ -183,6 +183,8 @@ class JobContext:
             received = self._rt.next_call(self.job_id, self.deadline_s, device, read, host)
             if received is None:
                 return
+            if read:   # a session's call is its step: a fault armed for "step" k fires at call k
+                faults.fire(self._rt.fault, self.rank, "step", received[0])
             yield received
 
     def answer(self, call: int, outputs: dict[str, torch.Tensor] | None, clock=None, **info) -> None:
