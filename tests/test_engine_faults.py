@@ -280,6 +280,30 @@ def test_a_rank_out_of_memory_mid_step_costs_one_job_on_the_same_ranks(shard, tm
         assert torch.equal(again.outputs["samples"], clean)
 
 
+def test_after_a_mid_step_out_of_memory_on_a_plan_of_fewer_ranks_every_rank_builds_its_mesh_again(tmp_path):
+    """A plan on 2 of 3 ranks: its ranks drop the failed job's mesh, and the rank it leaves idle, which finished its
+    part, drops its copy before the next job (building a mesh is a collective of every rank), so the plan runs
+    again on the same processes, then another plan too."""
+    from engine.generate.request import GenerateRequest
+    from engine.parallel.plan import ParallelPlan
+    from engine.runtime.faults import Fault
+
+    fault = Fault(rank=1, point="step", action="oom", step=1, marker=str(tmp_path / "fired"))
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2,
+                                                  plan=ParallelPlan(ulysses=2)).validate()
+    with Engine(3, device="cpu", deadlines=FAST, env=fault.env()) as e:
+        pids = e.pids
+        with pytest.raises(EngineError, match="rank 1 \\(cpu\\) ran out of memory") as info:
+            request.submit(e)
+        assert info.value.oom and e.pids == pids and not e.restarts
+        again = request.submit(e)
+        assert again.ranks[2].get("idle") and [r.get("model_source") for r in again.ranks[:2]] == ["resident"] * 2
+        ring = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2,
+                                                   plan=ParallelPlan(ring=3)).validate()
+        assert ring.submit(e).outputs["samples"].shape == ring.latent_raw.shape
+        assert e.pids == pids and not e.restarts
+
+
 def test_out_of_memory_advice_for_flux_dev_on_24_gib_cards_names_what_would_fit():
     """At FLUX.1-dev's real size (no weights loaded: the planner works from the model's dims) on two 24 GiB GPUs."""
     from engine.generate.request import GenerateRequest

@@ -86,7 +86,8 @@ class Engine(RankGroup):
                 segment = {"path": segment_path, "nbytes": manifest["nbytes"]} if manifest else None
                 for rank, chan in enumerate(self._chans):
                     message = {"op": "job", "job_id": job_id, "crc32": crc,   # grace: how long a failed job's
-                               "error_grace_s": deadlines.error_grace_s}    # ranks may take to agree it ended
+                               "error_grace_s": deadlines.error_grace_s,    # ranks may take to agree it ended
+                               "stale_meshes": self._stale_meshes}
                     if rank == 0:
                         message.update(doc=doc, segment=segment)
                     chan.send(message)
@@ -102,6 +103,7 @@ class Engine(RankGroup):
                 self._fail(f"control channel failed: {e}")
                 raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
                                   f"replaced", phase="sent") from e
+            self._stale_meshes = []
             return job_id, crc, t_ready, t_written
         raise AssertionError("unreachable: the second attempt returns or raises")
 
@@ -262,6 +264,9 @@ class Engine(RankGroup):
         errors = sorted(((r, m) for r, m in final.items() if m["op"] == "error"),
                         key=lambda e: (bool(e[1].get("secondary")), e[0]))
         unsound = next((r for r, m in errors if m.get("unsound")), None)
+        for _, m in errors:   # a failed job's mesh, dropped by its ranks: every rank drops it before the next job
+            if m.get("dropped_plan") and m["dropped_plan"] not in self._stale_meshes:
+                self._stale_meshes.append(m["dropped_plan"])
         if unsound is not None:   # a failed job's ranks did not agree that it ended in time: out of step
             self._fail(f"rank {unsound} could not agree with the others that job {job_id} ended")
         if caller_error is not None:

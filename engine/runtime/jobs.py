@@ -83,6 +83,8 @@ class JobContext:
         self.agreed = False       # this rank's failure was raised where every rank of the job agreed (no wind-down
         #                           needs its mesh torn down: it left no peer waiting in a collective)
         self._mesh = None         # the job's mesh, while this rank runs the job on it
+        self.dropped_plan = None  # the plan whose mesh this rank dropped after a failure (the idle ranks drop theirs
+        #                           before the next job: forget_meshes)
         self._dropped = None      # the job's mesh once torn down after a failure (its control group ends later)
 
     def mesh(self, plan):
@@ -130,7 +132,7 @@ class JobContext:
         for release in self.cache.get("mesh_users", {}).values():
             release(self, mesh)
         self.job_group = None
-        self._dropped = mesh
+        self._dropped, self.dropped_plan = mesh, mesh.plan
         return ending.let_go([mesh.abort()], end)
 
     def reset_peak_memory(self) -> None:
@@ -328,6 +330,20 @@ class JobContext:
             states = mine.tolist()
             if ending.everyone_stopped(states):
                 return states
+
+
+def forget_meshes(cache: dict, plans: list[dict]) -> None:
+    """Before a job: drop the meshes of `plans` (ParallelPlan dicts), which the ranks that ran a failed job on them
+    dropped (JobContext.drop_mesh) while the ranks those plans leave idle kept theirs. Building a mesh is a collective
+    of every rank, so every rank must hold the same meshes: the client passes the plans on with the next job."""
+    from ..parallel.plan import ParallelPlan
+
+    meshes = cache.get("meshes", {})
+    for plan in map(ParallelPlan.from_dict, plans):
+        mesh = meshes.pop(plan, None)
+        if mesh is not None:
+            mesh.destroy()   # an idle rank's holds no communicator of the plan's
+            cache["meshes_destroyed"] = cache.get("meshes_destroyed", 0) + 1
 
 
 @job("echo")

@@ -26,7 +26,7 @@ from . import bridge, ending, faults
 from .. import syncs, wording
 from .launch import pin_process
 from ..errors import SESSION_IDLE, EngineError, JobCancelledSignal, JobStoppedSignal
-from .jobs import HANDLERS, JobContext, is_out_of_memory, rank_memory
+from .jobs import HANDLERS, JobContext, forget_meshes, is_out_of_memory, rank_memory
 from .protocol import Channel, ChannelClosed, ProtocolError
 
 
@@ -158,6 +158,7 @@ class RankRuntime:
         self.ctx = None
         report = None
         try:
+            forget_meshes(self.cache, message.get("stale_meshes", []))
             report, state = self._run(job_id, message)
             # a failure's exception and the frames of the failed step are released by now, so what they held (the
             # step's tensors, the job's communicators) can go
@@ -250,6 +251,8 @@ class RankRuntime:
         t0 = time.perf_counter()
         states = self.ctx.wind_down(state, deadline_s)
         report["wind_down_s"] = time.perf_counter() - t0
+        if self.ctx.dropped_plan is not None:   # the client tells every rank at the next job (forget_meshes)
+            report["dropped_plan"] = self.ctx.dropped_plan.as_dict()
         if states is None:
             report["unsound"] = True
             return
