@@ -93,10 +93,10 @@ def _release_mesh(ctx, mesh) -> None:
     stay."""
     models = ctx.cache.get("models", {})
     divided = [k for k, s in models.items() if s.get("shard_mesh") is mesh]
+    if divided:
+        forget_divisions()   # first: the collection that drops the models then frees the communicators too
     for key in divided:
         _drop(ctx, models, key)
-    if divided:
-        forget_divisions()
     for state in models.values():
         if state.get("mesh") is mesh:
             state.pop("parallel").close()

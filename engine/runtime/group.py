@@ -77,7 +77,7 @@ class RankGroup:
         self.generation = 0          # how many times the rank group was (re)started
         self.held: dict = {}         # what the client records of what the ranks keep (e.g. models/lora.HeldPatches)
         self.restarts: list[str] = []  # why each replacement happened
-        self._stale_meshes: list[dict] = []   # plans whose meshes a failed job's ranks dropped (jobs.py forget_meshes)
+        self._stale_meshes: list[dict] = []   # plans whose meshes a failed job dropped (ending.py forget_meshes)
         self._procs: list[subprocess.Popen] = []
         self._chans: list[Channel] = []
         self.engine_dir: str | None = None

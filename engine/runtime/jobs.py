@@ -4,7 +4,6 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -301,7 +300,8 @@ class JobContext:
             state |= ending.TORN
             if not self.drop_mesh(end):
                 return None
-        states = self._agree_stopped(state, end)
+        pending, self._agreement = self._agreement, None
+        states = ending.agree_stopped(lambda: self._post(state), pending, end)
         if states is None:
             return None
         if ending.torn(states) and self._mesh is not None and not self.drop_mesh(end):
@@ -311,39 +311,6 @@ class JobContext:
             self._dropped = None
         return states
 
-    def _agree_stopped(self, state: int, end: float) -> list[int] | None:
-        def done(work) -> bool:
-            try:
-                work.wait(timedelta(seconds=max(0.001, end - time.monotonic())))
-                return True
-            except RuntimeError:   # timed out, or the control group itself failed (a peer gone)
-                return False
-
-        if self._agreement is not None:
-            (work, _), self._agreement = self._agreement, None
-            if not done(work):
-                return None
-        while True:
-            work, mine = self._post(state)
-            if not done(work):
-                return None
-            states = mine.tolist()
-            if ending.everyone_stopped(states):
-                return states
-
-
-def forget_meshes(cache: dict, plans: list[dict]) -> None:
-    """Before a job: drop the meshes of `plans` (ParallelPlan dicts), which the ranks that ran a failed job on them
-    dropped (JobContext.drop_mesh) while the ranks those plans leave idle kept theirs. Building a mesh is a collective
-    of every rank, so every rank must hold the same meshes: the client passes the plans on with the next job."""
-    from ..parallel.plan import ParallelPlan
-
-    meshes = cache.get("meshes", {})
-    for plan in map(ParallelPlan.from_dict, plans):
-        mesh = meshes.pop(plan, None)
-        if mesh is not None:
-            mesh.destroy()   # an idle rank's holds no communicator of the plan's
-            cache["meshes_destroyed"] = cache.get("meshes_destroyed", 0) + 1
 
 
 @job("echo")

@@ -26,7 +26,7 @@ from . import bridge, ending, faults
 from .. import syncs, wording
 from .launch import pin_process
 from ..errors import SESSION_IDLE, EngineError, JobCancelledSignal, JobStoppedSignal
-from .jobs import HANDLERS, JobContext, forget_meshes, is_out_of_memory, rank_memory
+from .jobs import HANDLERS, JobContext, is_out_of_memory, rank_memory
 from .protocol import Channel, ChannelClosed, ProtocolError
 
 
@@ -158,18 +158,20 @@ class RankRuntime:
         self.ctx = None
         report = None
         try:
-            forget_meshes(self.cache, message.get("stale_meshes", []))
+            ending.forget_meshes(self.cache, message.get("stale_meshes", []))
             report, state = self._run(job_id, message)
             # a failure's exception and the frames of the failed step are released by now, so what they held (the
             # step's tensors, the job's communicators) can go
             if report is not None:
                 if state is not None:
                     self._wind_down(report, state, float(message.get("error_grace_s", 3.0)))
+                self.chan.send(report)
+                # what a cycle still holds of the failed job's activations goes back to the device before this rank
+                # takes its next job (after the report: a full collection takes a while)
                 import gc
-                gc.collect()   # the failed job's activations are unreachable now: give them back to the device
+                gc.collect()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                self.chan.send(report)
         finally:
             segment = self._answers.pop(job_id, None)
             if segment is not None:   # the session's answer segment: its last answer was read before the end
