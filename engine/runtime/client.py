@@ -272,9 +272,13 @@ class Engine(RankGroup):
         if caller_error is not None:
             raise caller_error
         if errors:  # every rank answered and agreed, so the group is back in step and stays up
-            then = "; the ranks will be replaced before the next job" if unsound is not None else \
-                "; every rank of the job stopped with it, and the ranks stay up with their loaded weights" \
-                if any("wind_down_s" in m for _, m in errors) else ""
+            then = ""
+            if unsound is not None:
+                then = "; the ranks will be replaced before the next job"
+            elif any("wind_down_s" in m for _, m in errors):   # the job's ranks ended it together (rank.py)
+                then = "; every rank of the job stopped with it, and the ranks stay up with their whole weights" + (
+                    " (weights divided over its ranks are read again)" if "shard" in errors[0][1].get("plan", "")
+                    else "")
             raise self._rank_error(job_id, *errors[0], then)
         if any(m["op"] == "cancelled" for m in final.values()):
             steps = sorted({m.get("step") for m in final.values() if m["op"] == "cancelled"})

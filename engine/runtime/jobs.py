@@ -81,7 +81,7 @@ class JobContext:
         self.taking_part = True   # False on a rank the job's plan leaves idle: it is in none of the job's agreements
         self.agreed = False       # this rank's failure was raised where every rank of the job agreed (no wind-down
         #                           needs its mesh torn down: it left no peer waiting in a collective)
-        self._mesh = None         # the job's mesh, while this rank runs the job on it
+        self.job_mesh = None      # the job's mesh, while this rank runs the job on it
         self.dropped_plan = None  # the plan whose mesh this rank dropped after a failure (the idle ranks drop theirs
         #                           before the next job: forget_meshes)
         self._dropped = None      # the job's mesh once torn down after a failure (its control group ends later)
@@ -110,7 +110,7 @@ class JobContext:
         if mesh.active:   # only the ranks that run the job enter its per-step collectives
             self.job_world, self.job_group = plan.world_size, mesh.job_pg
             self.control_group = mesh.control_pg or self._rt.control_group
-            self._mesh = mesh
+            self.job_mesh = mesh
         else:
             self.info["idle"] = True
             self.taking_part = False
@@ -121,7 +121,7 @@ class JobContext:
         model's parallel form over it, weights divided over it: the "mesh_users" releases the job kinds register in the
         rank's cache), so a peer waiting in one of its collectives fails at once; the next job of the plan builds its
         mesh anew. Whole weights stay. False: the communicators were not let go of by `end` (monotonic)."""
-        mesh, self._mesh = self._mesh, None
+        mesh, self.job_mesh = self.job_mesh, None
         if mesh is None:
             return True
         meshes = self.cache.get("meshes", {})
@@ -296,7 +296,7 @@ class JobContext:
         if self.job_world == 1:
             return [state]
         end = time.monotonic() + deadline_s
-        if not self.agreed and self._mesh is not None:
+        if not self.agreed and self.job_mesh is not None:
             state |= ending.TORN
             if not self.drop_mesh(end):
                 return None
@@ -304,7 +304,7 @@ class JobContext:
         states = ending.agree_stopped(lambda: self._post(state), pending, end)
         if states is None:
             return None
-        if ending.torn(states) and self._mesh is not None and not self.drop_mesh(end):
+        if ending.torn(states) and self.job_mesh is not None and not self.drop_mesh(end):
             return None
         if self._dropped is not None:   # its control group, last: every rank of the job is past the agreement
             self._dropped.destroy()

@@ -108,7 +108,7 @@ class RankRuntime:
         here, on the reader thread, and the main thread goes on to the job's next agreement, which carries the
         failure. Gloo needs nothing here: the failed rank letting go of its communicators fails the waits."""
         ctx = self.ctx
-        mesh = ctx._mesh if ctx is not None and ctx.job_id == job_id else None
+        mesh = ctx.job_mesh if ctx is not None and ctx.job_id == job_id else None
         if mesh is not None:
             mesh.abort_communicators()
 
@@ -240,8 +240,8 @@ class RankRuntime:
             if ctx is None or not ctx.taking_part or ctx.job_world == 1 or self.phase == "return":
                 return report, None
             state = ending.state_of(e, out_of_memory)
-            if ctx._mesh is not None:
-                report["plan"] = wording.plan(ctx._mesh.plan)
+            if ctx.job_mesh is not None:
+                report["plan"] = wording.plan(ctx.job_mesh.plan)
             if state != ending.STOPPED:   # the client starts its grace now and tells every rank the job failed
                 self.chan.send({**report, "op": "failing", "traceback": ""})
             return report, state
