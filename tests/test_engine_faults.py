@@ -243,6 +243,67 @@ def test_a_rank_out_of_memory_loading_its_weights_stops_the_job_on_every_rank_an
         assert [r["model_source"] for r in again.ranks] == ["resident", "file"]
 
 
+@pytest.mark.parametrize("shard", [1, 2], ids=["ulysses2", "ulysses2_x_shard2"])
+def test_a_rank_out_of_memory_mid_step_costs_one_job_on_the_same_ranks(shard, tmp_path, engines):
+    """Rank 1 runs out of memory at step 2 (injected) while rank 0 goes on into step 3's collectives, which rank 1
+    never enters: rank 1 tears the job's mesh down, which fails rank 0's wait at once; every rank agrees that the job
+    ended, frees the step's tensors and reports. One error names rank 1, its device, the plan and what needs less;
+    the group is not replaced (it ended within the error grace: the same processes), and the next identical job gives
+    the clean run's latent reading no file for whole weights (weights divided over the torn-down mesh belonged to it,
+    and are read again)."""
+    from engine.generate.request import GenerateRequest
+    from engine.parallel.plan import ParallelPlan
+    from engine.runtime.faults import Fault
+
+    plan = ParallelPlan(ulysses=2, shard=shard)
+    fault = Fault(rank=1, point="step", action="oom", step=2, marker=str(tmp_path / "fired"))
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=4,
+                                                  plan=plan).validate(2)
+    clean = request.submit(engines(2)).outputs["samples"]
+    with Engine(2, device="cpu", deadlines=FAST, env=fault.env()) as e:
+        pids = e.pids
+        with pytest.raises(EngineError) as info:
+            request.submit(e)
+        detected_s = time.time() - fault.firings()[0]["time"]
+        message = str(info.value)
+        print(f"{plan.describe()}: detected {detected_s:.2f} s after the injected OOM; {message}")
+        assert e.pids == pids and not e.restarts, e.restarts
+        assert info.value.oom and info.value.rank == 1 and "\n" not in message
+        assert f"rank 1 (cpu) ran out of memory in phase compute at step 2 under {plan.describe()}" in message
+        assert "a smaller image or batch shrinks the activations" in message
+        assert ("plans that need less: " in message) == (shard == 1)   # divided weights already need the least
+        t0 = time.monotonic()
+        again = request.submit(e)
+        print(f"the next job: {time.monotonic() - t0:.2f} s, model {[r['model_source'] for r in again.ranks]}")
+        assert e.pids == pids and not e.restarts
+        assert [r["model_source"] for r in again.ranks] == ["resident" if shard == 1 else "file"] * 2
+        assert torch.equal(again.outputs["samples"], clean)
+
+
+def test_after_a_mid_step_out_of_memory_on_a_plan_of_fewer_ranks_every_rank_builds_its_mesh_again(tmp_path):
+    """A plan on 2 of 3 ranks: its ranks drop the failed job's mesh, and the rank it leaves idle, which finished its
+    part, drops its copy before the next job (building a mesh is a collective of every rank), so the plan runs
+    again on the same processes, then another plan too."""
+    from engine.generate.request import GenerateRequest
+    from engine.parallel.plan import ParallelPlan
+    from engine.runtime.faults import Fault
+
+    fault = Fault(rank=1, point="step", action="oom", step=1, marker=str(tmp_path / "fired"))
+    request = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2,
+                                                  plan=ParallelPlan(ulysses=2)).validate()
+    with Engine(3, device="cpu", deadlines=FAST, env=fault.env()) as e:
+        pids = e.pids
+        with pytest.raises(EngineError, match="rank 1 \\(cpu\\) ran out of memory") as info:
+            request.submit(e)
+        assert info.value.oom and e.pids == pids and not e.restarts
+        again = request.submit(e)
+        assert again.ranks[2].get("idle") and [r.get("model_source") for r in again.ranks[:2]] == ["resident"] * 2
+        ring = GenerateRequest.random_conditioning("synthetic:flux-dev:tiny", 64, 64, text_tokens=8, steps=2,
+                                                   plan=ParallelPlan(ring=3)).validate()
+        assert ring.submit(e).outputs["samples"].shape == ring.latent_raw.shape
+        assert e.pids == pids and not e.restarts
+
+
 def test_out_of_memory_advice_for_flux_dev_on_24_gib_cards_names_what_would_fit():
     """At FLUX.1-dev's real size (no weights loaded: the planner works from the model's dims) on two 24 GiB GPUs."""
     from engine.generate.request import GenerateRequest

@@ -200,6 +200,32 @@ def test_a_model_session_refuses_what_only_the_engines_own_loop_runs(engines, fi
 
 
 # ---- the ComfyUI side, with stand-ins for ComfyUI's objects -----------------------------------------------------
+def test_a_rank_out_of_memory_in_a_model_call_ends_the_session_on_the_same_ranks(files, tmp_path):
+    """Rank 1 runs out of memory at a session's second call (injected) while rank 0 computes it: the call fails with
+    one error naming rank 1, its device and the plan, the ranks end the session together and stay (the same
+    processes), and the next session answers as the first did, the model still loaded."""
+    from engine.errors import EngineError
+    from engine.runtime.client import Engine
+    from engine.runtime.faults import Fault
+    from conftest import FAST
+
+    fault = Fault(rank=1, point="step", action="oom", step=2, marker=str(tmp_path / "fired"))
+    x, t, c = flux_call(2)
+    with Engine(2, device="cpu", deadlines=FAST, env=fault.env()) as e:
+        pids = e.pids
+        with ModelSession(e, request(files["flux"], x, c, ParallelPlan(ulysses=2))) as s:
+            first = s.call(x, t, c)
+            with pytest.raises(EngineError) as info:
+                s.call(x, t, c)
+        message = str(info.value)
+        print(message)
+        assert info.value.oom and info.value.rank == 1 and "rank 1 (cpu) ran out of memory" in message
+        assert "under ulysses2" in message and e.pids == pids and not e.restarts
+        with ModelSession(e, request(files["flux"], x, c, ParallelPlan(ulysses=2))) as s:
+            assert torch.equal(s.call(x, t, c), first)
+        assert e.pids == pids and not e.restarts
+
+
 @pytest.fixture(scope="module")
 def pack():
     load_pack()

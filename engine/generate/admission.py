@@ -84,10 +84,11 @@ def fitted_stages(info, choice: PlanChoice, work: Workload, hardware: Hardware) 
                             f"{hardware.memory_gib:.4g} GiB) need {per_stage} GiB"), list(counts)
 
 
-def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict | None) -> str:
+def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict | None, smaller=None) -> str:
     """After an out-of-memory failure under `plan`: the planner's estimate, the plans of `ranks` GPUs it expects to
     need less, and what else would (fp8 weights, PipeFusion, more GPUs), measured against the device's size when the
-    rank reported it, else against the estimate that proved too small."""
+    rank reported it, else against the estimate that proved too small; and a smaller image: `smaller(part)` names the
+    largest of the job's shape whose activations are at most `part` of the job's, with its estimate."""
     estimate = memory_gib(plan, work)
     failed = estimate["total"]
     total = (memory or {}).get("device_total_gib")
@@ -100,5 +101,7 @@ def memory_advice(plan: ParallelPlan, work: Workload, ranks: int, memory: dict |
     if lighter:
         advice.append("plans that need less: " + ", ".join(f"{name} (est. {g:.1f} GiB)" for g, name in lighter[:3]))
     advice += memory_helps(ranks, work, budget * (1 if total else 0.99))
-    advice.append(shrink_advice(work))
+    image = smaller(0.5) if smaller is not None and estimate["activations"] >= 0.05 else None
+    advice.append(shrink_advice(work) + (f" ({image[0]} halves them: est. {image[1]['total']:.1f} GiB per rank under "
+                                         f"{wording.plan(plan)})" if image else ""))
     return "; ".join(advice)

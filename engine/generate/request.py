@@ -15,7 +15,7 @@ from ..errors import EngineError, PlanError
 from ..models.load import inspect_model
 from ..models.lora import HeldPatches
 from ..parallel.devices import Hardware
-from ..parallel.memory import expert_placement
+from ..parallel.memory import expert_placement, memory_gib
 from ..parallel.pipefusion.layout import layout_problems
 from ..parallel.plan import AUTO, TWO_EXPERTS, GiB, ParallelPlan, PlanChoice, Workload
 from ..parallel.planner import resolve_plan
@@ -173,10 +173,11 @@ class GenerateRequest:
             choice, stage_blocks = admission.fitted_stages(info, choice, work, hardware)
         return replace(self, plan=choice.plan, stage_blocks=stage_blocks, choice=choice, expert_placement=placement)
 
-    def workload(self, info) -> Workload:
-        """What the planner and the cost model know of this job."""
+    def workload(self, info, latent_hw: tuple[int, int] | None = None) -> Workload:
+        """What the planner and the cost model know of this job (latent_hw: as if its latent were that size)."""
         lat = self.latent_raw
-        return Workload.from_info(info, lat.shape[-2], lat.shape[-1], batch=lat.shape[0],
+        h, w = latent_hw or lat.shape[-2:]
+        return Workload.from_info(info, h, w, batch=lat.shape[0],
                                   frames=lat.shape[2] if info.spec.frames else 1,
                                   negative_pass=self.negative_pass, text_tokens=self._text_tokens(info),
                                   dtype=self.dtype,
@@ -244,8 +245,26 @@ class GenerateRequest:
                               oom=True, memory=e.memory) from e
 
     def memory_advice(self, ranks: int, memory: dict | None) -> str:
-        """After an out-of-memory failure under this (resolved) plan: what would need less (admission.py)."""
-        return admission.memory_advice(self.plan, self.workload(inspect_model(self.model)), ranks, memory)
+        """After an out-of-memory failure under this (resolved) plan: what would need less (admission.py), a smaller
+        image of this one's shape among it."""
+        info = inspect_model(self.model)
+        return admission.memory_advice(self.plan, self.workload(info), ranks, memory,
+                                       smaller=lambda part: self._smaller_image(info, part))
+
+    def _smaller_image(self, info, part: float) -> tuple[str, dict] | None:
+        """The largest image of this job's shape, in the family's steps, whose activations the planner estimates at
+        most `part` of this job's under its plan: ("WxH px", its memory_gib), or None when no step smaller does."""
+        h, w = self.latent_raw.shape[-2:]
+        p = info.latent_patch
+        want = memory_gib(self.plan, self.workload(info))["activations"] * part
+        for units in range(max(h, w) // p - 1, 0, -1):   # the longer side, in patches, from one less down
+            scale = units * p / max(h, w)
+            size = (max(p, int(h * scale) // p * p), max(p, int(w * scale) // p * p))
+            gib = memory_gib(self.plan, self.workload(info, size))
+            if gib["activations"] <= want:
+                down = info.latent.downscale
+                return f"{size[1] * down}x{size[0] * down} px", gib
+        return None
 
     def _text_tokens(self, info) -> int:
         """The longest prompt a pass runs (cond; neg_cond too with a negative pass), as the model takes it (a family

@@ -16,7 +16,7 @@ from ..parallel.parallelize import parallelize
 from ..parallel.pipefusion.layout import make_layout, stage_keep
 from ..parallel.pipefusion.pipeline import Pipeline
 from .. import families, syncs
-from ..parallel.shard import shard_spec
+from ..parallel.shard import forget_divisions, shard_spec
 from ..sampling.ksampler import ksample, reshape_mask, start_sampling
 from ..sampling.noise import prepare_noise
 from .request import GenerateRequest
@@ -86,12 +86,30 @@ def _drop(ctx, models: dict, key) -> None:
     release_model_memory(ctx.device)  # its weights (and graphs compiled around them) go before the new come
 
 
+def _release_mesh(ctx, mesh) -> None:
+    """A mesh torn down after a failed job (runtime/jobs.py JobContext.drop_mesh): what holds its communicators goes
+    now, so they close and the peers waiting in them are freed: each model's parallel form over it (applied again by
+    the next job) and weights divided over it (read again by the next job, as when a mesh is dropped). Whole weights
+    stay."""
+    models = ctx.cache.get("models", {})
+    divided = [k for k, s in models.items() if s.get("shard_mesh") is mesh]
+    if divided:
+        forget_divisions()   # first: the collection that drops the models then frees the communicators too
+    for key in divided:
+        _drop(ctx, models, key)
+    for state in models.values():
+        if state.get("mesh") is mesh:
+            state.pop("parallel").close()
+            del state["mesh"]
+
+
 def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patches=None):
     """The rank keeps up to RESIDENT_MODELS models (loaded, or moved to host memory on a GPU that cannot hold them
     all) and each one's parallel form for its last mesh. stage: a PipeFusion stage's (name, keep): the rank then holds
     only what `keep` accepts. weight_patches: a ComfyUI MODEL's LoRA patches (models/lora.py WeightPatches), applied
     with the request's LoRA files."""
     models = ctx.cache.setdefault("models", {})   # model key -> its state, least recently used first
+    ctx.cache.setdefault("mesh_users", {})["models"] = _release_mesh
     for old in [k for k, s in models.items() if s.get("shard_mesh") is not None and s["shard_mesh"].destroyed]:
         _drop(ctx, models, old)   # weights divided over a mesh since destroyed (jobs.py keeps the last few)
     divided = request.plan.shard > 1 and not stage

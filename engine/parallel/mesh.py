@@ -80,9 +80,10 @@ class Mesh:
         self.stats = CommStats()
         self.groups: dict[str, Group] = {}
         self._made: list = []          # the communicators made for this mesh that hold this rank, in creation order
-        self._shared: dict = {}        # (ranks, backend) -> the communicator of every group of those ranks
-        if world > 1:
-            self._shared[(tuple(range(world)), None)] = dist.group.WORLD   # never destroyed here
+        # (ranks, backend) -> the communicator of every group of those ranks. Never the world's: a job that fails on
+        # one rank ends on the others by that rank tearing its mesh's communicators down (abort), which the world's
+        # group, carrying the ranks' jobs, must survive
+        self._shared: dict = {}
         # dist.new_group is collective over the world: every rank creates every group, in the same order, and groups
         # of the same ranks share one communicator (sp is the ulysses or the ring group when the other degree is 1)
         for name, dims in [(n, (n,)) for n in ORDER if n != "pipefusion"] + [("sp", ("ring", "ulysses"))]:
@@ -138,6 +139,45 @@ class Mesh:
         self.destroyed = True
 
     destroyed = False
+
+    def abort(self) -> list:
+        """After a job failed, on a rank that may have left others waiting in this mesh's collectives (or, on GPUs,
+        with such a collective still queued on its own stream): end this mesh's data-plane communicators now, without
+        the collective `destroy` is. On NCCL each is aborted (ncclCommAbort: a kernel waiting in it returns); gloo has
+        no abort, and a gloo communicator closes its connections only when its last reference goes, which makes a
+        peer's pending collective on it fail at once ("Connection closed by peer"), so the communicators are returned
+        for the caller to let go of (JobContext.drop_mesh). The job's control group (`control_pg`), which the ranks
+        agree over about the failure, is kept for `destroy` to end after the agreement. The mesh is unusable after."""
+        made, keep = [pg for pg in self._made if pg is not self.control_pg], [self.control_pg]
+        self._made = [pg for pg in keep if pg is not None]
+        for group in self.groups.values():
+            group.pg = None   # a Group still held elsewhere (an attention processor) holds no communicator
+        self.groups.clear()
+        self._shared.clear()
+        self.job_pg = None
+        self.destroyed = True
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)   # (torch's, experimental)
+        for pg in made:
+            try:   # NCCL: aborted; gloo: unregistered (its abort does nothing)
+                abort(pg) if abort is not None else dist.destroy_process_group(pg)
+            except (ValueError, RuntimeError):   # unregistered already, or its backend refuses: still let go of
+                pass
+        return made
+
+    def abort_communicators(self) -> None:
+        """From another thread while the rank's main thread may wait in one of this mesh's collectives (the client
+        said the job failed): abort its NCCL communicators, so a collective queued on the device that a failed rank
+        will never enter returns, and the main thread reaches its next agreement. The main thread then drops the mesh
+        (`abort`). Nothing on gloo: it cannot abort, and its waits fail by themselves once the failed rank lets go of
+        its communicators."""
+        if self.device_type != "cuda":
+            return
+        for pg in list(self._made):
+            if pg is not self.control_pg:
+                try:
+                    pg.abort()
+                except RuntimeError:
+                    pass
 
     def spans(self, group: str, dim: str) -> bool:
         """Do `group`'s members differ in their `dim` coordinate (a shard group across CFG groups, say)?"""

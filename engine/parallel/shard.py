@@ -44,3 +44,22 @@ def shard_spec(mesh, family) -> ShardSpec | None:
             unit.set_modules_to_forward_prefetch([following])
 
     return ShardSpec(size=group.size, rank=group.rank, ranks=tuple(group.ranks), wrap=wrap)
+
+
+def forget_divisions() -> None:
+    """Empty torch's DTensor caches of sharding decisions: each keeps every DeviceMesh it has seen, and with it the
+    mesh's process group, after the weights divided over it are gone. A mesh torn down after a failed job (runtime/
+    jobs.py drop_mesh) frees a peer waiting in one of its gloo collectives only when nothing holds its communicators.
+    (torch's own helpers, for debugging; the caches fill again on the next sharded job.)"""
+    try:
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
+    for cached in (getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    getattr(_redistribute, "_planner_cache", {}).clear()

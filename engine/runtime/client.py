@@ -85,7 +85,9 @@ class Engine(RankGroup):
                 t_written = time.perf_counter()
                 segment = {"path": segment_path, "nbytes": manifest["nbytes"]} if manifest else None
                 for rank, chan in enumerate(self._chans):
-                    message = {"op": "job", "job_id": job_id, "crc32": crc}
+                    message = {"op": "job", "job_id": job_id, "crc32": crc,   # grace: how long a failed job's
+                               "error_grace_s": deadlines.error_grace_s,    # ranks may take to agree it ended
+                               "stale_meshes": self._stale_meshes}
                     if rank == 0:
                         message.update(doc=doc, segment=segment)
                     chan.send(message)
@@ -101,6 +103,7 @@ class Engine(RankGroup):
                 self._fail(f"control channel failed: {e}")
                 raise EngineError(f"job {job_id}: the engine's control channel failed ({e}); the ranks will be "
                                   f"replaced", phase="sent") from e
+            self._stale_meshes = []
             return job_id, crc, t_ready, t_written
         raise AssertionError("unreachable: the second attempt returns or raises")
 
@@ -237,6 +240,8 @@ class Engine(RankGroup):
                                     caller_error = e
                         elif op == "answer":
                             watch.answers[m["call"]] = m
+                        elif op == "failing":   # the rank winds the job down with the others (rank.py), then reports
+                            self._relay_failure(job_id, watch, rank, m, now, call)
                         elif op in ("done", "error", "cancelled"):
                             final[rank] = m
                             if op == "error" and watch.first_error_at is None:
@@ -246,26 +251,60 @@ class Engine(RankGroup):
                 now = time.monotonic()
                 if watch.first_error_at is not None and len(final) < self.world and \
                         now - watch.first_error_at > deadlines.error_grace_s:
-                    r, m = next((r, m) for r, m in sorted(final.items()) if m["op"] == "error")
+                    # a rank's error, else what a rank said as it began to wind the job down
+                    r, m = next(iter([(r, m) for r, m in sorted(final.items()) if m["op"] == "error"] or
+                                     sorted(watch.failing.items())))
                     self._fail(f"rank {r} failed in phase {m['phase']}; others did not finish")
                     raise self._rank_error(job_id, r, m, "; the ranks will be replaced before the next job")
                 self._check_deadlines(job_id, deadlines, watch, now)
         finally:
             sel.close()
         self._failures = 0   # every rank answered: the group is sound, whatever the job's outcome
-        if caller_error is not None:
-            raise caller_error
         # the failing rank's own report first (the others may only say they stopped with it)
         errors = sorted(((r, m) for r, m in final.items() if m["op"] == "error"),
                         key=lambda e: (bool(e[1].get("secondary")), e[0]))
-        if errors:  # every rank answered, so the group is back in step and stays up
-            raise self._rank_error(job_id, *errors[0], "")
+        unsound = next((r for r, m in errors if m.get("unsound")), None)
+        for _, m in errors:   # a failed job's mesh, dropped by its ranks: every rank drops it before the next job
+            if m.get("dropped_plan") and m["dropped_plan"] not in self._stale_meshes:
+                self._stale_meshes.append(m["dropped_plan"])
+        if unsound is not None:   # a failed job's ranks did not agree that it ended in time: out of step
+            self._fail(f"rank {unsound} could not agree with the others that job {job_id} ended")
+        if caller_error is not None:
+            raise caller_error
+        if errors:  # every rank answered and agreed, so the group is back in step and stays up
+            then = ""
+            if unsound is not None:
+                then = "; the ranks will be replaced before the next job"
+            elif any("wind_down_s" in m for _, m in errors):   # the job's ranks ended it together (rank.py)
+                then = "; every rank of the job stopped with it, and the ranks stay up with their whole weights" + (
+                    " (weights divided over its ranks are read again)" if "shard" in errors[0][1].get("plan", "")
+                    else "")
+            raise self._rank_error(job_id, *errors[0], then)
         if any(m["op"] == "cancelled" for m in final.values()):
             steps = sorted({m.get("step") for m in final.values() if m["op"] == "cancelled"})
             raise JobCancelled(f"job {job_id} cancelled at step {steps[0]}; the engine is ready", step=steps[0])
         if call is not None:
             raise EngineError(f"job {job_id}: the ranks ended the job without answering call {call}", phase="compute")
         return [final[r] for r in range(self.world)]
+
+    def _relay_failure(self, job_id: int, watch: "JobWatch", failed: int, m: dict, now: float,
+                       call: int | None) -> None:
+        """A rank's part of the job failed (`m`: its error, as its report will say) and it is winding the job down: the
+        error grace starts now, and every other rank hears it once (on GPUs each aborts its own communicators of the
+        job: rank.py `_abort`); a session's ranks stop waiting for calls."""
+        watch.failing.setdefault(failed, m)
+        if watch.first_error_at is None:
+            watch.first_error_at = now
+        if not watch.aborted:
+            watch.aborted = True
+            for rank, chan in enumerate(self._chans):
+                if rank != failed and rank not in watch.final:
+                    try:
+                        chan.send({"op": "abort", "job_id": job_id})
+                    except (ChannelClosed, OSError):
+                        pass   # a rank gone: the channel's close is read and named next
+        if call is not None:
+            self._end_session(job_id, watch, aborted=True)
 
     def _check_deadlines(self, job_id: int, deadlines: Deadlines, watch: "JobWatch", now: float) -> None:
         """A rank silent past heartbeat_s, a step or call past step_s, or a phase past its deadline fails the job."""
@@ -309,6 +348,7 @@ class Engine(RankGroup):
                     f"; its peak RSS was {mem['peak_rss_gib']:.1f} GiB" if "peak_rss_gib" in mem else "")
             where = f" (cuda:{self.gpus[rank]})" if self.device == "cuda" and self.gpus and rank < len(self.gpus) \
                 else f" ({self.device})"
+            at += f" under {m['plan']}" if m.get("plan") else ""
             return EngineError(f"job {job_id}: rank {rank}{where} ran out of memory in phase {m['phase']}{at}: "
                                f"{m['message'].splitlines()[0]}{held}{then}", rank=rank, phase=m["phase"], oom=True,
                                memory=mem)

@@ -3,7 +3,8 @@ client, or raises an out-of-memory error at one point of its life, a given numbe
 (engine/cli/bench_faults.py, tests/test_fault_matrix.py) drives it; without the variable every call here is a no-op.
 
 The points are where real faults bite: "start" (before the rendezvous), "broadcast" (the job just announced),
-"load" (a model's weights being read), "step" (at a given step of the job's loop), "return" (the result written to shared memory, not yet announced).
+"load" (a model's weights being read), "step" (at a given step of the job's loop, or a session's call of that number),
+"return" (the result written to shared memory, not yet announced).
 Each firing appends a line to `marker` (the time it fired and the rank's pid and process group), so the caller can
 time the detection and check that nothing of the rank is left.
 """

@@ -77,6 +77,7 @@ class RankGroup:
         self.generation = 0          # how many times the rank group was (re)started
         self.held: dict = {}         # what the client records of what the ranks keep (e.g. models/lora.HeldPatches)
         self.restarts: list[str] = []  # why each replacement happened
+        self._stale_meshes: list[dict] = []   # plans whose meshes a failed job dropped (ending.py forget_meshes)
         self._procs: list[subprocess.Popen] = []
         self._chans: list[Channel] = []
         self.engine_dir: str | None = None
@@ -128,6 +129,7 @@ class RankGroup:
         bridge.sweep_stale_dirs()
         self.engine_dir = bridge.make_engine_dir()
         self.generation += 1
+        self._stale_meshes = []   # new ranks hold no mesh
         store_path = os.path.join(self.engine_dir, f"store-{self.generation}")
         env = {**rank_env(self.gpus if self.device == "cuda" else None), **self.env}
         threads = max(1, (os.cpu_count() or 1) // self.local_ranks)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..errors import JobCancelledSignal, JobStoppedSignal
 from .. import syncs
-from . import faults
+from . import ending, faults
 
 HANDLERS: dict[str, Callable] = {}
 MESHES_KEPT = 3   # plans whose meshes (and their NCCL communicators, with their buffers) a rank keeps
@@ -76,8 +76,15 @@ class JobContext:
         self.job_world: int = self.world
         self.job_group = self.group
         self.control_group = runtime.control_group
-        self._agreement = None   # (work, flag) of the cancel agreement posted at the last check, still unread
+        self._agreement = None   # (work, states) of the agreement posted at the last check, still unread
         self.step_clock: list[float] = []   # when each step's progress came (host time, every rank)
+        self.taking_part = True   # False on a rank the job's plan leaves idle: it is in none of the job's agreements
+        self.agreed = False       # this rank's failure was raised where every rank of the job agreed (no wind-down
+        #                           needs its mesh torn down: it left no peer waiting in a collective)
+        self.job_mesh = None      # the job's mesh, while this rank runs the job on it
+        self.dropped_plan = None  # the plan whose mesh this rank dropped after a failure (the idle ranks drop theirs
+        #                           before the next job: forget_meshes)
+        self._dropped = None      # the job's mesh once torn down after a failure (its control group ends later)
 
     def mesh(self, plan):
         """The rank mesh for `plan`, its byte counters reset for this job. The last MESHES_KEPT plans' meshes are kept;
@@ -103,9 +110,29 @@ class JobContext:
         if mesh.active:   # only the ranks that run the job enter its per-step collectives
             self.job_world, self.job_group = plan.world_size, mesh.job_pg
             self.control_group = mesh.control_pg or self._rt.control_group
+            self.job_mesh = mesh
         else:
             self.info["idle"] = True
+            self.taking_part = False
         return mesh
+
+    def drop_mesh(self, end: float) -> bool:
+        """After a failure: tear the job's mesh down (Mesh.abort) and forget it, with what holds its communicators (a
+        model's parallel form over it, weights divided over it: the "mesh_users" releases the job kinds register in the
+        rank's cache), so a peer waiting in one of its collectives fails at once; the next job of the plan builds its
+        mesh anew. Whole weights stay. False: the communicators were not let go of by `end` (monotonic)."""
+        mesh, self.job_mesh = self.job_mesh, None
+        if mesh is None:
+            return True
+        meshes = self.cache.get("meshes", {})
+        for plan in [p for p, m in meshes.items() if m is mesh]:
+            del meshes[plan]
+            self.cache["meshes_destroyed"] = self.cache.get("meshes_destroyed", 0) + 1
+        for release in self.cache.get("mesh_users", {}).values():
+            release(self, mesh)
+        self.job_group = None
+        self._dropped, self.dropped_plan = mesh, mesh.plan
+        return ending.let_go([mesh.abort()], end)
 
     def reset_peak_memory(self) -> None:
         """The next memory() reports this job's peak, not the process's."""
@@ -157,6 +184,8 @@ class JobContext:
             received = self._rt.next_call(self.job_id, self.deadline_s, device, read, host)
             if received is None:
                 return
+            if read:   # a session's call is its step: a fault armed for "step" k fires at call k
+                faults.fire(self._rt.fault, self.rank, "step", received[0])
             yield received
 
     def answer(self, call: int, outputs: dict[str, torch.Tensor] | None, clock=None, **info) -> None:
@@ -178,24 +207,38 @@ class JobContext:
         at the check before, which every rank has posted too and which is complete by now. So a cancel that arrives
         during step k stops the job at the check after step k+1 (within about a step), on every rank at the same
         check, and no rank leaves a collective the others still wait in. One rank needs no agreement: it stops at
-        the next check."""
+        the next check. The same agreement carries a failure: a rank that failed posts it (`wind_down`), and every
+        rank that reads it at a check stops there (JobStoppedSignal) and winds down with it."""
         self._rt.step = step
-        flag = int(self._rt.cancel_job_id == self.job_id)
+        asked = self._rt.cancel_job_id == self.job_id
         if self.job_world == 1:
-            agreed = bool(flag)
+            agreed = asked
         else:
-            mine = syncs.in_host_memory(torch.tensor([flag], dtype=torch.int64))
-            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+            work, mine = self._post(ending.CANCEL if asked else ending.GO)
             previous, self._agreement = self._agreement, (work, mine)
             agreed = False
             if previous is not None:
                 previous[0].wait()   # the control group's own deadline (the collective timeout) bounds it
-                agreed = bool(previous[1].item())
+                states = previous[1].tolist()
+                self._stop_if_failed(states)
+                agreed = ending.CANCEL in states
             if agreed:
-                self.settle()
+                self._stop_if_failed(self.settle())   # a rank that failed in the same step: a failure, not a cancel
         if not agreed:
             faults.fire(self._rt.fault, self.rank, "step", step)
         return agreed
+
+    def _post(self, state: int):
+        """Post this rank's state to the job's agreement (all-reduce MAX over the control group, one slot a rank):
+        (work, states)."""
+        mine = syncs.in_host_memory(torch.zeros(self.job_world, dtype=torch.int64))
+        mine[self.rank] = state
+        return dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True), mine
+
+    def _stop_if_failed(self, states: list[int] | None) -> None:
+        if states is not None and ending.stopped(states):
+            self.agreed = True
+            raise JobStoppedSignal(f"{ending.cause(states, self._rt.step)}; this rank stopped with it")
 
     def stop_here(self, stopped: bool = False, failure: BaseException | None = None) -> None:
         """A point every rank of the job reaches (the end of a model load, a calibration's phase), where they agree at
@@ -205,24 +248,69 @@ class JobContext:
         to cancel, every rank raises JobCancelledSignal. So no rank is left waiting in a collective for one that
         failed, and every rank keeps what it holds. A blocking agreement, for the long parts of a job before its steps
         (a step's cancel check never waits: cancel_agreed)."""
-        flags = [int(stopped or self.cancel_requested()), int(failure is not None)]
+        if failure is not None:
+            state = ending.OUT_OF_MEMORY if is_out_of_memory(failure) else ending.FAILED
+        else:
+            state = ending.CANCEL if stopped or self.cancel_requested() else ending.GO
+        states = [state]
         if self.job_world > 1:
-            mine = syncs.in_host_memory(torch.tensor(flags, dtype=torch.int64))
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.control_group)
-            flags = [int(v) for v in mine.tolist()]
-        if flags[1]:
+            work, mine = self._post(state)
+            work.wait()
+            states = mine.tolist()
+        if ending.stopped(states):
+            self.agreed = True
             if failure is not None:
                 raise failure
-            raise JobStoppedSignal("another rank of the job failed before its first step; this rank stopped with it")
-        if flags[0]:
+            raise JobStoppedSignal(f"{ending.cause(states, None)} before the job's first step; this rank stopped "
+                                   f"with it")
+        if ending.CANCEL in states:
             raise JobCancelledSignal(self._rt.step or 0)
 
-    def settle(self) -> None:
+    def settle(self) -> list[int] | None:
         """Complete the agreement posted at the last check (every rank of the job posted it), so the control group
-        is in step for the next job. The rank calls it when a handler returns; a cancel calls it before raising."""
-        if self._agreement is not None:
-            work, self._agreement = self._agreement[0], None
+        is in step for the next job; its states (None: none was posted). A cancel calls it before raising."""
+        if self._agreement is None:
+            return None
+        (work, mine), self._agreement = self._agreement, None
+        work.wait()
+        return mine.tolist()
+
+    def finish(self) -> None:
+        """When the handler returns, on every rank of the job: settle, then agree once more, waiting for each other,
+        that every rank ended well. A rank that failed after its last check (or a job without checks) is read here,
+        and the others stop with it (JobStoppedSignal) instead of reporting done while it waits for them."""
+        states = self.settle()
+        if self.taking_part and self.job_world > 1:
+            work, mine = self._post(ending.GO)
             work.wait()
+            states = mine.tolist()
+        self._stop_if_failed(states)
+
+    def wind_down(self, state: int, deadline_s: float) -> list[int] | None:
+        """After this rank's part of the job failed (`state`, ending.py): tear the job's mesh down unless the failure
+        was raised where every rank agreed (a peer may wait in one of its collectives), then post the state at every
+        agreement until one shows every rank of the job stopped, then drop the mesh on every rank if any rank tore its
+        own down (the next job's mesh is then built anew everywhere, in step). The agreed states; None when it did
+        not end by `deadline_s` (a peer never joined: the group is out of step and the client replaces it). Every
+        wait keeps the deadline."""
+        if self.job_world == 1:
+            return [state]
+        end = time.monotonic() + deadline_s
+        if not self.agreed and self.job_mesh is not None:
+            state |= ending.TORN
+            if not self.drop_mesh(end):
+                return None
+        pending, self._agreement = self._agreement, None
+        states = ending.agree_stopped(lambda: self._post(state), pending, end)
+        if states is None:
+            return None
+        if ending.torn(states) and self.job_mesh is not None and not self.drop_mesh(end):
+            return None
+        if self._dropped is not None:   # its control group, last: every rank of the job is past the agreement
+            self._dropped.destroy()
+            self._dropped = None
+        return states
+
 
 
 @job("echo")

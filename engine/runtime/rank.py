@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import bridge, faults
-from .. import syncs
+from . import bridge, ending, faults
+from .. import syncs, wording
 from .launch import pin_process
 from ..errors import SESSION_IDLE, EngineError, JobCancelledSignal, JobStoppedSignal
 from .jobs import HANDLERS, JobContext, is_out_of_memory, rank_memory
@@ -46,6 +46,7 @@ class RankRuntime:
         self.step: int | None = None   # the last step the running job reached on this rank
         self.fault = faults.from_env()
         self.cancel_job_id: int | None = None
+        self.ctx: JobContext | None = None   # the running job's context
         self.stopping = False
         self.cache: dict = {}
         self._answers: dict[int, bridge.OutputSegment] = {}   # a session's answer segment, by job
@@ -89,6 +90,8 @@ class RankRuntime:
                 message = self.chan.recv()
                 if message.get("op") == "cancel":
                     self.cancel_job_id = message.get("job_id")
+                elif message.get("op") == "abort":
+                    self._abort(message.get("job_id"))
                 else:
                     self.inbox.put(message)
         except BaseException as e:  # closed, or garbage on the channel (ProtocolError): the client is broken
@@ -97,6 +100,17 @@ class RankRuntime:
                     print(f"rank {self.rank}: control channel from the client is broken ({type(e).__name__}: {e}); "
                           f"taking the rank group down", file=sys.stderr, flush=True)
                 self._client_gone()
+
+    def _abort(self, job_id: int | None) -> None:
+        """The client says a rank of job `job_id` failed (its "failing" report). On GPUs this rank's main thread may be
+        held by a collective of the job's mesh queued on its device, which the failed rank will never enter: NCCL
+        peers on one machine do not notice a peer's abort by themselves, so each rank aborts its own communicators
+        here, on the reader thread, and the main thread goes on to the job's next agreement, which carries the
+        failure. Gloo needs nothing here: the failed rank letting go of its communicators fails the waits."""
+        ctx = self.ctx
+        mesh = ctx.job_mesh if ctx is not None and ctx.job_id == job_id else None
+        if mesh is not None:
+            mesh.abort_communicators()
 
     def _ticker(self) -> None:
         while True:
@@ -141,9 +155,37 @@ class RankRuntime:
         job_id = message["job_id"]
         self.busy = True
         self.step = None
+        self.ctx = None
+        report = None
+        try:
+            ending.forget_meshes(self.cache, message.get("stale_meshes", []))
+            report, state = self._run(job_id, message)
+            # a failure's exception and the frames of the failed step are released by now, so what they held (the
+            # step's tensors, the job's communicators) can go
+            if report is not None:
+                if state is not None:
+                    self._wind_down(report, state, float(message.get("error_grace_s", 3.0)))
+                self.chan.send(report)
+                # what a cycle still holds of the failed job's activations goes back to the device before this rank
+                # takes its next job (after the report: a full collection takes a while)
+                import gc
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            segment = self._answers.pop(job_id, None)
+            if segment is not None:   # the session's answer segment: its last answer was read before the end
+                segment.close()
+            self.busy = False
+            self.phase = None
+            self.ctx = None
+            if self.cancel_job_id == job_id:
+                self.cancel_job_id = None
+
+    def _run(self, job_id: int, message: dict) -> tuple[dict | None, int | None]:
+        """Run the job and report it done or cancelled; a failure comes back as its report, with the state this rank
+        winds down with (ending.py) when it took part in a job of several ranks (None: it reports at once)."""
         timings = {}
-        ctx = None
-        out_of_memory = False
         try:
             self.enter_phase(job_id, "broadcast")
             faults.fire(self.fault, self.rank, "broadcast")
@@ -163,9 +205,9 @@ class RankRuntime:
 
             self.enter_phase(job_id, "compute")
             t0 = time.perf_counter()
-            ctx = JobContext(self, job_id)
+            ctx = self.ctx = JobContext(self, job_id)
             outputs = handler(ctx, job["spec"], inputs)
-            ctx.settle()
+            ctx.finish()
             t_end = time.perf_counter()
             timings["compute_s"] = t_end - t0
             step_s = ctx.steady_step_s(t_end)
@@ -182,17 +224,11 @@ class RankRuntime:
             timings["return_s"] = time.perf_counter() - t0
             self.chan.send({"op": "done", "job_id": job_id, "timings": timings, "outputs": out_manifest,
                             "info": {"rank": self.rank, "job_id": job_id, "crc32": crc, **ctx.info}})
+            return None, None
         except JobCancelledSignal as e:
             self.chan.send({"op": "cancelled", "job_id": job_id, "phase": self.phase, "step": e.step})
+            return None, None
         except Exception as e:  # reported to the client, which decides whether the group is still sound
-            if ctx is not None:
-                # the cancel agreement this rank posted last: complete when every rank failed at the same check (the
-                # group stays in step); where another rank never posts it, this rank stays here unreported and the
-                # client replaces the group after its error grace, as it would a rank waiting in a collective
-                try:
-                    ctx.settle()
-                except Exception:   # the group is broken (a peer gone): the report says what failed first
-                    pass
             out_of_memory = is_out_of_memory(e)
             report = {"op": "error", "job_id": job_id, "phase": self.phase, "step": self.step,
                       "message": f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e),
@@ -200,20 +236,32 @@ class RankRuntime:
                       "secondary": isinstance(e, JobStoppedSignal)}   # stopped because another rank failed
             if out_of_memory:  # what the device held when it ran out: the client names a plan that needs less
                 report.update(oom=True, memory=rank_memory(self.device))
-            self.chan.send(report)
-        finally:
-            segment = self._answers.pop(job_id, None)
-            if segment is not None:   # the session's answer segment: its last answer was read before the end
-                segment.close()
-            self.busy = False
-            self.phase = None
-            if self.cancel_job_id == job_id:
-                self.cancel_job_id = None
-        if out_of_memory:  # the failed job's activations are unreachable now: give them back to the device
-            import gc
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            ctx = self.ctx
+            if ctx is None or not ctx.taking_part or ctx.job_world == 1 or self.phase == "return":
+                return report, None
+            state = ending.state_of(e, out_of_memory)
+            if ctx.job_mesh is not None:
+                report["plan"] = wording.plan(ctx.job_mesh.plan)
+            if state != ending.STOPPED:   # the client starts its grace now and tells every rank the job failed
+                self.chan.send({**report, "op": "failing", "traceback": ""})
+            return report, state
+
+    def _wind_down(self, report: dict, state: int, deadline_s: float) -> None:
+        """Every rank of the failed job stops together and keeps its models (JobContext.wind_down): the report says
+        which rank's failure ended the job, or that the rank group is out of step (`unsound`: the client replaces
+        it)."""
+        t0 = time.perf_counter()
+        states = self.ctx.wind_down(state, deadline_s)
+        report["wind_down_s"] = time.perf_counter() - t0
+        if self.ctx.dropped_plan is not None:   # the client tells every rank at the next job (forget_meshes)
+            report["dropped_plan"] = self.ctx.dropped_plan.as_dict()
+        if states is None:
+            report["unsound"] = True
+            return
+        first = ending.first_failure(states)
+        if ending.code(state) == ending.STOPPED and first is not None and first != self.rank:
+            report.update(secondary=True, message=f"JobStoppedSignal: {ending.cause(states, self.step)}; this rank "
+                                                  f"stopped with it ({report['message'].splitlines()[0][:200]})")
 
     def _receive_job(self, message: dict) -> tuple[str, dict, torch.Tensor]:
         """Rank 0 reads the job from shared memory and broadcasts document + payload to all ranks."""

@@ -57,6 +57,8 @@ class JobWatch:
         self.answers: dict[int, dict] = {}   # call -> rank 0's answer, until taken
         self.ended: set[int] = set()         # ranks told that their session has ended
         self.first_error_at: float | None = None
+        self.failing: dict[int, dict] = {}   # rank -> its error, said as it began to wind a failed job down
+        self.aborted = False                 # the other ranks were told the job failed (a rank's "failing")
 
     def note_step(self, rank: int, step: int | None, now: float) -> None:
         if step is not None and step != self.step.get(rank):
