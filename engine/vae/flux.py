@@ -272,11 +272,9 @@ class Flux2VAE(FluxVAE):
     spatial = 16
 
     def __init__(self, ch: int = 128, dec_ch: int = 128, z_dim: int = 128):
-        nn.Module.__init__(self)
         z_channels = z_dim // (PATCH * PATCH)
+        super().__init__(ch, dec_ch, z_channels)
         self.z_dim, self.z_channels = z_dim, z_channels
-        self.encoder = Encoder(ch, z_channels)
-        self.decoder = Decoder(dec_ch, z_channels)
         self.quant_conv = nn.Conv2d(2 * z_channels, 2 * z_channels, 1)   # embed_dim = z_channels, as bn needs
         self.post_quant_conv = nn.Conv2d(z_channels, z_channels, 1)
         self.bn = LatentStatistics(z_dim)
