@@ -1,9 +1,11 @@
 """Run inside a real ComfyUI's Python (by tests/test_comfyui_live.py): ComfyUI's own Load VAE against the xDiT VAE
-Loader on the xDiT Engine's 2 CPU ranks, for tiny Wan 2.1 and Wan 2.2 VAE files (make-tiny's, ComfyUI's key names),
-through ComfyUI's own nodes: VAE Decode, VAE Encode, VAE Decode (Tiled), VAE Encode (Tiled), WanImageToVideo (2.1) and
-Wan22ImageToVideoLatent (2.2). Each graph runs three times: with ComfyUI's VAE, with the xDiT VAE Loader's, and with
-ComfyUI's VAE computing in float64 (the reference the bound is derived from: the split's float32 result may be 4 x
-farther from it than ComfyUI's own float32 result is). ComfyUI builds Wan 2.2's VAE at its released widths whatever the
+Loader on the xDiT Engine's 2 CPU ranks, for tiny Wan 2.1, Wan 2.2, FLUX.1 / SD3 and FLUX.2 VAE files (make-tiny's,
+the released files' key names), through ComfyUI's own nodes: VAE Decode, VAE Encode, VAE Decode (Tiled), VAE Encode
+(Tiled), WanImageToVideo (2.1), Wan22ImageToVideoLatent (2.2), and for the image VAEs InpaintModelConditioning (FLUX.1
+Fill's: its two encodes), VAE Encode (for Inpainting) and VAE Decode of a video latent (its first frame). Each graph
+runs three times: with ComfyUI's VAE, with the xDiT VAE Loader's, and with ComfyUI's VAE computing in float64 (the
+reference the bound is derived from: the split's float32 result may be 4 x farther from it than ComfyUI's own float32
+result is). ComfyUI builds Wan 2.2's VAE at its released widths whatever the
 file says (comfy/sd.py:823-825): this process patches that class to the tiny file's widths (size only).
 Prints one JSON report. Usage: python comfyui_vae_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
 import copy
@@ -21,7 +23,7 @@ from safetensors import safe_open  # noqa: E402
 import comfy.ldm.wan.vae2_2 as wan22  # noqa: E402
 
 ENGINE_MODEL = "tiny-wan2.1-1.3b.safetensors"
-FILES = {"wan2.1": "tiny-wan2.1-vae.safetensors", "wan2.2": "tiny-wan2.2-vae.safetensors"}
+FILES = {name: f"tiny-{name}-vae.safetensors" for name in ("wan2.1", "wan2.2", "flux", "flux2")}
 report = {"comfyui": VERSION, "kinds": {}}
 
 # ---- Wan 2.2's widths from the tiny file (a size-only patch of ComfyUI's class) --------------------------------------
@@ -65,7 +67,41 @@ def compare(name, run, stock, ours):
     return entry
 
 
+def image_graphs(kind, stock, ours):
+    """The graphs of an image VAE (FLUX.1 / SD3, FLUX.2): latents [B, C, H, W], images a batch."""
+    g = torch.Generator().manual_seed(0)
+    z, s = stock.latent_channels, stock.downscale_ratio
+    latent = torch.randn(1, z, 5, 6, generator=g)              # 5 latent rows: bands of 3 and 2
+    wide = torch.randn(1, z, 12, 10, generator=g)              # tiled: several tiles
+    pixels = torch.rand(2, 5 * s, 6 * s, 3, generator=g)       # two images
+    mask = (torch.rand(1, 5 * s, 6 * s, generator=g) > 0.5).float()
+    cond = [[torch.zeros(1, 4, 8), {}]]
+
+    def inpaint(v):
+        positive, _, out = call("InpaintModelConditioning", positive=cond, negative=cond, vae=v, pixels=pixels,
+                                mask=mask, noise_mask=True)
+        return torch.cat([positive[0][1]["concat_latent_image"], out["samples"]])
+    out = {
+        "VAEDecode": lambda v: call("VAEDecode", vae=v, samples={"samples": latent})[0],
+        "VAEEncode": lambda v: call("VAEEncode", vae=v, pixels=pixels)[0]["samples"],
+        "VAEDecodeTiled": lambda v: call("VAEDecodeTiled", vae=v, samples={"samples": wide}, tile_size=64,
+                                         overlap=32, temporal_size=64, temporal_overlap=8)[0],
+        # 128 px tiles: ComfyUI's image tiler also runs tile_size / 2, which must exceed the overlap (utils.py:1141)
+        "VAEEncodeTiled": lambda v: call("VAEEncodeTiled", vae=v, pixels=torch.rand(
+            1, 192, 160, 3, generator=torch.Generator().manual_seed(1)), tile_size=128, overlap=32, temporal_size=64,
+            temporal_overlap=8)[0]["samples"],
+        "InpaintModelConditioning": inpaint,
+        "VAEEncodeForInpaint": lambda v: call("VAEEncodeForInpaint", vae=v, pixels=pixels, mask=mask,
+                                              grow_mask_by=6)[0]["samples"],
+        "VAEDecode of a video latent": lambda v: call("VAEDecode", vae=v, samples={
+            "samples": latent.unsqueeze(2).repeat(1, 1, 2, 1, 1)})[0],
+    }
+    return {name: compare(f"{kind} {name}", run, stock, ours) for name, run in out.items()}
+
+
 def graphs(kind, stock, ours):
+    if kind.startswith("flux"):
+        return image_graphs(kind, stock, ours)
     g = torch.Generator().manual_seed(0)
     z = 16 if kind == "wan2.1" else 48
     s = 8 if kind == "wan2.1" else 16
@@ -104,7 +140,7 @@ for kind, file in FILES.items():
              "same_state": all(torch.equal(a, b) for a, b in zip(stock.get_sd().values(), ours.get_sd().values())),
              "graphs": graphs(kind, stock, ours)}
     entry["wrong_latent"] = outcome(lambda: call("VAEDecode", vae=ours, samples={
-        "samples": torch.zeros(1, 4 if kind == "wan2.1" else 16, 3, 5, 6)}))
+        "samples": torch.zeros((1, 4 if kind in ("wan2.1", "flux") else 16, 3, 5, 6)[:4 if "flux" in kind else 5])}))
     report["kinds"][kind] = entry
 report["info"] = call("XDiTEngineInfo", engine=engine, unload=False)[0]
 report["no_engine"] = outcome(lambda: call("XDiTVAELoader", vae_name=FILES["wan2.1"]))

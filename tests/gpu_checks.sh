@@ -13,7 +13,8 @@
 # 4. LTX-2.3 with LTXVAddGuide's first and last frames at 0.7 (the guides' attention weights: the masked kernels);
 # 5. Wan 2.1 14B at 832x480, 33 frames, on both routes;
 # 6. the Wan 2.1 and 2.2 VAEs at their released widths (random weights), bf16, decode and encode of 832x480 (2.2:
-#    1280x704), 33 frames, on one GPU (with more GPUs: --ranks 1,2,4 --gpus 0,1,2,3);
+#    1280x704), 33 frames, and the FLUX.1 / SD3 and FLUX.2 VAEs at 1024x1024, on one GPU (with more GPUs: --ranks
+#    1,2,4 --gpus 0,1,2,3);
 # 7. the CUDA tests of what only CUDA kernels show: the guides' bias through the efficient kernel with the ring merge
 #    (a ring block of removed guide keys included), the fp8 weight option on every family (tests/test_cuda.py);
 # 8. what FSDP2 holds whole while a block runs, two ranks of a shard group on the one GPU (tests/gpu_fsdp_memory.py),
@@ -41,6 +42,8 @@ run guider_wan "${WAN:-90}" guider --gpus 0 --model synthetic:wan2.1-14b --width
     --steps 3 --repeats 1
 run vae_wan21 "${VAE:-150}" vae --widths full --kind wan2.1 --gpus 0 --ranks 1 --width 832 --height 480 --frames 33
 run vae_wan22 "${VAE:-150}" vae --widths full --kind wan2.2 --gpus 0 --ranks 1 --width 1280 --height 704 --frames 33
+run vae_flux "${VAE:-150}" vae --widths full --kind flux --gpus 0 --ranks 1 --width 1024 --height 1024
+run vae_flux2 "${VAE:-150}" vae --widths full --kind flux2 --gpus 0 --ranks 1 --width 1024 --height 1024
 echo "=== cuda tests (at most ${CUDA_TESTS:-120} s) $(date +%T)"
 timeout "${CUDA_TESTS:-120}" python -m pytest tests/test_cuda.py -q -s -k "guides_bias or fp8_weight_option" \
     > "$out/cuda_tests.log" 2>&1

@@ -462,30 +462,34 @@ def test_sampler_custom_advanced_with_the_xdit_guider_equals_comfyui_own_guiders
     assert len(report["ksampler"]) == 8 and max(report["ksampler"].values()) < 1e-5
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1300)   # four VAEs, each graph three times (ComfyUI's, ours, float64) on CPU: about 9 minutes
 def test_the_xdit_vae_loader_decodes_and_encodes_as_comfyuis_own_vae(setup):
-    """ComfyUI's Load VAE vs the xDiT VAE Loader on 2 CPU ranks, tiny Wan 2.1 and Wan 2.2 VAE files, through VAE
-    Decode / Encode, their tiled forms, WanImageToVideo and Wan22ImageToVideoLatent: every result within the bound
-    derived from ComfyUI's own float32 rounding (tests/comfyui_vae_check.py)."""
+    """ComfyUI's Load VAE vs the xDiT VAE Loader on 2 CPU ranks, tiny Wan 2.1, Wan 2.2, FLUX.1 / SD3 and FLUX.2 VAE
+    files, through VAE Decode / Encode, their tiled forms, WanImageToVideo, Wan22ImageToVideoLatent and the image VAEs'
+    inpainting encodes: every result within the bound derived from ComfyUI's own float32 rounding
+    (tests/comfyui_vae_check.py)."""
     folder = setup["dir"] / "vae-files"
-    for name in ("wan2.1", "wan2.2"):
+    for name in ("wan2.1", "wan2.2", "flux", "flux2"):
         shutil.copy(write_tiny_vae(name, str(folder)), setup["models"] / "vae" / f"tiny-{name}-vae.safetensors")
     shutil.copy(write_tiny("wan", str(folder), variant="wan2.1-1.3b"),
                 setup["models"] / "diffusion_models" / "tiny-wan2.1-1.3b.safetensors")
-    report = run_check("comfyui_vae_check.py", setup, 840)
-    graphs = {"wan2.1": {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled", "WanImageToVideo"},
-              "wan2.2": {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled", "Wan22ImageToVideoLatent"}}
+    report = run_check("comfyui_vae_check.py", setup, 1200)
+    stock = {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled"}
+    image = stock | {"InpaintModelConditioning", "VAEEncodeForInpaint", "VAEDecode of a video latent"}
+    graphs = {"wan2.1": stock | {"WanImageToVideo"}, "wan2.2": stock | {"Wan22ImageToVideoLatent"}, "flux": image,
+              "flux2": image}
+    channels = {"wan2.1": 16, "wan2.2": 48, "flux": 16, "flux2": 128}
     for kind, entry in report["kinds"].items():
         assert entry["ours"] == "EngineVAE" and entry["same_state"], (kind, entry)
-        assert entry["latent_channels"] == [16, 16] if kind == "wan2.1" else [48, 48], (kind, entry)
+        assert entry["latent_channels"] == [channels[kind]] * 2, (kind, entry)
         assert set(entry["graphs"]) == graphs[kind]
         for graph, r in entry["graphs"].items():
             print(f"{kind} {graph}: relative L2 {r['rel_l2']:.3g}, max abs {r['max_abs']:.3g} (vs float64: ComfyUI "
                   f"{r['stock_vs_float64']:.3g}, ours {r['ours_vs_float64']:.3g}, bound {4 * r['stock_vs_float64']:.3g})")
             assert r["within"], (kind, graph, r)
             assert r["engine_jobs"] > (1 if "Tiled" in graph else 0), (kind, graph, r)   # a tiled graph: a job a tile
-        assert f"decodes {16 if kind == 'wan2.1' else 48}" in entry["wrong_latent"], entry["wrong_latent"]
-    assert set(report["kinds"]) == {"wan2.1", "wan2.2"}
+        assert f"decodes {channels[kind]}" in entry["wrong_latent"], entry["wrong_latent"]
+    assert set(report["kinds"]) == set(channels)
     assert "vae: last " in report["info"], report["info"]
     assert report["no_engine"].startswith("xDiT VAE Loader: connect the xDiT Engine's engine output"), report
     assert report["pixel_space"] == "VAE"   # a VAE the engine does not split: ComfyUI's own

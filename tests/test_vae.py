@@ -1,5 +1,6 @@
 """The VAE across the engine's ranks (gloo CPU ranks, tiny files): each row-split layer on 1 to 4 ranks with uneven
-bands equals the unsplit torch op, and the Wan 2.1 and 2.2 decode and encode on 2 and 4 ranks equal one rank's.
+bands equals the unsplit torch op, and the Wan 2.1 and 2.2, FLUX.1 / SD3 and FLUX.2 decode and encode on 2 and 4 ranks
+equal one rank's.
 
 The bound is derived from the network's own rounding (docs/vae.md): a split computes the same sums in another order,
 so its float32 result is as far from the float64 result as the unsplit float32 result is, up to a factor: relative
@@ -172,3 +173,43 @@ def test_a_cancel_stops_every_rank_between_chunks_and_the_next_decode_runs(engin
     assert stopped.value.step < 9 and len(seen) < 9
     after = client.decode(engines(2), case["path"], case["decode"])
     assert within("the decode after the cancel", after, case["whole"]["decode"], case["ref"]["decode"])
+
+
+# ---- the FLUX VAEs (images) ----------------------------------------------------------------------------------------
+IMAGES = {   # kind: the latent to decode (the image to encode is its size); 5 latent rows: bands (3, 2), (2, 1, 1, 1)
+    "flux": (2, 16, 5, 3),   # two images: each its own GroupNorm statistics
+    "flux2": (1, 128, 5, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    """Per kind: the tiny file, its inputs, and one rank's decode and encode in float32 and float64 (in process)."""
+    folder = tmp_path_factory.mktemp("vae")
+    out = {}
+    for name, latent_shape in IMAGES.items():
+        path = write_tiny_vae(name, str(folder))
+        model = load_vae(inspect_vae(path), "fp32", torch.device("cpu"))
+        g = torch.Generator().manual_seed(6)
+        latent = torch.randn(latent_shape, generator=g)
+        s = model.spatial
+        pixels = torch.rand(latent_shape[0], 3, latent_shape[2] * s, latent_shape[3] * s, generator=g) * 2 - 1
+        with torch.inference_mode():
+            whole = {"decode": model.decode(latent), "encode": model.encode(pixels)}
+            model = model.double()
+            ref = {"decode": model.decode(latent.double()), "encode": model.encode(pixels.double())}
+        out[name] = {"path": path, "decode": latent, "encode": pixels, "whole": whole, "ref": ref}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("op", ["decode", "encode"])
+@pytest.mark.parametrize("name", list(IMAGES))
+def test_flux_on_row_bands_of_several_ranks_equals_one_rank(engines, flux, world, op, name):
+    """Every GroupNorm's statistics all-reduced, the middle attention's K and V gathered, a halo row a conv."""
+    case = flux[name]
+    got, result = client.run(engines(world), op, case["path"], case[op])
+    vae = result.ranks[0]["vae"]
+    print(f"{name} {op} on {world} rank(s): bands {vae['rows']} latent rows, rank 0 sent {vae['sent']} bytes")
+    assert got.shape == case["whole"][op].shape and len(vae["rows"]) == world
+    assert within(f"{name} {op} on {world} rank(s)", got, case["whole"][op], case["ref"][op])

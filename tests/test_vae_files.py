@@ -111,8 +111,8 @@ def test_the_type_is_detected_by_comfyuis_keys_and_the_widths_read_from_the_shap
 
 def test_a_file_of_another_vae_is_refused_in_one_line(tmp_path):
     from safetensors.torch import save_file
-    path = str(tmp_path / "flux-vae.safetensors")
-    save_file({"decoder.conv_in.weight": torch.zeros(4, 16, 3, 3)}, path)
+    path = str(tmp_path / "sdxl-vae.safetensors")
+    save_file({"decoder.conv_in.weight": torch.zeros(4, 4, 3, 3)}, path)
     with pytest.raises(CheckpointError) as e:
         inspect_vae(path)
     assert "is not a VAE the engine splits" in str(e.value) and "\n" not in str(e.value)
@@ -162,7 +162,7 @@ def test_make_tiny_writes_a_vae_file_that_the_engine_reads(tmp_path, capsys):
     assert err == ["python -m engine make-tiny: error: argument --format: applies to model files, and --kind "
                    "vae-wan2.1 writes a VAE file: leave it out",
                    "python -m engine make-tiny: error: argument --kind: 'vae-sdxl' is not a VAE make-tiny writes: use "
-                   "vae-wan2.1 or vae-wan2.2"]
+                   "vae-flux or vae-flux2 or vae-wan2.1 or vae-wan2.2"]
 
 
 def test_a_comfyui_that_reads_the_file_as_another_vae_gets_the_release_it_needs_in_one_line(files):

@@ -53,6 +53,8 @@ class EngineVAE(comfy.sd.VAE):
             say_once(f"xDiT VAE Loader: ComfyUI's own decode runs: {why}")
             return super().decode(samples_in, vae_options)
         self.throw_exception_if_invalid()
+        if self.latent_dim == 2 and samples_in.ndim == 5:   # an image VAE decodes a video latent's first frame
+            samples_in = samples_in[:, :, 0]                  # (sd.py:1224-1225)
         out = self._run("decode", samples_in.to(self.vae_dtype))   # sd.py:1242: the latent in the VAE's dtype
         out = out.to(device=self.output_device, dtype=self.vae_output_dtype(), copy=True)   # sd.py:1246
         self.process_output(out)   # sd.py:1251, in place

@@ -57,10 +57,12 @@ def bench_vae(path, kind, ranks, width, height, frames, dtype, ops, repeats, gpu
     path = path or write_tiny_vae(kind, folder.name, dtype=dtype, full=widths == "full")
     info = inspect_vae(path)
     g = torch.Generator().manual_seed(0)
-    latent = (1, info.latent_channels, 1 + (frames - 1) // 4, height // s, width // s)
+    time_axis = () if info.kind.latent_dim == 2 else (frames,)   # an image VAE: one image, --frames not used
+    latent = (1, info.latent_channels) + tuple(1 + (t - 1) // 4 for t in time_axis) + (height // s, width // s)
     inputs = {"decode": torch.randn(latent, generator=g),
-              "encode": torch.rand(1, info.image_channels, frames, height, width, generator=g) * 2 - 1}
-    print(f"{info.describe()} ({info.widths}), a {width}x{height} clip of {frames} frames (latent "
+              "encode": torch.rand((1, info.image_channels) + time_axis + (height, width), generator=g) * 2 - 1}
+    clip = f"clip of {frames} frames" if time_axis else "image"
+    print(f"{info.describe()} ({info.widths}), a {width}x{height} {clip} (latent "
           f"{list(inputs['decode'].shape)}), {dtype}, on {'GPUs ' + ','.join(map(str, gpus)) if gpus else 'CPU ranks'}",
           flush=True)
     rows, first = [], {}

@@ -175,6 +175,9 @@ def _run_vae(a) -> int:
     s = info.kind.spatial
     print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {a.dtype} weights)")
     print(f"vae     {info.kind.title}: widths {info.widths}")
+    if info.kind.latent_dim == 2:
+        print(f"latent  [batch, {info.latent_channels}, height / {s}, width / {s}] (an image's)")
+        return 0
     print(f"latent  [batch, {info.latent_channels}, frames, height / {s}, width / {s}]; a clip of 4k + 1 frames "
           f"encodes to k + 1 latent frames")
     return 0

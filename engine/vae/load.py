@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError, PackError
 from ..models.safetensors_file import read_header
+from . import flux
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,12 +35,15 @@ def dtype_name(dtype) -> str:
 
 @dataclass(frozen=True)
 class Kind:
-    """One VAE type: `detect` on the file's tensor names (ComfyUI's test), `widths` from its shapes, `build` the
-    network (the kwargs from `widths`), the latent's `spatial` and `temporal` ratios, `tiny` the widths of a tiny file,
-    `comfy_class` the module of ComfyUI's own network for it and `comfyui_since` the first ComfyUI release with it."""
+    """One VAE type: `detect` on the file's tensors ({name: shape}, ComfyUI's test), `widths` from its shapes, `build`
+    the network (the kwargs from `widths`), the latent's `spatial` and `temporal` ratios, `tiny` the widths of a tiny
+    file, `comfy_class` the module of ComfyUI's own network for it and `comfyui_since` the first ComfyUI release with
+    it; `latent_dim` ComfyUI's (3: video latents [B, C, T, H, W]; 2: images [B, C, H, W]); `renames` the (file prefix,
+    network prefix) pairs ComfyUI applies to a file's names before loading it (the released files' names are the
+    file prefixes)."""
     name: str
     title: str
-    detect: Callable[[set], bool]
+    detect: Callable[[dict], bool]
     widths: Callable[[dict], dict]
     build: Callable[..., torch.nn.Module]
     spatial: int
@@ -47,6 +51,22 @@ class Kind:
     tiny: dict
     comfy_class: str
     comfyui_since: str
+    latent_dim: int = 3
+    renames: tuple = ()
+
+    def network_name(self, key: str) -> str:
+        """A file's tensor name as the network names it."""
+        for file_prefix, prefix in self.renames:
+            if key.startswith(file_prefix):
+                return prefix + key[len(file_prefix):]
+        return key
+
+    def file_name(self, key: str) -> str:
+        """A network's tensor name as the released files name it."""
+        for file_prefix, prefix in self.renames:
+            if key.startswith(prefix):
+                return file_prefix + key[len(prefix):]
+        return key
 
 
 def _wan21_widths(shapes: dict) -> dict:
@@ -73,8 +93,13 @@ def _wan22(**widths):
 WAN_MIDDLE = "decoder.middle.0.residual.0.gamma"          # sd.py:816
 WAN22_UP = "decoder.upsamples.0.upsamples.0.residual.2.weight"   # sd.py:817
 
-# in comfy.sd.VAE's order of tests (sd.py:816-829)
+# in comfy.sd.VAE's order of tests (sd.py:632-694, 816-829)
 KINDS: tuple[Kind, ...] = (
+    Kind("flux2", "FLUX.2", flux.is_flux2, flux.flux2_widths, flux.Flux2VAE, 16, 1, flux.TINY2,
+         "comfy.ldm.models.autoencoder.AutoencoderKL", "0.3.72", latent_dim=2, renames=flux.FLUX2_RENAMES),
+    # every ComfyUI the pack supports (0.3.64 on) reads it: the 16-channel AutoencodingEngine since April 2024
+    Kind("flux", "FLUX.1 / SD3", flux.is_flux, flux.flux_widths, flux.FluxVAE, 8, 1, flux.TINY,
+         "comfy.ldm.models.autoencoder.AutoencodingEngine", "0.3.64", latent_dim=2),
     Kind("wan2.2", "Wan 2.2 (TI2V-5B, 48 channels)", lambda k: WAN_MIDDLE in k and WAN22_UP in k, _wan22_widths,
          _wan22, 16, 4, {"dim": 16, "dec_dim": 16, "z_dim": 48}, "comfy.ldm.wan.vae2_2.WanVAE", "0.3.46"),
     Kind("wan2.1", "Wan 2.1 (also Wan 2.2 A14B's and Qwen-Image's)", lambda k: WAN_MIDDLE in k and WAN22_UP not in k,
@@ -122,37 +147,50 @@ class VAEInfo:
         return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     def check_latent(self, shape: tuple) -> None:
-        """A latent [B, C, T, H, W] this VAE decodes, else VAEInputError in one line."""
+        """A latent [B, C, T, H, W] ([B, C, H, W] for an image VAE) this VAE decodes, else VAEInputError in one
+        line."""
         shape = tuple(int(s) for s in shape)
-        if len(shape) != 5:
+        if self.kind.latent_dim == 2 and len(shape) != 4:
+            raise VAEInputError(f"latent: shape {list(shape)} is not an image latent [batch, {self.latent_channels}, "
+                                f"height, width], which {self.describe()} decodes")
+        if self.kind.latent_dim == 3 and len(shape) != 5:
             raise VAEInputError(f"latent: shape {list(shape)} is not a video latent [batch, {self.latent_channels}, "
                                 f"frames, height, width], which {self.describe()} decodes")
         if shape[1] != self.latent_channels:
             raise VAEInputError(f"latent: shape {list(shape)} has {shape[1]} channels; {self.describe()} decodes "
                                 f"{self.latent_channels}: give it a latent of the model this VAE belongs to")
-        if min(shape[0], shape[2], shape[3], shape[4]) < 1:
-            raise VAEInputError(f"latent: shape {list(shape)} is empty; {self.describe()} decodes at least one frame "
-                                f"of one latent row and column")
+        if min(shape[0], *shape[2:]) < 1:
+            raise VAEInputError(f"latent: shape {list(shape)} is empty; {self.describe()} decodes at least one "
+                                f"{'frame of one ' if len(shape) == 5 else ''}latent row and column")
 
     def check_pixels(self, shape: tuple) -> None:
-        """Pixels [B, C, T, H, W] (channels first, as the engine takes them) this VAE encodes, else VAEInputError."""
+        """Pixels [B, C, T, H, W] (channels first, as the engine takes them; [B, C, H, W] for an image VAE) this VAE
+        encodes, else VAEInputError."""
         shape = tuple(int(s) for s in shape)
         s = self.kind.spatial
-        if len(shape) != 5 or shape[1] != self.image_channels:
+        if self.kind.latent_dim == 2 and (len(shape) != 4 or shape[1] != self.image_channels):
+            raise VAEInputError(f"pixels: shape {list(shape)} is not an image batch [batch, {self.image_channels}, "
+                                f"height, width], which {self.describe()} encodes")
+        if self.kind.latent_dim == 3 and (len(shape) != 5 or shape[1] != self.image_channels):
             raise VAEInputError(f"pixels: shape {list(shape)} is not a clip [batch, {self.image_channels}, frames, "
                                 f"height, width], which {self.describe()} encodes")
-        if min(shape[0], shape[2]) < 1 or shape[3] < s or shape[4] < s or shape[3] % s or shape[4] % s:
-            raise VAEInputError(f"pixels: shape {list(shape)}: {self.describe()} encodes at least one frame of a "
-                                f"height and width that are multiples of {s} (crop it as ComfyUI's VAE Encode does)")
+        if min(shape[0], shape[2]) < 1 or min(shape[-2:]) < s or shape[-2] % s or shape[-1] % s:
+            raise VAEInputError(f"pixels: shape {list(shape)}: {self.describe()} encodes at least one "
+                                f"{'frame of a ' if len(shape) == 5 else ''}height and width that are multiples of "
+                                f"{s} (crop it as ComfyUI's VAE Encode does)")
 
     def decoded_shape(self, shape: tuple) -> tuple[int, ...]:
-        b, _, t, h, w = shape
         s = self.kind.spatial
+        if self.kind.latent_dim == 2:
+            return (shape[0], self.out_channels, shape[2] * s, shape[3] * s)
+        b, _, t, h, w = shape
         return (b, self.out_channels, max(0, t * 4 - 3), h * s, w * s)
 
     def encoded_shape(self, shape: tuple) -> tuple[int, ...]:
-        b, _, t, h, w = shape
         s = self.kind.spatial
+        if self.kind.latent_dim == 2:
+            return (shape[0], self.latent_channels, shape[2] // s, shape[3] // s)
+        b, _, t, h, w = shape
         return (b, self.latent_channels, 1 + (t - 1) // 4, h // s, w // s)
 
 
@@ -171,12 +209,13 @@ def inspect_vae(path: str) -> VAEInfo:
     if cached is not None:
         return cached
     tensors, _ = read_header(path)
-    keys = frozenset(tensors)
-    found = next((k for k in KINDS if k.detect(keys)), None)
+    in_file = {name: tuple(t.shape) for name, t in tensors.items()}
+    found = next((k for k in KINDS if k.detect(in_file)), None)
     if found is None:
         raise CheckpointError(f"{os.path.basename(path)} is not a VAE the engine splits (it reads "
                               f"{', '.join(k.title for k in KINDS)}): ComfyUI's own VAE decodes it")
-    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    shapes = {found.network_name(name): shape for name, shape in in_file.items()}
+    keys = frozenset(shapes)
     try:
         widths = found.widths(shapes)
     except KeyError as e:
@@ -202,14 +241,16 @@ def load_vae(info: VAEInfo, dtype: str, device: torch.device) -> torch.nn.Module
         model = info.kind.build(**info.widths)
     names = set(model.state_dict())
     with safe_open(info.path, "pt", device="cpu") as f:
-        weights = {k: f.get_tensor(k).to(DTYPES[dtype]) for k in names}
+        in_file = {info.kind.network_name(k): k for k in f.keys()}
+        weights = {k: f.get_tensor(in_file[k]).to(DTYPES[dtype]) for k in names}
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)
 
 
 def tiny_state_dict(name: str, seed: int = 0, full: bool = False) -> dict[str, torch.Tensor]:
-    """Random weights of a tiny VAE of kind `name` (full: at the released widths) with ComfyUI's key names: matrices
-    and kernels with std 1/sqrt(fan-in), norm scales about 1, biases about 0.1, drawn in key order from `seed`."""
+    """Random weights of a tiny VAE of kind `name` (full: at the released widths) with the network's names: matrices
+    and kernels with std 1/sqrt(fan-in), norm scales about 1, biases about 0.1, running variances in [0.5, 1.5), drawn
+    in key order from `seed`."""
     k = kind(name)
     with torch.device("meta"):
         model = k.build() if full else k.build(**k.tiny)
@@ -218,8 +259,10 @@ def tiny_state_dict(name: str, seed: int = 0, full: bool = False) -> dict[str, t
     for key, t in sorted(model.state_dict().items()):
         if t.ndim >= 2 and not key.endswith("gamma"):
             out[key] = torch.randn(t.shape, generator=g) * (t[0].numel() ** -0.5)
-        elif key.endswith("gamma"):
+        elif key.endswith("gamma") or ("norm" in key and key.endswith(".weight")):   # RMS_norm's, GroupNorm's
             out[key] = 1 + 0.1 * torch.randn(t.shape, generator=g)
+        elif key.endswith("running_var"):
+            out[key] = 0.5 + torch.rand(t.shape, generator=g)
         else:
             out[key] = 0.1 * torch.randn(t.shape, generator=g)
     return out
@@ -230,9 +273,9 @@ def tiny_vae_file(name: str) -> str:
 
 
 def write_tiny_vae(name: str, out_dir: str, seed: int = 0, dtype: str = "fp32", full: bool = False) -> str:
-    """Write a tiny VAE file of kind `name` (ComfyUI's key names and layout; full: random weights at the released
-    widths, for benchmarks) into out_dir; returns its path."""
-    weights = {key: t.to(DTYPES[dtype_name(dtype)]).contiguous()
+    """Write a tiny VAE file of kind `name` (the released files' key names and layout; full: random weights at the
+    released widths, for benchmarks) into out_dir; returns its path."""
+    weights = {kind(name).file_name(key): t.to(DTYPES[dtype_name(dtype)]).contiguous()
                for key, t in tiny_state_dict(name, seed, full).items()}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, tiny_vae_file(name) if not full else f"random-{name}-vae.safetensors")
