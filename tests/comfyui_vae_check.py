@@ -5,9 +5,9 @@ Encode (Tiled), WanImageToVideo (2.1) and Wan22ImageToVideoLatent (2.2); for LTX
 on, the global generator seeded before each decode) LTXVImgToVideo(Inplace) and LTXVAddGuide, and ComfyUI's
 LTXVLatentUpsampler reading the VAE; for MiniMax-H3 MiniMaxH3ImageToVideo. Each graph runs three times: with
 ComfyUI's VAE, with the xDiT VAE Loader's, and with ComfyUI's VAE computing in float64 (the reference the bound is
-derived from: the split's float32 result may be 4 x farther from it than ComfyUI's own float32 result is). ComfyUI builds Wan 2.2's VAE at its released widths whatever the
-file says (comfy/sd.py:823-825), and MiniMax-H3's likewise (sd.py:1000): this process patches those classes to the
-tiny files' widths (size only).
+derived from: the split's float32 result may be 4 x farther from it than ComfyUI's own float32 result is). ComfyUI
+builds Wan 2.2's VAE at its released widths whatever the file says (comfy/sd.py:823-825), and MiniMax-H3's likewise
+(sd.py:1000): this process patches those classes to the tiny files' widths (size only).
 Prints one JSON report. Usage: python comfyui_vae_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
 import copy
 import json

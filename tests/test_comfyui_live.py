@@ -519,7 +519,8 @@ def test_the_xdit_vae_loader_decodes_and_encodes_the_audio_video_families_vaes_a
         assert set(entry["graphs"]) == graphs[kind]
         for graph, r in entry["graphs"].items():
             print(f"{kind} {graph}: relative L2 {r['rel_l2']:.3g}, max abs {r['max_abs']:.3g} (vs float64: ComfyUI "
-                  f"{r['stock_vs_float64']:.3g}, ours {r['ours_vs_float64']:.3g}, bound {4 * r['stock_vs_float64']:.3g})")
+                  f"{r['stock_vs_float64']:.3g}, ours {r['ours_vs_float64']:.3g}, "
+                  f"bound {4 * r['stock_vs_float64']:.3g})")
             assert r["within"], (kind, graph, r)
             tiled = "Tiled" in graph and kind != "minimax-h3"   # H3 tiles itself: one job, its tiles on the ranks
             assert r["engine_jobs"] > (1 if tiled else 0), (kind, graph, r)

@@ -90,8 +90,8 @@ def bench_vae(path, kind, ranks, width, height, frames, dtype, ops, repeats, gpu
                              "rel_l2": float((out.float() - ref).norm() / ref.norm())})
                 print(f"  {op} on {n} rank(s): {rows[-1]['compute_s']:.3f} s", flush=True)
     folder.cleanup()
-    print(markdown(("op", "ranks", "latent rows (or pieces) a rank", "compute s", "wall s", "speed-up", "rank 0 halo MiB",
-                    "rank 0 K/V gather MiB", "rel L2 vs 1st"),
+    print(markdown(("op", "ranks", "latent rows (or pieces) a rank", "compute s", "wall s", "speed-up",
+                    "rank 0 halo MiB", "rank 0 K/V gather MiB", "rel L2 vs 1st"),
                    [(r["op"], r["ranks"], r["bands"], f"{r['compute_s']:.3f}", f"{r['wall_s']:.3f}",
                      f"{r['speedup']:.2f}", f"{r['halo_mib']:.1f}", f"{r['gather_mib']:.2f}", f"{r['rel_l2']:.2g}")
                     for r in rows]), flush=True)

@@ -112,8 +112,8 @@ def _h3_widths(shapes: dict) -> dict:
     """ComfyUI builds H3's VAE at its released widths (sd.py:1000); the engine reads them: the encoder's ch, the
     decoder's layers and heads (of 64 channels, as ComfyUI's)."""
     dim, z_dim = shapes["decoder.x_embedder.weight"]
-    return {"ch": shapes["encoder.conv_in.weight"][0], "heads": dim // 64, "z_dim": z_dim,
-            "num_layers": sum(1 for k in shapes if k.startswith("decoder.transformer_blocks.") and k.endswith(".scale1"))}
+    layers = sum(1 for k in shapes if k.startswith("decoder.transformer_blocks.") and k.endswith(".scale1"))
+    return {"ch": shapes["encoder.conv_in.weight"][0], "heads": dim // 64, "z_dim": z_dim, "num_layers": layers}
 
 
 def _h3_header(name: str, shapes: dict, metadata: dict) -> dict:
@@ -124,13 +124,13 @@ def _h3_header(name: str, shapes: dict, metadata: dict) -> dict:
 
 
 def _pool_minimax():
-    from . import minimax
-    return minimax
+    from . import minimax_tiles
+    return minimax_tiles
 
 
 def _h3_frames(decode: bool):
     def frames(t: int) -> int:
-        from .minimax import decoded_frames, encoded_frames
+        from .minimax_tiles import decoded_frames, encoded_frames
         return decoded_frames(t) if decode else encoded_frames(t)
     return frames
 
@@ -306,7 +306,8 @@ POSITIVE = ("gamma", "std-of-means", "latents_std")   # scales and stds: about 1
 FIXED = {"timestep_scale_multiplier": 1000.0}          # LTX's, as released (causal_video_autoencoder.py:613)
 
 
-def tiny_state_dict(name: str, seed: int = 0, full: bool = False, widths: dict | None = None) -> dict[str, torch.Tensor]:
+def tiny_state_dict(name: str, seed: int = 0, full: bool = False,
+                    widths: dict | None = None) -> dict[str, torch.Tensor]:
     """Random weights of a tiny VAE of kind `name` (full: at the released widths; widths: these instead of the kind's
     tiny ones) with ComfyUI's key names: matrices and kernels with std 1/sqrt(fan-in), norm scales and stds about 1,
     biases about 0.1, drawn in key order from `seed`."""
