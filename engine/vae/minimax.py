@@ -222,13 +222,14 @@ class H3VideoVAE(nn.Module):
     plan = staticmethod(plan)
 
     def piece(self, x: torch.Tensor, pl: Plan, k: int) -> torch.Tensor:
-        """Piece k of plan `pl` of the whole input `x` (the latent, or the clip in [-1, 1], in the VAE's dtype): the
+        """Piece k of plan `pl` of the whole input `x` (the latent, or the clip in [-1, 1], in the VAE's dtype; on any
+        device: only the piece moves to the VAE's): the
         raw decoder output of its tile (_decode_pixels of the un-normalized latent, vae.py:392-393, 698-702) or its
         moments (_encode_moments of the normalized pixels, vae.py:389-390, 395-396, 544-552)."""
         p = pl.pieces[k]
         t = x.shape[2]
         frames = torch.arange(*p.frames, device=x.device).clamp_(max=t - 1)   # a padded clip repeats its last frame
-        x = x[:, :, frames, p.rows[0]:p.rows[1], p.cols[0]:p.cols[1]]
+        x = x[:, :, frames, p.rows[0]:p.rows[1], p.cols[0]:p.cols[1]].to(self.quant_conv.weight.device)
         if pl.op == "decode":
             x = x * self.latents_std.view(1, -1, 1, 1, 1).to(x) + self.latents_mean.view(1, -1, 1, 1, 1).to(x)
             return self.decoder(self.post_quant_conv(x))

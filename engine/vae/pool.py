@@ -25,11 +25,11 @@ def rounds(plan, ranks: int) -> int:
 
 
 def run_pool(ctx, model, x: torch.Tensor, op: str, on_chunk) -> dict[str, torch.Tensor]:
-    """This rank's pieces of `op` on `x` (every rank holds all of x): {"piece.<k>": raw piece}."""
+    """This rank's pieces of `op` on `x` (every rank holds all of x in host memory; each piece goes to the device as
+    it is computed): {"piece.<k>": raw piece}."""
     plan = model.plan(op, tuple(x.shape))
     mine = assign([p.cost for p in plan.pieces], ctx.world)
     total = max(len(m) for m in mine)
-    x = x.to(ctx.device, non_blocking=True)
     out = {}
     with torch.inference_mode():
         for i in range(total):
