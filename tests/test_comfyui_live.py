@@ -493,3 +493,42 @@ def test_the_xdit_vae_loader_decodes_and_encodes_as_comfyuis_own_vae(setup):
     assert "vae: last " in report["info"], report["info"]
     assert report["no_engine"].startswith("xDiT VAE Loader: connect the xDiT Engine's engine output"), report
     assert report["pixel_space"] == "VAE"   # a VAE the engine does not split: ComfyUI's own
+
+
+@pytest.mark.timeout(900)
+def test_the_xdit_vae_loader_decodes_and_encodes_the_audio_video_families_vaes_as_comfyuis_own(setup):
+    """ComfyUI's Load VAE vs the xDiT VAE Loader on 2 CPU ranks, tiny LTX-2.x (timestep conditioning off and on, the
+    global generator seeded before each decode) and MiniMax-H3 VAE files, through VAE Decode / Encode, their tiled
+    forms, LTXVImgToVideo(Inplace), LTXVAddGuide and MiniMaxH3ImageToVideo: every result within the bound derived
+    from ComfyUI's own float32 rounding; LTXVLatentUpsampler reads ComfyUI's own per-channel statistics on ours."""
+    from engine.vae.load import LTX_TINY
+    folder, vae = setup["dir"] / "vae-av-files", setup["models"] / "vae"
+    shutil.copy(write_tiny_vae("ltx2", str(folder)), vae / "tiny-ltx2-vae.safetensors")
+    shutil.copy(write_tiny_vae("ltx2", str(folder), widths={"config": dict(LTX_TINY, timestep_conditioning=True)},
+                               file="tc.safetensors"), vae / "tiny-ltx2-tc-vae.safetensors")
+    shutil.copy(write_tiny_vae("minimax-h3", str(folder)), vae / "tiny-minimax-h3-vae.safetensors")
+    model = setup["models"] / "diffusion_models" / "tiny-wan2.1-1.3b.safetensors"   # the engine's model
+    if not model.exists():
+        shutil.copy(write_tiny("wan", str(folder), variant="wan2.1-1.3b"), model)
+    report = run_check("comfyui_vae_check.py", dict(setup, env={**setup["env"],
+                                                                "XDIT_VAE_KINDS": "ltx2,ltx2-tc,minimax-h3"}), 840)
+    ltx = {"VAEDecode", "VAEDecodeTiled", "VAEEncode", "VAEEncodeTiled", "LTXVImgToVideo", "LTXVImgToVideoInplace",
+           "LTXVAddGuide"}
+    graphs = {"ltx2": ltx, "ltx2-tc": {"VAEDecode", "VAEDecodeTiled"},
+              "minimax-h3": {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled", "MiniMaxH3ImageToVideo"}}
+    assert set(report["kinds"]) == set(graphs)
+    for kind, entry in report["kinds"].items():
+        assert entry["ours"] == "EngineVAE" and entry["same_state"], (kind, entry)
+        assert entry["latent_channels"] == [24, 24] if kind == "minimax-h3" else [128, 128], (kind, entry)
+        assert set(entry["graphs"]) == graphs[kind]
+        for graph, r in entry["graphs"].items():
+            print(f"{kind} {graph}: relative L2 {r['rel_l2']:.3g}, max abs {r['max_abs']:.3g} (vs float64: ComfyUI "
+                  f"{r['stock_vs_float64']:.3g}, ours {r['ours_vs_float64']:.3g}, "
+                  f"bound {4 * r['stock_vs_float64']:.3g})")
+            assert r["within"], (kind, graph, r)
+            tiled = "Tiled" in graph and kind != "minimax-h3"   # H3 tiles itself: one job, its tiles on the ranks
+            assert r["engine_jobs"] > (1 if tiled else 0), (kind, graph, r)
+        assert f"decodes {24 if kind == 'minimax-h3' else 128}" in entry["wrong_latent"], entry["wrong_latent"]
+    assert report["kinds"]["ltx2"]["upsampler_equal"]
+    assert min(report["kinds"]["ltx2-tc"]["other_seed_rel_l2"]) > 1e-3   # the noise is drawn, and it matters
+    assert "tiles a rank" in report["info"], report["info"]

@@ -16,7 +16,7 @@ import torch
 from engine.cli import main
 from engine.errors import CheckpointError
 from engine.vae import client
-from engine.vae.load import VAEInputError, inspect_vae, load_vae, write_tiny_vae
+from engine.vae.load import NAMES, VAEInputError, inspect_vae, load_vae, write_tiny_vae
 
 K = 4            # as tests/test_vae.py: a float32 evaluation may be K x farther from float64 than ours
 EPS_RATIO = 2.0 ** -29   # float64's epsilon over float32's: the same computation's rounding in float64
@@ -162,7 +162,7 @@ def test_make_tiny_writes_a_vae_file_that_the_engine_reads(tmp_path, capsys):
     assert err == ["python -m engine make-tiny: error: argument --format: applies to model files, and --kind "
                    "vae-wan2.1 writes a VAE file: leave it out",
                    "python -m engine make-tiny: error: argument --kind: 'vae-sdxl' is not a VAE make-tiny writes: use "
-                   "vae-flux or vae-flux2 or vae-wan2.1 or vae-wan2.2"]
+                   + " or ".join(f"vae-{n}" for n in sorted(NAMES))]
 
 
 def test_a_comfyui_that_reads_the_file_as_another_vae_gets_the_release_it_needs_in_one_line(files):

@@ -34,7 +34,12 @@ class EngineVAE(comfy.sd.VAE):
         return None
 
     def _run(self, op: str, x: torch.Tensor) -> torch.Tensor:
-        """op on the ranks, with ComfyUI's progress bar and interrupt."""
+        """op on the ranks, with ComfyUI's progress bar and interrupt. A decode that mixes in noise (LTX's timestep-
+        conditioned decoders) gets the noise ComfyUI's own would draw: randn_like of the latent on the VAE's device in
+        its dtype, from the global generator (causal_video_autoencoder.py:1304-1306)."""
+        noise = None
+        if op == "decode" and self.xdit.info.decode_noise:
+            noise = torch.randn_like(x.to(device=self.device, dtype=self.vae_dtype))
         bar = []
 
         def progress(step, total):
@@ -42,7 +47,8 @@ class EngineVAE(comfy.sd.VAE):
                 bar.append(comfy.utils.ProgressBar(total))
             bar[0].update_absolute(step, total)
         try:
-            return self.xdit.run(op, x, on_progress=progress, should_cancel=mm.processing_interrupted)
+            return self.xdit.run(op, x, on_progress=progress, should_cancel=mm.processing_interrupted,
+                                 **({"noise": noise} if noise is not None else {}))
         except JobCancelled:
             mm.throw_exception_if_processing_interrupted()   # ComfyUI's own interrupt exception, flag cleared
             raise
@@ -95,16 +101,21 @@ class EngineVAE(comfy.sd.VAE):
             del model.decode, model.encode
 
     def decode_tiled(self, samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None):
-        """ComfyUI's own tiled decode (its tiles, feather masks and sums), each tile decoded on the ranks."""
+        """ComfyUI's own tiled decode (its tiles, feather masks and sums), each tile decoded on the ranks. A VAE that
+        tiles itself (MiniMax-H3) ignores the tile sizes: its decode (sd.py:1340-1341, minimax/vae.py:695-696)."""
         if self._own():
             return super().decode_tiled(samples, tile_x, tile_y, overlap, tile_t, overlap_t)
+        if self.handles_tiling:
+            return self.decode(samples)
         with self._tiles_on_ranks():
             return super().decode_tiled(samples, tile_x, tile_y, overlap, tile_t, overlap_t)
 
     def encode_tiled(self, pixel_samples, tile_x=None, tile_y=None, overlap=None, tile_t=None, overlap_t=None):
-        """ComfyUI's own tiled encode, each tile encoded on the ranks."""
+        """ComfyUI's own tiled encode, each tile encoded on the ranks (MiniMax-H3: its encode, as decode_tiled)."""
         if self._own():
             return super().encode_tiled(pixel_samples, tile_x, tile_y, overlap, tile_t, overlap_t)
+        if self.handles_tiling:
+            return self.encode(pixel_samples)
         with self._tiles_on_ranks():
             return super().encode_tiled(pixel_samples, tile_x, tile_y, overlap, tile_t, overlap_t)
 

@@ -59,17 +59,22 @@ class EngineVAELink:
     def torch_dtype(self):
         return DTYPES[self.dtype]
 
-    def run(self, op: str, x, on_progress=None, should_cancel=None):
+    def run(self, op: str, x, on_progress=None, should_cancel=None, noise=None):
         """`op` ("decode" or "encode") of x (channels first) on the ranks: the raw network output in the compute
-        dtype, on the CPU."""
+        dtype, on the CPU (a VAE tiled by definition, MiniMax-H3's: ComfyUI's finished float32 result); noise: the
+        decode noise ComfyUI's own VAE would draw (LTX's timestep-conditioned decoders)."""
         record = self.registry.get(self.settings)
         t0 = time.perf_counter()
         out, result = client.run(record.engine, op, self.info.path, x, self.dtype, attention=self.attention,
-                                 on_progress=on_progress, should_cancel=should_cancel,
+                                 noise=noise, on_progress=on_progress, should_cancel=should_cancel,
                                  deadlines=self.settings.deadlines)
         vae = next((r["vae"] for r in result.ranks if "rows" in r.get("vae", {})), {})
+        if "pieces" in result.ranks[0].get("vae", {}):   # a tile pool: whole pieces a rank
+            split = (f"on {len(result.ranks)} rank(s), {[len(r['vae']['pieces']) for r in result.ranks]} of its "
+                     f"{result.ranks[0]['vae']['of']} tiles a rank")
+        else:
+            split = (f"on {len(vae.get('rows', [1]))} rank(s), latent rows {vae.get('rows')} a rank, "
+                     f"{vae.get('chunks')} chunk(s)")
         core.note(record, "vae:", f"vae: last {op} of {os.path.basename(self.info.path)} ({self.info.kind.title}, "
-                                  f"{self.dtype}) on {len(vae.get('rows', [1]))} rank(s), latent rows "
-                                  f"{vae.get('rows')} a rank, {vae.get('chunks')} chunk(s), "
-                                  f"{time.perf_counter() - t0:.3f} s")
+                                  f"{self.dtype}) {split}, {time.perf_counter() - t0:.3f} s")
         return out

@@ -31,7 +31,8 @@ def register(bench, emit) -> None:
                    help="comma-separated rank counts")
     p.add_argument("--width", type=types.pixels, default=832, help="clip width in pixels")
     p.add_argument("--height", type=types.pixels, default=480, help="clip height in pixels")
-    p.add_argument("--frames", type=types.positive_int, default=9, help="clip frames, 4k + 1")
+    p.add_argument("--frames", type=types.positive_int, default=9,
+                   help="clip frames: tk + 1 for a VAE of temporal ratio t (Wan 4, LTX 8); any for MiniMax-H3")
     p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (default: bf16 with --gpus, fp32 on the CPU)")
     p.add_argument("--ops", type=types.name_list(["decode", "encode"]), default="decode,encode",
                    help="comma-separated: decode, encode")
@@ -42,14 +43,14 @@ def register(bench, emit) -> None:
 
 
 def bench_vae(path, kind, ranks, width, height, frames, dtype, ops, repeats, gpus, widths="tiny") -> list[dict]:
-    if (frames - 1) % 4:
-        raise UsageError(f"argument --frames: {frames} is not 4k + 1 frames (a Wan clip's): e.g. "
-                         f"{(frames - 1) // 4 * 4 + 1}")
     if gpus is not None and max(ranks) > len(gpus):
         raise UsageError(f"argument --ranks: {max(ranks)} ranks need as many GPUs and --gpus lists {len(gpus)}")
     dtype = dtype or ("bf16" if gpus else "fp32")
     vae_kind = inspect_vae(path).kind if path else load.kind(kind)
-    s = vae_kind.spatial
+    s, t = vae_kind.spatial, vae_kind.temporal
+    if (frames - 1) % t and not vae_kind.pool:
+        raise UsageError(f"argument --frames: {frames} is not {t}k + 1 frames ({vae_kind.title}'s clips): e.g. "
+                         f"{(frames - 1) // t * t + 1}")
     if width % s or height % s:
         raise UsageError(f"argument --width/--height: {width}x{height} is not whole latent pixels of "
                          f"{vae_kind.title}'s {s} px: use multiples of {s}")
@@ -58,36 +59,41 @@ def bench_vae(path, kind, ranks, width, height, frames, dtype, ops, repeats, gpu
     info = inspect_vae(path)
     g = torch.Generator().manual_seed(0)
     time_axis = () if info.kind.latent_dim == 2 else (frames,)   # an image VAE: one image, --frames not used
-    latent = (1, info.latent_channels) + tuple(1 + (t - 1) // 4 for t in time_axis) + (height // s, width // s)
+    latent = info.encoded_shape((1, info.image_channels) + time_axis + (height, width))
     inputs = {"decode": torch.randn(latent, generator=g),
               "encode": torch.rand((1, info.image_channels) + time_axis + (height, width), generator=g) * 2 - 1}
+    noise = {"noise": torch.randn(latent, generator=g)} if info.decode_noise else {}   # LTX, timestep-conditioned
+    widths = {k: "the header's" if isinstance(v, dict) else v for k, v in info.widths.items()}
     clip = f"clip of {frames} frames" if time_axis else "image"
-    print(f"{info.describe()} ({info.widths}), a {width}x{height} {clip} (latent "
+    print(f"{info.describe()} ({widths}), a {width}x{height} {clip} (latent "
           f"{list(inputs['decode'].shape)}), {dtype}, on {'GPUs ' + ','.join(map(str, gpus)) if gpus else 'CPU ranks'}",
           flush=True)
     rows, first = [], {}
     for n in ranks:
         with Engine(n, device="cuda" if gpus else "cpu", gpus=gpus[:n] if gpus else None) as engine:
             for op in ops:
-                out, _ = client.run(engine, op, path, inputs[op], dtype)   # loads the weights on the ranks
+                extra = noise if op == "decode" else {}
+                out, _ = client.run(engine, op, path, inputs[op], dtype, **extra)   # loads the weights on the ranks
                 compute, wall = [], []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    out, result = client.run(engine, op, path, inputs[op], dtype)
+                    out, result = client.run(engine, op, path, inputs[op], dtype, **extra)
                     wall.append(time.perf_counter() - t0)
                     compute.append(result.timings["compute_s"])
-                sent = result.ranks[0]["vae"]["sent"]
+                vae = result.ranks[0]["vae"]
+                sent = vae.get("sent", {})   # a tile pool (MiniMax-H3) exchanges nothing: its pieces are whole
                 first.setdefault(op, (out.float(), statistics.median(compute)))
                 ref, base = first[op]
-                rows.append({"op": op, "ranks": n, "bands": result.ranks[0]["vae"]["rows"],
+                rows.append({"op": op, "ranks": n, "bands": vae["rows"] if "rows" in vae else
+                             [len(r["vae"]["pieces"]) for r in result.ranks],
                              "compute_s": statistics.median(compute), "wall_s": statistics.median(wall),
                              "speedup": base / statistics.median(compute), "halo_mib": sent.get("halo", 0) / 2**20,
                              "gather_mib": sent.get("gather", 0) / 2**20,
                              "rel_l2": float((out.float() - ref).norm() / ref.norm())})
                 print(f"  {op} on {n} rank(s): {rows[-1]['compute_s']:.3f} s", flush=True)
     folder.cleanup()
-    print(markdown(("op", "ranks", "latent rows a rank", "compute s", "wall s", "speed-up", "rank 0 halo MiB",
-                    "rank 0 K/V gather MiB", "rel L2 vs 1st"),
+    print(markdown(("op", "ranks", "latent rows (or pieces) a rank", "compute s", "wall s", "speed-up",
+                    "rank 0 halo MiB", "rank 0 K/V gather MiB", "rel L2 vs 1st"),
                    [(r["op"], r["ranks"], r["bands"], f"{r['compute_s']:.3f}", f"{r['wall_s']:.3f}",
                      f"{r['speedup']:.2f}", f"{r['halo_mib']:.1f}", f"{r['gather_mib']:.2f}", f"{r['rel_l2']:.2g}")
                     for r in rows]), flush=True)

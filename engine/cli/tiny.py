@@ -174,10 +174,12 @@ def _run_vae(a) -> int:
     info = vae_load.inspect_vae(path)
     s = info.kind.spatial
     print(f"wrote   {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {a.dtype} weights)")
-    print(f"vae     {info.kind.title}: widths {info.widths}")
+    widths = {k: "the header's" if isinstance(v, dict) else v for k, v in info.widths.items()}   # LTX: its config
+    print(f"vae     {info.kind.title}: widths {widths}")
     if info.kind.latent_dim == 2:
         print(f"latent  [batch, {info.latent_channels}, height / {s}, width / {s}] (an image's)")
         return 0
-    print(f"latent  [batch, {info.latent_channels}, frames, height / {s}, width / {s}]; a clip of 4k + 1 frames "
-          f"encodes to k + 1 latent frames")
+    frames = 2 * info.kind.temporal + 1
+    print(f"latent  [batch, {info.latent_channels}, frames, height / {s}, width / {s}]; a clip of {frames} frames "
+          f"encodes to {info.encoded_shape((1, 3, frames, s, s))[2]} latent frames")
     return 0

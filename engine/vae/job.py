@@ -1,5 +1,6 @@
 """The engine's VAE jobs on the ranks: `vae_decode` and `vae_encode` (each rank computes its band of rows of every
-frame and returns it; the client puts the bands together), and `vae_layer` (one row layer on each rank's band, what
+frame and returns it; the client puts the bands together; a VAE tiled by definition, MiniMax-H3's, runs as a pool of
+whole pieces instead, pool.py), and `vae_layer` (one row layer on each rank's band, what
 the layers' own tests and benchmarks run). Registered in engine/runtime/jobs.py.
 
 A rank keeps the VAEs it loaded (ctx.cache, keyed by file, mtime and dtype; the last VAES_KEPT) between jobs. The
@@ -76,6 +77,10 @@ def run_vae(ctx, spec: dict, inputs: dict[str, torch.Tensor], op: str) -> dict[s
     ctx.reset_peak_memory()
     model = _vae(ctx, spec)
     x = inputs["latent" if op == "decode" else "pixels"]
+    if getattr(model, "pool", False):   # tiled by definition (MiniMax-H3): whole pieces, not bands
+        from .pool import run_pool
+        ctx.check_cancel(0)
+        return run_pool(ctx, model, x, op, lambda i, total: (ctx.progress(i + 1, total), ctx.check_cancel(i + 1)))
     scale = 1 if op == "decode" else model.spatial
     split = row_split(ctx, x.shape[-2] // scale)
     frames = x.shape[2]
@@ -93,8 +98,13 @@ def run_vae(ctx, spec: dict, inputs: dict[str, torch.Tensor], op: str) -> dict[s
         return None
     bind(model, split, attention=spec.get("attention") or ("sdpa" if ctx.device.type == "cuda" else "split"))
     band = _band(x, split, scale).to(ctx.device, non_blocking=True)
+    extra = {}   # LTX: the decode noise the caller drew (its band), the byte-sized chunks' size
+    if "noise" in inputs:
+        extra["noise"] = _band(inputs["noise"], split, 1).to(ctx.device, non_blocking=True)
+    if "chunk_bytes" in spec:
+        extra["chunk_bytes"] = spec["chunk_bytes"]
     with torch.inference_mode():
-        out = model.decode(band, on_chunk) if op == "decode" else model.encode(band, on_chunk)
+        out = model.decode(band, on_chunk, **extra) if op == "decode" else model.encode(band, on_chunk)
     ctx.info["vae"] = {"rows": list(split.rows), "index": split.index, "chunks": chunks, "sent": dict(split.sent),
                        "memory": ctx.memory()}
     return {f"rows.{split.index}": out.contiguous()}

@@ -6,6 +6,7 @@ with ComfyUI's key names (`python -m engine make-tiny --kind vae-wan2.1`).
 Adding a VAE family is one module with its network and one Kind in KINDS."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -53,6 +54,13 @@ class Kind:
     comfyui_since: str
     latent_dim: int = 3
     renames: tuple = ()
+    # what else the file says (its name, tensor shapes, header metadata) -> more build kwargs (LTX: the header's
+    # config); raises CheckpointError in one line for a file of this type the engine does not split
+    header: Callable[[str, dict, dict], dict] | None = None
+    metadata: Callable[[dict], dict] | None = None   # the header metadata a tiny file of these widths carries
+    decoded_frames: Callable[[int], int] | None = None   # when not (t - 1) x temporal + 1
+    encoded_frames: Callable[[int], int] | None = None   # when not 1 + (t - 1) // temporal
+    pool: Callable[[], object] | None = None   # tiles by definition: the module that plans and blends them
 
     def network_name(self, key: str) -> str:
         """A file's tensor name as the network names it."""
@@ -90,10 +98,83 @@ def _wan22(**widths):
     return WanVAE22(**widths)
 
 
+def _ltx(config: dict | None = None, z_dim: int = 128):
+    from .ltx import DEFAULT_V2, LTXVideoVAE
+    return LTXVideoVAE(config or DEFAULT_V2)
+
+
+def _ltx_header(name: str, shapes: dict, metadata: dict) -> dict:
+    """The config ComfyUI builds the LTX VAE from: the header's config["vae"], else its default for the version the
+    widths say (sd.py:737-749); a network the engine does not split refused in one line."""
+    from .ltx import DEFAULT_V2, unsupported, version
+    try:
+        config = json.loads(metadata["config"]).get("vae") if metadata.get("config") else None
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{name}: its header's config is not a JSON object ({e}): the file is damaged") from None
+    if config is None and version(shapes) != 2:
+        why = ("decoder injects noise inside its ResNet blocks (ComfyUI's version-1 default config, inject_noise): "
+               "noise drawn per call inside the network cannot be reproduced on the ranks") if version(shapes) == 1 \
+            else "encoder downsamples with strided convolutions (ComfyUI's version-0 default config, LTX-Video 0.9)"
+        raise CheckpointError(f"{name} is an LTX video VAE whose {why}: ComfyUI's own VAE decodes it")
+    config = config if config is not None else DEFAULT_V2
+    why = unsupported(config)
+    if why:
+        raise CheckpointError(f"{name} is an LTX video VAE whose {why}: ComfyUI's own VAE decodes it")
+    return {"config": config, "z_dim": config["latent_channels"]}
+
+
+def _h3(ch: int = 128, num_layers: int = 36, heads: int = 32, z_dim: int = 24):
+    from .minimax import H3VideoVAE
+    return H3VideoVAE(ch, num_layers, heads, z_dim)
+
+
+def _h3_widths(shapes: dict) -> dict:
+    """ComfyUI builds H3's VAE at its released widths (sd.py:1000); the engine reads them: the encoder's ch, the
+    decoder's layers and heads (of 64 channels, as ComfyUI's)."""
+    dim, z_dim = shapes["decoder.x_embedder.weight"]
+    layers = sum(1 for k in shapes if k.startswith("decoder.transformer_blocks.") and k.endswith(".scale1"))
+    return {"ch": shapes["encoder.conv_in.weight"][0], "heads": dim // 64, "z_dim": z_dim, "num_layers": layers}
+
+
+def _h3_header(name: str, shapes: dict, metadata: dict) -> dict:
+    if any(k.endswith(".comfy_quant") for k in shapes):   # ComfyUI's int8+ConvRot decoder (sd.py:996-999)
+        raise CheckpointError(f"{name} is a MiniMax-H3 video VAE with an int8 (ConvRot) decoder, which the engine does "
+                              f"not split (its float files it does): ComfyUI's own VAE decodes it")
+    return {}
+
+
+def _pool_minimax():
+    from . import minimax_tiles
+    return minimax_tiles
+
+
+def _h3_frames(decode: bool):
+    def frames(t: int) -> int:
+        from .minimax_tiles import decoded_frames, encoded_frames
+        return decoded_frames(t) if decode else encoded_frames(t)
+    return frames
+
+
 WAN_MIDDLE = "decoder.middle.0.residual.0.gamma"          # sd.py:816
 WAN22_UP = "decoder.upsamples.0.upsamples.0.residual.2.weight"   # sd.py:817
 
-# in comfy.sd.VAE's order of tests (sd.py:632-694, 816-829)
+LTX_UP = "decoder.up_blocks.0.res_blocks.0.conv1.conv.weight"                        # sd.py:737
+H3_DECODER, H3_ENCODER = "decoder.transformer_blocks.0.scale1", "encoder.down.5.block.0.conv1.weight"   # sd.py:995
+LTX_TINY = {   # the LTX-2 layout (four res_x levels, three residual compress_all) at tiny widths; latent 128 as ComfyUI
+    "_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128,
+    "patch_size": 4, "norm_layer": "pixel_norm", "latent_log_var": "uniform", "causal_decoder": False,
+    "timestep_conditioning": False, "encoder_base_channels": 8, "decoder_base_channels": 8,
+    "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                       ["res_x", {"num_layers": 1}], ["compress_time_res", {"multiplier": 2}],
+                       ["res_x", {"num_layers": 1}], ["compress_all_res", {"multiplier": 2}],
+                       ["res_x", {"num_layers": 1}], ["compress_all_res", {"multiplier": 2}],
+                       ["res_x", {"num_layers": 1}]],
+    "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                       ["compress_all", {"residual": True, "multiplier": 2}]] * 3 +
+                      [["res_x", {"num_layers": 1, "inject_noise": False}]]}
+
+# in comfy.sd.VAE's order of tests (sd.py:632-694, 816-829; LTX's at sd.py:737 and H3's at sd.py:995 test keys no other
+# has)
 KINDS: tuple[Kind, ...] = (
     Kind("flux2", "FLUX.2", flux.is_flux2, flux.flux2_widths, flux.Flux2VAE, 16, 1, flux.TINY2,
          "comfy.ldm.models.autoencoder.AutoencoderKL", "0.3.72", latent_dim=2, renames=flux.FLUX2_RENAMES),
@@ -105,6 +186,12 @@ KINDS: tuple[Kind, ...] = (
     Kind("wan2.1", "Wan 2.1 (also Wan 2.2 A14B's and Qwen-Image's)", lambda k: WAN_MIDDLE in k and WAN22_UP not in k,
          _wan21_widths, _wan21, 8, 4, {"dim": 8, "z_dim": 16, "image_channels": 3, "out_channels": 3},
          "comfy.ldm.wan.vae.WanVAE", "0.3.16"),
+    Kind("ltx2", "LTX-2.x video", lambda k: LTX_UP in k, lambda shapes: {}, _ltx, 32, 8, {"config": LTX_TINY},
+         "comfy.ldm.lightricks.vae.causal_video_autoencoder.VideoVAE", "0.33", header=_ltx_header,   # sd.py:737
+         metadata=lambda widths: {"config": json.dumps({"vae": widths.get("config") or LTX_TINY})}),
+    Kind("minimax-h3", "MiniMax-H3 video", lambda k: H3_DECODER in k and H3_ENCODER in k, _h3_widths, _h3, 16, 4,
+         {"ch": 32, "num_layers": 2, "heads": 2, "z_dim": 24}, "comfy.ldm.minimax.vae.MiniMaxH3VideoVAE", "0.33",
+         header=_h3_header, decoded_frames=_h3_frames(True), encoded_frames=_h3_frames(False), pool=_pool_minimax),
 )
 NAMES = tuple(k.name for k in KINDS)
 
@@ -179,19 +266,28 @@ class VAEInfo:
                                 f"{'frame of a ' if len(shape) == 5 else ''}height and width that are multiples of "
                                 f"{s} (crop it as ComfyUI's VAE Encode does)")
 
+    @property
+    def decode_noise(self) -> bool:
+        """The decode mixes in noise the caller draws (LTX's timestep-conditioned decoders)."""
+        return bool(self.widths.get("config", {}).get("timestep_conditioning", False))
+
     def decoded_shape(self, shape: tuple) -> tuple[int, ...]:
         s = self.kind.spatial
         if self.kind.latent_dim == 2:
             return (shape[0], self.out_channels, shape[2] * s, shape[3] * s)
         b, _, t, h, w = shape
-        return (b, self.out_channels, max(0, t * 4 - 3), h * s, w * s)
+        k = self.kind
+        frames = k.decoded_frames(t) if k.decoded_frames else max(0, (t - 1) * k.temporal + 1)
+        return (b, self.out_channels, frames, h * s, w * s)
 
     def encoded_shape(self, shape: tuple) -> tuple[int, ...]:
         s = self.kind.spatial
         if self.kind.latent_dim == 2:
             return (shape[0], self.latent_channels, shape[2] // s, shape[3] // s)
         b, _, t, h, w = shape
-        return (b, self.latent_channels, 1 + (t - 1) // 4, h // s, w // s)
+        k = self.kind
+        frames = k.encoded_frames(t) if k.encoded_frames else 1 + (t - 1) // k.temporal
+        return (b, self.latent_channels, frames, h // s, w // s)
 
 
 _INFO: dict[tuple, VAEInfo] = {}
@@ -208,7 +304,7 @@ def inspect_vae(path: str) -> VAEInfo:
     cached = _INFO.get((path, mtime))
     if cached is not None:
         return cached
-    tensors, _ = read_header(path)
+    tensors, metadata = read_header(path)
     in_file = {name: tuple(t.shape) for name, t in tensors.items()}
     found = next((k for k in KINDS if k.detect(in_file)), None)
     if found is None:
@@ -221,6 +317,8 @@ def inspect_vae(path: str) -> VAEInfo:
     except KeyError as e:
         raise CheckpointError(f"{os.path.basename(path)} is a {found.title} VAE without its tensor {e.args[0]}: the "
                               f"file is incomplete") from None
+    if found.header is not None:
+        widths.update(found.header(os.path.basename(path), shapes, metadata))
     info = VAEInfo(path, mtime, found, widths, keys)
     expected = info.expected()
     missing = sorted(set(expected) - keys)
@@ -247,19 +345,26 @@ def load_vae(info: VAEInfo, dtype: str, device: torch.device) -> torch.nn.Module
     return model.to(device).eval().requires_grad_(False)
 
 
-def tiny_state_dict(name: str, seed: int = 0, full: bool = False) -> dict[str, torch.Tensor]:
-    """Random weights of a tiny VAE of kind `name` (full: at the released widths) with the network's names: matrices
-    and kernels with std 1/sqrt(fan-in), norm scales about 1, biases about 0.1, running variances in [0.5, 1.5), drawn
-    in key order from `seed`."""
+POSITIVE = ("gamma", "std-of-means", "latents_std")   # scales and stds: about 1
+FIXED = {"timestep_scale_multiplier": 1000.0}          # LTX's, as released (causal_video_autoencoder.py:613)
+
+
+def tiny_state_dict(name: str, seed: int = 0, full: bool = False,
+                    widths: dict | None = None) -> dict[str, torch.Tensor]:
+    """Random weights of a tiny VAE of kind `name` (full: at the released widths; widths: these instead of the kind's
+    tiny ones) with ComfyUI's key names: matrices and kernels with std 1/sqrt(fan-in), norm scales and stds about 1,
+    biases about 0.1, running variances in [0.5, 1.5), drawn in key order from `seed`."""
     k = kind(name)
     with torch.device("meta"):
-        model = k.build() if full else k.build(**k.tiny)
+        model = k.build() if full else k.build(**(widths or k.tiny))
     g = torch.Generator().manual_seed(seed)
     out = {}
     for key, t in sorted(model.state_dict().items()):
-        if t.ndim >= 2 and not key.endswith("gamma"):
+        if key.endswith(tuple(FIXED)):
+            out[key] = torch.full(t.shape, FIXED[key.rsplit(".", 1)[-1]])
+        elif t.ndim >= 2 and not key.endswith("gamma"):
             out[key] = torch.randn(t.shape, generator=g) * (t[0].numel() ** -0.5)
-        elif key.endswith("gamma") or ("norm" in key and key.endswith(".weight")):   # RMS_norm's, GroupNorm's
+        elif key.endswith(POSITIVE) or ("norm" in key and key.endswith(".weight")):   # RMS_norm's, GroupNorm's
             out[key] = 1 + 0.1 * torch.randn(t.shape, generator=g)
         elif key.endswith("running_var"):
             out[key] = 0.5 + torch.rand(t.shape, generator=g)
@@ -272,12 +377,16 @@ def tiny_vae_file(name: str) -> str:
     return f"tiny-{name}-vae.safetensors"
 
 
-def write_tiny_vae(name: str, out_dir: str, seed: int = 0, dtype: str = "fp32", full: bool = False) -> str:
-    """Write a tiny VAE file of kind `name` (the released files' key names and layout; full: random weights at the
-    released widths, for benchmarks) into out_dir; returns its path."""
-    weights = {kind(name).file_name(key): t.to(DTYPES[dtype_name(dtype)]).contiguous()
-               for key, t in tiny_state_dict(name, seed, full).items()}
+def write_tiny_vae(name: str, out_dir: str, seed: int = 0, dtype: str = "fp32", full: bool = False,
+                   widths: dict | None = None, file: str | None = None) -> str:
+    """Write a tiny VAE file of kind `name` (ComfyUI's key names, layout and header; full: random weights at the
+    released widths, for benchmarks; widths: these instead of the kind's tiny ones, file: under this name) into
+    out_dir; returns its path."""
+    k = kind(name)
+    weights = {k.file_name(key): t.to(DTYPES[dtype_name(dtype)]).contiguous()
+               for key, t in tiny_state_dict(name, seed, full, widths).items()}
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, tiny_vae_file(name) if not full else f"random-{name}-vae.safetensors")
-    save_file(weights, path, metadata={"format": "pt"})
+    path = os.path.join(out_dir, file or (tiny_vae_file(name) if not full else f"random-{name}-vae.safetensors"))
+    metadata = k.metadata({} if full else widths or k.tiny) if k.metadata else {}
+    save_file(weights, path, metadata={"format": "pt", **metadata})
     return path
