@@ -78,6 +78,34 @@ def test_a_header_its_tensors_contradict_or_comfyui_cannot_build_is_refused_in_o
         infer("ltx", s25, {"config": json.dumps(stated)})
 
 
+@pytest.mark.parametrize("fmt", ["int8_convrot", "gguf"])
+def test_the_templates_int8_convrot_file_and_a_gguf_run_their_dequantized_weights(tmp_path, fmt):
+    """The LTX-2.5 templates' file format (ComfyUI's int8_tensorwise layers, ConvRot) and a ComfyUI-GGUF file (arch
+    ltxv, Q8_0 matrices, the header's config as a GGUF string): each gives the model of a float32 file of its
+    dequantized values (written with the same header config), within fp32 rounding, the keyframe embedding as stored."""
+    from safetensors.torch import save_file
+    path = write_tiny("ltx23", str(tmp_path), variant="ltx-2.5", format=fmt)
+    if fmt == "gguf":
+        import gguf
+        import numpy as np
+        reader = gguf.GGUFReader(path)
+        config = next(str(bytes(f.parts[f.data[-1]]), "utf-8") for k, f in reader.fields.items() if k == "config")
+        values = {t.name: torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type)))
+                  .reshape(tuple(reversed([int(v) for v in t.shape]))).float() for t in reader.tensors}
+    else:
+        import test_int8_checkpoints
+        with safe_open(path, "pt") as f:
+            config = f.metadata()["config"]
+        values = test_int8_checkpoints.dequantized_file(path)
+    exact = str(tmp_path / "exact.safetensors")
+    save_file(values, exact, metadata={"config": config})
+    assert inspect_model(path).variant == "ltx-2.5" and "keyframes_abs_pos_embedding" in values
+    x, t, c = ltx_call(seed=7, masked=True)
+    want = reference(FlowModel(load_model(exact)), x, t, c)
+    got = reference(FlowModel(load_model(path)), x, t, c)
+    assert report(f"LTX-2.5 {fmt} file vs its dequantized values", (got - want).abs().max(), bound(want))
+
+
 # ---- the keyframe embedding ------------------------------------------------------------------------------------------
 def embedded(flow, x, t, c):
     """(the output, the video tokens after proj_in, the tokens the first block receives) of one call."""
