@@ -3,9 +3,9 @@ own loader (UNETLoader) makes of a tiny LTX-2.5 file (ff_bias false in its heade
 its tensors), and with the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (Ulysses, Ring, CFG parallel, data
 parallel, the weights divided); the video and audio latents compared each. The templates' sampling
 (LTXVConditioning at 24 fps, LTXVConcatAVLatent, LTXVDualCFGGuider at video 1 / audio 1, euler_ancestral,
-ManualSigmas, SamplerCustomAdvanced), LTXVDualCFGGuider at video 3 / audio 7 (the negative always run, the audio scale on
-the packed tail), a first frame through LTXVImgToVideoInplace's noise mask, LTXVAddGuide's first and last frames (the
-frame-0 guide never takes the keyframe embedding), a generated_keyframes conditioning entry, a batch of two clips.
+ManualSigmas, SamplerCustomAdvanced), LTXVDualCFGGuider at video 3 / audio 7 (the negative always run, the audio
+scale on the packed tail), a first frame through LTXVImgToVideoInplace's noise mask, LTXVAddGuide's first and last
+frames (the frame-0 guide never takes the keyframe embedding), a generated_keyframes entry, a batch of two clips.
 ComfyUI's own result with the keyframe embedding zeroed shows it applies the embedding in plain text-to-video. The
 conditioning is built directly (no text encoder), marked unprocessed as ComfyUI's LTX CLIP marks it. Prints one JSON
 report. Usage: python comfyui_ltx25_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""

@@ -176,8 +176,8 @@ CASES = {
     "tiny-kind": (["make-tiny", "--kind", "sdxl", "--out", "{dir}"],
                   r"argument --kind: 'sdxl' is not a model the engine knows: use a variant \(flux-dev, .*\) or a "
                   r"family \(flux, .*ltx23\)$"),
-    "tiny-variant-of-another-kind": (TINY + ["--variant", "ltx23"], r"argument --variant: ltx23 is LTX-2.3/2.5, not FLUX.1 "
-                                                                    r"as --kind says: give a flux variant"),
+    "tiny-variant-of-another-kind": (TINY + ["--variant", "ltx23"], r"argument --variant: ltx23 is LTX-2.3/2.5, "
+                                                                    r"not FLUX.1 as --kind says: give a flux variant"),
     "tiny-variant-contradicts-kind": (["make-tiny", "--kind", "flux-dev", "--variant", "flux-schnell", "--out",
                                        "{dir}"], r"argument --variant: flux-schnell contradicts --kind, which names "
                                                  r"flux-dev"),

@@ -1,6 +1,7 @@
 """LTX-2.3 (Lightricks, audio + video) and its variant LTX-2.5 (what 2.5 adds, and why a variant: ltx25.py): how the
-engine runs this family (its checkpoints' dims, layout and detection: ltx23_layout.py). The engine runs it as ComfyUI's diffusion model only (ComfyUI's KSampler / SamplerCustomAdvanced on
-the xDiT Engine's MODEL): its sampler carries the two latents packed, which the engine's own loop does not sample.
+engine runs this family (its checkpoints' dims, layout and detection: ltx23_layout.py). The engine runs it as
+ComfyUI's diffusion model only (ComfyUI's KSampler / SamplerCustomAdvanced on the xDiT Engine's MODEL): its sampler
+carries the two latents packed, which the engine's own loop does not sample.
 
 ComfyUI's conventions, read from ComfyUI 0.33.0 (C = the ComfyUI checkout):
 - C/comfy/model_detection.py:419-429: `adaln_single.emb.timestep_embedder.linear_1.bias` marks Lightricks' LTX, with
@@ -121,8 +122,7 @@ def audio_frames(pixel_frames: int, fps: float = FPS) -> int:
 
 
 def _template_audio(config: dict, latent_frames: int) -> int:
-    """The audio rows of a clip of `latent_frames` at the frame rate of the variant's templates (LTX-2.3's 25,
-    LTX-2.5's 24)."""
+    """A clip's audio rows at its variant's templates' frame rate (LTX-2.3's 25, LTX-2.5's 24)."""
     return audio_frames(LTX_VIDEO.pixel_frames(latent_frames), ltx25.TEMPLATE_FPS if ltx25.is_ltx25(config) else FPS)
 
 
@@ -347,10 +347,9 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
         at = extras["guide_coords"].to(device, torch.float32).reshape(n, 3, guides, 2)
         at[:, 0] = at[:, 0] * (1.0 / fps)
         coords[:, :, -guides:] = at
-    marks = None   # LTX-2.5's keyframe embedding: on the tokens ComfyUI's rule marks (ltx25.py), in every call
-    if ltx25.is_ltx25(config):
-        slots = tuple(int(v) for v in extras["keyframe_slots"][0].tolist()) if "keyframe_slots" in extras else None
-        marks = ltx25.keyframe_mask(coords, guides, slots, keep, h * w, frames * h * w, dtype)
+    slots = tuple(int(v) for v in extras["keyframe_slots"][0].tolist()) if "keyframe_slots" in extras else None
+    marks = ltx25.keyframe_mask(coords, guides, slots, keep, h * w, frames * h * w, dtype) \
+        if ltx25.is_ltx25(config) else None   # LTX-2.5's keyframe embedding, on the tokens ComfyUI marks
     mult, cross = float(config["timestep_scale_multiplier"]), float(config["cross_attn_timestep_scale_multiplier"])
     v_t = timestep.to(device, torch.float32)
     a_t = extras["audio_t"].to(device, torch.float32) if "audio_t" in extras else v_t
@@ -427,10 +426,8 @@ FAMILY = Family(
     takes_guidance=lambda config: False,
     forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, hold=_hold, fit_jobs=FIT_JOBS,
     shard_units=("video_connector", "audio_connector"),
-    stock_jobs={"ltx-2.3": StockJob("ltx-2.3-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; "
-                                    "the second: --width 1280 --height 704 --steps 3"),
-                "ltx-2.5": StockJob("ltx-2.5-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; "
-                                    "the second: --width 1280 --height 704 --steps 3")},
+    stock_jobs={v: StockJob(f"{v}-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; the "
+                            "second: --width 1280 --height 704 --steps 3") for v in DIMS["full"]},
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
                       split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1),
                                     ("video_keyframes_mask", 1)),

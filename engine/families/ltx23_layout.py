@@ -224,7 +224,7 @@ def infer(layout: str, s: dict, metadata: dict, shapes_checked: bool = True) -> 
         raise CheckpointError(f"an {name} transformer whose header sets use_prompt_adaln_single false: ComfyUI 0.33 "
                               f"cannot sample it either (its text cross-attention modulation needs that module's "
                               f"timestep, comfy/ldm/lightricks/model.py:593-606); the released files keep it")
-    for flag, key in (("ff_bias", "ff"), ("audio_ff_bias", "audio_ff")):   # ComfyUI builds the biases as the header says
+    for flag, key in (("ff_bias", "ff"), ("audio_ff_bias", "audio_ff")):   # ComfyUI builds biases as the header says
         held = f"transformer_blocks.0.{key}.net.0.proj.bias" in s
         if shapes_checked and bool(c[flag]) != held:
             raise CheckpointError(f"an {name} transformer whose header sets {flag} {bool(c[flag])} but whose "
