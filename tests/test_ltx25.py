@@ -15,7 +15,7 @@ from engine.families import ltx23, ltx25
 from engine.families.ltx23_layout import DIMS, header_config, infer, shapes, tiny_metadata, to_comfy
 from engine.generate.model_call import ModelSession
 from engine.generate.request import GenerateRequest
-from engine.models.flow import FlowModel, Prepared
+from engine.models.flow import FlowModel
 from engine.models.load import inspect_model, load_model
 from engine.models.tiny import write_tiny
 from engine.parallel.plan import ParallelPlan
@@ -181,7 +181,7 @@ def test_guide_tokens_are_never_marked_dropped_tokens_leave_first_and_generated_
 # ---- every plan ------------------------------------------------------------------------------------------------------
 def two_rows(seed=0):
     """One call of two rows (a batch of two clips), as ComfyUI's model gets it: what data parallel splits."""
-    (x1, t1, c1), (x2, _, c2) = ltx_call(seed=seed), ltx_call(seed=seed + 1)
+    (x1, _, c1), (x2, _, c2) = ltx_call(seed=seed), ltx_call(seed=seed + 1)
     extras, ts = ltx23.comfy_call([(2, 128, 3, 2, 3), (2, 8, 7, 16)], {"frame_rate": 24.0}, {}, torch.tensor([0.7] * 2))
     return torch.cat([x1, x2]), ts, {"context": torch.cat([c1["context"], c2["context"]]), **extras}
 
