@@ -136,3 +136,28 @@ def native_model(file, dequantize=False):
     model.load_model_weights(sd, "")
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
+
+
+# ---- a tiny LTX video VAE of ComfyUI's own class (VideoVAE at a tiny config, stated in a header as LTX files state
+# theirs), for the LTX checks' LTXVAddGuide and decodes
+TINY_LTX_VAE = {"_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, "out_channels": 3,
+                "latent_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm", "latent_log_var": "uniform",
+                "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": False, "scaling_factor": 1.0,
+                "encoder_base_channels": 8, "decoder_base_channels": 8,
+                "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
+                                   ["compress_time_res", {"multiplier": 2}], ["compress_all_res", {"multiplier": 2}],
+                                   ["compress_all_res", {"multiplier": 2}], ["res_x", {"num_layers": 1}]],
+                "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
+                                   ["compress_all", {"residual": True, "multiplier": 2}],
+                                   ["compress_all", {"residual": True, "multiplier": 2}],
+                                   ["compress_all", {"residual": True, "multiplier": 2}],
+                                   ["res_x", {"num_layers": 1, "inject_noise": False}]]}
+
+
+def tiny_ltx_vae_state(seed=3) -> dict:
+    """Random weights for TINY_LTX_VAE (VideoVAE's keys, its per-channel statistics 1 and 0)."""
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+    g = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn(t.shape, generator=g) * t[0].numel() ** -0.5 if t.ndim >= 2 else
+                torch.ones(t.shape) if k.endswith("std-of-means") else torch.zeros(t.shape))
+            for k, t in VideoVAE(config=TINY_LTX_VAE).state_dict().items()}

@@ -149,30 +149,15 @@ report["graphs"]["ltx t2va, xDiT Sampler (KSampler's route), cfg 3"] = {
 # ---- xDiT Checkpoint Loader in place of the templates' CheckpointLoaderSimple (diffusion model, text projection and
 # VAE in one file): ComfyUI's own text encoder and VAE, the engine's MODEL. The file gets a real (tiny) LTX video VAE
 # first: ComfyUI's own VideoVAE class at a tiny config, stated in the header as LTX files state theirs
-TINY_VAE = {"_class_name": "CausalVideoAutoencoder", "dims": 3, "in_channels": 3, "out_channels": 3,
-            "latent_channels": 128, "patch_size": 4, "norm_layer": "pixel_norm", "latent_log_var": "uniform",
-            "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": False, "scaling_factor": 1.0,
-            "encoder_base_channels": 8, "decoder_base_channels": 8,
-            "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_space_res", {"multiplier": 2}],
-                               ["compress_time_res", {"multiplier": 2}], ["compress_all_res", {"multiplier": 2}],
-                               ["compress_all_res", {"multiplier": 2}], ["res_x", {"num_layers": 1}]],
-            "decoder_blocks": [["res_x", {"num_layers": 1, "inject_noise": False}],
-                               ["compress_all", {"residual": True, "multiplier": 2}],
-                               ["compress_all", {"residual": True, "multiplier": 2}],
-                               ["compress_all", {"residual": True, "multiplier": 2}],
-                               ["res_x", {"num_layers": 1, "inject_noise": False}]]}
+TINY_VAE = live.TINY_LTX_VAE
 
 
 def add_tiny_vae(path):
-    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
     from safetensors.torch import load_file, save_file
     with safe_open(path, "pt") as f:
         metadata = f.metadata()
     sd = {k: v for k, v in load_file(path).items() if not k.startswith("vae.")}
-    g = torch.Generator().manual_seed(3)
-    for k, t in VideoVAE(config=TINY_VAE).state_dict().items():
-        sd["vae." + k] = (torch.randn(t.shape, generator=g) * t[0].numel() ** -0.5 if t.ndim >= 2 else
-                          torch.ones(t.shape) if k.endswith("std-of-means") else torch.zeros(t.shape))
+    sd.update({"vae." + k: t for k, t in live.tiny_ltx_vae_state().items()})
     config = json.loads(metadata["config"])
     config["vae"] = TINY_VAE
     save_file(sd, path, metadata={**metadata, "config": json.dumps(config)})

@@ -176,8 +176,8 @@ CASES = {
     "tiny-kind": (["make-tiny", "--kind", "sdxl", "--out", "{dir}"],
                   r"argument --kind: 'sdxl' is not a model the engine knows: use a variant \(flux-dev, .*\) or a "
                   r"family \(flux, .*ltx23\)$"),
-    "tiny-variant-of-another-kind": (TINY + ["--variant", "ltx23"], r"argument --variant: ltx23 is LTX-2.3, not FLUX.1 "
-                                                                    r"as --kind says: give a flux variant"),
+    "tiny-variant-of-another-kind": (TINY + ["--variant", "ltx23"], r"argument --variant: ltx23 is LTX-2.3/2.5, "
+                                                                    r"not FLUX.1 as --kind says: give a flux variant"),
     "tiny-variant-contradicts-kind": (["make-tiny", "--kind", "flux-dev", "--variant", "flux-schnell", "--out",
                                        "{dir}"], r"argument --variant: flux-schnell contradicts --kind, which names "
                                                  r"flux-dev"),
@@ -625,7 +625,7 @@ def test_make_tiny_takes_either_name_of_ltx23_and_prints_the_one_canonical_name(
     print(out)
     assert out.startswith(f"wrote   {tmp_path}/tiny-ltx-2.3.safetensors (")
     assert "\nmodel   ltx-2.3, " in out
-    assert "\ncond    none: generate does not sample LTX-2.3's audio and video together" in out
+    assert "\ncond    none: generate does not sample LTX-2.3/2.5's audio and video together" in out
 
 
 def test_bench_calibrate_and_synthetic_sources_take_any_name_of_a_model_as_its_canonical_variant():

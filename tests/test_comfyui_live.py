@@ -392,6 +392,42 @@ def test_ltx23_graphs_with_the_engines_model_equal_comfyui_own(setup):
     assert "unprocessed_ltxav_embeds" in report["refusals"]["connected text"], report["refusals"]
 
 
+@pytest.mark.timeout(900)
+def test_ltx25_graphs_with_the_engines_model_equal_comfyui_own(setup):
+    """ComfyUI's LTX-2.5 sampling on its own model of a tiny LTX-2.5 file (ff_bias false, the keyframe embedding): the
+    templates' LTXVDualCFGGuider at 1 / 1 with euler_ancestral, at video 3 / audio 7 and 1 / 4 (the negative run
+    every step), a first frame through the noise mask, LTXVAddGuide's first and last frames, a generated_keyframes
+    entry, two clips; with only the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (Ulysses, Ring, CFG and
+    data parallel, the weights divided), the video and audio latents each against ComfyUI's own."""
+    folder = setup["dir"] / "written-ltx25"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(write_tiny("ltx23", str(folder), variant="ltx-2.5"),
+                setup["models"] / "diffusion_models" / "tiny-ltx-2.5.safetensors")
+    report = run_check("comfyui_ltx25_check.py", setup, 840)
+    if "older" in report:   # older than LTX-2.5's model: the engine's MODEL names the release to update to
+        assert "update ComfyUI to 0.32 or newer" in report["older"], report
+        return
+    model = report["model"]   # ComfyUI's own model is the file's tensors, built as its header and tensors say
+    assert model["file_keys"] == model["comfyui_keys"] and not model["missing_in_file"] \
+        and not model["extra_in_file"], model
+    assert (model["ff_bias"], model["keyframes_embedding"], model["ff_has_bias"], model["audio_ff_has_bias"]) == \
+        (False, True, False, True), model
+    # ComfyUI adds the embedding in plain text-to-video, and reads the generated keyframes' slot
+    assert report["native_keyframe_embedding_effect_rel_l2"] > 1e-3, report
+    assert report["native_generated_keyframes_effect_rel_l2"] > 1e-4, report
+    graphs = report["graphs"]
+    # LTXVDualCFGGuider: at equal scales plain CFG at 1 (one row a call), at unequal ones the negative every call
+    assert graphs["ltx25 template: t2va, dual cfg 1/1, euler_ancestral"]["native_call_rows"] == [1]
+    assert graphs["ltx25 t2va, dual cfg video 1 audio 4 (the negative run at a scale of 1)"]["native_call_rows"] == [2]
+    plans = set()
+    for name, entry in graphs.items():
+        for key, run in entry.items():
+            if isinstance(run, dict):   # fp32 through different code paths: rounding only
+                assert run["video_rel_l2"] < 1e-5 and run["audio_rel_l2"] < 1e-5, (name, key, run)
+                plans.add(run["plan"])
+    assert {"single rank", "ulysses2", "ring2", "ulysses2 x shard2", "ring2 x shard2", "cfg2", "dp2"} <= plans, plans
+
+
 @pytest.mark.timeout(300)
 def test_every_api_workflow_passes_comfyuis_own_prompt_validation(setup):
     """workflows/api/*.api.json through ComfyUI's execution.validate_prompt (what POST /prompt runs), in every ComfyUI

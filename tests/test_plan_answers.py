@@ -164,7 +164,8 @@ def test_the_fit_tables_print_for_a_terminal_by_default_and_as_the_readme_has_th
 def test_the_av_table_names_its_models(capsys):
     for form in ([], ["--markdown"]):
         _, out, _ = plan(capsys, "--av-table", *form)
-        assert "MiniMax-H3 (--model minimax-h3):" in out and "LTX-2.3 (--model ltx-2.3):" in out
+        assert "MiniMax-H3 (--model minimax-h3):" in out and "LTX-2.3/2.5 (--model ltx-2.3):" in out
+        assert "LTX-2.3/2.5 (--model ltx-2.5):" in out
 
 
 # ---- flags ------------------------------------------------------------------------------------------------------

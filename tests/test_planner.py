@@ -877,14 +877,15 @@ def test_plan_av_table_prints_minimax_h3_and_ltx23_with_and_without_divided_weig
     assert main(["plan", "--av-table", "--markdown"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    ltx = [line for line in out[out.index("LTX-2.3, the same columns"):].splitlines() if line.startswith("| ")]
-    assert len(rows) == 2 + 2 * (len(fits.AV_JOBS) + len(fits.LTX_JOBS)) * len(fits.SHARD_WEIGHTS) == 58
-    # LTX-2.3 in bf16, fp8 and GGUF (its config a GGUF string); the template's passes at cfg 1 run sequence
-    # parallel, the dev model at cfg > 1 takes CFG parallel first
-    assert sum("GGUF" in r for r in ltx) == 12 and len(ltx) == 1 + 24
-    dev = [r for r in ltx if "dev, cfg > 1 | fp8" in r and "auto" in r][0]
-    assert dev.split(" | ")[-1].startswith("cfg2 x ")
-    rows = rows[:1 + 2 * len(fits.AV_JOBS) * len(fits.SHARD_WEIGHTS)] + rows[-24:]
+    ltx_at, ltx25_at = out.index("LTX-2.3, the same columns"), out.index("LTX-2.5 (the LTX-2.3 block")
+    for ltx in ([line for line in out[at:end].splitlines() if line.startswith("| ")]
+                for at, end in ((ltx_at, ltx25_at), (ltx25_at, len(out)))):
+        # LTX-2.3 and LTX-2.5 in bf16, fp8 and GGUF (its config a GGUF string); the template's passes at cfg 1 run
+        # sequence parallel, the full model at cfg > 1 takes CFG parallel first
+        assert sum("GGUF" in r for r in ltx) == 12 and len(ltx) == 1 + 24
+        dev = [r for r in ltx if "dev, cfg > 1 | fp8" in r and "auto" in r][0]
+        assert dev.split(" | ")[-1].startswith("cfg2 x ")
+    assert len(rows) == 3 + 2 * (len(fits.AV_JOBS) + 2 * len(fits.LTX_JOBS)) * len(fits.SHARD_WEIGHTS) == 83
     by = {(r.split(" | ")[0], r.split(" | ")[1], r.split(" | ")[2]): r.split(" | ")[3:] for r in rows[1:]}
     # bf16 (61.7 GiB) fits no 24 GB card whole, and runs on four of them with the weights divided
     job = "| 864x480x124, 8 steps, turbo, cfg 1"

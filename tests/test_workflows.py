@@ -22,11 +22,12 @@ WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
              "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "wan2.1-t2v-1.3b",
              "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v",
-             "ltx-2.3-i2v", "ltx-2.3-flf")
+             "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
 VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v",
-                   "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf")
-# Two passes on one model (LTX-2.3: the second after the latent upsampler), each its own sampler
-TWO_PASSES = ("ltx-2.3-t2v", "ltx-2.3-i2v")
+                   "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v",
+                   "ltx-2.5-flf")
+# Two passes on one model (LTX-2.3, LTX-2.5: the second after the latent upsampler), each its own sampler
+TWO_PASSES = ("ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.5-t2v", "ltx-2.5-i2v")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
                "sd3.5-large": "sd3.5_large.safetensors", "flux1-dev-img2img": "flux1-dev.safetensors",
                "flux1-kontext-dev": "flux1-kontext-dev.safetensors", "qwen-image": "qwen_image_fp8_e4m3fn.safetensors",
@@ -42,7 +43,10 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "minimax-h3-i2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
                # the LTX-2.3 templates' one file (model, text projection, VAE): the xDiT Checkpoint Loader's
                "ltx-2.3-t2v": "ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-i2v": "ltx-2.3-22b-dev-fp8.safetensors",
-               "ltx-2.3-flf": "ltx-2.3-22b-distilled-fp8.safetensors"}
+               "ltx-2.3-flf": "ltx-2.3-22b-distilled-fp8.safetensors",
+               # the LTX-2.5 templates' distilled file in int8 ConvRot (UNETLoader's)
+               **{f"ltx-2.5-{k}": "ltx-2.5-22b-distilled-transformer-comfy-int8-convrot.safetensors"
+                  for k in ("t2v", "i2v", "flf")}}
 # Two-expert models: an engine per expert, (high noise, low noise), each with its own sampler
 EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
                                              for noise in ("high", "low")) for kind in ("t2v", "i2v")}
@@ -50,7 +54,7 @@ EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_f
 # (its nodes, text encoder type and VAEs) in 0.33.0.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
                  "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0",
-                 "ltx-2.3-flf": "0.33.0"}
+                 "ltx-2.3-flf": "0.33.0", "ltx-2.5-t2v": "0.33.0", "ltx-2.5-i2v": "0.33.0", "ltx-2.5-flf": "0.33.0"}
 # stock MODEL -> MODEL nodes the templates use
 MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm", "LoraLoaderModelOnly")
 SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced")
@@ -358,10 +362,9 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
     assert info["inputs"]["after"] == [last_id, 0]   # Info runs after the sampler (workflows/README.md)
     assert info["inputs"]["unload"] is False
     decode_id, decode = all_of(api, ("VAEDecode", "VAEDecodeTiled"))[0]
-    if last_engine["class_type"] == "XDiTCheckpointLoader":   # the file's VAE, through the video stream's latent
-        assert decode["inputs"]["vae"] == [last_engine_id, 2]
-        taker = decode
-        separate_id, separate = source(api, decode_id, "samples")
+    taker = decode
+    separate_id, separate = source(api, decode_id, "samples")
+    if separate["class_type"] in ("LTXVCropGuides", "LTXVSeparateAVLatent"):   # LTX: the video stream's latent
         if separate["class_type"] == "LTXVCropGuides":   # the guide frames taken off first
             assert decode["inputs"]["samples"] == [separate_id, 2]
             taker = separate
@@ -369,7 +372,10 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
         assert separate["class_type"] == "LTXVSeparateAVLatent" and separate["inputs"]["av_latent"] == [last_id, 0]
         assert taker["inputs"][{"LTXVCropGuides": "latent"}.get(taker["class_type"], "samples")] == [separate_id, 0]
     else:
-        assert decode["inputs"]["samples"] == [last_id, 0]
+        assert decode["inputs"]["samples"] == [last_id, 0] and last_engine["class_type"] != "XDiTCheckpointLoader"
+    if last_engine["class_type"] == "XDiTCheckpointLoader":   # the file's VAE
+        assert decode["inputs"]["vae"] == [last_engine_id, 2]
+    else:
         assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
     if name in VIDEO_WORKFLOWS:
         video_id, video = only(api, "CreateVideo")
@@ -942,6 +948,102 @@ def test_ltx23_flf_is_comfyuis_first_last_frame_template_with_the_checkpoint_loa
     assert sound["inputs"]["samples"] == [split_id, 1]
     assert source(api, sound_id, "audio_vae")[1]["inputs"] == {"ckpt_name": "ltx-2.3-22b-distilled-fp8.safetensors"}
     assert loader["inputs"]["ckpt_name"] == "ltx-2.3-22b-distilled-fp8.safetensors"
+
+
+LTX25_VIDEO_VAE, LTX25_AUDIO_VAE = "ltx-2.5-video-vae-bf16.safetensors", "ltx-2.5-audio-vae-bf16.safetensors"
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_ltx25_is_comfyuis_two_pass_template_with_the_engine_in_unetloaders_place(kind):
+    """ComfyUI's LTX-2.5 templates, flattened: the engine's MODEL straight into both passes' LTXVDualCFGGuider at video
+    1 and audio 1; Gemma 4 12B through CLIPLoader type ltxv; both passes euler_ancestral; pass 1 (the templates' 8
+    ManualSigmas) on the empty video (640x352) and audio (121 frames at 24 fps) latents; pass 2 (0.85 ... 0) on pass 1's
+    video upsampled x2 with the video VAE and its audio, with no LTXVCropGuides (the templates have none); the video
+    VAE decodes the frames (tiled 512 / 64 / 64 / 16), the audio VAE the sound, into Create Video at 24 fps. Image to
+    video: the preprocessed image (18) in each pass's first frame, at 0.7 then 1.0."""
+    _, api = load(f"ltx-2.5-{kind}")
+    engine_id, engine = only(api, "XDiTEngine")
+    assert engine["inputs"]["model_name"] == "ltx-2.5-22b-distilled-transformer-comfy-int8-convrot.safetensors"
+    first, second = (i for i, _ in all_of(api, ("SamplerCustomAdvanced",)))
+    conditioning_id, conditioning = only(api, "LTXVConditioning")
+    assert conditioning["inputs"]["frame_rate"] == 24.0 and "LTXVCropGuides" not in {n["class_type"] for n in
+                                                                                      api.values()}
+    clip = source(api, source(api, conditioning_id, "positive")[0], "clip")[1]["inputs"]
+    assert clip == {"clip_name": "gemma4-12b-with-proj-ltx-2.5-comfy-int8-convrot.safetensors", "type": "ltxv",
+                    "device": "default"}
+    for sampler_id, sigmas in ((first, "1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0"),
+                               (second, "0.85, 0.7250, 0.4219, 0.0")):
+        assert source(api, sampler_id, "sampler")[1]["inputs"] == {"sampler_name": "euler_ancestral"}
+        assert source(api, sampler_id, "sigmas")[1]["inputs"] == {"sigmas": sigmas}
+        guider = source(api, sampler_id, "guider")[1]
+        assert guider["class_type"] == "LTXVDualCFGGuider" and guider["inputs"] == {
+            "model": [engine_id, 1], "positive": [conditioning_id, 0], "negative": [conditioning_id, 1],
+            "video_cfg": 1.0, "audio_cfg": 1.0}
+    _, video = source(api, source(api, first, "latent_image")[0], "video_latent")
+    if kind == "i2v":
+        assert video["class_type"] == "LTXVImgToVideoInplace" and video["inputs"]["strength"] == 0.7
+        video = api[video["inputs"]["latent"][0]]
+    assert video["inputs"] == {"width": 640, "height": 352, "length": 121, "batch_size": 1}
+    _, audio = source(api, source(api, first, "latent_image")[0], "audio_latent")
+    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == {"frames_number": 121, "frame_rate": 24.0}
+    assert source(api, source(api, first, "latent_image")[0], "audio_latent")[1]["inputs"]["audio_vae"][0] == \
+        next(i for i, n in api.items() if n["inputs"].get("vae_name") == LTX25_AUDIO_VAE)
+    split1_id, _ = only_after(api, first)
+    av2 = source(api, second, "latent_image")[1]
+    assert av2["inputs"]["audio_latent"] == [split1_id, 1]
+    upsampled = api[av2["inputs"]["video_latent"][0]]
+    if kind == "i2v":
+        assert upsampled["class_type"] == "LTXVImgToVideoInplace" and upsampled["inputs"]["strength"] == 1.0
+        upsampled = api[upsampled["inputs"]["latent"][0]]
+    assert upsampled["class_type"] == "LTXVLatentUpsampler" and upsampled["inputs"]["samples"] == [split1_id, 0]
+    assert api[upsampled["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+    split2_id, _ = only_after(api, second)
+    decode_id, decode = only(api, "VAEDecodeTiled")
+    assert decode["inputs"]["samples"] == [split2_id, 0] and (decode["inputs"]["tile_size"], decode["inputs"][
+        "overlap"], decode["inputs"]["temporal_size"], decode["inputs"]["temporal_overlap"]) == (512, 64, 64, 16)
+    assert api[decode["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+    sound_id, sound = only(api, "LTXVAudioVAEDecode")
+    assert sound["inputs"]["samples"] == [split2_id, 1]
+    assert api[sound["inputs"]["audio_vae"][0]]["inputs"] == {"vae_name": LTX25_AUDIO_VAE}
+    _, video = only(api, "CreateVideo")
+    assert video["inputs"] == {"images": [decode_id, 0], "audio": [sound_id, 0], "fps": 24.0, "bit_depth": 8}
+
+
+def test_ltx25_flf_is_comfyuis_first_last_frame_template_with_the_engine_in_unetloaders_place():
+    """ComfyUI's LTX-2.5 First-Last-Frame template, flattened: one pass at 640x352 (its images' 640x360), the first
+    image at frame 0 then the last at frame -1 through LTXVAddGuide at 0.7 (each after LTXV Preprocess 18) with the
+    video VAE, LTXVDualCFGGuider at 1 / 1 on the engine's MODEL, SamplerEulerAncestral eta 0, the 8 ManualSigmas, the
+    audio (121 frames at 24 fps); the guide frames cropped off before the video VAE decodes."""
+    _, api = load("ltx-2.5-flf")
+    engine_id, _ = only(api, "XDiTEngine")
+    sampler_id, _ = only(api, "SamplerCustomAdvanced")
+    guider = source(api, sampler_id, "guider")[1]
+    assert guider["class_type"] == "LTXVDualCFGGuider" and guider["inputs"]["model"] == [engine_id, 1]
+    assert (guider["inputs"]["video_cfg"], guider["inputs"]["audio_cfg"]) == (1.0, 1.0)
+    assert source(api, sampler_id, "sampler")[1]["inputs"] == {"eta": 0.0, "s_noise": 1.0}
+    av_id, _ = source(api, sampler_id, "latent_image")
+    last_id, last = source(api, av_id, "video_latent")
+    first_id, first = source(api, last_id, "latent")
+    assert (first["inputs"]["frame_idx"], first["inputs"]["strength"]) == (0, 0.7)
+    assert (last["inputs"]["frame_idx"], last["inputs"]["strength"]) == (-1, 0.7)
+    assert guider["inputs"]["positive"] == [last_id, 0] and guider["inputs"]["negative"] == [last_id, 1]
+    for guide in (first, last):
+        assert api[guide["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+        frame = api[guide["inputs"]["image"][0]]
+        assert frame["class_type"] == "LTXVPreprocess" and frame["inputs"]["img_compression"] == 18
+        scaled = api[frame["inputs"]["image"][0]]["inputs"]
+        assert (scaled["width"], scaled["height"], scaled["crop"]) == (640, 360, "center")
+    assert source(api, first_id, "latent")[1]["inputs"] == {"width": 640, "height": 352, "length": 121,
+                                                            "batch_size": 1}
+    assert source(api, first_id, "positive")[1]["inputs"]["frame_rate"] == 24.0
+    _, audio = source(api, av_id, "audio_latent")
+    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == {"frames_number": 121, "frame_rate": 24.0}
+    split_id, _ = only_after(api, sampler_id)
+    crop_id, crop = only(api, "LTXVCropGuides")
+    assert crop["inputs"] == {"positive": [last_id, 0], "negative": [last_id, 1], "latent": [split_id, 0]}
+    decode = only(api, "VAEDecodeTiled")[1]
+    assert decode["inputs"]["samples"] == [crop_id, 2]
+    assert api[decode["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
 
 
 def only_after(api, node_id):

@@ -93,6 +93,12 @@ MODEL_SOURCES = {
     # the First-Last-Frame template's one file (blueprints/First-Last-Frame to Video (LTX-2.3).json)
     "ltx-2.3-22b-distilled-fp8.safetensors": (HF + "Lightricks/LTX-2.3-fp8/resolve/main/"
                                               "ltx-2.3-22b-distilled-fp8.safetensors", "checkpoints"),
+    # LTX-2.5: the files ComfyUI's LTX-2.5 templates link (video_ltx2_5_t2v.json, each loader's properties.models)
+    **{name: (HF + f"Lightricks/LTX-2.5/resolve/main/{folder}/{name}", folder) for folder, name in (
+        ("diffusion_models", "ltx-2.5-22b-distilled-transformer-comfy-int8-convrot.safetensors"),
+        ("text_encoders", "gemma4-12b-with-proj-ltx-2.5-comfy-int8-convrot.safetensors"),
+        ("vae", "ltx-2.5-video-vae-bf16.safetensors"), ("vae", "ltx-2.5-audio-vae-bf16.safetensors"),
+        ("latent_upscale_models", "ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors"))},
 }
 
 
@@ -594,6 +600,120 @@ def _ltx23_flf() -> Graph:
     return g
 
 
+LTX25_MODEL = "ltx-2.5-22b-distilled-transformer-comfy-int8-convrot.safetensors"
+LTX25_SIGMAS = ("1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0", "0.85, 0.7250, 0.4219, 0.0")
+
+
+def _ltx25_loaders(g: Graph):
+    """The LTX-2.5 templates' loaders, the xDiT Engine in UNETLoader's place: (clip, engine, video VAE, audio VAE)."""
+    _version_note(g, 0, "LTX-2.5: LTXVDualCFGGuider, its Gemma 4 text encoder under CLIPLoader type ltxv and its "
+                        "audio-video latent nodes")
+    clip = g.add("CLIPLoader", ["gemma4-12b-with-proj-ltx-2.5-comfy-int8-convrot.safetensors", "ltxv", "default"], 0)
+    engine = _engine(g, LTX25_MODEL)
+    return clip, engine, g.add("VAELoader", ["ltx-2.5-video-vae-bf16.safetensors"], 0), \
+        g.add("VAELoader", ["ltx-2.5-audio-vae-bf16.safetensors"], 0)
+
+
+def _ltx25_end(g: Graph, column: int, engine, video_vae, audio_vae, video, audio, after, info_column: int) -> None:
+    """The LTX-2.5 templates' last columns: VAE Decode (Tiled, 512 / 64 / 64 / 16) and LTXV Audio VAE Decode, Info
+    after the last sampler, Create Video at 24 fps and Save Video."""
+    decode = g.add("VAEDecodeTiled", [512, 64, 64, 16], column, samples=video, vae=video_vae)
+    sound = g.add("LTXVAudioVAEDecode", [], column, samples=audio, audio_vae=audio_vae)
+    _info(g, info_column, engine, after)
+    clip_out = g.add("CreateVideo", [24.0, 8], column + 1, images=decode, audio=sound)
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], column + 1, size=SAVE_BOX, video=clip_out)
+
+
+def _ltx25(image: bool) -> Graph:
+    """ComfyUI's LTX-2.5 templates (video_ltx2_5_t2v.json, video_ltx2_5_i2v.json: one subgraph each, flattened with
+    the values its nodes get) with UNETLoader swapped for the xDiT Engine (the templates' distilled int8 ConvRot
+    file): Gemma 4 12B with the LTX-2.5 projection through CLIPLoader (type ltxv) -> the prompt and the templates'
+    negative -> LTXVConditioning 24 fps; the engine's MODEL -> both passes' LTXVDualCFGGuider (video 1, audio 1).
+    Pass 1 at half size (640x352 for the template's 1280x720: the same 20 x 11 latent as its 640 x 360) on the empty
+    video and audio latents (121 frames at 24 fps: 5 s + 1), euler_ancestral, ManualSigmas of 8 steps;
+    LTXVLatentUpsampler x2 on its video (the video VAE), pass 2 on it with pass 1's audio, euler_ancestral,
+    ManualSigmas of 3 steps; VAE Decode (Tiled) and LTXV Audio VAE Decode into Create Video at 24 fps -> Save Video.
+    Image to video puts the image in both passes' first frame (LTXVImgToVideoInplace at 0.7, then 1.0) after LTXV
+    Preprocess (18); the image is scaled to 1280x720 by Upscale Image (lanczos, center crop) where the template scales
+    its longer side to 1536 by Resize Image/Mask. The templates' prompt enhancer (off by default) is left out, and
+    their helper nodes are their values; seeds fixed (42) where the template draws pass 1's at random."""
+    kind = "i2v" if image else "t2v"
+    g = Graph(f"ltx-2.5-{kind}", needs_comfyui="0.33.0")
+    clip, engine, video_vae, audio_vae = _ltx25_loaders(g)
+    upscaler = g.add("LatentUpscaleModelLoader", ["ltx-2.5-latent-spatial-upscaler-x2-bf16-1.0.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, NEGATIVE_LTX, "CLIP Text Encode (Negative Prompt)", EMPTY_PROMPT_BOX)
+    if image:
+        picture = g.add("LoadImage", ["example.png", "image"], 1, size=LOAD_BOX)
+        scaled = g.add("ImageScale", ["lanczos", 1280, 720, "center"], 1, image=picture)
+        frame = g.add("LTXVPreprocess", [18], 1, image=scaled)
+    conditioning = g.add("LTXVConditioning", [24.0], 2, positive=positive, negative=negative)
+    video = g.add("EmptyLTXVLatentVideo", [640, 352, 121, 1], 2)
+    if image:
+        video = g.add("LTXVImgToVideoInplace", [0.7, False], 2, vae=video_vae, image=frame, latent=video)
+    audio = g.add("LTXVEmptyLatentAudio", [121, 24.0, 1], 2, audio_vae=audio_vae)
+    latent = g.add("LTXVConcatAVLatent", [], 2, video_latent=video, audio_latent=audio)
+    split = None
+    for n, column, sigmas in ((1, 3, LTX25_SIGMAS[0]), (2, 5, LTX25_SIGMAS[1])):
+        if n == 2:
+            upscaled = g.add("LTXVLatentUpsampler", [], 4, samples=split.out(0), upscale_model=upscaler,
+                             vae=video_vae)
+            if image:
+                upscaled = g.add("LTXVImgToVideoInplace", [1.0, False], 4, vae=video_vae, image=frame, latent=upscaled)
+            latent = g.add("LTXVConcatAVLatent", [], 4, video_latent=upscaled, audio_latent=split.out(1))
+        noise = g.add("RandomNoise", [SEED, "fixed"], column)
+        guider = g.add("LTXVDualCFGGuider", [1.0, 1.0], column, model=engine.out(1), positive=conditioning.out(0),
+                       negative=conditioning.out(1))
+        select = g.add("KSamplerSelect", ["euler_ancestral"], column)
+        steps = g.add("ManualSigmas", [sigmas], column)
+        sampled = g.add("SamplerCustomAdvanced", [], column, f"SamplerCustomAdvanced (pass {n})", noise=noise,
+                        guider=guider, sampler=select, sigmas=steps, latent_image=latent)
+        split = g.add("LTXVSeparateAVLatent", [], column, av_latent=sampled)
+    _ltx25_end(g, 6, engine, video_vae, audio_vae, split.out(0), split.out(1), sampled, info_column=6)
+    return g
+
+
+def _ltx25_flf() -> Graph:
+    """ComfyUI's LTX-2.5 First-Last-Frame template (video_ltx2_5_flf2v.json, one subgraph, flattened with the values
+    its nodes get) with UNETLoader swapped for the xDiT Engine: Gemma 4 as in ltx-2.5-t2v, the template's long
+    negative; the images scaled to 640x360 by Upscale Image (nearest-exact, center crop; the template's Resize
+    Image/Mask) -> LTXV Preprocess (18); LTXVConditioning 24 fps; the empty video at the images' size (640x352: the
+    same 20 x 11 latent, 360 is off the widget's step) and 121 frames, the empty audio (121 frames at 24 fps);
+    LTXVAddGuide puts the first image at frame 0 and then the last at frame -1, each at 0.7; one pass:
+    LTXVDualCFGGuider (video 1, audio 1), SamplerEulerAncestral (eta 0, s_noise 1), ManualSigmas of 8 steps;
+    LTXVSeparateAVLatent, LTXVCropGuides takes the guide frames off the video; VAE Decode (Tiled) and LTXV Audio VAE
+    Decode into Create Video at 24 fps. The seed fixed (42) where the template draws it; both images ComfyUI's
+    example.png (the template ships its own)."""
+    g = Graph("ltx-2.5-flf", needs_comfyui="0.33.0")
+    clip, engine, video_vae, audio_vae = _ltx25_loaders(g)
+    positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, NEGATIVE_LTX_FLF, "CLIP Text Encode (Negative Prompt)")
+    frames = []
+    for title in ("Load Image (first frame)", "Load Image (last frame)"):
+        picture = g.add("LoadImage", ["example.png", "image"], 2, title, size=LOAD_BOX)
+        scaled = g.add("ImageScale", ["nearest-exact", 640, 360, "center"], 2, image=picture)
+        frames.append(g.add("LTXVPreprocess", [18], 2, image=scaled))
+    conditioning = g.add("LTXVConditioning", [24.0], 3, positive=positive, negative=negative)
+    video = g.add("EmptyLTXVLatentVideo", [640, 352, 121, 1], 3)
+    first = g.add("LTXVAddGuide", [0, 0.7], 3, positive=conditioning.out(0), negative=conditioning.out(1),
+                  vae=video_vae, latent=video, image=frames[0])
+    last = g.add("LTXVAddGuide", [-1, 0.7], 3, positive=first.out(0), negative=first.out(1), vae=video_vae,
+                 latent=first.out(2), image=frames[1])
+    audio = g.add("LTXVEmptyLatentAudio", [121, 24.0, 1], 3, audio_vae=audio_vae)
+    latent = g.add("LTXVConcatAVLatent", [], 3, video_latent=last.out(2), audio_latent=audio)
+    noise = g.add("RandomNoise", [SEED, "fixed"], 4)
+    guider = g.add("LTXVDualCFGGuider", [1.0, 1.0], 4, model=engine.out(1), positive=last.out(0),
+                   negative=last.out(1))
+    select = g.add("SamplerEulerAncestral", [0.0, 1.0], 4)
+    steps = g.add("ManualSigmas", [LTX25_SIGMAS[0]], 4)
+    sampled = g.add("SamplerCustomAdvanced", [], 4, noise=noise, guider=guider, sampler=select, sigmas=steps,
+                    latent_image=latent)
+    split = g.add("LTXVSeparateAVLatent", [], 5, av_latent=sampled)
+    crop = g.add("LTXVCropGuides", [], 5, positive=last.out(0), negative=last.out(1), latent=split.out(0))
+    _ltx25_end(g, 5, engine, video_vae, audio_vae, crop.out(2), split.out(1), sampled, info_column=6)
+    return g
+
+
 PROMPTS = {
     "flux1-dev": "a red fox curled up asleep on a mossy stone in a misty pine forest at dawn, soft golden light, "
                  "shallow depth of field, highly detailed photograph",
@@ -678,6 +798,43 @@ PROMPTS = {
                        "fade."),
 
 }
+# the LTX-2.5 templates' own prompts (the text their subgraph node sets; the first-last-frame one without its trailing
+# newline)
+PROMPTS.update({
+    "ltx-2.5-t2v": (
+        "A close-up of an Arctic hunter's face, his eyes fixed straight ahead, narrowed and locked on something in the "
+        "far distance directly in front of him, frost dusting his dark beard, one hand slowly reaching toward the "
+        "rifle slung on his back, his breath quick and shallow, the tension in his jaw visible even through the "
+        "scarf. The camera slowly pulls back, revealing him crouched at the edge of an ice floe, and ahead of him, in "
+        "the exact direction of his gaze, a polar bear moves slowly along a distant ice ridge, its pale coat blending "
+        "into the white haze, facing toward him. The pull-back continues, the hunter in the foreground and the bear "
+        "far ahead, the two facing each other across the dark lead of water, the ice field and grey sea stretching "
+        "around them, seabirds wheeling overhead. Midway through the shot, the complete title \"LTX-2.5\" fades in "
+        "large and centered, plain white sans-serif letters with wide spacing, no glow, no shadow, no ornament, the "
+        "lettering large enough to dominate the center of the frame, emerging slowly from the mist, resting still "
+        "and blending into the snowscape, with the hunter and the bear still visible below on either side of the "
+        "title, staying through the end of the scene. The wind carries the distant sound of shifting ice, a single "
+        "low growl rolling across the water."),
+    "ltx-2.5-i2v": (
+        "Use the provided start image as the first frame. The cybernetic figure slowly turns his head to the right, "
+        "his glowing blue eyes scanning the horizon, mechanical joints in his neck whirring faintly. The camera "
+        "follows his gaze, panning across the rooftop to reveal the city beyond: a river of light winding between "
+        "dark towers, a flying vehicle gliding past between the buildings, its lights streaking. He watches it pass, "
+        "then his eyes narrow slightly. The camera settles on his profile against the city glow, distant hover "
+        "traffic humming, wind gusting across the rooftop. No text, no black frames."),
+    "ltx-2.5-flf": (
+        "Use the provided start image as the first frame and the provided end image as the final frame anchor. The "
+        "video opens on the back of the robotic hand, four fingers slightly curled, joints glowing faintly in the "
+        "darkness, a low electrical hum filling the space. The hand rotates slowly at the wrist, turning from the "
+        "back view toward the palm side, the four visible fingers uncurling gently one by one, starting with the "
+        "index finger, then the middle, ring, and pinky, each joint clicking softly. As the palm turns upward, the "
+        "thumb swings out from the side of the hand into view, clearly separate from the four fingers, all five "
+        "fingers spreading open. A blue energy crystal fades into existence above the palm, its hum rising into a "
+        "resonant tone, thin energy threads coiling around it, particles crackling softly as they spiral away like "
+        "sparks. The crystal rotates slowly, hovering above the fully open hand, light spilling between the five "
+        "spread fingers, the crystal's steady hum filling the silence as the video ends on the open palm with the "
+        "glowing crystal."),
+})
 PROMPTS["flux1-schnell"] = PROMPTS["flux1-dev"]
 PROMPTS["flux2-klein-4b"] = PROMPTS["flux2-dev"]
 NEGATIVE_SD35 = "blurry, low quality, jpeg artifacts, watermark, deformed, oversaturated"
@@ -695,4 +852,4 @@ def graphs() -> list[Graph]:
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
             _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
             _minimax_h3(image=False), _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True),
-            _ltx23_flf()]
+            _ltx23_flf(), _ltx25(image=False), _ltx25(image=True), _ltx25_flf()]

@@ -326,7 +326,28 @@ LATER_NODES = {
         "outputs": (("IMAGE", "IMAGE"),),
         "output_node": False,
     },
-
+    # The one stock node ComfyUI's LTX-2.5 templates (comfyui-workflow-templates-json 0.1.50: video_ltx2_5_t2v.json,
+    # video_ltx2_5_i2v.json, video_ltx2_5_flf2v.json) add to the LTX-2.3 ones', as 0.33.0 defines it
+    # (comfy_extras/nodes_lt.py, LTXVDualCFGGuider, V3: display_name "LTXV Dual CFG Guider"; io.Model.Input("model"),
+    # io.Conditioning.Input("positive"), io.Conditioning.Input("negative"), io.Float.Input("video_cfg", default=3.0,
+    # min=0.0, max=100.0, step=0.1, round=0.01), io.Float.Input("audio_cfg", default=7.0, ...); io.Guider.Output();
+    # first in 0.32.0, #15499). The frontend 1.49.6 has no locale entry for it: shown under its display name
+    "LTXVDualCFGGuider": {
+        "display_name": "LTXV Dual CFG Guider",
+        "source": "comfy_extras/nodes_lt.py",
+        "since": "0.33.0",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "video_cfg", "type": "FLOAT", "widget": "number", "default": 3.0, "min": 0.0, "max": 100.0,
+             "step": 0.1},
+            {"name": "audio_cfg", "type": "FLOAT", "widget": "number", "default": 7.0, "min": 0.0, "max": 100.0,
+             "step": 0.1},
+        ),
+        "outputs": (("GUIDER", "GUIDER"),),
+        "output_node": False,
+    },
 }
 # nodes.py (0.33.0), CLIPLoader's type list: comfyui_stock_nodes.py's (v0.12.1) and the types added since, "minimax"
 # (MiniMax-H3's Qwen3-VL text encoder) among them; the rest of the node as there

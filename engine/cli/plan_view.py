@@ -164,4 +164,6 @@ def fixed_table(a) -> list[str]:
     return (prose([av_title("minimax-h3")] + fits.av_header())
             + show(fits.av_rows(), 3, fits.AV_MACHINES, pivot=2) + [""]
             + prose([av_title("ltx-2.3")] + fits.ltx_header())
-            + show(fits.av_rows("ltx-2.3"), 3, fits.AV_MACHINES, pivot=2))
+            + show(fits.av_rows("ltx-2.3"), 3, fits.AV_MACHINES, pivot=2) + [""]
+            + prose([av_title("ltx-2.5")] + fits.ltx25_header())
+            + show(fits.av_rows("ltx-2.5"), 3, fits.AV_MACHINES, pivot=2))

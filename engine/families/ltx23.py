@@ -1,6 +1,7 @@
-"""LTX-2.3 (Lightricks, audio + video): how the engine runs this family (its checkpoints' dims, layout and detection:
-ltx23_layout.py). The engine runs it as ComfyUI's diffusion model only (ComfyUI's KSampler / SamplerCustomAdvanced on
-the xDiT Engine's MODEL): its sampler carries the two latents packed, which the engine's own loop does not sample.
+"""LTX-2.3 (Lightricks, audio + video) and its variant LTX-2.5 (what 2.5 adds, and why a variant: ltx25.py): how the
+engine runs this family (its checkpoints' dims, layout and detection: ltx23_layout.py). The engine runs it as
+ComfyUI's diffusion model only (ComfyUI's KSampler / SamplerCustomAdvanced on the xDiT Engine's MODEL): its sampler
+carries the two latents packed, which the engine's own loop does not sample.
 
 ComfyUI's conventions, read from ComfyUI 0.33.0 (C = the ComfyUI checkout):
 - C/comfy/model_detection.py:419-429: `adaln_single.emb.timestep_embedder.linear_1.bias` marks Lightricks' LTX, with
@@ -91,6 +92,7 @@ from .ltx23_call import (  # noqa: F401 (positions and the call's extras, read h
     AUDIO_DOWNSAMPLE, EXTRAS, FPS, HOP, HOST_EXTRAS, REFUSED_OPTIONS, SAMPLE_RATE, audio_coords, comfy_call,
     reference_coords, video_coords)
 from .ltx23_layout import DIMS, REGISTERS, build_model, infer, key_map, shapes, tiny_metadata  # noqa: F401
+from . import ltx25
 
 SHIFT = 2.37                          # supported_models.LTXV.sampling_settings
 AUDIO_LATENTS_PER_SECOND = 25.0       # 16000 Hz / 160 hop / 4 (ComfyUI's audio VAE)
@@ -117,6 +119,11 @@ LTX_VIDEO = LtxLatent("LTXAV", channels=128, spatial_dims=3, downscale=32, tempo
 def audio_frames(pixel_frames: int, fps: float = FPS) -> int:
     """Audio latent frames of a clip (LTXVEmptyLatentAudio: its duration at 25 latents a second)."""
     return round(pixel_frames / fps * AUDIO_LATENTS_PER_SECOND)
+
+
+def _template_audio(config: dict, latent_frames: int) -> int:
+    """A clip's audio rows at its variant's templates' frame rate (LTX-2.3's 25, LTX-2.5's 24)."""
+    return audio_frames(LTX_VIDEO.pixel_frames(latent_frames), ltx25.TEMPLATE_FPS if ltx25.is_ltx25(config) else FPS)
 
 
 # ---- the model: diffusers' transformer with its two text connectors as submodules ----------------------------------
@@ -340,6 +347,9 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
         at = extras["guide_coords"].to(device, torch.float32).reshape(n, 3, guides, 2)
         at[:, 0] = at[:, 0] * (1.0 / fps)
         coords[:, :, -guides:] = at
+    slots = tuple(int(v) for v in extras["keyframe_slots"][0].tolist()) if "keyframe_slots" in extras else None
+    marks = ltx25.keyframe_mask(coords, guides, slots, keep, h * w, frames * h * w, dtype) \
+        if ltx25.is_ltx25(config) else None   # LTX-2.5's keyframe embedding, on the tokens ComfyUI marks
     mult, cross = float(config["timestep_scale_multiplier"]), float(config["cross_attn_timestep_scale_multiplier"])
     v_t = timestep.to(device, torch.float32)
     a_t = extras["audio_t"].to(device, torch.float32) if "audio_t" in extras else v_t
@@ -375,7 +385,8 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
             hidden_states=v_rows, audio_hidden_states=a_rows,
             encoder_hidden_states=text["video_text"], audio_encoder_hidden_states=text["audio_text"],
             timestep=v_scaled, audio_timestep=a_scaled, sigma=sigma, audio_sigma=audio_sigma,
-            video_coords=coords, audio_coords=a_coords, isolate_modalities=not coupled, return_dict=False)
+            video_coords=coords, audio_coords=a_coords, isolate_modalities=not coupled, video_keyframes_mask=marks,
+            return_dict=False)
     finally:
         state.clear()
         for attn in perturbed:
@@ -401,8 +412,9 @@ def _linear_width(config: dict) -> float:
 
 
 FAMILY = Family(
-    name="ltx23", title="LTX-2.3", variants=tuple(DIMS["full"]),
-    variant_aliases={"ltx23": "ltx-2.3", "ltx2.3": "ltx-2.3", "ltx-2.3-22b": "ltx-2.3"},
+    name="ltx23", title="LTX-2.3/2.5", variants=tuple(DIMS["full"]),
+    variant_aliases={"ltx23": "ltx-2.3", "ltx2.3": "ltx-2.3", "ltx-2.3-22b": "ltx-2.3", "ltx25": "ltx-2.5",
+                     "ltx2.5": "ltx-2.5", "ltx-2.5-22b": "ltx-2.5"},
     markers=(Marker("audio_adaln_single.linear.weight", "ltx"),),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("ltxv",),
     layers=lambda config: config["num_layers"],
@@ -414,10 +426,11 @@ FAMILY = Family(
     takes_guidance=lambda config: False,
     forward=forward, cfg=1.0, text_tokens=TEXT_TOKENS, hold=_hold, fit_jobs=FIT_JOBS,
     shard_units=("video_connector", "audio_connector"),
-    stock_jobs={"ltx-2.3": StockJob("ltx-2.3-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; "
-                                    "the second: --width 1280 --height 704 --steps 3")},
+    stock_jobs={v: StockJob(f"{v}-t2v", 640, 352, 8, 1.0, frames=121, shift=SHIFT, note="its first pass; the "
+                            "second: --width 1280 --height 704 --steps 3") for v in DIMS["full"]},
     tokens=TokenTable(processor=LtxProcessor, gather_after="proj_out",
-                      split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1)),
+                      split_inputs=(("hidden_states", 1), ("video_coords", 2), ("timestep", 1),
+                                    ("video_keyframes_mask", 1)),
                       local_keys=("transformer_blocks.*.video_to_audio_attn",),
                       blocks=("transformer_blocks",), kwargs_name="attention_kwargs"),
     linear_width=_linear_width,
@@ -426,8 +439,8 @@ FAMILY = Family(
                  "text_embedding_projection.audio_aggregate_embed.weight", "vae.decoder.conv_in.conv.weight",
                  "audio_vae.decoder.conv_in.conv.weight", "vocoder.conv_pre.weight"),
     packed_streams=True, extras=EXTRAS, host_extras=HOST_EXTRAS, call_extras=comfy_call,
-    extra_tokens=lambda config, latent_frames: audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
-    local_key_queries=lambda config, latent_frames: (audio_frames(LTX_VIDEO.pixel_frames(latent_frames)),
+    extra_tokens=_template_audio,
+    local_key_queries=lambda config, latent_frames: (_template_audio(config, latent_frames),
                                                      config["audio_num_attention_heads"],
                                                      config["audio_attention_head_dim"]),
     describe_blocks=lambda c: (f"{c['num_layers']} audio-video blocks (video {c['num_attention_heads']} x "
@@ -435,9 +448,11 @@ FAMILY = Family(
                                f"{c['audio_attention_head_dim']}) and two {c['connector_num_layers']}-block text "
                                f"connectors"),
     describe_conditioning=lambda c: (f"cond [1, L, {c['cross_attention_dim'] + c['audio_cross_attention_dim']}] "
-                                     f"(Gemma 3 through the file's text projection, unprocessed), no pooled output; "
+                                     f"(Gemma {4 if ltx25.is_ltx25(c) else 3} through the file's text projection, "
+                                     f"unprocessed), no pooled output; "
                                      f"latent: ComfyUI's packed video [1, 128, F, H/32, W/32] and audio "
                                      f"[1, 8, T, 16] (LTXVConcatAVLatent)"),
-    text_encoder=lambda variant: "Gemma 3 12B (LTXAVTextEncoderLoader, with the LTX-2.3 file's text projection)",
-    comfyui_since=lambda variant: "0.33",
+    text_encoder=lambda variant: ltx25.TEXT_ENCODER if variant == "ltx-2.5" else
+    "Gemma 3 12B (LTXAVTextEncoderLoader, with the LTX-2.3 file's text projection)",
+    comfyui_since=lambda variant: ltx25.COMFYUI_SINCE if variant == "ltx-2.5" else "0.33",
 )

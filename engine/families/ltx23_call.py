@@ -9,6 +9,7 @@ import torch
 
 from .base import PACKED_SHAPE
 from .ltx23_guides import guide_extras
+from .ltx25 import generated_slots
 
 FPS = 25.0                            # LTXAV.extra_conds' frame_rate when none is set
 HOP, SAMPLE_RATE, AUDIO_DOWNSAMPLE = 160, 16000, 4   # AudioPatchifier's defaults
@@ -60,10 +61,10 @@ def reference_coords(frames: int, rows: int = 1, device=None) -> torch.Tensor:
 # a negative noise mask drops some: ComfyUI's grid_mask).
 # ref_audio: LTXVReferenceAudio's reference tokens [R x 128] (ID-LoRA), ahead of the audio; stg: the blocks whose
 # self-attentions STG's pass perturbs; coupled: 0 for a pass with the audio-video cross-attentions severed
-# (LTXVModalityGuidance's).
+# (LTXVModalityGuidance's); keyframe_slots: (first latent frame, frames) of LTX-2.5's generated keyframes.
 EXTRAS = (PACKED_SHAPE, "frame_rate", "audio_t", "gate_t", "guide", "guide_coords", "guide_weights", "keep",
-          "ref_audio", "stg", "coupled")
-HOST_EXTRAS = (PACKED_SHAPE, "frame_rate", "guide", "keep", "stg", "coupled")   # read on the host
+          "ref_audio", "stg", "coupled", "keyframe_slots")
+HOST_EXTRAS = (PACKED_SHAPE, "frame_rate", "guide", "keep", "stg", "coupled", "keyframe_slots")   # read on the host
 REFUSED_OPTIONS = {   # transformer_options ComfyUI's LTXAV model reads that the engine does not run yet
     "run_vx": "a pass without the video (run_vx off)", "run_ax": "a pass without the audio (run_ax off)"}
 
@@ -104,7 +105,9 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
     entries = kwargs.pop("guide_attention_entries", None)
     video_mask = kwargs.pop("denoise_mask", None)
     reference = kwargs.pop("ref_audio", None)
-    kwargs.pop("generated_keyframes", None)   # read only by LTX-2.5's keyframe embedding (a no-op on 2.3)
+    generated = kwargs.pop("generated_keyframes", None)   # read only by LTX-2.5's keyframe embedding
+    if getattr(meta, "keyframes_abs_pos_embedding", True) is None:   # ComfyUI's model has none (LTX-2.3): unread
+        generated = None
     kwargs.pop("audio_denoise_mask", None)
     rate = kwargs.pop("frame_rate", FPS)
     rate = float(rate.reshape(-1)[0]) if torch.is_tensor(rate) else float(rate)
@@ -129,6 +132,8 @@ def comfy_call(shapes: list[tuple], kwargs: dict, transformer_options: dict, tim
             raise ValueError(f"a reference audio of shape {list(tokens.shape)}: LTX-2.3 takes [1 or {rows}, R, {width}] "
                              f"tokens (LTXVReferenceAudio with the model's audio VAE)")
         extras["ref_audio"] = tokens.reshape(tokens.shape[0], -1).expand(rows, -1)
+    if generated is not None:
+        extras["keyframe_slots"] = generated_slots(generated, shapes[0][3] * shapes[0][4], rows)
     if stg:
         extras["stg"] = torch.tensor([stg], dtype=f64).expand(rows, -1)
     if not a2v:

@@ -191,7 +191,7 @@ def av_header() -> list[str]:
 
 
 # the audio-video families whose clips the tables price (Family.fit_jobs), each in every divided-weights format
-AV_MODELS = {v: (families.by_variant(v).fit_jobs, SHARD_WEIGHTS) for v in ("minimax-h3", "ltx-2.3")}
+AV_MODELS = {v: (families.by_variant(v).fit_jobs, SHARD_WEIGHTS) for v in ("minimax-h3", "ltx-2.3", "ltx-2.5")}
 AV_JOBS, LTX_JOBS = AV_MODELS["minimax-h3"][0], AV_MODELS["ltx-2.3"][0]
 
 
@@ -200,6 +200,12 @@ def ltx_header() -> list[str]:
             "ranks hold the audio whole and compute it alike (the planner's split share of it is an under-count of "
             "what each rank computes, small beside the video: 121 audio rows to 14,080 video rows at 1280x704); the "
             "text is the connectors' 1024 tokens.", ""]
+
+
+def ltx25_header() -> list[str]:
+    return ["LTX-2.5 (the LTX-2.3 block without the video feed-forward's biases, with the keyframe embedding), the "
+            "same columns and jobs: its templates sample the same two passes at 24 fps (126 audio rows) with "
+            "LTXVDualCFGGuider at video 1 and audio 1 (no negative pass); the full model at cfg > 1 runs it.", ""]
 
 
 def av_rows(variant: str = "minimax-h3") -> tuple[tuple, list[tuple]]:
