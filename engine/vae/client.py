@@ -16,14 +16,15 @@ import torch
 
 from ..errors import EngineError
 from .layers import ATTENTION
+from . import room
 from .load import DTYPES, VAEInputError, dtype_name, inspect_vae
 
 
-def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention: str | None = None,
+def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, prefix: str = "", attention: str | None = None,
         on_progress=None, should_cancel=None, deadlines=None):
-    """(the result, the JobResult) of `op` ("decode" or "encode") of `x` by the VAE in `path`, computed in `dtype`
-    (fp32, bf16, fp16 or the torch dtype); attention: ComfyUI's VAE attention kernel to match ("split" or "sdpa";
-    default: the ranks' device's, as ComfyUI's)."""
+    """(the result, the JobResult) of `op` ("decode" or "encode") of `x` by the VAE in `path` (a checkpoint's: the
+    tensors named with `prefix`), computed in `dtype` (fp32, bf16, fp16 or the torch dtype); attention: ComfyUI's VAE
+    attention kernel to match ("split" or "sdpa"; default: the ranks' device's, as ComfyUI's)."""
     if op not in ("decode", "encode"):
         raise ValueError(f"VAE job {op!r} is not decode or encode")
     name = "latent" if op == "decode" else "pixels"
@@ -32,7 +33,7 @@ def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention:
                             f"floating-point tensor")
     if attention is not None and attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
-    info = inspect_vae(path)
+    info = inspect_vae(path, prefix)
     dtype = dtype_name(dtype)
     if op == "decode":
         info.check_latent(x.shape)
@@ -41,11 +42,19 @@ def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention:
         info.check_pixels(x.shape)
         shape = info.encoded_shape(tuple(x.shape))
     spec = {"path": info.path, "mtime_ns": info.mtime_ns, "dtype": dtype}
+    if prefix:
+        spec["prefix"] = prefix
     if attention is not None:
         spec["attention"] = attention
-    result = engine.submit(f"vae_{op}", spec, {name: x.detach().to("cpu", DTYPES[dtype]).contiguous()},
-                           on_progress=on_progress, should_cancel=should_cancel, deadlines=deadlines,
-                           output_bytes=math.prod(shape) * DTYPES[dtype].itemsize)
+    spec.update(room.job_need(engine, info, [tuple(x.shape)], op, dtype))
+    try:
+        result = engine.submit(f"vae_{op}", spec, {name: x.detach().to("cpu", DTYPES[dtype]).contiguous()},
+                               on_progress=on_progress, should_cancel=should_cancel, deadlines=deadlines,
+                               output_bytes=math.prod(shape) * DTYPES[dtype].itemsize)
+    except EngineError as e:
+        if not e.oom:
+            raise
+        raise room.out_of_memory(e, engine, info, tuple(x.shape), op, dtype) from e
     bands = [result.outputs[f"rows.{i}"] for i in range(len(result.outputs))]
     if not bands or any(f"rows.{i}" not in result.outputs for i in range(len(bands))):
         raise EngineError(f"job {result.job_id}: the ranks returned {sorted(result.outputs)}, not every band of rows")
