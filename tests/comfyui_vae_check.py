@@ -6,8 +6,8 @@ ComfyUI's VAE computing in float64 (the reference the bound is derived from: the
 farther from it than ComfyUI's own float32 result is). The tiled graphs' tiles go to the ranks in one job (the tile
 pool), and ComfyUI's loader never loads the xDiT VAE's weights on its device. Then a Wan checkpoint with the tiny Wan 2.1
 VAE under `vae.`: CheckpointLoaderSimple's VAE against the xDiT Checkpoint Loader's (the engine's, read from the
-checkpoint). ComfyUI builds Wan 2.2's VAE at its released widths whatever the file says (comfy/sd.py:823-825): this
-process patches that class to the tiny file's widths (size only).
+checkpoint). ComfyUI builds Wan 2.2's VAE at its released widths whatever the file says (comfy/sd.py:823-825), and
+0.3.64 Wan 2.1's too: this process patches those classes to the tiny files' widths (size only).
 Prints one JSON report. Usage: python comfyui_vae_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
 import copy
 import json
@@ -21,6 +21,7 @@ models, VERSION = start(sys.argv, folders=("diffusion_models", "vae", "checkpoin
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
+import comfy.ldm.wan.vae as wan21  # noqa: E402
 import comfy.ldm.wan.vae2_2 as wan22  # noqa: E402
 import comfy.model_management as mm  # noqa: E402
 
@@ -42,6 +43,20 @@ class TinyWidths(Released):
 
 
 wan22.WanVAE = TinyWidths
+
+# ComfyUI before it read Wan 2.1's dim from decoder.head.0.gamma (0.3.64) builds that VAE at dim 96 whatever the file
+# says (its sd.py): the same size-only patch, to the tiny file's dim (a no-op where ComfyUI reads it itself)
+with safe_open(os.path.join(models, "vae", FILES["wan2.1"]), "pt") as f:
+    DIM21 = f.get_slice("decoder.head.0.gamma").get_shape()[0]
+Released21 = wan21.WanVAE
+
+
+class TinyWidths21(Released21):
+    def __init__(self, dim=96, **kw):
+        super().__init__(dim=DIM21, **kw)
+
+
+wan21.WanVAE = TinyWidths21
 
 
 def float64(vae):

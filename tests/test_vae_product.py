@@ -3,6 +3,7 @@ the tile pool (VAE Decode/Encode (Tiled)'s tiles spread over the ranks, blended 
 count the planner prices a decode from (FLOPs, memory, the halo a split sends) against what the ranks send, and a rank
 lost or out of memory during a decode said in one line."""
 import importlib
+import json
 import os
 import signal
 
@@ -219,3 +220,52 @@ def test_a_rank_out_of_memory_before_a_decode_stops_every_rank_says_what_would_f
         assert e.pids == pids and not e.restarts   # the ranks agreed before any work: the group stays
         _, again = client.run(e, "decode", files["wan2.1"], z)
         assert [r["vae_source"] for r in again.ranks] == ["resident", "file"]
+
+
+# ---- the plan ----------------------------------------------------------------------------------------------------
+def test_plan_prices_the_decode_on_the_plans_gpus_and_the_whole_clip(capsys):
+    from engine.cli import main
+    assert main(["plan", "--model", "wan2.1-1.3b", "--gpus", "4", "--interconnect", "nvlink", "--width", "832",
+                 "--height", "480", "--frames", "81", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    decode = data["decode"]
+    print(decode)
+    assert decode["vae"].startswith("Wan 2.1") and decode["on_plan"]["ranks"] == data["chosen"]["gpus"] == 4
+    assert decode["on_plan"]["seconds"] < decode["one_gpu"]["seconds"] / 3
+    assert decode["whole_s"] == pytest.approx(decode["denoise_s"] + decode["on_plan"]["seconds"])
+    assert decode["denoise_s"] == pytest.approx(data["chosen"]["s_per_image"], abs=1e-4)   # (rounded there)
+    assert decode["fits"] == "beside"
+    assert main(["plan", "--model", "flux-dev", "--gpus", "2", "--interconnect", "nvlink"]) == 0
+    assert "decode: FLUX.1's VAE (comfy.ldm.models.autoencoder.AutoencodingEngine) is not split by the engine yet" \
+        in capsys.readouterr().out
+
+
+def test_plan_validate_prints_the_decode_rows_with_their_residuals(capsys):
+    from engine.cli import main
+    from engine.published import vae as published
+    assert main(["plan", "--validate"]) == 0
+    out = capsys.readouterr().out
+    for r in published.rows():
+        assert f"| {r.what} | {r.gpus} | {r.published_s:g} s | {r.predicted_s:.3g} s | {r.residual:+.0%} |" in out
+    scaling = [r for r in published.rows() if r.gpus > 1 and r.key.startswith("h3-vllm")]
+    assert all(abs(r.residual) <= 0.10 for r in scaling)   # the tile pool's scaling, on the run that states its tiles
+
+
+def test_the_info_node_shows_the_last_vae_job_its_split_and_time(files):
+    load_pack()
+    vae = importlib.import_module(PACK_NAME + ".xdit_nodes.vae")
+    core = importlib.import_module(PACK_NAME + ".xdit_nodes.core")
+    registry = core.EngineRegistry()
+    settings = core.EngineSettings(model_path=files["checkpoint"], gpus=(0, 1), device="cpu")
+    link = vae.EngineVAELink(settings, inspect_vae(files["checkpoint"], "vae."), "fp32", "split", registry=registry)
+    try:
+        link.run("decode", latent((1, 16, 3, 5, 6)))
+        line = next(x for x in core.describe(settings, registry).splitlines() if x.startswith("vae: "))
+        print(line)
+        assert line.startswith("vae: last decode of tiny-wan-all-in-one.safetensors (vae. tensors) (Wan 2.1")
+        assert "on 2 rank(s), latent rows [3, 2] a rank, 2 chunk(s): " in line and line.endswith(" s")
+        link.run_tiles("decode", [latent((1, 16, 1, 2, 3)), latent((1, 16, 1, 3, 3))])
+        line = next(x for x in core.describe(settings, registry).splitlines() if x.startswith("vae: "))
+        assert "2 tiles over 2 rank(s) ([1, 1] a rank, each tile whole on one rank)" in line
+    finally:
+        registry.unload()

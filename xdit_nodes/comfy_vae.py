@@ -63,6 +63,11 @@ class EngineVAE(comfy.sd.VAE):
         with self._interruptible():
             return self.xdit.run_tiles(op, pieces, **self._callbacks())
 
+    def _output_dtype(self):
+        """The dtype ComfyUI's VAE gives its results in: its vae_output_dtype() (sd.py:1130-1131), float32 before
+        ComfyUI had one (0.3.64 casts with .float())."""
+        return self.vae_output_dtype() if hasattr(self, "vae_output_dtype") else torch.float32
+
     def decode(self, samples_in, vae_options={}):
         why = self._own() or ("decode options were given" if vae_options else None)
         if why:
@@ -70,8 +75,8 @@ class EngineVAE(comfy.sd.VAE):
             return super().decode(samples_in, vae_options)
         self.throw_exception_if_invalid()
         out = self._run("decode", samples_in.to(self.vae_dtype))   # sd.py:1242: the latent in the VAE's dtype
-        out = out.to(device=self.output_device, dtype=self.vae_output_dtype(), copy=True)   # sd.py:1246
-        self.process_output(out)   # sd.py:1251, in place
+        out = out.to(device=self.output_device, dtype=self._output_dtype(), copy=True)   # sd.py:1246
+        out = self.process_output(out)   # sd.py:1251 (in place there; 0.3.64's returns a new tensor)
         return out.movedim(1, -1)
 
     def encode(self, pixel_samples):
@@ -84,8 +89,9 @@ class EngineVAE(comfy.sd.VAE):
         if self.latent_dim == 3 and pixels.ndim < 5:
             pixels = pixels.movedim(1, 0).unsqueeze(0) if not self.not_video else pixels.unsqueeze(2)
         out = self._run("encode", self.process_input(pixels).to(self.vae_dtype))   # sd.py:1378
-        out = out.to(self.output_device).to(dtype=self.vae_output_dtype())
-        return self.format_encoded(out) if self.format_encoded is not None else out
+        out = out.to(self.output_device).to(dtype=self._output_dtype())
+        formatted = getattr(self, "format_encoded", None)   # (absent before ComfyUI had it: 0.3.64)
+        return formatted(out) if formatted is not None else out
 
     @contextlib.contextmanager
     def _weights_stay_with_the_ranks(self):

@@ -161,9 +161,9 @@ def _required(a) -> None:
 def _validate() -> int:
     print("\n".join(published.validation_table() + [""]))
     print("Weights divided among GPUs (FSDP): the gathers and memory against published runs (nothing fitted)")
-    print("\n".join(sharding.table() + [""] + published.summary()))
-    print("\nThe VAE decode (engine/vae/cost.py) against published decode times (one row fitted: CONV_SHARE)")
-    print("\n".join(published_vae.table()))
+    print("\n".join(sharding.table() + [""]))
+    print("The VAE decode (engine/vae/cost.py) against published decode times (one row fitted: CONV_SHARE)")
+    print("\n".join(published_vae.table() + [""] + published.summary()))
     return 0
 
 
