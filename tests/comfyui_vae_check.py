@@ -9,7 +9,10 @@ MiniMaxH3ImageToVideo. Each graph runs three times: with ComfyUI's VAE, with the
 VAE computing in float64 (the reference the bound is derived from: the split's float32 result may be 4 x farther from
 it than ComfyUI's own float32 result is). ComfyUI builds Wan 2.2's VAE at its released widths whatever the file says
 (comfy/sd.py:823-825), and MiniMax-H3's likewise (sd.py:1000): this process patches those classes to the tiny files'
-widths (size only).
+widths (size only) The tiled graphs' tiles go to the ranks in one
+job (the tile pool), and ComfyUI's loader never loads the xDiT VAE's weights on its device. Then a Wan checkpoint with
+the tiny Wan 2.1 VAE under `vae.`: CheckpointLoaderSimple's VAE against the xDiT Checkpoint Loader's (the engine's, read
+from the checkpoint). (0.3.64 builds Wan 2.1's VAE at its released widths too: patched likewise.)
 Prints one JSON report. Usage: python comfyui_vae_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
 import copy
 import json
@@ -19,16 +22,19 @@ import sys
 from comfyui_live_common import call, outcome, rel, start  # tests/, this file's folder
 import comfyui_live_common as live
 
-models, VERSION = start(sys.argv, folders=("diffusion_models", "vae"))
+models, VERSION = start(sys.argv, folders=("diffusion_models", "vae", "checkpoints"))
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
+import comfy.ldm.wan.vae as wan21  # noqa: E402
 import comfy.ldm.wan.vae2_2 as wan22  # noqa: E402
+import comfy.model_management as mm  # noqa: E402
 
 ENGINE_MODEL = "tiny-wan2.1-1.3b.safetensors"
 FILES = {name: f"tiny-{name}-vae.safetensors" for name in ("wan2.1", "wan2.2", "flux", "flux2", "ltx2", "ltx2-tc",
                                                                 "minimax-h3")}
 KINDS = os.environ.get("XDIT_VAE_KINDS", "wan2.1,wan2.2,flux,flux2").split(",")   # the files the calling test wrote
+CHECKPOINT = "tiny-wan2.1-1.3b-with-vae.safetensors"   # the Wan 2.1 VAE's tensors under vae.
 report = {"comfyui": VERSION, "kinds": {}}
 
 # ---- Wan 2.2's widths from the tiny file (a size-only patch of ComfyUI's class) --------------------------------------
@@ -68,6 +74,20 @@ if "minimax-h3" in KINDS:
     comfy.quant_ops.ck.apply_rope_split_half = lambda q, k, f: (eager_rope.apply_rope_split_half(q, k, f)
                                                                if q.dtype == torch.float64 else kitchen_rope(q, k, f))
 
+# ComfyUI before it read Wan 2.1's dim from decoder.head.0.gamma (0.3.64) builds that VAE at dim 96 whatever the file
+# says (its sd.py): the same size-only patch, to the tiny file's dim (a no-op where ComfyUI reads it itself)
+with safe_open(os.path.join(models, "vae", FILES["wan2.1"]), "pt") as f:
+    DIM21 = f.get_slice("decoder.head.0.gamma").get_shape()[0]
+Released21 = wan21.WanVAE
+
+
+class TinyWidths21(Released21):
+    def __init__(self, dim=96, **kw):
+        super().__init__(dim=DIM21, **kw)
+
+
+wan21.WanVAE = TinyWidths21
+
 
 def float64(vae):
     """ComfyUI's own VAE with its network in float64 (its output still cast to float32 as ComfyUI casts it). A decode
@@ -92,14 +112,16 @@ def float64(vae):
 def compare(name, run, stock, ours):
     """run(vae) -> tensor, with each VAE, in inference mode as ComfyUI's executor runs every node (execution.py:751):
     the figures, and whether ours is within the derived bound."""
-    jobs = []   # the jobs ours sent to the ranks (a tiled graph: one a tile)
-    sent = ours.xdit.run
+    jobs = []   # the jobs ours sent to the ranks (a tiled graph: one for all its tiles)
+    sent, pooled = ours.xdit.run, ours.xdit.run_tiles
     ours.xdit.run = lambda op, x, **kw: (jobs.append((op, list(x.shape))), sent(op, x, **kw))[1]
+    ours.xdit.run_tiles = lambda op, xs, **kw: (jobs.append((op, len(xs))), pooled(op, xs, **kw))[1]
     with torch.inference_mode():
         a, b, ref = run(stock), run(ours), run(float64(stock))
-    del ours.xdit.run
+    del ours.xdit.run, ours.xdit.run_tiles
     own, measured = rel(a, ref), rel(b, ref)
-    entry = {"shape": list(b.shape), "engine_jobs": len(jobs), "rel_l2": rel(b, a),
+    entry = {"shape": list(b.shape), "engine_jobs": len(jobs), "jobs": jobs, "rel_l2": rel(b, a),
+             "comfy_loaded_ours": any(lm.model is ours.patcher for lm in mm.current_loaded_models),
              "max_abs": float((b - a).abs().max()),
              "stock_vs_float64": own, "ours_vs_float64": measured, "within": measured <= 4 * own,
              "scale": float(a.abs().max())}
@@ -282,6 +304,22 @@ for kind in KINDS:
                        for v in (stock, ours) for seed in (11, 12)]
         entry["other_seed_rel_l2"] = [rel(decodes[1], decodes[0]), rel(decodes[3], decodes[2])]
     report["kinds"][kind] = entry
+# the xDiT Checkpoint Loader's VAE: the engine's, read from the checkpoint's vae. tensors
+stock_model, _, stock_vae = call("CheckpointLoaderSimple", ckpt_name=CHECKPOINT)[:3]
+_, _, ours_vae, _ = live.checkpoint_loader(CHECKPOINT, "0,1")
+from_file = call("XDiTVAELoader", vae_name=FILES["wan2.1"], engine=engine)[0]
+z = torch.randn(1, 16, 3, 5, 6, generator=torch.Generator().manual_seed(4))
+with torch.inference_mode():
+    decoded = {"stock": stock_vae.decode(z), "ours": ours_vae.decode(z), "vae file": from_file.decode(z),
+               "float64": float64(stock_vae).decode(z)}
+report["checkpoint"] = {"stock": type(stock_vae).__name__, "ours": type(ours_vae).__name__,
+                        "prefix": getattr(getattr(ours_vae, "xdit", None), "info", None) and ours_vae.xdit.info.prefix,
+                        "rel_l2": rel(decoded["ours"], decoded["stock"]),
+                        "stock_vs_float64": rel(decoded["stock"], decoded["float64"]),
+                        "ours_vs_float64": rel(decoded["ours"], decoded["float64"]),
+                        "equals_the_vae_files": torch.equal(decoded["ours"], decoded["vae file"])}
+report["checkpoint"]["within"] = report["checkpoint"]["ours_vs_float64"] <= 4 * report["checkpoint"]["stock_vs_float64"]
+print("checkpoint", json.dumps(report["checkpoint"]), flush=True)
 report["info"] = call("XDiTEngineInfo", engine=engine, unload=False)[0]
 report["no_engine"] = outcome(lambda: call("XDiTVAELoader", vae_name=FILES[KINDS[0]]))
 report["pixel_space"] = type(call("XDiTVAELoader", vae_name="pixel_space", engine=engine)[0]).__name__

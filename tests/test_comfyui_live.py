@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from engine.models.tiny import write_tiny
 from engine.vae.load import write_tiny_vae
@@ -498,7 +499,7 @@ def test_sampler_custom_advanced_with_the_xdit_guider_equals_comfyui_own_guiders
     assert len(report["ksampler"]) == 8 and max(report["ksampler"].values()) < 1e-5
 
 
-@pytest.mark.timeout(1300)   # four VAEs, each graph three times (ComfyUI's, ours, float64) on CPU: about 9 minutes
+@pytest.mark.timeout(1500)   # four VAEs, each graph three times (ComfyUI's, ours, float64), and a checkpoint's VAE
 def test_the_xdit_vae_loader_decodes_and_encodes_as_comfyuis_own_vae(setup):
     """ComfyUI's Load VAE vs the xDiT VAE Loader on 2 CPU ranks, tiny Wan 2.1, Wan 2.2, FLUX.1 / SD3 and FLUX.2 VAE
     files, through VAE Decode / Encode, their tiled forms, WanImageToVideo, Wan22ImageToVideoLatent and the image VAEs'
@@ -509,7 +510,17 @@ def test_the_xdit_vae_loader_decodes_and_encodes_as_comfyuis_own_vae(setup):
         shutil.copy(write_tiny_vae(name, str(folder)), setup["models"] / "vae" / f"tiny-{name}-vae.safetensors")
     shutil.copy(write_tiny("wan", str(folder), variant="wan2.1-1.3b"),
                 setup["models"] / "diffusion_models" / "tiny-wan2.1-1.3b.safetensors")
-    report = run_check("comfyui_vae_check.py", setup, 1200)
+    # a Wan checkpoint as ComfyUI's own loader takes one: the transformer under model.diffusion_model., the VAE under
+    # vae. (no text encoder: ComfyUI's loader then gives no CLIP)
+    full = write_tiny("wan", str(folder), variant="wan2.1-1.3b", full=True)
+    with safe_open(full, "pt") as f:
+        metadata = f.metadata()
+    sd = {k: v for k, v in load_file(full).items() if not k.startswith(("vae.", "text_encoders."))}
+    sd.update({"vae." + k: v for k, v in load_file(str(folder / "tiny-wan2.1-vae.safetensors")).items()})
+    (setup["models"] / "checkpoints").mkdir(exist_ok=True)
+    save_file(sd, str(setup["models"] / "checkpoints" / "tiny-wan2.1-1.3b-with-vae.safetensors"), metadata=metadata)
+
+    report = run_check("comfyui_vae_check.py", setup, 1400)
     stock = {"VAEDecode", "VAEEncode", "VAEDecodeTiled", "VAEEncodeTiled"}
     image = stock | {"InpaintModelConditioning", "VAEEncodeForInpaint", "VAEDecode of a video latent"}
     graphs = {"wan2.1": stock | {"WanImageToVideo"}, "wan2.2": stock | {"Wan22ImageToVideoLatent"}, "flux": image,
@@ -523,9 +534,15 @@ def test_the_xdit_vae_loader_decodes_and_encodes_as_comfyuis_own_vae(setup):
             print(f"{kind} {graph}: relative L2 {r['rel_l2']:.3g}, max abs {r['max_abs']:.3g} (vs float64: ComfyUI "
                   f"{r['stock_vs_float64']:.3g}, ours {r['ours_vs_float64']:.3g}, bound {4 * r['stock_vs_float64']:.3g})")
             assert r["within"], (kind, graph, r)
-            assert r["engine_jobs"] > (1 if "Tiled" in graph else 0), (kind, graph, r)   # a tiled graph: a job a tile
+            # a tiled graph: every tile in one job; the inpainting conditioning encodes twice
+            assert r["engine_jobs"] == (1 if "Tiled" in graph else r["engine_jobs"] or 1), (kind, graph, r)
+            assert r["engine_jobs"] >= 1 and not r["comfy_loaded_ours"], (kind, graph, r)   # the weights on the ranks
         assert f"decodes {channels[kind]}" in entry["wrong_latent"], entry["wrong_latent"]
     assert set(report["kinds"]) == set(channels)
+    checkpoint = report["checkpoint"]
+    print("xDiT Checkpoint Loader's VAE:", checkpoint)
+    assert (checkpoint["stock"], checkpoint["ours"], checkpoint["prefix"]) == ("VAE", "EngineVAE", "vae."), checkpoint
+    assert checkpoint["within"] and checkpoint["equals_the_vae_files"], checkpoint
     assert "vae: last " in report["info"], report["info"]
     assert report["no_engine"].startswith("xDiT VAE Loader: connect the xDiT Engine's engine output"), report
     assert report["pixel_space"] == "VAE"   # a VAE the engine does not split: ComfyUI's own

@@ -66,7 +66,8 @@ MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints
                  ("LTXAVTextEncoderLoader", "text_encoder"): ("text_encoders",),
                  ("LTXAVTextEncoderLoader", "ckpt_name"): ("checkpoints",), ("LTXVAudioVAELoader", "ckpt_name"): ("checkpoints",),
                  ("LatentUpscaleModelLoader", "model_name"): ("latent_upscale_models",),
-                 ("VAELoader", "vae_name"): ("vae",), ("CLIPLoader", "clip_name"): ("text_encoders",),
+                 ("VAELoader", "vae_name"): ("vae",), ("XDiTVAELoader", "vae_name"): ("vae",),
+                 ("CLIPLoader", "clip_name"): ("text_encoders",),
                  ("LoraLoaderModelOnly", "lora_name"): ("loras",),
                  **{(t, f"clip_name{i}"): ("text_encoders",)
                     for t, n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3)) for i in range(1, n + 1)}}
@@ -376,7 +377,7 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
     if last_engine["class_type"] == "XDiTCheckpointLoader":   # the file's VAE
         assert decode["inputs"]["vae"] == [last_engine_id, 2]
     else:
-        assert source(api, decode_id, "vae")[1]["class_type"] == "VAELoader"
+        assert source(api, decode_id, "vae")[1]["class_type"] in ("VAELoader", "XDiTVAELoader")
     if name in VIDEO_WORKFLOWS:
         video_id, video = only(api, "CreateVideo")
         assert video["inputs"]["images"] == [decode_id, 0]
@@ -702,7 +703,8 @@ NEGATIVE_WAN_START = "色调艳丽，过曝，静态"   # the Wan templates' neg
 
 def _wan_common(api, sampler_id, vae_file):
     """What every Wan template shares: umT5 through CLIPLoader type wan for the positive and the templates' Chinese
-    negative prompt, the VAE that decodes."""
+    negative prompt, the VAE that decodes: the xDiT VAE Loader in Load VAE's place, on the sampler's engine (the
+    decode and the start image's encode on its ranks)."""
     positive_id, positive = source(api, sampler_id, "positive")
     negative_id, negative = source(api, sampler_id, "negative")
     if positive["class_type"] == "WanImageToVideo":    # both come through it
@@ -714,7 +716,11 @@ def _wan_common(api, sampler_id, vae_file):
     assert clip["inputs"] == {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan",
                               "device": "default"}
     assert positive["inputs"]["clip"] == negative["inputs"]["clip"]
-    assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == vae_file
+    assert not all_of(api, ("VAELoader",))
+    vae_id, vae = only(api, "XDiTVAELoader")
+    assert vae["inputs"]["vae_name"] == vae_file and only(api, "VAEDecode")[1]["inputs"]["vae"] == [vae_id, 0]
+    engine_id = vae["inputs"]["engine"][0]
+    assert api[engine_id]["class_type"] == "XDiTEngine" and engine_id == model_chain(api, sampler_id)[-1][0]
 
 
 def _shift(api, sampler_id):

@@ -334,6 +334,11 @@ def _video_finish(g, column, engine, latent, vae, fps):
     g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], column + 1, size=SAVE_BOX, video=video)
 
 
+def _engine_vae(g, name, engine, column=0):
+    """The xDiT VAE Loader in Load VAE's place: the same VAE file, its decode and encode on the engine's ranks."""
+    return g.add("XDiTVAELoader", [name], column, engine=engine.out(0))
+
+
 def _umt5(g):
     return g.add("CLIPLoader", ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"], 0)
 
@@ -350,7 +355,7 @@ def _wan21_t2v() -> Graph:
     g = Graph("wan2.1-t2v-1.3b")
     clip = _umt5(g)
     engine = _engine(g, "wan2.1_t2v_1.3B_fp16.safetensors")
-    vae = g.add("VAELoader", ["wan_2.1_vae.safetensors"], 0)
+    vae = _engine_vae(g, "wan_2.1_vae.safetensors", engine)
     positive, negative = _wan_prompts(g, clip)
     shifted = g.add("ModelSamplingSD3", [8.0], 1, model=engine.out(1))
     latent = g.add("EmptyHunyuanLatentVideo", [832, 480, 33, 1], 1)
@@ -376,7 +381,7 @@ def _wan22_a14b(image: bool) -> Graph:
     experts = {noise: _engine(g, f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors") for noise in NOISE}
     for noise, engine in experts.items():
         engine.title = f"xDiT Engine ({noise} noise expert)"
-    vae = g.add("VAELoader", ["wan_2.1_vae.safetensors"], 0)
+    vae = _engine_vae(g, "wan_2.1_vae.safetensors", experts["high"])   # both experts' engine: one rank group
     positive, negative = _wan_prompts(g, clip, None if image else NEGATIVE_WAN + "，裸露，NSFW")
     shifted = {noise: g.add("ModelSamplingSD3", [8.0], 1, model=engine.out(1)) for noise, engine in experts.items()}
     if image:
@@ -402,7 +407,7 @@ def _wan22_ti2v_5b() -> Graph:
     g = Graph("wan2.2-ti2v-5b")
     clip = _umt5(g)
     engine = _engine(g, "wan2.2_ti2v_5B_fp16.safetensors")
-    vae = g.add("VAELoader", ["wan2.2_vae.safetensors"], 0)
+    vae = _engine_vae(g, "wan2.2_vae.safetensors", engine)
     picture = g.add("LoadImage", ["example.png", "image"], 0, size=LOAD_BOX)
     positive, negative = _wan_prompts(g, clip)
     shifted = g.add("ModelSamplingSD3", [8.0], 1, model=engine.out(1))

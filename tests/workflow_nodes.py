@@ -409,6 +409,11 @@ def definitions(model_names) -> dict:
             specs.sampler_advanced_spec(*lists), specs.INFO_SPEC, specs.GUIDER_SPEC, specs.SAMPLING_SPEC,
             specs.CFG_NORM_SPEC]
     defs = {spec.node_id: _from_spec(spec) for spec in ours}
+    # the xDiT VAE Loader offers ComfyUI's VAE folder, as Load VAE does (VAELoader.vae_list at run time)
+    vae_loader = _from_spec(specs.vae_loader_spec([]))
+    vae_loader["inputs"] = tuple(dict({k: v for k, v in i.items() if k != "options"}, folder="vae")
+                                 if i["name"] == "vae_name" else i for i in vae_loader["inputs"])
+    defs["XDiTVAELoader"] = vae_loader
     stock_nodes = dict(stock.STOCK_NODES, CLIPLoader=_clip_loader(stock.STOCK_NODES["CLIPLoader"]))
     assert not set(LATER_NODES) & set(stock_nodes)
     stock_nodes.update(LATER_NODES)

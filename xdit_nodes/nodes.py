@@ -152,7 +152,8 @@ class XDiTCheckpointLoader(io.ComfyNode):
                 expert_placement="auto", shard=1):
         """The engine's MODEL of the file's diffusion model (refused in one line where this ComfyUI is too old for
         it), then its text encoder and VAE exactly as CheckpointLoaderSimple loads them (ComfyUI's own loader, its
-        diffusion model left unread)."""
+        diffusion model left unread), the VAE's decode and encode on the engine's ranks where the engine splits its
+        type (comfy_vae.checkpoint_vae; ComfyUI's own VAE for any other)."""
         import comfy.sd
         path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
         settings = _settings(path, family, weight_dtype, gpus, plan, ulysses, ring, cfg_parallel, dp, timeout_s,
@@ -164,6 +165,9 @@ class XDiTCheckpointLoader(io.ComfyNode):
         _, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(
             path, output_vae=True, output_clip=True, output_model=False,
             embedding_directory=folder_paths.get_folder_paths("embeddings"))
+        if getattr(vae, "first_stage_model", None) is not None:   # the checkpoint has a VAE
+            from .comfy_vae import checkpoint_vae
+            vae = checkpoint_vae(vae, settings, path)
         return io.NodeOutput(model, clip, vae, settings)
 
 

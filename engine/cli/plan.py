@@ -23,7 +23,8 @@ from ..parallel.plan import (AUTO, EXPERT_PLACEMENTS, FASTEST, TWO_EXPERTS, Para
 from ..parallel.planner import resolve_plan, survey
 from ..runtime.machine import Machine
 from . import args as types
-from . import plan_job, plan_view
+from ..published import vae as published_vae
+from . import plan_job, plan_vae, plan_view
 from .args import UsageError
 
 # an H100 of the kind the link has: H100 PCIe over any PCIe class, else H100 SXM
@@ -160,7 +161,9 @@ def _required(a) -> None:
 def _validate() -> int:
     print("\n".join(published.validation_table() + [""]))
     print("Weights divided among GPUs (FSDP): the gathers and memory against published runs (nothing fitted)")
-    print("\n".join(sharding.table() + [""] + published.summary()))
+    print("\n".join(sharding.table() + [""]))
+    print("The VAE decode (engine/vae/cost.py) against published decode times (one row fitted: CONV_SHARE)")
+    print("\n".join(published_vae.table() + [""] + published.summary()))
     return 0
 
 
@@ -218,17 +221,18 @@ def run(a) -> int:
         choice = resolve_plan(a.plan, a.gpus, work, hw)
     except PlanError as e:  # nothing fits: the numbers are in the table, the verdict is the one error line
         choice = e
+    chosen = found.chosen if not isinstance(choice, PlanError) else None
+    decode = plan_vae.decode(info, (a.batch,) + tuple(latent.shape[1:]), hw, chosen, a.dtype)
     if a.json:
         if isinstance(choice, PlanError):
             raise UsageError(_refusal(choice, a, work, found)) from None
         print(json.dumps({"chosen": plan_view.entry(found.chosen, work), "one_gpu": plan_view.entry(one, work),
-                          "reason": choice.reason, "job": _job(a, work),
+                          "reason": choice.reason, "job": _job(a, work), "decode": decode,
                           "candidates": [plan_view.entry(e, work) for e in sorted(found.estimates,
                                                                                   key=lambda e: e.job_ms)]},
                          indent=1))
         return 0
     print("\n".join(plan_view.header(info, work, hw, a) + notes) + "\n")
-    chosen = found.chosen if not isinstance(choice, PlanError) else None
     mine = sorted((e for e in found.estimates if e.ranks == a.gpus or e is chosen),
                   key=lambda e: (not e.fits, e.job_ms))
     # plans that divide the weights are listed where no plan with whole weights fits (or one of them is the choice)
@@ -263,6 +267,7 @@ def run(a) -> int:
     if work.experts > 1:
         print("\n".join(plan_view.experts_lines(work, hw, chosen or min(found.estimates,
                                                                           key=lambda e: e.memory["total"]))))
+    print("\n".join(plan_vae.lines(decode, work.per)))
     print()
     if isinstance(choice, PlanError):
         raise UsageError(_refusal(choice, a, work, found)) from None

@@ -41,14 +41,15 @@ class Move:
 
 
 def decide(others: list[Held], *, device: str, need_bytes: int, free_bytes: int | None, host_free_bytes: int | None,
-           local_ranks: int, placement: str = "auto") -> list[Move]:
+           local_ranks: int, placement: str = "auto", keep: int = RESIDENT_MODELS - 1) -> list[Move]:
     """What to do with the other models a rank keeps (least recently used first) before a job that needs
     `need_bytes` more on the device (its weights unless resident, its activations), with `free_bytes` free there now
     and `host_free_bytes` available on the host (None: unknown, taken as room enough); `local_ranks` ranks of this
-    machine move their copies at once; `placement` is the plan's ("resident", "host" or "auto")."""
+    machine move their copies at once; `placement` is the plan's ("resident", "host" or "auto"); `keep`: how many of
+    the others may stay kept (a job of another kind, a VAE decode, keeps them all)."""
     moves: list[Move] = []
     kept = list(others)
-    while len(kept) > RESIDENT_MODELS - 1:
+    while len(kept) > keep:
         held = kept.pop(0)
         moves.append(Move(held.key, "drop", f"a rank keeps {RESIDENT_MODELS} models: the least recently used goes"))
     if device != "cuda":

@@ -47,6 +47,12 @@ def _make_room(ctx, models: dict, request: GenerateRequest, resident: bool) -> N
                    free_bytes=torch.cuda.mem_get_info(ctx.device)[0] if cuda else None,
                    host_free_bytes=host_available_bytes() if cuda else None, local_ranks=ctx.local_ranks,
                    placement=request.expert_placement)
+    apply_moves(ctx, models, moves)
+
+
+def apply_moves(ctx, models: dict, moves) -> None:
+    """residency.decide's moves applied to the models the rank keeps, each said in the job's report."""
+    cuda = ctx.device.type == "cuda"
     for move in moves:
         state = models[move.key]
         variant = state["loaded"].info.variant

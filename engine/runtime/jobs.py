@@ -436,6 +436,13 @@ def vae_encode(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     return run_vae(ctx, spec, inputs, "encode")
 
 
+@job("vae_tiles")
+def vae_tiles(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
+    """Whole tiles of a VAE decode or encode spread over the ranks, each on the unsplit network (engine/vae/tiles.py)."""
+    from ..vae.tiles import run_pool
+    return run_pool(ctx, spec, inputs)
+
+
 @job("vae_layer")
 def vae_layer(ctx: JobContext, spec: dict, inputs: dict[str, torch.Tensor]):
     """One row-split VAE layer on each rank's band, for the layers' own tests (engine/vae/job.py)."""

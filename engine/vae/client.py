@@ -17,18 +17,20 @@ from safetensors import safe_open
 
 from ..errors import EngineError
 from .layers import ATTENTION
+from . import room
 from .load import DTYPES, VAEInputError, dtype_name, inspect_vae
 
 
-def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention: str | None = None,
+def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, prefix: str = "", attention: str | None = None,
         noise: torch.Tensor | None = None, chunk_bytes: int | None = None, on_progress=None, should_cancel=None,
         deadlines=None):
-    """(the result, the JobResult) of `op` ("decode" or "encode") of `x` by the VAE in `path`, computed in `dtype`
-    (fp32, bf16, fp16 or the torch dtype); attention: ComfyUI's VAE attention kernel to match ("split" or "sdpa";
-    default: the ranks' device's, as ComfyUI's); noise: for a VAE whose decode mixes in noise (LTX's timestep-
-    conditioned decoders), the noise as ComfyUI draws it (torch.randn_like of the latent on its VAE's device, in its
-    dtype); chunk_bytes: the size of LTX's temporal chunks (default ComfyUI's 128 MiB). A VAE tiled by definition
-    (MiniMax-H3) returns ComfyUI's finished result: float32 frames in [0, 1], or the normalized latent."""
+    """(the result, the JobResult) of `op` ("decode" or "encode") of `x` by the VAE in `path` (a checkpoint's: the
+    tensors named with `prefix`), computed in `dtype` (fp32, bf16, fp16 or the torch dtype); attention: ComfyUI's VAE
+    attention kernel to match ("split" or "sdpa"; default: the ranks' device's, as ComfyUI's); noise: for a VAE whose
+    decode mixes in noise (LTX's timestep-conditioned decoders), the noise as ComfyUI draws it (torch.randn_like of the
+    latent on its VAE's device, in its dtype); chunk_bytes: the size of LTX's temporal chunks (default ComfyUI's 128
+    MiB). A VAE tiled by definition (MiniMax-H3) returns ComfyUI's finished result: float32 frames in [0, 1], or the
+    normalized latent."""
     if op not in ("decode", "encode"):
         raise ValueError(f"VAE job {op!r} is not decode or encode")
     name = "latent" if op == "decode" else "pixels"
@@ -37,7 +39,7 @@ def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention:
                             f"floating-point tensor")
     if attention is not None and attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
-    info = inspect_vae(path)
+    info = inspect_vae(path, prefix)
     dtype = dtype_name(dtype)
     if op == "decode":
         info.check_latent(x.shape)
@@ -54,6 +56,8 @@ def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention:
                                    f"it" if info.decode_noise else ""))
         inputs["noise"] = noise.detach().to("cpu", DTYPES[dtype]).contiguous()
     spec = {"path": info.path, "mtime_ns": info.mtime_ns, "dtype": dtype}
+    if prefix:
+        spec["prefix"] = prefix
     if attention is not None:
         spec["attention"] = attention
     if chunk_bytes is not None:
@@ -62,8 +66,14 @@ def run(engine, op: str, path: str, x: torch.Tensor, dtype="fp32", *, attention:
     plan = pool.plan(op, tuple(x.shape)) if pool else None
     output_bytes = (sum(math.prod(p.out_shape) for p in plan.pieces) if pool else math.prod(shape)) * \
         DTYPES[dtype].itemsize
-    result = engine.submit(f"vae_{op}", spec, inputs, on_progress=on_progress, should_cancel=should_cancel,
-                           deadlines=deadlines, output_bytes=output_bytes)
+    spec.update(room.job_need(engine, info, [tuple(x.shape)], op, dtype))
+    try:
+        result = engine.submit(f"vae_{op}", spec, inputs, on_progress=on_progress, should_cancel=should_cancel,
+                               deadlines=deadlines, output_bytes=output_bytes)
+    except EngineError as e:
+        if not e.oom:
+            raise
+        raise room.out_of_memory(e, engine, info, tuple(x.shape), op, dtype) from e
     if pool:
         return _assemble(pool, plan, info, dtype, result, shape), result
     bands = [result.outputs[f"rows.{i}"] for i in range(len(result.outputs))]
@@ -94,7 +104,7 @@ def _assemble(pool, plan, info, dtype: str, result, shape: tuple) -> torch.Tenso
     stats = None
     if plan.op == "encode":
         with safe_open(info.path, "pt", device="cpu") as f:
-            stats = tuple(f.get_tensor(k).to(DTYPES[dtype]) for k in ("latents_mean", "latents_std"))
+            stats = tuple(f.get_tensor(info.prefix + k).to(DTYPES[dtype]) for k in ("latents_mean", "latents_std"))
     out = pool.assemble(plan, [result.outputs[f"piece.{k}"] for k in range(len(plan.pieces))], stats)
     if tuple(out.shape) != shape:
         raise EngineError(f"job {result.job_id}: the ranks' {plan.op} is {list(out.shape)}, expected {list(shape)}")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .layers import (CausalConv3d, RowConv2d, RowDownConv2d, RowGroupNorm, RowSplit, bind, gathered_attention,
                      split_rows)
 from .load import inspect_vae, load_vae
+from .room import make_room
 
 VAES_KEPT = 2
 
@@ -46,17 +47,23 @@ def _band(x: torch.Tensor, split: RowSplit, scale: int) -> torch.Tensor:
     return x.narrow(-2, split.start * scale, split.rows[split.index] * scale)
 
 
-def _vae(ctx, spec: dict) -> torch.nn.Module:
-    """The VAE of the job, loaded once and kept (the last VAES_KEPT)."""
+def kept_vae(ctx, spec: dict) -> torch.nn.Module:
+    """The VAE of the job, loaded once and kept (the last VAES_KEPT; a checkpoint's VAE keyed by its key prefix
+    too)."""
     vaes = ctx.cache.setdefault("vaes", OrderedDict())
-    key = (spec["path"], spec["mtime_ns"], spec["dtype"])
+    key = (spec["path"], spec["mtime_ns"], spec["dtype"], spec.get("prefix", ""))
+    need = spec.get("need_bytes", 0)
     if key in vaes:
         vaes.move_to_end(key)
         ctx.info["vae_source"] = "resident"
+        # every rank agrees here, whether it holds the VAE or loads it (after a failed load some ranks keep theirs)
+        ctx.stop_here(failure=make_room(ctx, need))
         return vaes[key]
-    failure, model = None, None
+    failure, model = make_room(ctx, need + spec.get("weight_bytes", 0)), None
     try:
-        info = inspect_vae(spec["path"])
+        if failure is not None:
+            raise failure
+        info = inspect_vae(spec["path"], spec.get("prefix", ""))
         if info.mtime_ns != spec["mtime_ns"]:
             raise RuntimeError(f"{os.path.basename(spec['path'])} changed after the job was sent; send it again")
         ctx.enter_phase("load", bytes=os.path.getsize(spec["path"]))
@@ -64,10 +71,11 @@ def _vae(ctx, spec: dict) -> torch.nn.Module:
         ctx.enter_phase("compute")
     except Exception as e:   # every rank stops with it (stop_here), keeping what it holds
         failure = e
+    if model is not None:   # kept before the agreement: a rank whose load succeeded keeps it if another's failed
+        while len(vaes) >= VAES_KEPT:
+            vaes.popitem(last=False)
+        vaes[key] = model
     ctx.stop_here(failure=failure)
-    while len(vaes) >= VAES_KEPT:
-        vaes.popitem(last=False)
-    vaes[key] = model
     ctx.info["vae_source"] = "file"
     return model
 
@@ -75,7 +83,7 @@ def _vae(ctx, spec: dict) -> torch.nn.Module:
 def run_vae(ctx, spec: dict, inputs: dict[str, torch.Tensor], op: str) -> dict[str, torch.Tensor] | None:
     """decode (inputs["latent"]) or encode (inputs["pixels"]) of the file's VAE: this rank's band of the result."""
     ctx.reset_peak_memory()
-    model = _vae(ctx, spec)
+    model = kept_vae(ctx, spec)
     x = inputs["latent" if op == "decode" else "pixels"]
     if getattr(model, "pool", False):   # tiled by definition (MiniMax-H3): whole pieces, not bands
         from .pool import run_pool

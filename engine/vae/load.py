@@ -205,12 +205,15 @@ def kind(name: str) -> Kind:
 
 @dataclass(frozen=True)
 class VAEInfo:
-    """A VAE file as its header says: path, mtime (what the ranks key their copy by), kind and widths."""
+    """A VAE file as its header says: path, mtime (what the ranks key their copy by), kind and widths; `prefix`: the
+    key prefix of the VAE's tensors in a checkpoint that holds more (ComfyUI's vae_key_prefix, e.g. "vae."; "" for a
+    VAE file), `keys` the VAE's tensor names without it."""
     path: str
     mtime_ns: int
     kind: Kind
     widths: dict
     keys: frozenset
+    prefix: str = ""
 
     @property
     def latent_channels(self) -> int:
@@ -225,7 +228,8 @@ class VAEInfo:
         return self.widths.get("out_channels", 3)
 
     def describe(self) -> str:
-        return f"the {self.kind.title} VAE in {os.path.basename(self.path)}"
+        where = f" (its {self.prefix} tensors)" if self.prefix else ""
+        return f"the {self.kind.title} VAE in {os.path.basename(self.path)}{where}"
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the network takes, with its shape (from the network built on the meta device)."""
@@ -293,43 +297,46 @@ class VAEInfo:
 _INFO: dict[tuple, VAEInfo] = {}
 
 
-def inspect_vae(path: str) -> VAEInfo:
+def inspect_vae(path: str, prefix: str = "") -> VAEInfo:
     """The VAE file's kind and widths from its header (no tensor read); CheckpointError in one line for a file that is
-    not a VAE the engine splits, or lacks tensors the network needs."""
+    not a VAE the engine splits, or lacks tensors the network needs. prefix: read only the tensors named with it, the
+    prefix removed, as ComfyUI's checkpoint loader takes a checkpoint's VAE (its vae_key_prefix, sd.py:2210-2213)."""
     path = os.path.abspath(path)
     try:
         mtime = os.stat(path).st_mtime_ns
     except OSError as e:
         raise CheckpointError(f"VAE file {path!r} cannot be read ({e.strerror or e})") from None
-    cached = _INFO.get((path, mtime))
+    cached = _INFO.get((path, mtime, prefix))
     if cached is not None:
         return cached
     tensors, metadata = read_header(path)
-    in_file = {name: tuple(t.shape) for name, t in tensors.items()}
+    in_file = {key[len(prefix):]: tuple(t.shape) for key, t in tensors.items() if key.startswith(prefix)}
+    name = os.path.basename(path) + (f"'s {prefix} tensors" if prefix else "")
+    verb = "are" if prefix else "is"
     found = next((k for k in KINDS if k.detect(in_file)), None)
     if found is None:
-        raise CheckpointError(f"{os.path.basename(path)} is not a VAE the engine splits (it reads "
+        raise CheckpointError(f"{name} {verb} not a VAE the engine splits (it reads "
                               f"{', '.join(k.title for k in KINDS)}): ComfyUI's own VAE decodes it")
-    shapes = {found.network_name(name): shape for name, shape in in_file.items()}
+    shapes = {found.network_name(key): shape for key, shape in in_file.items()}
     keys = frozenset(shapes)
     try:
         widths = found.widths(shapes)
     except KeyError as e:
-        raise CheckpointError(f"{os.path.basename(path)} is a {found.title} VAE without its tensor {e.args[0]}: the "
-                              f"file is incomplete") from None
+        raise CheckpointError(f"{name} {verb} a {found.title} VAE without its tensor {e.args[0]}: the file is "
+                              f"incomplete") from None
     if found.header is not None:
         widths.update(found.header(os.path.basename(path), shapes, metadata))
-    info = VAEInfo(path, mtime, found, widths, keys)
+    info = VAEInfo(path, mtime, found, widths, keys, prefix)
     expected = info.expected()
     missing = sorted(set(expected) - keys)
     wrong = sorted(k for k in expected if k in keys and shapes[k] != expected[k])
     if missing or wrong:
         k = (missing or wrong)[0]
-        raise CheckpointError(f"{os.path.basename(path)} is a {found.title} VAE but {len(missing)} of its tensors are "
+        raise CheckpointError(f"{name} {verb} a {found.title} VAE but {len(missing)} of its tensors are "
                               f"missing and {len(wrong)} have other shapes (e.g. {k}: "
                               f"{shapes.get(k, 'absent')}, expected {expected[k]}): the file is damaged or of another "
                               f"model")
-    _INFO[(path, mtime)] = info
+    _INFO[(path, mtime, prefix)] = info
     return info
 
 
@@ -339,7 +346,7 @@ def load_vae(info: VAEInfo, dtype: str, device: torch.device) -> torch.nn.Module
         model = info.kind.build(**info.widths)
     names = set(model.state_dict())
     with safe_open(info.path, "pt", device="cpu") as f:
-        in_file = {info.kind.network_name(k): k for k in f.keys()}
+        in_file = {info.kind.network_name(k[len(info.prefix):]): k for k in f.keys() if k.startswith(info.prefix)}
         weights = {k: f.get_tensor(in_file[k]).to(DTYPES[dtype]) for k in names}
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)
