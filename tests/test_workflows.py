@@ -841,7 +841,7 @@ def test_minimax_h3_is_comfyuis_template_with_the_turbo_lora_on_the_engines_mode
     audio_id, audio = only(api, "VAEDecodeAudio")
     assert decode["inputs"]["samples"] == audio["inputs"]["samples"] == [sampler_id, 0]
     assert av["inputs"]["vae"] == decode["inputs"]["vae"]
-    assert source(api, decode_id, "vae")[1]["inputs"]["vae_name"] == "minimax_h3_video_vae_fp16.safetensors"
+    assert engine_vae(api, decode["inputs"]["vae"][0]) == "minimax_h3_video_vae_fp16.safetensors"   # its tiles: the ranks
     assert source(api, audio_id, "vae")[1]["inputs"]["vae_name"] == "minimax_h3_audio_vae_fp32.safetensors"
     _, video = only(api, "CreateVideo")
     assert video["inputs"] == {"images": [decode_id, 0], "audio": [audio_id, 0], "fps": 24.0, "bit_depth": 8}
@@ -959,6 +959,14 @@ def test_ltx23_flf_is_comfyuis_first_last_frame_template_with_the_checkpoint_loa
 LTX25_VIDEO_VAE, LTX25_AUDIO_VAE = "ltx-2.5-video-vae-bf16.safetensors", "ltx-2.5-audio-vae-bf16.safetensors"
 
 
+def engine_vae(api: dict, node_id: str) -> str:
+    """The file of an xDiT VAE Loader on an xDiT Engine's engine output (the video VAE's decode and encode on the
+    ranks)."""
+    node = api[node_id]
+    assert node["class_type"] == "XDiTVAELoader" and api[node["inputs"]["engine"][0]]["class_type"] == "XDiTEngine"
+    return node["inputs"]["vae_name"]
+
+
 @pytest.mark.parametrize("kind", ["t2v", "i2v"])
 def test_ltx25_is_comfyuis_two_pass_template_with_the_engine_in_unetloaders_place(kind):
     """ComfyUI's LTX-2.5 templates, flattened: the engine's MODEL straight into both passes' LTXVDualCFGGuider at video
@@ -1002,12 +1010,12 @@ def test_ltx25_is_comfyuis_two_pass_template_with_the_engine_in_unetloaders_plac
         assert upsampled["class_type"] == "LTXVImgToVideoInplace" and upsampled["inputs"]["strength"] == 1.0
         upsampled = api[upsampled["inputs"]["latent"][0]]
     assert upsampled["class_type"] == "LTXVLatentUpsampler" and upsampled["inputs"]["samples"] == [split1_id, 0]
-    assert api[upsampled["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+    assert engine_vae(api, upsampled["inputs"]["vae"][0]) == LTX25_VIDEO_VAE
     split2_id, _ = only_after(api, second)
     decode_id, decode = only(api, "VAEDecodeTiled")
     assert decode["inputs"]["samples"] == [split2_id, 0] and (decode["inputs"]["tile_size"], decode["inputs"][
         "overlap"], decode["inputs"]["temporal_size"], decode["inputs"]["temporal_overlap"]) == (512, 64, 64, 16)
-    assert api[decode["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+    assert engine_vae(api, decode["inputs"]["vae"][0]) == LTX25_VIDEO_VAE
     sound_id, sound = only(api, "LTXVAudioVAEDecode")
     assert sound["inputs"]["samples"] == [split2_id, 1]
     assert api[sound["inputs"]["audio_vae"][0]]["inputs"] == {"vae_name": LTX25_AUDIO_VAE}
@@ -1034,7 +1042,7 @@ def test_ltx25_flf_is_comfyuis_first_last_frame_template_with_the_engine_in_unet
     assert (last["inputs"]["frame_idx"], last["inputs"]["strength"]) == (-1, 0.7)
     assert guider["inputs"]["positive"] == [last_id, 0] and guider["inputs"]["negative"] == [last_id, 1]
     for guide in (first, last):
-        assert api[guide["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+        assert engine_vae(api, guide["inputs"]["vae"][0]) == LTX25_VIDEO_VAE
         frame = api[guide["inputs"]["image"][0]]
         assert frame["class_type"] == "LTXVPreprocess" and frame["inputs"]["img_compression"] == 18
         scaled = api[frame["inputs"]["image"][0]]["inputs"]
@@ -1049,7 +1057,7 @@ def test_ltx25_flf_is_comfyuis_first_last_frame_template_with_the_engine_in_unet
     assert crop["inputs"] == {"positive": [last_id, 0], "negative": [last_id, 1], "latent": [split_id, 0]}
     decode = only(api, "VAEDecodeTiled")[1]
     assert decode["inputs"]["samples"] == [crop_id, 2]
-    assert api[decode["inputs"]["vae"][0]]["inputs"] == {"vae_name": LTX25_VIDEO_VAE}
+    assert engine_vae(api, decode["inputs"]["vae"][0]) == LTX25_VIDEO_VAE
 
 
 def only_after(api, node_id):

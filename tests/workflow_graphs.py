@@ -436,7 +436,7 @@ def _minimax_h3(image: bool) -> Graph:
                         "and its audio VAE")
     clip = g.add("CLIPLoader", ["qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "minimax", "default"], 0)
     engine = _engine(g, "minimax_h3_fl2va_pruned_int8_convrot.safetensors")
-    video_vae = g.add("VAELoader", ["minimax_h3_video_vae_fp16.safetensors"], 0)
+    video_vae = _engine_vae(g, "minimax_h3_video_vae_fp16.safetensors", engine)   # its tiles over the ranks
     audio_vae = g.add("VAELoader", ["minimax_h3_audio_vae_fp32.safetensors"], 0)
     turbo = g.add("LoraLoaderModelOnly", ["minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", 1.0], 1,
                   model=engine.out(1))
@@ -615,7 +615,7 @@ def _ltx25_loaders(g: Graph):
                         "audio-video latent nodes")
     clip = g.add("CLIPLoader", ["gemma4-12b-with-proj-ltx-2.5-comfy-int8-convrot.safetensors", "ltxv", "default"], 0)
     engine = _engine(g, LTX25_MODEL)
-    return clip, engine, g.add("VAELoader", ["ltx-2.5-video-vae-bf16.safetensors"], 0), \
+    return clip, engine, _engine_vae(g, "ltx-2.5-video-vae-bf16.safetensors", engine), \
         g.add("VAELoader", ["ltx-2.5-audio-vae-bf16.safetensors"], 0)
 
 
