@@ -372,6 +372,35 @@ def test_a_quantized_file_gives_the_latent_of_its_dequantized_copy(engines, tmp_
                   bound(want, STEPS))
 
 
+LORA_LAYERS = {"blocks.0.attn.wq": "transformer_blocks.0.attn.to_q", "blocks.1.attn.gate": "transformer_blocks.1.attn.to_gate",
+               "blocks.2.mlp.up": "transformer_blocks.2.ff.up", "txtfusion.refiner_blocks.0.attn.wv":
+               "text_fusion.refiner_blocks.0.attn.to_v", "first": "img_in"}
+
+
+@pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])
+def test_a_lora_in_comfyuis_or_diffusers_names_equals_the_merged_checkpoint(krea, engines, tmp_path, fmt):
+    """A LoRA on blocks, the text fusion and the patch embedding, named as ComfyUI's model names its layers
+    (diffusion_model.blocks.N.attn.wq) or as diffusers' (transformer.transformer_blocks.N.attn.to_q): the same latent as
+    its product merged into the file."""
+    weights = load_file(krea)
+    g = torch.Generator().manual_seed(9)
+    lora, merged = {}, dict(weights)
+    for comfy, diffusers in LORA_LAYERS.items():
+        n_out, n_in = weights[comfy + ".weight"].shape
+        down, up = torch.randn(4, n_in, generator=g) * 0.1, torch.randn(n_out, 4, generator=g) * 0.1
+        name = f"diffusion_model.{comfy}" if fmt == "comfyui" else f"transformer.{diffusers}"
+        lora.update({f"{name}.lora_A.weight": down, f"{name}.lora_B.weight": up})
+        merged[comfy + ".weight"] = weights[comfy + ".weight"] + 0.8 * (up @ down)
+    lora_path, merged_path = str(tmp_path / f"lora-{fmt}.safetensors"), str(tmp_path / "merged.safetensors")
+    save_file(lora, lora_path)
+    with safe_open(krea, "pt") as f:
+        save_file(merged, merged_path, metadata=f.metadata())
+    want = run(engines, job(merged_path))
+    got = run(engines, job(krea, loras=[(lora_path, 0.8)]))
+    assert report(f"Krea 2 {fmt} LoRA vs merged checkpoint", (got - want).abs().max(), bound(want, STEPS))
+    assert (got - run(engines, job(krea))).abs().max() > 100 * bound(want, STEPS)   # the LoRA changes the latent
+
+
 # ---- the commands -------------------------------------------------------------------------------------------------
 def test_make_tiny_writes_a_file_comfyui_detects_and_says_what_it_takes(tmp_path):
     import contextlib
