@@ -156,7 +156,8 @@ def reference_sample(m, cond, neg, latent5, seed, steps, cfg, refs=(), method=No
 def bound(reference, steps=1, cfg=1.0):
     """Another process and code path (hooks, rank splits): fp32 summation order only; the longest dot product is the
     SwiGLU's 768."""
-    return fp32_bound(reference.abs().max(), reduction=768, depth=DEPTH, amplification=sampling_amplification(steps, cfg))
+    return fp32_bound(reference.abs().max(), reduction=768, depth=DEPTH,
+                      amplification=sampling_amplification(steps, cfg))
 
 
 # ---- the files users have ---------------------------------------------------------------------------------------
@@ -372,9 +373,10 @@ def test_a_quantized_file_gives_the_latent_of_its_dequantized_copy(engines, tmp_
                   bound(want, STEPS))
 
 
-LORA_LAYERS = {"blocks.0.attn.wq": "transformer_blocks.0.attn.to_q", "blocks.1.attn.gate": "transformer_blocks.1.attn.to_gate",
-               "blocks.2.mlp.up": "transformer_blocks.2.ff.up", "txtfusion.refiner_blocks.0.attn.wv":
-               "text_fusion.refiner_blocks.0.attn.to_v", "first": "img_in"}
+LORA_LAYERS = {"blocks.0.attn.wq": "transformer_blocks.0.attn.to_q",
+               "blocks.1.attn.gate": "transformer_blocks.1.attn.to_gate",
+               "blocks.2.mlp.up": "transformer_blocks.2.ff.up",
+               "txtfusion.refiner_blocks.0.attn.wv": "text_fusion.refiner_blocks.0.attn.to_v", "first": "img_in"}
 
 
 @pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])

@@ -636,11 +636,11 @@ PROMPTS = {
     "flux2-dev-multi-reference": "the woman from image 1 wearing the jacket from image 2, standing on a rainy city "
                                  "street at night, neon reflections on the wet pavement",
     # the Krea 2 Turbo template's own prompt
-    "krea-2": "A high-resolution, surreal digital illustration showing a human hand holding a martini glass. The image "
-              "is overlaid with whimsical, expressive ink-style doodles, including a cartoon figure inside the glass, a "
-              "drawn citrus wedge on the rim, and various abstract sketches and faces surrounding the glass against a "
-              "clean, white background. The style seamlessly blends a realistic, lit photograph with loose, hand-drawn "
-              "marker artistry, creating a playful and artistic juxtaposition.",
+    "krea-2": "A high-resolution, surreal digital illustration showing a human hand holding a martini glass. The "
+              "image is overlaid with whimsical, expressive ink-style doodles, including a cartoon figure inside "
+              "the glass, a drawn citrus wedge on the rim, and various abstract sketches and faces surrounding "
+              "the glass against a clean, white background. The style seamlessly blends a realistic, lit "
+              "photograph with loose, hand-drawn marker artistry, creating a playful and artistic juxtaposition.",
     # the Wan templates' own prompts
     "wan2.1-t2v-1.3b": "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking "
                        "camera",

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import Family, Marker, StageParams, StockJob, TokenTable, forward_hook, grid_ids
-from .krea2_layout import DIMS, HEAD_DIM, infer, key_map, shapes  # noqa: F401 (read here)
+from .krea2_layout import DIMS, infer, key_map, shapes
 from .qwen_image import WAN21_MEAN, WAN21_STD, pack, unpack
 from .stage import StageModel
 

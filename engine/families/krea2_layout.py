@@ -104,8 +104,9 @@ def _names(layout: str) -> dict[str, str]:
                 "text_qnorm": "txtfusion.layerwise_blocks.0.attn.qknorm.qnorm.scale",
                 "text_mlp": "txtfusion.layerwise_blocks.0.mlp.gate.weight", "blocks": r"blocks\.(\d+)\.",
                 "layerwise": r"txtfusion\.layerwise_blocks\.(\d+)\.", "refiner": r"txtfusion\.refiner_blocks\.(\d+)\."}
-    return {"first": "img_in.weight", "tmlp": "time_embed.linear_1.weight", "q": "transformer_blocks.0.attn.to_q.weight",
-            "k": "transformer_blocks.0.attn.to_k.weight", "qnorm": "transformer_blocks.0.attn.norm_q.weight",
+    return {"first": "img_in.weight", "tmlp": "time_embed.linear_1.weight",
+            "q": "transformer_blocks.0.attn.to_q.weight", "k": "transformer_blocks.0.attn.to_k.weight",
+            "qnorm": "transformer_blocks.0.attn.norm_q.weight",
             "mlp": "transformer_blocks.0.ff.gate.weight", "projector": "text_fusion.projector.weight",
             "text_norm": "text_fusion.layerwise_blocks.0.norm1.weight",
             "text_k": "text_fusion.layerwise_blocks.0.attn.to_k.weight",
