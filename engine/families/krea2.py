@@ -91,7 +91,7 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     Under index_timestep_zero the blocks' modulation becomes one row a token, the timestep's for the text and the
     image, timestep 0's for the references (the tokens whose position index is 1 or more)."""
     model = flow.model
-    n, _, h, w = x.shape
+    h, w = x.shape[-2:]
     refs = prepared.references if prepared.reference_method != NONE else ()
     tokens = [pack(x)] + [pack(r) for r in refs]
     image_tokens = tokens[0].shape[1]
@@ -127,8 +127,9 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
 class Krea2SPProcessor:
     """What diffusers' Krea2AttnProcessor computes (GQA with the key/value heads repeated, q/k RMSNorm, RoPE, the
     sigmoid gate on the output) with the blocks' attention through the sequence-parallel entry point; the text
-    fusion's (marked `xdit_local` at load: every rank holds its whole text) through diffusers' own processor. Under
-    PipeFusion a stage sets `joint_text` to the text tokens leading the sequence, which attend as joint tokens."""
+    fusion's (marked `xdit_local` at load: every rank holds its whole text) through diffusers' own processor. The
+    text tokens lead every rank's sequence whole and attend as joint tokens: the family's forward (under PipeFusion,
+    a stage) sets `joint_text` to their count, as the blocks pass the attention no keyword of their own."""
 
     def __init__(self, attention):
         from diffusers.models.embeddings import apply_rotary_emb
