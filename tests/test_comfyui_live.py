@@ -429,6 +429,55 @@ def test_ltx25_graphs_with_the_engines_model_equal_comfyui_own(setup):
     assert {"single rank", "ulysses2", "ring2", "ulysses2 x shard2", "ring2 x shard2", "cfg2", "dp2"} <= plans, plans
 
 
+@pytest.mark.timeout(1000)
+def test_krea2_graphs_with_the_engines_model_equal_comfyui_own(setup):
+    """ComfyUI's Krea 2 graphs (the Turbo template's KSampler at cfg 1, cfg 4 with a negative of another length, the
+    style-reference template's index_timestep_zero with ModelSamplingFlux, CFGGuider and SamplerCustomAdvanced,
+    references without a method, two by index, a LoRA, a mixed-precision fp8 file) with only the loader swapped for
+    the xDiT Engine on 1 and 2 CPU ranks (auto, Ulysses, Ring, CFG parallel, the weights divided), and the sampler
+    too (xDiT Sampler), against ComfyUI's own model of the same tiny file."""
+    folder = setup["dir"] / "written-krea2"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(write_tiny("krea2", str(folder)), setup["models"] / "diffusion_models" / "tiny-krea-2.safetensors")
+    shutil.copy(write_tiny("krea2", str(folder), format="fp8_mixed"),
+                setup["models"] / "diffusion_models" / "tiny-krea-2-fp8_mixed.safetensors")
+    g = torch.Generator().manual_seed(6)   # ComfyUI's LoRA key names for Krea 2's layout
+    lora = {}
+    for layer, (n_out, n_in) in {"blocks.0.attn.wq": (256, 256), "blocks.1.attn.gate": (256, 256),
+                                 "blocks.2.mlp.up": (768, 256), "txtfusion.refiner_blocks.0.attn.wv": (80, 80)}.items():
+        lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(2, n_in, generator=g) * 0.3
+        lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(n_out, 2, generator=g) * 0.3
+    save_file(lora, str(setup["models"] / "loras" / "tiny-krea-2-lora.safetensors"))
+    report = run_check("comfyui_krea2_check.py", setup, 900)
+    if report["comfyui"] == "0.3.64":   # older than Krea 2: the engine's MODEL names the release to update to
+        assert "update ComfyUI to 0.26.0 or newer" in report["older"], report
+        return
+    assert report["keys"]["file"] == report["keys"]["comfyui_model"] and not report["keys"]["missing_in_file"] \
+        and not report["keys"]["extra_in_file"], report["keys"]   # the tiny file is ComfyUI's model's state dict
+    graphs = report["graphs"]
+    assert len(graphs) == 7, sorted(graphs)
+    # ComfyUI's own model ignores references without a method; each other graph's settings move its result
+    assert graphs["krea2 references without a method (ignored)"]["native_vs_turbo_rel_l2"] == 0.0
+    for name, entry in graphs.items():
+        assert "turbo template" in name or "without a method" in name or "fp8" in name \
+            or entry["native_vs_turbo_rel_l2"] > 1e-2, (name, entry)
+    fp8 = graphs["krea2 fp8 mixed file, cfg 4"]
+    plans = set()
+    for name, entry in graphs.items():
+        # fp32 through different code paths: rounding only (ComfyUI attends by sub-quadratic chunks on the CPU: about
+        # 3e-7 a block, 2e-6 a call on the tiny model), which CFG amplifies up to 2 cfg - 1 times; from the fp8 file
+        # the engine computes the file's exact weights, which ComfyUI's own fp8 layers match to the distance measured
+        # in the same run
+        rounding = 1e-5 * max(1.0, 2 * entry["cfg"] - 1)
+        bound = rounding + 1.1 * entry.get("comfyui_fp8_vs_exact_rel_l2", 0.0)
+        for key, run in entry.items():
+            if isinstance(run, dict):
+                assert run["rel_l2"] < bound and run.get("vs_comfyui_exact_rel_l2", 0.0) < rounding, (name, key, run)
+                plans.add(run["plan"])
+    assert fp8["comfyui_fp8_vs_exact_rel_l2"] < 1e-2, fp8
+    assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
+
+
 @pytest.mark.timeout(300)
 def test_every_api_workflow_passes_comfyuis_own_prompt_validation(setup):
     """workflows/api/*.api.json through ComfyUI's execution.validate_prompt (what POST /prompt runs), in every ComfyUI

@@ -853,7 +853,7 @@ def test_plan_fit_table_prints_every_model_weights_and_size_and_docs_fit_holds_i
 def test_plan_memory_table_prints_every_model_weights_and_plan_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--memory-table", "--markdown"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + sum(2 if fp8 else 1 for *_, fp8 in fits.MEMORY_MODELS) == 15   # the header and a row each
+    assert len(rows) == 1 + sum(2 if fp8 else 1 for *_, fp8 in fits.MEMORY_MODELS) == 17   # the header and a row each
     assert "| SD3.5-large | bf16 (15.2 GiB) | 17.6 | 17.2 | n/a | n/a | 17.2 |" in "\n".join(rows)   # 38 heads
     fit_doc = read_fit_doc()
     missing = [r for r in rows if r not in fit_doc]
@@ -864,7 +864,7 @@ def test_plan_memory_table_prints_every_model_weights_and_plan_and_docs_fit_hold
 def test_plan_shard_table_prints_the_big_models_on_consumer_cards_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--shard-table", "--markdown"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + len(fits.SHARD_MODELS) * len(fits.SHARD_WEIGHTS) == 21
+    assert len(rows) == 1 + len(fits.SHARD_MODELS) * len(fits.SHARD_WEIGHTS) == 25
     print("\n".join(rows))
     # the bf16 Wan models and FLUX.2 [dev] run on 24 GB cards only with their weights divided
     assert all("shard" in r.split(" | ")[5] for r in rows if r.startswith(("| Wan 2.1 14B | bf16", "| FLUX.2 [dev] | bf16")))

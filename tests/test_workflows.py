@@ -20,7 +20,7 @@ from workflow_nodes import current_title, definitions as node_definitions, socke
 
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
-             "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "wan2.1-t2v-1.3b",
+             "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "krea-2", "wan2.1-t2v-1.3b",
              "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v",
              "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
 VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v",
@@ -36,6 +36,8 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "flux2-dev": "flux2_dev_fp8mixed.safetensors",
                "flux2-dev-multi-reference": "flux2_dev_fp8mixed.safetensors",
                "flux2-klein-4b": "flux-2-klein-4b.safetensors",
+               # Comfy-Org's Krea 2 Turbo in mixed-precision fp8, as its template loads it
+               "krea-2": "krea2_turbo_fp8_scaled.safetensors",
                # Comfy-Org's repackaged Wan files (split_files/diffusion_models)
                "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors",
                # Comfy-Org's MiniMax-H3 bf16 file (the templates' int8_convrot file is not one the engine reads)
@@ -53,6 +55,7 @@ EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_f
 # The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2, MiniMax-H3
 # (its nodes, text encoder type and VAEs) in 0.33.0.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
+                 "krea-2": "0.26.0",
                  "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0",
                  "ltx-2.3-flf": "0.33.0", "ltx-2.5-t2v": "0.33.0", "ltx-2.5-i2v": "0.33.0", "ltx-2.5-flf": "0.33.0"}
 # stock MODEL -> MODEL nodes the templates use

@@ -79,6 +79,11 @@ MODEL_SOURCES = {
     "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors": (
         HF + "lightx2v/Minimax-h3-Turbo/resolve/main/minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors",
         "loras"),
+    # Krea 2: Comfy-Org's files as ComfyUI's Krea 2 Turbo template links them (image_krea2_turbo_t2i.json; its VAE is
+    # Qwen-Image's, the same file as above)
+    **{name: (HF + f"Comfy-Org/Krea-2/resolve/main/{folder}/{name}", folder) for folder, name in (
+        ("diffusion_models", "krea2_turbo_fp8_scaled.safetensors"),
+        ("text_encoders", "qwen3vl_4b_fp8_scaled.safetensors"))},
     # LTX-2.3: the files ComfyUI 0.33.0's LTX-2.3 templates link (blueprints/Text to Video (LTX-2.3).json, each
     # loader's properties.models)
     "ltx-2.3-22b-dev-fp8.safetensors": (HF + "Lightricks/LTX-2.3-fp8/resolve/main/ltx-2.3-22b-dev-fp8.safetensors",
@@ -322,6 +327,26 @@ def _flux2_klein() -> Graph:
     negative = g.add("ConditioningZeroOut", [], 1, conditioning=positive)
     _custom_sampling(g, 2, 4, engine, vae,
                      lambda c: g.add("CFGGuider", [1.0], c, model=engine.out(1), positive=positive, negative=negative))
+    return g
+
+
+def _krea2() -> Graph:
+    """ComfyUI's Krea 2 Turbo template (image_krea2_turbo_t2i.json: one "Text to Image (Krea-2 Turbo)" subgraph,
+    flattened here with the values its node sets): the Qwen3-VL 4B text encoder through CLIPLoader type krea2 ->
+    CLIPTextEncode of the template's prompt -> positive, ConditioningZeroOut of it -> negative (unused at cfg 1);
+    EmptyLatentImage 1024x1024; KSampler 8 steps, cfg 1, euler/simple with no sampling node (ModelSamplingFlux's
+    1.15); VAELoader qwen_image_vae. The template's prompt enhancement (TextGenerate on the text encoder) and its style
+    LoRA switch (off) are left out: the prompt is sampled as written."""
+    g = Graph("krea-2", needs_comfyui="0.26.0")
+    _version_note(g, 0, "Krea 2: its model and its Qwen3-VL text encoder under CLIPLoader type krea2")
+    clip = g.add("CLIPLoader", ["qwen3vl_4b_fp8_scaled.safetensors", "krea2", "default"], 0)
+    engine = _engine(g, "krea2_turbo_fp8_scaled.safetensors")
+    vae = g.add("VAELoader", ["qwen_image_vae.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS["krea-2"], "CLIP Text Encode (Positive Prompt)")
+    negative = g.add("ConditioningZeroOut", [], 1, conditioning=positive)
+    latent = g.add("EmptyLatentImage", [1024, 1024, 1], 1)
+    sampler = _xdit_sampler(g, 2, engine.out(1), positive, negative, latent, 8, 1.0)
+    _finish(g, 3, engine, sampler, vae)
     return g
 
 
@@ -735,6 +760,12 @@ PROMPTS = {
                  "the words \"FLUX.2\" painted on a weathered wooden sign behind it",
     "flux2-dev-multi-reference": "the woman from image 1 wearing the jacket from image 2, standing on a rainy city "
                                  "street at night, neon reflections on the wet pavement",
+    # the Krea 2 Turbo template's own prompt
+    "krea-2": "A high-resolution, surreal digital illustration showing a human hand holding a martini glass. The "
+              "image is overlaid with whimsical, expressive ink-style doodles, including a cartoon figure inside "
+              "the glass, a drawn citrus wedge on the rim, and various abstract sketches and faces surrounding "
+              "the glass against a clean, white background. The style seamlessly blends a realistic, lit "
+              "photograph with loose, hand-drawn marker artistry, creating a playful and artistic juxtaposition.",
     # the Wan templates' own prompts
     "wan2.1-t2v-1.3b": "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking "
                        "camera",
@@ -855,6 +886,6 @@ def graphs() -> list[Graph]:
             _sd35(),
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
-            _flux2_klein(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
+            _flux2_klein(), _krea2(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
             _minimax_h3(image=False), _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True),
             _ltx23_flf(), _ltx25(image=False), _ltx25(image=True), _ltx25_flf()]

@@ -20,6 +20,22 @@ _KINDS = {"COMBO": "combo", "INT": "number", "FLOAT": "number", "STRING": "text"
 # comfy_extras/nodes_custom_sampler.py and nodes_audio.py there, V1), whose display names they keep, as
 # comfyui_stock_nodes.py does; the frontends' titles are in LATER_TITLES.
 LATER_NODES = {
+    # nodes.py, class EmptyLatentImage (the Krea 2 template's latent; the same in 0.3.64 and 0.33.0): "width" and
+    # "height": ("INT", {"default": 512, "min": 16, "max": MAX_RESOLUTION, "step": 8}), "batch_size": ("INT",
+    # {"default": 1, "min": 1, "max": 4096}); RETURN_TYPES = ("LATENT",); display name "Empty Latent Image"
+    "EmptyLatentImage": {
+        "display_name": "Empty Latent Image",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "width", "type": "INT", "widget": "number", "default": 512, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 8},
+            {"name": "height", "type": "INT", "widget": "number", "default": 512, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 8},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
     # nodes.py, class LoraLoaderModelOnly(LoraLoader): "model": ("MODEL",), "lora_name":
     # (folder_paths.get_filename_list("loras"),), "strength_model": ("FLOAT", {"default": 1.0, "min": -100.0,
     # "max": 100.0, "step": 0.01}); RETURN_TYPES = ("MODEL",). Display name "Load LoRA" in 0.33.0 (none in 0.3.64)

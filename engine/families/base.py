@@ -21,7 +21,7 @@ from ..errors import CheckpointError
 from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 
-Op = tuple | str | None   # a key map entry's op: None, ("chunk", i, sizes) or "swap" (models/convert.py applies it)
+Op = tuple | str | None   # a key map entry's op: None, ("chunk", i, sizes), "swap" or "rows:N" (models/convert.py)
 
 
 @dataclass(frozen=True)

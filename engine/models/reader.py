@@ -266,7 +266,7 @@ def stream(path, where, info, mapping, expected, holding: Holding, device, stop=
             wanted = [None if rows is None else rows.get(dst) for dst, _ in outs]
             # a slice of rows is read alone where the op keeps rows in order (a tensor as it is, a fused tensor's
             # chunk) and the tensor's rows are whole (not a vector or kernel stored in blocks)
-            whole = any(w is None for w in wanted) or any(op == "swap" for _, op in outs) or (
+            whole = any(w is None for w in wanted) or any(isinstance(op, str) for _, op in outs) or (
                 blocks and not (len(tinfo.shape) == 2 and src.endswith(".weight"))) or not tinfo.shape
             raw = read(key)[0] if whole else None
             scale_key = (info.prefix + src[:-len("weight")] + SCALE_KEYS[info.format][0][1:]

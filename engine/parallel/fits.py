@@ -97,12 +97,13 @@ SHARD_MODELS = (("Wan 2.1 14B", "wan2.1-14b", (1280, 720, 81), {}),
                 ("Wan 2.2 A14B (both experts)", "wan2.2-a14b", (1280, 720, 81), {}),
                 ("Wan 2.2 A14B (both experts)", "wan2.2-a14b", (832, 480, 81), {}),
                 ("FLUX.2 [dev]", "flux2-dev", (1024, 1024, 1), {"negative_pass": False}),
-                ("Qwen-Image (cfg 2.5)", "qwen-image", (1328, 1328, 1), {}))
+                ("Qwen-Image (cfg 2.5)", "qwen-image", (1328, 1328, 1), {}),
+                ("Krea 2 Turbo (cfg 1)", "krea-2", (1024, 1024, 1), {"negative_pass": False}))
 
 
 def shard_header() -> list[str]:
     return [f"Each cell: the plan auto picks (\"shardN\": each GPU holds 1/N of the weights), GiB per GPU, est. seconds "
-            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's 1, eager, bf16 compute; transformer only), the "
+            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's and Krea 2 Turbo's 1, eager, bf16 compute; transformer only), the "
             f"idle expert's host GiB per machine where auto keeps it there; \"no (X)\": no plan fits, the least needs "
             f"X GiB per GPU. 16 GB: RTX 4080, 24 GB: RTX 4090 (PCIe, no peer access), 48 GB: RTX 6000 Ada (PCIe).", ""]
 
@@ -130,7 +131,8 @@ MEMORY_MODELS = (("FLUX.1-dev / schnell", "flux-dev", False, True), ("SD3-medium
                  ("SD3.5-medium", "sd3.5-medium", True, True), ("SD3.5-large", "sd3.5-large", True, True),
                  ("Qwen-Image (cfg 2.5)", "qwen-image", True, True), ("FLUX.2 [dev]", "flux2-dev", False, True),
                  ("FLUX.2 [klein] 4B", "flux2-klein-4b", False, False),
-                 ("FLUX.2 [klein] 9B", "flux2-klein-9b", False, False))   # (title, variant, cfg, with fp8 row)
+                 ("FLUX.2 [klein] 9B", "flux2-klein-9b", False, False),
+                 ("Krea 2 Turbo (cfg 1)", "krea-2", False, True))   # (title, variant, cfg, with fp8 row)
 MEMORY_PLANS = ("single rank", "ulysses2", "ulysses4", "ulysses8", "cfg2", "pipefusion2", "pipefusion4")
 
 
