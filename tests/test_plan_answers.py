@@ -206,3 +206,29 @@ def test_a_generate_jobs_memory_refusal_names_the_frames_of_a_clip():
                                          r"size or batch$") as refused:
         check_memory("auto", 0.0, work, 1, stated_hardware(1, "RTX 4090", "pcie"), "104x60x10001")
     print(refused.value)
+
+
+# ---- a compute dtype ComfyUI never runs the model in ------------------------------------------------------------
+@pytest.mark.parametrize("model,cite", [("ltx-2.3", "comfy/supported_models.py:927"),
+                                        ("minimax-h3", "comfy/supported_models.py:975"),
+                                        ("qwen-image", "comfy/supported_models.py:2000")])
+def test_fp16_is_refused_in_one_line_for_the_families_comfyui_never_runs_in_it(capsys, model, cite):
+    code, _, err = plan(capsys, "--model", model, "--gpus", "2", "--interconnect", "nvlink", "--dtype", "fp16")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"python -m engine plan: error: argument --dtype: dtype fp16: ComfyUI never runs {model} "
+                          f"in fp16 (its dtypes are fp32 and bf16, {cite}"), err
+    # the request's own validation (both routes: generate and the engine's MODEL) refuses it before any rank starts
+    from engine.generate.request import GenerateRequest
+    request = GenerateRequest.random_conditioning(f"synthetic:{model}:tiny", 64, 64, dtype="fp16",
+                                                  frames=9 if model != "qwen-image" else 1)
+    with pytest.raises(ValueError, match=r"^dtype fp16: ComfyUI never runs .* use bf16 on GPUs or fp32$"):
+        request.validate(1)
+    request = GenerateRequest.random_conditioning(f"synthetic:{model}:tiny", 64, 64, dtype="bf16",
+                                                  frames=9 if model != "qwen-image" else 1)
+    assert request.validate(1).dtype == "bf16"
+
+
+@pytest.mark.parametrize("model", ["wan2.1-1.3b", "flux-dev", "krea-2"])
+def test_fp16_stays_open_where_comfyui_runs_the_model_in_it(capsys, model):
+    code, out, err = plan(capsys, "--model", model, "--gpus", "2", "--interconnect", "nvlink", "--dtype", "fp16")
+    assert code == 0 and "auto chose" in out, (out, err)

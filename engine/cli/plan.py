@@ -10,7 +10,7 @@ from argparse import ArgumentTypeError
 from ..errors import PlanError
 from .. import families
 from ..families import VARIANTS
-from ..generate.inputs import check_frames, check_latent
+from ..generate.inputs import check_dtype, check_frames, check_latent
 from ..generate.request import empty_latent
 from ..models.load import COMPUTE_DTYPES, inspect_model
 from ..models.quantized import BLOCKS
@@ -196,6 +196,10 @@ def run(a) -> int:
         check_frames(info, a.frames)
     except ValueError as e:
         raise UsageError(f"argument --frames: {e}") from None
+    try:
+        check_dtype(info, a.dtype)
+    except ValueError as e:
+        raise UsageError(f"argument --dtype: {e}") from None
     latent = empty_latent(info, a.width, a.height, frames=a.frames)
     try:
         latent_h, latent_w = check_latent(info, latent)

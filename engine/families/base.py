@@ -154,6 +154,11 @@ class Family:
     #                                                         enters the model as it is, not noised to sigma (ComfyUI's
     #                                                         scale_latent_inpaint)
 
+    # the compute dtypes ComfyUI runs the model in (its supported_inference_dtypes): fp16 only where ComfyUI allows it,
+    # since a model whose activations overflow float16 gives NaNs there, not an error
+    compute_dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    compute_dtypes_cite: str = ""                           # where ComfyUI says so (file:line), for the refusal
+
     # ---- parallel methods and the planner
     tokens: TokenTable | None = None
     stage: type | None = None                               # PipeFusion's stage model (engine/parallel/stage.py)

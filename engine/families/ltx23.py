@@ -417,6 +417,7 @@ FAMILY = Family(
                      "ltx2.5": "ltx-2.5", "ltx-2.5-22b": "ltx-2.5"},
     markers=(Marker("audio_adaln_single.linear.weight", "ltx"),),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("ltxv",),
+    compute_dtypes=("fp32", "bf16"), compute_dtypes_cite="comfy/supported_models.py:927 (LTXV, LTXAV's base)",
     layers=lambda config: config["num_layers"],
     latent=LTX_VIDEO, latent_patch=lambda config: 1, frames=True,
     sampling=lambda variant: FlowSampling.flux(SHIFT),

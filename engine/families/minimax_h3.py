@@ -355,6 +355,7 @@ FAMILY = Family(
     variant_aliases={"h3": "minimax-h3", "h3-pruned": "minimax-h3-pruned"},
     markers=(Marker("audio_patch_proj.weight", "minimax"),),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("minimax_h3",),
+    compute_dtypes=("fp32", "bf16"), compute_dtypes_cite="comfy/supported_models.py:975",
     layers=lambda config: config["num_layers"],
     latent=H3_VIDEO, latent_patch=lambda config: 2, pads_to_patches=True, frames=True,
     sampling=lambda variant: FlowSampling.sd3(SHIFT),

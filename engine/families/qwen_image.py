@@ -311,6 +311,7 @@ FAMILY = Family(
     name="qwen-image", title="Qwen-Image", variants=("qwen-image",),
     markers=(Marker("txt_norm.weight", "diffusers"),),
     infer=infer, key_map=lambda layout, config: None, model_class=_model_class, gguf_arches=("qwen_image",),
+    compute_dtypes=("fp32", "bf16"), compute_dtypes_cite="comfy/supported_models.py:2000",
     layers=lambda config: config["num_layers"],
     latent=LatentFormat("Wan21", channels=16, scale_factor=1.0, mean=WAN21_MEAN, std=WAN21_STD, spatial_dims=3),
     latent_patch=lambda config: 2, pads_to_patches=True,

@@ -203,6 +203,15 @@ def check_frames(info: CheckpointInfo, frames: int) -> None:
                          f"{fmt.name} latent holds {fmt.frames_rule()}: use {use}")
 
 
+def check_dtype(info: CheckpointInfo, dtype: str) -> None:
+    """A compute dtype ComfyUI runs this model in: fp16 is refused for the families ComfyUI never runs in it (where
+    activations pass float16's range a job gives NaNs, not an error)."""
+    spec = info.spec
+    if dtype not in spec.compute_dtypes:
+        raise ValueError(f"dtype {dtype}: ComfyUI never runs {info.variant} in {dtype} (its dtypes are "
+                         f"{' and '.join(spec.compute_dtypes)}, {spec.compute_dtypes_cite}): use bf16 on GPUs or fp32")
+
+
 def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, latent: torch.Tensor) -> None:
     """One side's image-to-video conditioning (ComfyUI's CONDITIONING keys clip_vision_output's features,
     concat_latent_image, concat_mask), where the model takes it: what it needs is required and shaped as it takes it.

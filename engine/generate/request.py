@@ -22,7 +22,7 @@ from ..parallel.planner import resolve_plan
 from ..sampling.ksampler import StepWindow
 from ..sampling.schedules import FlowSampling
 from . import admission
-from .inputs import (REFERENCE_METHODS, SEED_LIMIT, check_finite, check_image_inputs, check_latent,  # noqa: F401
+from .inputs import (REFERENCE_METHODS, SEED_LIMIT, check_dtype, check_finite, check_image_inputs, check_latent,  # noqa: F401
                      check_loras, check_noise_mask, check_references, check_scalars, check_side)
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
@@ -130,6 +130,7 @@ class GenerateRequest:
             raise ValueError(f"model={self.model!r} is invalid: give a checkpoint path, a diffusers folder or "
                              f"synthetic:<variant>[:tiny]")
         info = inspect_model(self.model)  # CheckpointError (a ValueError) for a bad file; cached while unchanged
+        check_dtype(info, self.dtype)
         latent_h, latent_w = check_latent(info, self.latent_raw)
         batch = self.latent_raw.shape[0]
         check_side("cond", self.cond, self.pooled, info, batch)
