@@ -236,6 +236,15 @@ def test_the_fp8_weight_option_leaves_the_float32_islands_in_float32(tmp_path, v
     loaded = load_model(source, dtype="bf16", fp8_weights=True)
     assert loaded.model.proj_out.weight.dtype == loaded.model.proj_in.weight.dtype == torch.float32
     assert loaded.model.transformer_blocks[0].attn.to_q.weight.dtype == torch.float8_e4m3fn
+    # a pruned (curve-form) file's modulation projections are islands too: ComfyUI builds them with adaln_dtype
+    # float32 for that form alone (comfy/ldm/minimax/model.py:460-461); the full form's take the weight dtype
+    island = torch.float32 if variant == "minimax-h3-pruned" else torch.float8_e4m3fn
+    assert {b.adaln_proj.linear.weight.dtype for b in loaded.model.transformer_blocks} == {island}
+    assert loaded.model.norm_out.linear.weight.dtype == island
+    if variant == "minimax-h3-pruned":
+        plain = load_model(source, dtype="bf16").model   # and in bf16 without the option
+        assert plain.transformer_blocks[0].adaln_proj.linear.weight.dtype == torch.float32
+        assert plain.transformer_blocks[0].adaln_proj.linear._diffusers_hook.compute_dtype == torch.float32
     x, t, c = h3_call()
     want = reference(FlowModel(load_model(source, dtype="fp32")), x, t, c)
     got = reference(FlowModel(loaded), x, t, c)

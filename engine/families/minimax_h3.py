@@ -296,6 +296,7 @@ class _ModulationWithoutActivation(torch.nn.Module):
     def __init__(self, original):
         super().__init__()
         self.linear, self.hidden_size = original.linear, original.hidden_size
+        self.linear.xdit_float32 = True   # ComfyUI's adaln_dtype float32 for a curve-form file (model.py:460-461)
 
     def forward(self, temb):
         x = self.linear(temb.to(_computes_in(self.linear)))
@@ -309,6 +310,7 @@ class _NormOutWithoutActivation(torch.nn.Module):
     def __init__(self, original):
         super().__init__()
         self.norm, self.linear = original.norm, original.linear
+        self.linear.xdit_float32 = True   # as the blocks' (ComfyUI's FinalLayer: adaln_dtype, model.py:295-301)
 
     def forward(self, hidden, temb, index):
         shift, scale = self.linear(temb.to(_computes_in(self.linear))).chunk(2, dim=-1)

@@ -53,7 +53,12 @@ class Holding:
     @classmethod
     def of(cls, info, model: torch.nn.Module, compute: torch.dtype, fp8_weights: bool) -> "Holding":
         linear = frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
-        return cls(compute, fp8_weights, linear, info.spec.fp32_params)
+        # islands of one form of a model only (a module the family built marks itself `xdit_float32`, e.g. a pruned
+        # MiniMax-H3's modulation projections, which ComfyUI builds in float32 for that form alone)
+        marked = frozenset(f"{name}.{p}" for name, m in model.named_modules() if getattr(m, "xdit_float32", False)
+                           for p, _ in m.named_parameters())
+        named = info.spec.fp32_params
+        return cls(compute, fp8_weights, linear, (lambda name: named(name) or name in marked) if marked else named)
 
     def dtype(self, name: str, stored: torch.dtype | None = None) -> torch.dtype:
         """The held dtype of floating tensor `name` (diffusers name) stored as `stored` (None: no file)."""
