@@ -12,7 +12,8 @@ it than ComfyUI's own float32 result is). ComfyUI builds Wan 2.2's VAE at its re
 widths (size only) The tiled graphs' tiles go to the ranks in one
 job (the tile pool), and ComfyUI's loader never loads the xDiT VAE's weights on its device. Then a Wan checkpoint with
 the tiny Wan 2.1 VAE under `vae.`: CheckpointLoaderSimple's VAE against the xDiT Checkpoint Loader's (the engine's, read
-from the checkpoint). (0.3.64 builds Wan 2.1's VAE at its released widths too: patched likewise.)
+from the checkpoint). (0.3.64 builds Wan 2.1's VAE and FLUX.1's decoder at their released widths too: patched likewise;
+it has neither FLUX.2's VAE, which the loader then refuses naming 0.3.72, nor the decode of an image VAE's 5-D latent.)
 Prints one JSON report. Usage: python comfyui_vae_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
 import copy
 import json
@@ -49,6 +50,23 @@ if "wan2.2" in KINDS:
             super().__init__(dim=DIM, dec_dim=DEC_DIM, **kw)
 
     wan22.WanVAE = TinyWidths
+
+# ---- FLUX.1's decoder: ComfyUI before it read the decoder's width from decoder.conv_in (0.3.64) builds it at 128
+# whatever the file (sd.py then: ddconfig 'ch': 128 for both); the same size-only patch as Wan's
+if "flux" in KINDS:
+    import inspect
+    import comfy.sd
+    import comfy.ldm.modules.diffusionmodules.model as sd_model
+    if "decoder_ch" not in inspect.getsource(comfy.sd.VAE.__init__):
+        with safe_open(os.path.join(models, "vae", FILES["flux"]), "pt") as f:
+            DECODER_CH = f.get_slice("decoder.conv_in.weight").get_shape()[0] // 4   # ch_mult [1, 2, 4, 4]
+        ReleasedDecoder = sd_model.Decoder
+
+        class TinyDecoder(ReleasedDecoder):
+            def __init__(self, ch=128, **kw):
+                super().__init__(ch=DECODER_CH, **kw)
+
+        sd_model.Decoder = TinyDecoder
 
 # ---- MiniMax-H3's likewise: ComfyUI builds ch 128 and a 36-layer decoder of 32 heads whatever the file (sd.py:1000) --
 if "minimax-h3" in KINDS:
@@ -155,9 +173,12 @@ def image_graphs(kind, stock, ours):
         "InpaintModelConditioning": inpaint,
         "VAEEncodeForInpaint": lambda v: call("VAEEncodeForInpaint", vae=v, pixels=pixels, mask=mask,
                                               grow_mask_by=6)[0]["samples"],
-        "VAEDecode of a video latent": lambda v: call("VAEDecode", vae=v, samples={
-            "samples": latent.unsqueeze(2).repeat(1, 1, 2, 1, 1)})[0],
     }
+    import inspect
+    import comfy.sd
+    if "samples_in.ndim == 5" in inspect.getsource(comfy.sd.VAE.decode):   # ComfyUI decodes it frame by frame (0.33)
+        out["VAEDecode of a video latent"] = lambda v: call("VAEDecode", vae=v, samples={
+            "samples": latent.unsqueeze(2).repeat(1, 1, 2, 1, 1)})[0]
     return {name: compare(f"{kind} {name}", run, stock, ours) for name, run in out.items()}
 
 
@@ -286,8 +307,12 @@ WRONG = {"wan2.1": 4, "wan2.2": 16, "flux": 4, "flux2": 16, "ltx2": 16, "ltx2-tc
 engine = live.engine(ENGINE_MODEL, "0,1")[0]
 for kind in KINDS:
     file = FILES[kind]
+    try:
+        ours = call("XDiTVAELoader", vae_name=file, engine=engine)[0]
+    except Exception as e:  # noqa: BLE001 (a ComfyUI older than the VAE type: the loader names the release it needs)
+        report.setdefault("older", {})[kind] = str(e).splitlines()[0]
+        continue
     stock = call("VAELoader", vae_name=file)[0]
-    ours = call("XDiTVAELoader", vae_name=file, engine=engine)[0]
     run_graphs = ltx_graphs if kind.startswith("ltx2") else h3_graphs if kind == "minimax-h3" else graphs
     entry = {"stock_class": type(stock.first_stage_model).__module__, "ours": type(ours).__name__,
              "latent_channels": [stock.latent_channels, ours.latent_channels],

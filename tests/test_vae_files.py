@@ -175,5 +175,8 @@ def test_a_comfyui_that_reads_the_file_as_another_vae_gets_the_release_it_needs_
         == ("xDiT VAE Loader: this ComfyUI (0.3.45) reads tiny-wan2.2-vae.safetensors as comfy.ldm.wan.vae.WanVAE with "
             "16 latent channels, not as Wan 2.2 (TI2V-5B, 48 channels): update ComfyUI to 0.3.46 or newer")
     assert vae.comfyui_mismatch(info, ["tests.TinyWidths", "comfy.ldm.wan.vae2_2.WanVAE"], 48, "0.33.0") is None
+    # a ComfyUI that cannot build the file at all (its own loader raises) is named the same release, by version
+    assert vae.older_than("0.3.64", "0.3.72") and vae.older_than("0.3.9", "0.3.46")
+    assert not vae.older_than("0.33.0", "0.3.72") and not vae.older_than("version unknown", "0.3.72")
     assert vae.splits(None) == (None, "it is not a single file (ComfyUI builds it)")
     assert vae.splits(files["wan2.1"])[0].kind.name == "wan2.1"

@@ -16,7 +16,7 @@ import nodes
 
 from ..engine.errors import JobCancelled
 from . import core
-from .vae import EngineVAELink, TilePool, comfyui_mismatch, say_once, splits
+from .vae import EngineVAELink, TilePool, comfyui_mismatch, older_than, say_once, splits
 
 
 class EngineVAE(comfy.sd.VAE):
@@ -147,7 +147,7 @@ class EngineVAE(comfy.sd.VAE):
         tiles itself (MiniMax-H3) ignores the tile sizes: its decode (sd.py:1340-1341, minimax/vae.py:695-696)."""
         if self._own():
             return super().decode_tiled(samples, tile_x, tile_y, overlap, tile_t, overlap_t)
-        if self.handles_tiling:
+        if getattr(self, "handles_tiling", False):   # (absent before ComfyUI had a VAE that tiles itself: 0.3.64)
             return self.decode(samples)
         return self._pooled("decode", lambda: comfy.sd.VAE.decode_tiled(self, samples, tile_x, tile_y, overlap, tile_t,
                                                                         overlap_t))
@@ -156,7 +156,7 @@ class EngineVAE(comfy.sd.VAE):
         """ComfyUI's own tiled encode, the tiles spread over the ranks (MiniMax-H3: its encode, as decode_tiled)."""
         if self._own():
             return super().encode_tiled(pixel_samples, tile_x, tile_y, overlap, tile_t, overlap_t)
-        if self.handles_tiling:
+        if getattr(self, "handles_tiling", False):
             return self.encode(pixel_samples)
         return self._pooled("encode", lambda: comfy.sd.VAE.encode_tiled(self, pixel_samples, tile_x, tile_y, overlap,
                                                                         tile_t, overlap_t))
@@ -210,9 +210,18 @@ def load(vae_name: str, settings: core.EngineSettings | None):
     if settings is None:
         raise ValueError("xDiT VAE Loader: connect the xDiT Engine's engine output to engine (the VAE decodes and "
                          "encodes on its ranks), or use ComfyUI's Load VAE to decode on ComfyUI's own device")
-    vae = nodes.VAELoader().load_vae(vae_name)[0]
     path = folder_paths.get_full_path("vae", vae_name) if vae_name != "pixel_space" else None
+    try:
+        vae = nodes.VAELoader().load_vae(vae_name)[0]
+    except Exception as e:   # a ComfyUI older than the VAE type cannot build it: name the release it needs
+        info = splits(path, "")[0] if path else None
+        if info is None or not older_than(_version(), info.kind.comfyui_since):
+            raise
+        raise ValueError(f"xDiT VAE Loader: this ComfyUI ({_version()}) cannot build {vae_name} "
+                         f"({info.kind.title}: {str(e).strip().splitlines()[0]}): update ComfyUI to "
+                         f"{info.kind.comfyui_since} or newer") from None
     return on_ranks(vae, settings, path, "", vae_name)
+
 
 
 def checkpoint_vae(vae, settings: core.EngineSettings, path: str):

@@ -37,6 +37,14 @@ def splits(path: str | None, prefix: str = "") -> tuple[VAEInfo | None, str]:
         return None, str(e).split(": ComfyUI's own")[0]
 
 
+def older_than(version: str, since: str) -> bool:
+    """Whether ComfyUI `version` ("0.3.64") is older than release `since`; False where either is not a release."""
+    try:
+        return tuple(int(x) for x in version.split(".")) < tuple(int(x) for x in since.split("."))
+    except ValueError:
+        return False
+
+
 def comfyui_mismatch(info: VAEInfo, comfy_classes: list[str], latent_channels: int, version: str) -> str | None:
     """The one line for a ComfyUI whose own VAE of the file is not the network the engine computes (a ComfyUI older
     than the VAE type: it reads the file as another), naming the release it needs; None where they agree.
