@@ -43,7 +43,8 @@ with safe_open(folder_paths.get_full_path("diffusion_models", FILE), "pt") as f:
     file_keys = set(f.keys())
 own = native_model(FILE).model.diffusion_model.state_dict()   # ComfyUI's own model holds exactly the file's tensors
 report["keys"] = {"file": len(file_keys), "comfyui_model": len(own),
-                  "missing_in_file": sorted(set(own) - file_keys)[:5], "extra_in_file": sorted(file_keys - set(own))[:5],
+                  "missing_in_file": sorted(set(own) - file_keys)[:5],
+                  "extra_in_file": sorted(file_keys - set(own))[:5],
                   "model_class": type(native_model(FILE).model).__name__}
 
 g = torch.Generator().manual_seed(2)

@@ -328,7 +328,7 @@ def test_pipefusion_is_refused_in_one_line(tiny):
     assert "pipefusion" in str(e.value).lower() and "\n" not in str(e.value)
 
 
-# ---- the files users have: ComfyUI's scaled fp8, GGUF ------------------------------------------------------------------
+# ---- the files users have: ComfyUI's scaled fp8, GGUF ----------------------------------------------------------------
 def exact_values(path) -> dict:
     """The file's weights as the exact float32 values its format encodes (ComfyUI's dequantization)."""
     if path.endswith(".gguf"):
