@@ -201,7 +201,7 @@ FAMILY = Family(
     variant_aliases={"hunyuanvideo1.5": "hunyuanvideo-1.5", "hunyuan-video-1.5": "hunyuanvideo-1.5",
                      "hunyuanvideo15": "hunyuanvideo-1.5", "hv15": "hunyuanvideo-1.5"},
     markers=(Marker("cond_type_embedding.weight", "hunyuan", absent=("double_blocks.0.img_attn.qkv.weight",)),
-             Marker("cond_type_embedding.weight", "comfy"), Marker("cond_type_embed.weight", "diffusers")),
+             Marker("cond_type_embedding.weight", "comfy")),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("hyvid",),
     layers=lambda config: config["num_layers"],
     latent=LATENT, latent_patch=lambda config: 1, frames=True,

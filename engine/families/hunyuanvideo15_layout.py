@@ -226,11 +226,9 @@ def _comfy_map(config: dict) -> list:
 
 
 def key_map(layout: str, config: dict) -> list | None:
-    """The file's keys -> diffusers' HunyuanVideo15Transformer3DModel keys (None: the diffusers layout needs none): a
-    fused qkv read as its three thirds, the final layer's (shift, scale) rows exchanged (diffusers' own conversion
+    """The file's keys (layout "comfy" or "hunyuan") -> diffusers' HunyuanVideo15Transformer3DModel keys: a fused qkv
+    read as its three thirds, the final layer's (shift, scale) rows exchanged (diffusers' own conversion
     script, scripts/convert_hunyuan_video1_5_to_diffusers.py, pairs the same tensors)."""
-    if layout == "diffusers":
-        return None
     m = _comfy_map(config)
     if layout == "hunyuan":
         m = [(dst, hunyuan_name(src), op) for dst, src, op in m]
