@@ -362,6 +362,51 @@ def test_a_stored_format_gives_comfyuis_velocity_on_its_exact_values(tmp_path, f
                   bound(want))
 
 
+LORA_LAYERS = {"double_blocks.0.img_attn.qkv": "transformer_blocks.0.attn.to_q",   # a fused qkv: its first third
+               "double_blocks.1.txt_mlp.0": "transformer_blocks.1.ff_context.net.0.proj",
+               "txt_in.individual_token_refiner.blocks.0.self_attn.proj":
+                   "context_embedder.token_refiner.refiner_blocks.0.attn.to_out.0",
+               "vision_in.proj.1": "image_embedder.linear_1"}
+
+
+def test_a_lora_in_comfyuis_or_diffusers_names_equals_the_merged_file(flow, sd, tmp_path):
+    """A LoRA on a fused qkv (ComfyUI's names: the whole qkv; diffusers': its query third), a text-stream MLP, the
+    token refiner and the vision projection equals its product merged into the file: the reference on the merged
+    tensors, image-to-video (so the vision projection counts). The module's model, the second LoRA replacing the
+    first, then none (its weights restored from the file)."""
+    from engine.models.lora import apply_loras
+    state = {}
+    try:
+        _lora_cases(flow, sd, tmp_path, state)
+    finally:
+        apply_loras(flow.loaded, [], state)
+
+
+def _lora_cases(f, sd, tmp_path, state):
+    from engine.models.lora import apply_loras
+    x, cond, clip = randn(1, 1, 32, 2, 4, 4), randn(2, 1, 5, TEXT), randn(3, 1, 9, VISION)
+    x65 = torch.cat([x, concat(x.shape)], dim=1)
+    plain = reference_velocity(sd, x65, torch.tensor([400.0]), cond, clip=clip)
+    for fmt in ("comfyui", "diffusers"):
+        g = torch.Generator().manual_seed(9)
+        lora, merged = {}, dict(sd)
+        for comfy, diffusers in LORA_LAYERS.items():
+            rows, n_in = sd[comfy + ".weight"].shape
+            part = rows // 3 if fmt == "diffusers" and comfy.endswith("qkv") else rows
+            down, up = torch.randn(4, n_in, generator=g) * 0.1, torch.randn(part, 4, generator=g) * 0.1
+            name = f"diffusion_model.{comfy}" if fmt == "comfyui" else f"transformer.{diffusers}"
+            lora.update({f"{name}.lora_A.weight": down, f"{name}.lora_B.weight": up})
+            merged[comfy + ".weight"] = sd[comfy + ".weight"] + 0.8 * F.pad(up @ down, (0, 0, 0, rows - part))
+        path = str(tmp_path / f"lora-{fmt}.safetensors")
+        save_file(lora, path)
+        apply_loras(f.loaded, [(path, 0.8)], state)
+        got = f.velocity(x, torch.tensor(0.4), f.prepare([Conditioning(cond, image_context=clip)], 1))
+        want = reference_velocity(merged, x65, torch.tensor([400.0]), cond, clip=clip)
+        assert report(f"HunyuanVideo 1.5 {fmt} LoRA vs the reference on the merged tensors",
+                      (got - want).abs().max(), bound(want))
+        assert (plain - want).abs().max() > 100 * bound(want)   # the LoRA changes the velocity
+
+
 # ---- the commands -------------------------------------------------------------------------------------------------
 def test_make_tiny_writes_a_file_comfyui_detects_and_says_what_it_takes(tmp_path):
     import contextlib
