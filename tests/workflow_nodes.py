@@ -26,6 +26,7 @@ LATER_NODES = {
     "EmptyHunyuanVideo15Latent": {
         "display_name": "Empty HunyuanVideo 1.5 Latent",
         "source": "comfy_extras/nodes_hunyuan.py",
+        "since": "0.3.71",
         "inputs": (
             {"name": "width", "type": "INT", "widget": "number", "default": 848, "min": 16,
              "max": stock.MAX_RESOLUTION, "step": 16},
@@ -52,6 +53,54 @@ LATER_NODES = {
             {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
         ),
         "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_hunyuan.py (0.3.71 on; 0.33.0), HunyuanVideo15ImageToVideo: no display name;
+    # io.Conditioning.Input("positive"), io.Conditioning.Input("negative"), io.Vae.Input("vae"), io.Int.Input("width",
+    # default=848, min=16, max=nodes.MAX_RESOLUTION, step=16), "height" (default 480) likewise, io.Int.Input("length",
+    # default=33, min=1, step=4), io.Int.Input("batch_size", default=1, min=1, max=4096), io.Image.Input("start_image",
+    # optional=True), io.ClipVisionOutput.Input("clip_vision_output", optional=True); outputs positive, negative, latent
+    "HunyuanVideo15ImageToVideo": {
+        "display_name": "HunyuanVideo15ImageToVideo",
+        "source": "comfy_extras/nodes_hunyuan.py",
+        "since": "0.3.71",
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "width", "type": "INT", "widget": "number", "default": 848, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 480, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "length", "type": "INT", "widget": "number", "default": 33, "min": 1,
+             "max": stock.MAX_RESOLUTION, "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+            {"name": "start_image", "type": "IMAGE", "optional": True},
+            {"name": "clip_vision_output", "type": "CLIP_VISION_OUTPUT", "optional": True},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative"), ("LATENT", "latent")),
+        "output_node": False,
+    },
+    # nodes.py, class CLIPVisionLoader: "clip_name": (folder_paths.get_filename_list("clip_vision"),);
+    # RETURN_TYPES = ("CLIP_VISION",); display name "Load CLIP Vision" (the same in 0.3.64 and 0.33.0)
+    "CLIPVisionLoader": {
+        "display_name": "Load CLIP Vision",
+        "source": "nodes.py",
+        "inputs": ({"name": "clip_name", "type": "COMBO", "widget": "combo", "folder": "clip_vision"},),
+        "outputs": (("CLIP_VISION", "CLIP_VISION"),),
+        "output_node": False,
+    },
+    # nodes.py, class CLIPVisionEncode: "clip_vision": ("CLIP_VISION",), "image": ("IMAGE",), "crop": (["center",
+    # "none"],); RETURN_TYPES = ("CLIP_VISION_OUTPUT",); display name "CLIP Vision Encode" (the same in 0.3.64)
+    "CLIPVisionEncode": {
+        "display_name": "CLIP Vision Encode",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "clip_vision", "type": "CLIP_VISION"},
+            {"name": "image", "type": "IMAGE"},
+            {"name": "crop", "type": "COMBO", "widget": "combo", "options": ("center", "none")},
+        ),
+        "outputs": (("CLIP_VISION_OUTPUT", "CLIP_VISION_OUTPUT"),),
         "output_node": False,
     },
     # nodes.py, class LoraLoaderModelOnly(LoraLoader): "model": ("MODEL",), "lora_name":
