@@ -362,16 +362,21 @@ def exact_values(path) -> dict:
                                                               dtype=np.float32)).reshape(
             tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors}
     weights = load_file(path)
+
+    def scale(k):   # fp8_scaled's scale_weight, mixed precision's weight_scale
+        return weights.get(k[:-len("weight")] + "scale_weight", weights.get(k[:-len("weight")] + "weight_scale"))
     # the condition-type table is a plain nn.Embedding in ComfyUI's model, not one of its scaled fp8 layers: it takes
     # the stored values as they are (and ignores a scale beside them), as the engine does
-    return {k: (v.float() * weights[k[:-len("weight")] + "scale_weight"].float()
-                if k[:-len("weight")] + "scale_weight" in weights and "cond_type" not in k else v.float())
-            for k, v in weights.items() if not k.endswith(("scale_weight", "scale_input")) and k != "scaled_fp8"}
+    return {k: (v.float() * scale(k).float() if k.endswith("weight") and scale(k) is not None and "cond_type" not in k
+                else v.float())
+            for k, v in weights.items()
+            if not k.endswith(("scale_weight", "scale_input", "weight_scale")) and k != "scaled_fp8"}
 
 
-@pytest.mark.parametrize("fmt", ["fp8_scaled", "gguf"])
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "fp8_mixed", "gguf"])
 def test_a_stored_format_gives_comfyuis_velocity_on_its_exact_values(tmp_path, fmt):
-    """Comfy-Org's fp8_scaled form and a ComfyUI-GGUF file (architecture hyvid, as its converter names HunyuanVideo):
+    """Comfy-Org's fp8_scaled form, ComfyUI's mixed-precision fp8 (the blocks' matrices fp8 with a weight_scale) and a
+    ComfyUI-GGUF file (architecture hyvid, as its converter names HunyuanVideo):
     the engine computes with the exact values the file encodes, as ComfyUI's layers do: the reference on them (plain
     bf16 and fp8 files go the loader's generic way, tests/test_tiny_checkpoints.py)."""
     path = write_tiny("hunyuanvideo15", str(tmp_path), format=fmt)
