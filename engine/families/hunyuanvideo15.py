@@ -84,6 +84,20 @@ def concat_cond(flow, side, denoise_mask: torch.Tensor | None) -> torch.Tensor |
 
 
 # ---- positions and the one forward -----------------------------------------------------------------------------------
+ROPE_TABLES = 4   # the RoPE tables a model keeps on its device, one per latent grid (the oldest let go)
+
+
+def rope_for(model, frames: int, rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_table for this grid on `device`, built once and kept with the model (a clip's calls share one grid)."""
+    kept = model.__dict__.setdefault("_xdit_rope", {})
+    key = (frames, rows, cols, str(device))
+    if key not in kept:
+        while len(kept) >= ROPE_TABLES:
+            kept.pop(next(iter(kept)))
+        kept[key] = rope_table(frames, rows, cols, device)
+    return kept[key]
+
+
 def rope_table(frames: int, rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """ComfyUI's EmbedND for the video's tokens at (frame, row, column), in diffusers' form: (cos, sin) [tokens, 128],
     each frequency on two channels; per axis omega = 1 / 256^linspace(0, (d - 2)/d, d/2) and the angles in float64."""
@@ -118,7 +132,7 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
         raise ValueError(f"HunyuanVideo 1.5 takes text [B, N, {config.text_embed_dim}] (Qwen2.5-VL) and byT5 rows "
                          f"[B, N, {config.text_embed_2_dim}], not {text.shape[-1]} and {byt5.shape[-1]} features: "
                          f"encode the prompt with DualCLIPLoader type hunyuan_video_15")
-    rope = rope_table(frames, h, w, x.device)
+    rope = rope_for(model, frames, h, w, x.device)
     with contextlib.ExitStack() as stack:
         # ComfyUI casts the timestep's sinusoid to the compute dtype before time_in (diffusers to the timestep's)
         stack.enter_context(pre_hook(model.time_embed.timestep_embedder,
