@@ -509,6 +509,42 @@ def test_krea2_graphs_with_the_engines_model_equal_comfyui_own(setup):
     assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
 
 
+@pytest.mark.timeout(900)
+def test_hunyuanvideo15_graphs_with_the_engines_model_equal_comfyui_own(setup):
+    """ComfyUI's HunyuanVideo 1.5 graphs (the 720p text-to-video template's ModelSamplingSD3 7, CFGGuider 6 and
+    SamplerCustomAdvanced; KSampler at cfg 6 over 15 tokens; a prompt with quoted text, its byT5 rows; image-to-video
+    with HunyuanVideo15ImageToVideo's keys and SigLIP's last_hidden_state) with only the loader swapped for the xDiT
+    Engine on 1 and 2 CPU ranks (auto, Ulysses, Ring padded, CFG parallel, the weights divided), and the sampler too
+    (xDiT Sampler), against ComfyUI's own model of the same tiny file."""
+    folder = setup["dir"] / "written-hv15"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(write_tiny("hunyuanvideo15", str(folder)),
+                setup["models"] / "diffusion_models" / "tiny-hunyuanvideo-1.5.safetensors")
+    report = run_check("comfyui_hv15_check.py", setup, 840)
+    if report["comfyui"] == "0.3.64":   # older than HunyuanVideo 1.5: the engine's MODEL names the release to update to
+        assert "update ComfyUI to 0.3.71 or newer" in report["older"], report
+        return
+    keys = report["keys"]   # the tiny file is ComfyUI's own HunyuanVideo15 model's state dict
+    assert keys["model_class"] == "HunyuanVideo15" and keys["file"] == keys["comfyui_model"] \
+        and not keys["missing_in_file"] and not keys["extra_in_file"], keys
+    graphs = report["graphs"]
+    assert len(graphs) == 4, sorted(graphs)
+    for name in ("hv15 quoted text: byT5 rows, KSampler cfg 6",   # the byT5 rows and the image move ComfyUI's own
+                 "hv15 i2v: HunyuanVideo15ImageToVideo's keys, KSampler cfg 6"):   # result far beyond rounding
+        assert graphs[name]["native_vs_t2v_ksampler_rel_l2"] > 1e-2, (name, graphs[name])
+    plans = set()
+    for name, entry in graphs.items():
+        # fp32 through different code paths: rounding only (ComfyUI attends by sub-quadratic chunks on the CPU), which
+        # CFG amplifies up to 2 cfg - 1 times over the steps
+        bound = 1e-5 * max(1.0, 2 * entry["cfg"] - 1)
+        for key, run in entry.items():
+            if isinstance(run, dict):
+                assert run["rel_l2"] < bound, (name, key, run)
+                plans.add(run["plan"])
+    assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
+    assert "byT5" in report["xdit_sampler_byt5"] and "\n" not in report["xdit_sampler_byt5"], report
+
+
 @pytest.mark.timeout(300)
 def test_every_api_workflow_passes_comfyuis_own_prompt_validation(setup):
     """workflows/api/*.api.json through ComfyUI's execution.validate_prompt (what POST /prompt runs), in every ComfyUI

@@ -21,11 +21,12 @@ from workflow_nodes import current_title, definitions as node_definitions, socke
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
              "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "krea-2", "wan2.1-t2v-1.3b",
-             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v",
-             "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
-VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "minimax-h3-t2v",
-                   "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v",
-                   "ltx-2.5-flf")
+             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo-1.5-t2v", "hunyuanvideo-1.5-i2v",
+             "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v",
+             "ltx-2.5-i2v", "ltx-2.5-flf")
+VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo-1.5-t2v",
+                   "hunyuanvideo-1.5-i2v", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v",
+                   "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
 # Two passes on one model (LTX-2.3, LTX-2.5: the second after the latent upsampler), each its own sampler
 TWO_PASSES = ("ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.5-t2v", "ltx-2.5-i2v")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
@@ -40,6 +41,9 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "krea-2": "krea2_turbo_fp8_scaled.safetensors",
                # Comfy-Org's repackaged Wan files (split_files/diffusion_models)
                "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors",
+               # Comfy-Org's repackaged HunyuanVideo 1.5 files, as its 720p templates load them
+               "hunyuanvideo-1.5-t2v": "hunyuanvideo1.5_720p_t2v_fp16.safetensors",
+               "hunyuanvideo-1.5-i2v": "hunyuanvideo1.5_720p_i2v_fp16.safetensors",
                # Comfy-Org's MiniMax-H3 bf16 file (the templates' int8_convrot file is not one the engine reads)
                "minimax-h3-t2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
                "minimax-h3-i2v": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
@@ -55,7 +59,7 @@ EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_f
 # The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2, MiniMax-H3
 # (its nodes, text encoder type and VAEs) in 0.33.0.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
-                 "krea-2": "0.26.0",
+                 "krea-2": "0.26.0", "hunyuanvideo-1.5-t2v": "0.3.71", "hunyuanvideo-1.5-i2v": "0.3.71",
                  "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0",
                  "ltx-2.3-flf": "0.33.0", "ltx-2.5-t2v": "0.33.0", "ltx-2.5-i2v": "0.33.0", "ltx-2.5-flf": "0.33.0"}
 # stock MODEL -> MODEL nodes the templates use
@@ -70,12 +74,13 @@ MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints
                  ("LTXAVTextEncoderLoader", "ckpt_name"): ("checkpoints",), ("LTXVAudioVAELoader", "ckpt_name"): ("checkpoints",),
                  ("LatentUpscaleModelLoader", "model_name"): ("latent_upscale_models",),
                  ("VAELoader", "vae_name"): ("vae",), ("XDiTVAELoader", "vae_name"): ("vae",),
-                 ("CLIPLoader", "clip_name"): ("text_encoders",),
+                 ("CLIPLoader", "clip_name"): ("text_encoders",), ("CLIPVisionLoader", "clip_name"): ("clip_vision",),
                  ("LoraLoaderModelOnly", "lora_name"): ("loras",),
                  **{(t, f"clip_name{i}"): ("text_encoders",)
                     for t, n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3)) for i in range(1, n + 1)}}
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",), "loras": (".safetensors",),
                      "checkpoints": (".safetensors",), "latent_upscale_models": (".safetensors",),
+                     "clip_vision": (".safetensors",),
                      "input": (".png", ".jpg", ".jpeg", ".webp")}
 
 
@@ -745,6 +750,54 @@ def test_wan21_t2v_is_comfyuis_template_with_the_engine_for_the_model():
     assert latent["inputs"] == {"width": 832, "height": 480, "length": 33, "batch_size": 1}
     _wan_common(api, sampler_id, "wan_2.1_vae.safetensors")
     assert only(api, "CreateVideo")[1]["inputs"]["fps"] == 16.0
+
+
+def test_hunyuanvideo15_t2v_is_comfyuis_720p_template_with_the_engine_for_the_model():
+    """ComfyUI's HunyuanVideo 1.5 720p text-to-video template's first pass (video_hunyuan_video_1.5_720p_t2v.json):
+    DualCLIPLoader type hunyuan_video_15, EmptyHunyuanVideo15Latent 1280x720 with 121 frames, ModelSamplingSD3 7 on the
+    engine's MODEL, CFGGuider 6 with an empty negative, BasicScheduler simple 20 steps, KSamplerSelect euler,
+    SamplerCustomAdvanced; ComfyUI's own VAE and Create Video at 24 fps."""
+    _, api = load("hunyuanvideo-1.5-t2v")
+    sampler_id, _ = only(api, "SamplerCustomAdvanced")
+    guider_id, guider = source(api, sampler_id, "guider")
+    assert guider["class_type"] == "CFGGuider" and guider["inputs"]["cfg"] == 6.0
+    shifted_id, shifted = source(api, guider_id, "model")
+    assert shifted["class_type"] == "ModelSamplingSD3" and shifted["inputs"]["shift"] == 7.0
+    assert source(api, shifted_id, "model")[1]["class_type"] == "XDiTEngine"
+    sigmas = source(api, sampler_id, "sigmas")[1]
+    assert sigmas["class_type"] == "BasicScheduler" and sigmas["inputs"]["model"] == [shifted_id, 0]
+    assert (sigmas["inputs"]["scheduler"], sigmas["inputs"]["steps"], sigmas["inputs"]["denoise"]) == \
+        ("simple", 20, 1.0)
+    assert source(api, sampler_id, "sampler")[1]["inputs"]["sampler_name"] == "euler"
+    latent = source(api, sampler_id, "latent_image")[1]
+    assert latent["class_type"] == "EmptyHunyuanVideo15Latent"
+    assert latent["inputs"] == {"width": 1280, "height": 720, "length": 121, "batch_size": 1}
+    clip = only(api, "DualCLIPLoader")[1]["inputs"]
+    assert (clip["clip_name1"], clip["clip_name2"], clip["type"]) == (
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors", "byt5_small_glyphxl_fp16.safetensors", "hunyuan_video_15")
+    assert source(api, guider_id, "negative")[1]["inputs"]["text"] == ""
+    assert only(api, "VAELoader")[1]["inputs"]["vae_name"] == "hunyuanvideo15_vae_fp16.safetensors"
+    assert only(api, "CreateVideo")[1]["inputs"]["fps"] == 24.0
+
+
+def test_hunyuanvideo15_i2v_conditions_both_prompts_on_the_start_image_and_its_siglip_output():
+    """The 720p image-to-video template: Load Image into CLIP Vision Encode (SigLIP, center) and, as the start image,
+    into HunyuanVideo15ImageToVideo 1280x720 with 121 frames, whose positive, negative and latent the sampler takes;
+    the rest as the text-to-video template."""
+    _, api = load("hunyuanvideo-1.5-i2v")
+    sampler_id, _ = only(api, "SamplerCustomAdvanced")
+    conditioned_id, conditioned = only(api, "HunyuanVideo15ImageToVideo")
+    assert source(api, sampler_id, "latent_image") == (conditioned_id, conditioned)
+    guider_id, guider = source(api, sampler_id, "guider")
+    assert guider["inputs"]["positive"] == [conditioned_id, 0] and guider["inputs"]["negative"] == [conditioned_id, 1]
+    assert {k: conditioned["inputs"][k] for k in ("width", "height", "length", "batch_size")} == \
+        {"width": 1280, "height": 720, "length": 121, "batch_size": 1}
+    encode_id, encode = source(api, conditioned_id, "clip_vision_output")
+    assert encode["class_type"] == "CLIPVisionEncode" and encode["inputs"]["crop"] == "center"
+    assert source(api, encode_id, "clip_vision")[1]["inputs"]["clip_name"] == "sigclip_vision_patch14_384.safetensors"
+    assert source(api, encode_id, "image")[0] == source(api, conditioned_id, "start_image")[0]
+    assert source(api, source(api, guider_id, "model")[0], "model")[1]["inputs"]["model_name"] == \
+        "hunyuanvideo1.5_720p_i2v_fp16.safetensors"
 
 
 @pytest.mark.parametrize("kind", ["t2v", "i2v"])

@@ -84,6 +84,16 @@ MODEL_SOURCES = {
     **{name: (HF + f"Comfy-Org/Krea-2/resolve/main/{folder}/{name}", folder) for folder, name in (
         ("diffusion_models", "krea2_turbo_fp8_scaled.safetensors"),
         ("text_encoders", "qwen3vl_4b_fp8_scaled.safetensors"))},
+    # HunyuanVideo 1.5: Comfy-Org's repackaged files as ComfyUI's 720p text-to-video template links them
+    # (video_hunyuan_video_1.5_720p_t2v.json, each loader's properties.models; its Qwen2.5-VL file is Qwen-Image's,
+    # the same file as above)
+    **{name: (HF + f"Comfy-Org/HunyuanVideo_1.5_repackaged/resolve/main/split_files/{folder}/{name}", folder)
+       for folder, name in (("diffusion_models", "hunyuanvideo1.5_720p_t2v_fp16.safetensors"),
+                            ("diffusion_models", "hunyuanvideo1.5_720p_i2v_fp16.safetensors"),
+                            ("text_encoders", "byt5_small_glyphxl_fp16.safetensors"),
+                            ("vae", "hunyuanvideo15_vae_fp16.safetensors"))},
+    "sigclip_vision_patch14_384.safetensors": (HF + "Comfy-Org/sigclip_vision_384/resolve/main/"
+                                               "sigclip_vision_patch14_384.safetensors", "clip_vision"),
     # LTX-2.3: the files ComfyUI 0.33.0's LTX-2.3 templates link (blueprints/Text to Video (LTX-2.3).json, each
     # loader's properties.models)
     "ltx-2.3-22b-dev-fp8.safetensors": (HF + "Lightricks/LTX-2.3-fp8/resolve/main/ltx-2.3-22b-dev-fp8.safetensors",
@@ -347,6 +357,47 @@ def _krea2() -> Graph:
     latent = g.add("EmptyLatentImage", [1024, 1024, 1], 1)
     sampler = _xdit_sampler(g, 2, engine.out(1), positive, negative, latent, 8, 1.0)
     _finish(g, 3, engine, sampler, vae)
+    return g
+
+
+def _hunyuanvideo15(image: bool) -> Graph:
+    """ComfyUI's HunyuanVideo 1.5 720p templates (video_hunyuan_video_1.5_720p_t2v.json, video_hunyuan_video_1.5_720p_
+    i2v.json), their first pass (the t2v one's 1080p super-resolution pass, off there by default, is another model and
+    left out, as their EasyCache nodes): Qwen2.5-VL and byT5 through DualCLIPLoader type hunyuan_video_15 ->
+    CLIPTextEncode of the template's prompt and an empty negative; text to video from EmptyHunyuanVideo15Latent
+    1280x720, 121 frames; image to video from HunyuanVideo15ImageToVideo (the same size, Load Image as its start image
+    and, through Load CLIP Vision (SigLIP) and CLIP Vision Encode (center), its CLIP-vision output) on both prompts;
+    ModelSamplingSD3 7 on the model, CFGGuider 6, BasicScheduler simple 20 steps, KSamplerSelect euler, RandomNoise,
+    SamplerCustomAdvanced; VAELoader hunyuanvideo15_vae_fp16 (ComfyUI's own decode), Create Video at 24 fps."""
+    kind = "i2v" if image else "t2v"
+    g = Graph(f"hunyuanvideo-1.5-{kind}", needs_comfyui="0.3.71")
+    _version_note(g, 0, "HunyuanVideo 1.5: its model, its latent and image-to-video nodes and DualCLIPLoader type "
+                        "hunyuan_video_15")
+    clip = g.add("DualCLIPLoader", ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "byt5_small_glyphxl_fp16.safetensors",
+                                    "hunyuan_video_15", "default"], 0)
+    engine = _engine(g, f"hunyuanvideo1.5_720p_{kind}_fp16.safetensors")
+    vae = g.add("VAELoader", ["hunyuanvideo15_vae_fp16.safetensors"], 0)
+    positive = _prompt(g, 1, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 1, clip, "", "CLIP Text Encode (Negative Prompt)", EMPTY_PROMPT_BOX)
+    if image:
+        picture = g.add("LoadImage", ["example.png", "image"], 1, size=LOAD_BOX)
+        vision = g.add("CLIPVisionLoader", ["sigclip_vision_patch14_384.safetensors"], 1)
+        encoded = g.add("CLIPVisionEncode", ["center"], 2, clip_vision=vision, image=picture)
+        conditioned = g.add("HunyuanVideo15ImageToVideo", [1280, 720, 121, 1], 2, positive=positive,
+                            negative=negative, vae=vae, start_image=picture, clip_vision_output=encoded)
+        positive, negative, latent = conditioned.out(0), conditioned.out(1), conditioned.out(2)
+        column = 3
+    else:
+        latent = g.add("EmptyHunyuanVideo15Latent", [1280, 720, 121, 1], 1)
+        column = 2
+    shifted = g.add("ModelSamplingSD3", [7.0], column, model=engine.out(1))
+    guider = g.add("CFGGuider", [6.0], column, model=shifted, positive=positive, negative=negative)
+    select = g.add("KSamplerSelect", ["euler"], column)
+    sigmas = g.add("BasicScheduler", ["simple", 20, 1.0], column, model=shifted)
+    noise = g.add("RandomNoise", [SEED, "fixed"], column)
+    sampler = g.add("SamplerCustomAdvanced", [], column + 1, noise=noise, guider=guider, sampler=select,
+                    sigmas=sigmas, latent_image=latent)
+    _video_finish(g, column + 2, engine, sampler.out(0), vae, 24.0)
     return g
 
 
@@ -766,6 +817,23 @@ PROMPTS = {
               "the glass, a drawn citrus wedge on the rim, and various abstract sketches and faces surrounding "
               "the glass against a clean, white background. The style seamlessly blends a realistic, lit "
               "photograph with loose, hand-drawn marker artistry, creating a playful and artistic juxtaposition.",
+    # the HunyuanVideo 1.5 720p text-to-video template's own prompt
+    "hunyuanvideo-1.5-t2v": "A paper airplane released from the top of a skyscraper, gliding through urban canyons, "
+                            "crossing traffic, flying over streets, spiraling upward between buildings. The camera "
+                            "follows the paper airplane's perspective, shooting cityscape in first-person POV, finally "
+                            "flying toward the sunset, disappearing in golden light. Creative camera movement, free "
+                            "perspective, dreamlike colors.",
+    # the HunyuanVideo 1.5 720p image-to-video template's own prompt
+    "hunyuanvideo-1.5-i2v": "A feathered young dinosaur (with ruffled brown-and-white plumage, sharp claws, and a "
+                            "spiky crested head) moves alertly through a sun-dappled, dense coniferous forest. "
+                            "Sunbeams filter through the tall tree canopy, casting warm golden rays over the "
+                            "mossy undergrowth and ferns. The dinosaur lifts one clawed foot mid-step, head "
+                            "tilted sharply to scan for prey (or predators), its tail fanning slightly for "
+                            "balance. The air glows with soft mist, and the forest hums with quiet "
+                            "rustles\u2014small plants sway as it passes, and dappled light dances across its "
+                            "textured feathers. The camera captures the dynamic, tense stillness of its movement, "
+                            "emphasizing the lush, ancient wilderness and the creature\u2019s vivid, lifelike "
+                            "details.",
     # the Wan templates' own prompts
     "wan2.1-t2v-1.3b": "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking "
                        "camera",
@@ -887,5 +955,6 @@ def graphs() -> list[Graph]:
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
             _flux2_klein(), _krea2(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
-            _minimax_h3(image=False), _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True),
-            _ltx23_flf(), _ltx25(image=False), _ltx25(image=True), _ltx25_flf()]
+            _hunyuanvideo15(image=False), _hunyuanvideo15(image=True), _minimax_h3(image=False),
+            _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True), _ltx23_flf(), _ltx25(image=False),
+            _ltx25(image=True), _ltx25_flf()]

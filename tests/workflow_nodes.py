@@ -20,6 +20,25 @@ _KINDS = {"COMBO": "combo", "INT": "number", "FLOAT": "number", "STRING": "text"
 # comfy_extras/nodes_custom_sampler.py and nodes_audio.py there, V1), whose display names they keep, as
 # comfyui_stock_nodes.py does; the frontends' titles are in LATER_TITLES.
 LATER_NODES = {
+    # comfy_extras/nodes_hunyuan.py (0.3.71 on; 0.33.0), EmptyHunyuanVideo15Latent(EmptyHunyuanLatentVideo): the same
+    # inputs (width default 848, height 480, both min 16 step 16; length default 25, min 1, step 4; batch_size 1 to
+    # 4096), display name "Empty HunyuanVideo 1.5 Latent"; a LATENT of zeros [B, 32, (length - 1) // 4 + 1, H/16, W/16]
+    "EmptyHunyuanVideo15Latent": {
+        "display_name": "Empty HunyuanVideo 1.5 Latent",
+        "source": "comfy_extras/nodes_hunyuan.py",
+        "since": "0.3.71",
+        "inputs": (
+            {"name": "width", "type": "INT", "widget": "number", "default": 848, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 480, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "length", "type": "INT", "widget": "number", "default": 25, "min": 1,
+             "max": stock.MAX_RESOLUTION, "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
     # nodes.py, class EmptyLatentImage (the Krea 2 template's latent; the same in 0.3.64 and 0.33.0): "width" and
     # "height": ("INT", {"default": 512, "min": 16, "max": MAX_RESOLUTION, "step": 8}), "batch_size": ("INT",
     # {"default": 1, "min": 1, "max": 4096}); RETURN_TYPES = ("LATENT",); display name "Empty Latent Image"
@@ -34,6 +53,54 @@ LATER_NODES = {
             {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
         ),
         "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_hunyuan.py (0.3.71 on; 0.33.0), HunyuanVideo15ImageToVideo: no display name;
+    # io.Conditioning.Input("positive"), io.Conditioning.Input("negative"), io.Vae.Input("vae"), io.Int.Input("width",
+    # default=848, min=16, max=nodes.MAX_RESOLUTION, step=16), "height" (default 480) likewise, io.Int.Input("length",
+    # default=33, min=1, step=4), io.Int.Input("batch_size", default=1, min=1, max=4096), io.Image.Input("start_image",
+    # optional=True), io.ClipVisionOutput.Input("clip_vision_output", optional=True); outputs positive, negative, latent
+    "HunyuanVideo15ImageToVideo": {
+        "display_name": "HunyuanVideo15ImageToVideo",
+        "source": "comfy_extras/nodes_hunyuan.py",
+        "since": "0.3.71",
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "width", "type": "INT", "widget": "number", "default": 848, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 480, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "length", "type": "INT", "widget": "number", "default": 33, "min": 1,
+             "max": stock.MAX_RESOLUTION, "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+            {"name": "start_image", "type": "IMAGE", "optional": True},
+            {"name": "clip_vision_output", "type": "CLIP_VISION_OUTPUT", "optional": True},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative"), ("LATENT", "latent")),
+        "output_node": False,
+    },
+    # nodes.py, class CLIPVisionLoader: "clip_name": (folder_paths.get_filename_list("clip_vision"),);
+    # RETURN_TYPES = ("CLIP_VISION",); display name "Load CLIP Vision" (the same in 0.3.64 and 0.33.0)
+    "CLIPVisionLoader": {
+        "display_name": "Load CLIP Vision",
+        "source": "nodes.py",
+        "inputs": ({"name": "clip_name", "type": "COMBO", "widget": "combo", "folder": "clip_vision"},),
+        "outputs": (("CLIP_VISION", "CLIP_VISION"),),
+        "output_node": False,
+    },
+    # nodes.py, class CLIPVisionEncode: "clip_vision": ("CLIP_VISION",), "image": ("IMAGE",), "crop": (["center",
+    # "none"],); RETURN_TYPES = ("CLIP_VISION_OUTPUT",); display name "CLIP Vision Encode" (the same in 0.3.64)
+    "CLIPVisionEncode": {
+        "display_name": "CLIP Vision Encode",
+        "source": "nodes.py",
+        "inputs": (
+            {"name": "clip_vision", "type": "CLIP_VISION"},
+            {"name": "image", "type": "IMAGE"},
+            {"name": "crop", "type": "COMBO", "widget": "combo", "options": ("center", "none")},
+        ),
+        "outputs": (("CLIP_VISION_OUTPUT", "CLIP_VISION_OUTPUT"),),
         "output_node": False,
     },
     # nodes.py, class LoraLoaderModelOnly(LoraLoader): "model": ("MODEL",), "lora_name":
@@ -371,6 +438,10 @@ CLIP_TYPES_0_33 = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", 
                    "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "hunyuan_image", "flux2",
                    "ovis", "longcat_image", "cogvideox", "lens", "pixeldit", "ideogram4", "boogu", "krea2",
                    "joyimage", "mage", "minimax")
+# nodes.py (0.33.0), DualCLIPLoader's type list: comfyui_stock_nodes.py's and the types added since,
+# "hunyuan_video_15" (HunyuanVideo 1.5's Qwen2.5-VL and byT5) among them; the rest of the node as there
+DUAL_CLIP_TYPES_0_33 = ("sdxl", "sd3", "flux", "hunyuan_video", "hidream", "hunyuan_image", "hunyuan_video_15",
+                        "kandinsky5", "kandinsky5_image", "ltxv", "newbie", "ace")
 # The frontends' titles for them where they differ from the display name (each one's en locale, nodeDefs: 1.27.10
 # names BasicScheduler and LoraLoaderModelOnly so and VAEDecodeAudio "VAE Decode Audio"; 1.49.6 names
 # LoraLoaderModelOnly "Load LoRA" and has no entry for MiniMaxH3ImageToVideo, shown under 0.33.0's display name; it
@@ -385,6 +456,13 @@ def _clip_loader(d):
     types = next(i for i in d["inputs"] if i["name"] == "type")
     assert set(types["options"]) <= set(CLIP_TYPES_0_33)
     return dict(d, inputs=tuple(dict(i, options=CLIP_TYPES_0_33) if i is types else i for i in d["inputs"]))
+
+
+def _dual_clip_loader(d):
+    """DualCLIPLoader offering 0.33.0's type list (a superset of comfyui_stock_nodes.py's)."""
+    types = next(i for i in d["inputs"] if i["name"] == "type")
+    assert set(types["options"]) <= set(DUAL_CLIP_TYPES_0_33)
+    return dict(d, inputs=tuple(dict(i, options=DUAL_CLIP_TYPES_0_33) if i is types else i for i in d["inputs"]))
 
 
 def _frontend_titles(version) -> dict:
@@ -430,7 +508,8 @@ def definitions(model_names) -> dict:
     vae_loader["inputs"] = tuple(dict({k: v for k, v in i.items() if k != "options"}, folder="vae")
                                  if i["name"] == "vae_name" else i for i in vae_loader["inputs"])
     defs["XDiTVAELoader"] = vae_loader
-    stock_nodes = dict(stock.STOCK_NODES, CLIPLoader=_clip_loader(stock.STOCK_NODES["CLIPLoader"]))
+    stock_nodes = dict(stock.STOCK_NODES, CLIPLoader=_clip_loader(stock.STOCK_NODES["CLIPLoader"]),
+                       DualCLIPLoader=_dual_clip_loader(stock.STOCK_NODES["DualCLIPLoader"]))
     assert not set(LATER_NODES) & set(stock_nodes)
     stock_nodes.update(LATER_NODES)
     assert not set(defs) & set(stock_nodes) and not set(defs) & set(stock.FRONTEND_NODES)

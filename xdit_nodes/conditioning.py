@@ -26,6 +26,9 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     if unsupported:
         raise ValueError(f"{name} carries {', '.join(unsupported)} (area, mask, ControlNet, timestep-range or "
                          f"strength conditioning), which the xDiT Sampler does not support")
+    if extras.get("conditioning_byt5small") is not None:   # HunyuanVideo 1.5's glyph rows: the MODEL route takes them
+        raise ValueError(f"{name} carries byT5 glyph rows (a HunyuanVideo 1.5 prompt with quoted text), which the xDiT "
+                         f"Sampler's own loop does not take: sample with KSampler on the xDiT Engine's MODEL")
     return cond, pooled, extras.get("guidance")
 
 
@@ -63,12 +66,13 @@ def conditioning_file(positive, negative=None) -> tuple[dict[str, torch.Tensor],
     return tensors, metadata
 
 
-def conditioning_images(conditioning, prefix: str = "") -> dict:
-    """An image-to-video CONDITIONING's keys (WanImageToVideo, WanFirstLastFrameToVideo): the CLIP-vision features
-    (clip_vision_output's penultimate_hidden_states), concat_latent_image and concat_mask, as the request's fields."""
+def conditioning_images(conditioning, prefix: str = "", clip_state: str = "penultimate_hidden_states") -> dict:
+    """An image-to-video CONDITIONING's keys (WanImageToVideo, WanFirstLastFrameToVideo, HunyuanVideo15ImageToVideo):
+    the CLIP-vision features (the clip_vision_output's field the family's model takes: `clip_state`),
+    concat_latent_image and concat_mask, as the request's fields."""
     extras = conditioning[0][1]
     clip = extras.get("clip_vision_output")
-    return {prefix + "clip_vision_output": getattr(clip, "penultimate_hidden_states", clip),
+    return {prefix + "clip_vision_output": getattr(clip, clip_state, clip),
             prefix + "concat_latent_image": extras.get("concat_latent_image"),
             prefix + "concat_mask": extras.get("concat_mask")}
 
@@ -76,18 +80,19 @@ def conditioning_images(conditioning, prefix: str = "") -> dict:
 def job_request(settings, positive, negative, latent_raw: torch.Tensor, *, cfg: float,
                 seed: int = 0, steps: int = 1, sampler_name: str = "euler", scheduler: str = "simple",
                 denoise: float = 1.0, batch_index=None, window: StepWindow = StepWindow(),
-                noise_mask=None) -> GenerateRequest:
+                noise_mask=None, clip_state: str = "penultimate_hidden_states") -> GenerateRequest:
     """The engine request for these settings (core.EngineSettings) and ComfyUI values (not yet validated). The
-    negative is read when cfg != 1. window: KSamplerAdvanced's steps and noise."""
+    negative is read when cfg != 1. window: KSamplerAdvanced's steps and noise. clip_state: the CLIP-vision output's
+    field the model takes (Family.clip_vision_state)."""
     cond, pooled, guidance = conditioning_tensors(positive, "positive")
     refs, method = conditioning_references(positive, "positive")
     neg_cond = neg_pooled = neg_refs = None
     neg_method = ""
-    images = conditioning_images(positive)
+    images = conditioning_images(positive, clip_state=clip_state)
     if cfg != 1.0:
         neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
         neg_refs, neg_method = conditioning_references(negative, "negative")
-        images.update(conditioning_images(negative, "neg_"))
+        images.update(conditioning_images(negative, "neg_", clip_state))
     return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
                            seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
                            scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,

@@ -226,7 +226,8 @@ def sample(settings: EngineSettings, positive, negative, latent: dict, *, seed: 
     samples = fix_empty_latent(info, latent["samples"], latent.get("downscale_ratio_spacial"))   # as KSampler does
     request = job_request(settings, positive, negative, samples, cfg=cfg, seed=seed, steps=steps,
                           sampler_name=sampler_name, scheduler=scheduler, denoise=denoise,
-                          batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"), window=window)
+                          batch_index=latent.get("batch_index"), noise_mask=latent.get("noise_mask"), window=window,
+                          clip_state=info.spec.clip_vision_state)
     machine = registry.machine(settings)
     view = machine.view()   # what was measured on this machine, read once for the job
     planned = request.validate(len(settings.gpus), view.hardware)  # every check that needs no rank, before any starts

@@ -7,11 +7,11 @@ variant_aliases, a family name), the one resolver every command uses; `FAMILIES`
 """
 from __future__ import annotations
 
-from . import flux, flux2, krea2, ltx23, minimax_h3, qwen_image, sd3, wan
+from . import flux, flux2, hunyuanvideo15, krea2, ltx23, minimax_h3, qwen_image, sd3, wan
 from .base import Family
 
 FAMILIES: tuple[Family, ...] = (flux.FAMILY, sd3.FAMILY, qwen_image.FAMILY, flux2.FAMILY, wan.FAMILY,
-                                 minimax_h3.FAMILY, ltx23.FAMILY, krea2.FAMILY)
+                                 minimax_h3.FAMILY, ltx23.FAMILY, krea2.FAMILY, hunyuanvideo15.FAMILY)
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_VARIANT = {v: f for f in FAMILIES for v in f.variants}
 VARIANTS = tuple(_BY_VARIANT)

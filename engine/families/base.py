@@ -153,6 +153,12 @@ class Family:
     masked_latent_clean: Callable[[dict], bool] = lambda config: False   # under a noise mask the masked-out latent
     #                                                         enters the model as it is, not noised to sigma (ComfyUI's
     #                                                         scale_latent_inpaint)
+    image_inputs_optional: bool = False                     # ComfyUI's model runs without the image-to-video inputs
+    #                                                         too (HunyuanVideo 1.5: text-to-video on the same file):
+    #                                                         a missing clip_vision_output or concat_latent_image is
+    #                                                         not refused, and concat_cond may give None
+    clip_vision_state: str = "penultimate_hidden_states"    # the CLIP-vision output's field ComfyUI's model takes as
+    #                                                         clip_fea (HunyuanVideo 1.5: last_hidden_state)
 
     # the compute dtypes ComfyUI runs the model in (its supported_inference_dtypes): fp16 only where ComfyUI allows it,
     # since a model whose activations overflow float16 gives NaNs there, not an error

@@ -317,7 +317,9 @@ def _model_class():
 FAMILY = Family(
     name="flux", title="FLUX.1", variants=("flux-dev", "flux-schnell"),
     markers=(Marker("double_blocks.0.img_attn.qkv.weight", "bfl",
-                    absent=("double_stream_modulation_img.lin.weight",)),   # FLUX.2's BFL files have it too
+                    # FLUX.2's BFL files have it too, and HunyuanVideo's in ComfyUI's names
+                    absent=("double_stream_modulation_img.lin.weight",
+                            "txt_in.individual_token_refiner.blocks.0.norm1.weight")),
              Marker("single_transformer_blocks.0.attn.to_q.weight", "diffusers")),
     infer=infer, key_map=key_map, model_class=_model_class, gguf_arches=("flux",),
     layers=lambda config: config["num_layers"] + config["num_single_layers"],

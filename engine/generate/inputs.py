@@ -222,21 +222,23 @@ def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, lat
     if width:
         name = prefix + "clip_vision_output"
         limit = config.get("pos_embed_seq_len")
-        if clip is None:
+        if clip is None and not family.image_inputs_optional:
             raise ValueError(f"{name} is missing: {info.variant} is an image-to-video model and takes CLIP-vision "
                              f"features [{rows}, 257, {width}] (CLIPVisionEncode into WanImageToVideo)")
-        if not isinstance(clip, torch.Tensor) or not clip.is_floating_point() or clip.ndim != 3 \
-                or clip.shape[2] != width or clip.shape[0] not in (1, batch) \
-                or not 1 <= clip.shape[1] <= (limit or 4096):
-            raise ValueError(f"{name} of shape {_shape(clip)} is invalid: {info.variant} takes [{rows}, "
-                             f"{'257 or 514' if limit else 257}, {width}] floats (CLIPVisionEncode's penultimate "
-                             f"hidden states)")
+        if clip is not None and (not isinstance(clip, torch.Tensor) or not clip.is_floating_point() or clip.ndim != 3
+                                 or clip.shape[2] != width or clip.shape[0] not in (1, batch)
+                                 or not 1 <= clip.shape[1] <= (limit or 4096)):
+            tokens = "257 or 514" if limit else "257" if family.clip_vision_state.startswith("penultimate") else "T"
+            raise ValueError(f"{name} of shape {_shape(clip)} is invalid: {info.variant} takes [{rows}, {tokens}, "
+                             f"{width}] floats (CLIPVisionEncode's {family.clip_vision_state.replace('_', ' ')})")
     extra = family.concat_channels(config)
     if not extra:
         return
     fmt = info.latent
     grid = tuple(latent.shape[2:])
     name = prefix + "concat_latent_image"
+    if image is None and family.image_inputs_optional:   # its text-to-video: ComfyUI's zeros (a mask alone counts)
+        image = torch.zeros(()).expand(latent.shape[0], fmt.channels, *grid)
     if image is None:
         raise ValueError(f"{name} is missing: {info.variant} is an image-to-video model and takes the image's latent "
                          f"[{rows}, {fmt.channels}, {', '.join(map(str, grid))}] (WanImageToVideo's or "

@@ -132,8 +132,13 @@ class FlowModel:
         mask = None if whole is None else rows(whole, batch, items, "noise mask")
         concat = None
         if self.family.concat_cond is not None and self.family.concat_channels(self.loaded.info.config):
-            concat = torch.cat([rows(self.family.concat_cond(self, s, whole), batch, items, "concat_latent_image")
-                                for s in sides]).to(self.device, self.dtype)
+            parts = [self.family.concat_cond(self, s, whole) for s in sides]
+            if any(p is None for p in parts) and any(p is not None for p in parts):
+                raise ValueError("one side has an image (concat_latent_image or concat_mask) and the other none: give "
+                                 "both sides the image-to-video node's conditioning")
+            if parts[0] is not None:   # None: the family's forward attaches ComfyUI's c_concat without an image
+                concat = torch.cat([rows(p, batch, items, "concat_latent_image")
+                                    for p in parts]).to(self.device, self.dtype)
         return Prepared(cond, pooled, guidance, references, method, image_context=image, concat=concat,
                         denoise_mask=None if mask is None else mask.repeat(len(sides), *([1] * (mask.ndim - 1))))
 

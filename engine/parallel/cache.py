@@ -15,7 +15,8 @@ block lists are replaced by lists of the same modules whose iteration yields thi
 hidden_states); a block called without an encoder stream (encoder_hidden_states None: FLUX.2's single blocks, which
 get text and image joined) returns the one joined stream, the image tokens at its end. A block called with its
 arguments in order, hidden states first, that returns one tensor (Wan's: the text enters only its cross-attention)
-returns the image tokens alone. Only the final image tokens are used after the last block.
+returns the image tokens alone; one called so that returns a pair (HunyuanVideo 1.5's: hidden states, encoder hidden
+states in and out, in that order) returns (image, text). Only the final image tokens are used after the last block.
 
 A threshold of 0 never skips, and then every block runs exactly as without the cache (the wrappers only read).
 """
@@ -120,6 +121,7 @@ class StepCache:
         self.stats = CacheStats()
         self._skip = False
         self._first_out = None
+        self._pair = False       # the blocks take (hidden, encoder, ...) in order and give the pair back
         for name, blocks in self.originals.items():
             setattr(model, name, _CachedList(self, blocks))
 
@@ -143,14 +145,16 @@ class StepCache:
     def call(self, block: torch.nn.Module, args, kwargs):
         if block is self.first:
             return self._call_first(block, args, kwargs)
-        single = bool(args)   # hidden states first, one tensor back
-        joined = single or kwargs.get("encoder_hidden_states") is None   # one stream in, one out
+        single = bool(args)   # hidden states first, one tensor back (or, as the first block showed, a pair)
+        joined = (single and not self._pair) or (not single and kwargs.get("encoder_hidden_states") is None)
         if self._skip:  # pass the cached result along unchanged
-            hidden_in = args[0] if single else kwargs["hidden_states"]
+            if single:
+                return (args[0], args[1]) if self._pair else args[0]
+            hidden_in = kwargs["hidden_states"]
             return hidden_in if joined else (kwargs["encoder_hidden_states"], hidden_in)
         out = block(*args, **kwargs)
         if block is self.last:
-            hidden = out if joined else out[1]
+            hidden = out if joined else out[0] if single else out[1]
             image = hidden[:, hidden.shape[1] - self._first_out.shape[1]:]   # a joined stream ends in the image
             self.streams[self.stream_key].rest_residual = image - self._first_out
             self._first_out = None
@@ -159,10 +163,11 @@ class StepCache:
     def _call_first(self, block, args, kwargs):
         stream = self.streams.setdefault(self.stream_key, _Stream())
         self.stats.calls += 1
-        single = bool(args)   # hidden states first, one tensor back
+        single = bool(args)   # hidden states first, one tensor back or the pair (hidden states, encoder's)
         hidden_in = args[0] if single else kwargs["hidden_states"]
         out = block(*args, **kwargs)
-        encoder, hidden = (None, out) if single else out
+        self._pair = single and isinstance(out, tuple)
+        encoder, hidden = (out[1], out[0]) if self._pair else (None, out) if single else out
         residual = hidden - hidden_in
         change = self._agreed(stream.measured) if stream.measured is not None else None
         stream.measured = self._measure(residual, stream)
@@ -172,10 +177,15 @@ class StepCache:
             self.stats.skipped += 1
             self.stats.skipped_at.append(self.stats.calls - 1)
             hidden = hidden + stream.rest_residual
-            return hidden if single else (encoder, hidden)
+            return self._as_block_gives(hidden, encoder, single)
         stream.first_residual = residual
         self._first_out = hidden
-        return hidden if single else (encoder, hidden)
+        return self._as_block_gives(hidden, encoder, single)
+
+    def _as_block_gives(self, hidden, encoder, single: bool):
+        if single:
+            return (hidden, encoder) if self._pair else hidden
+        return encoder, hidden
 
     def _measure(self, residual: torch.Tensor, stream: _Stream) -> Deferred:
         """This call's change against the stream's last fully computed call, summed over every rank's shard: |residual -

@@ -1,7 +1,7 @@
 """docs/fit.md's fit tables, every figure the planner's (resolve_plan, cost.estimate), none by hand: the memory each GPU
 needs per model, weight format and plan (`memory_table`), and the video fit table: on the usual machines, the plan
-`auto` picks for a Wan clip, the memory per GPU it needs and its estimated time, for each model, weight format and
-video size; Wan 2.2 A14B once with both experts resident and once with the idle one in host memory (`fit_table`)."""
+`auto` picks for a Wan or HunyuanVideo 1.5 clip, the memory per GPU it needs and its estimated time, for each model,
+weight format and video size; Wan 2.2 A14B once with both experts resident and once with the idle one in host memory (`fit_table`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ SIZES = ((832, 480, 81), (1280, 720, 81))
 MODELS = (("Wan 2.1 1.3B", "wan2.1-1.3b", "auto"), ("Wan 2.1 14B", "wan2.1-14b", "auto"),
           ("Wan 2.2 A14B, both experts resident", "wan2.2-a14b", RESIDENT),
           ("Wan 2.2 A14B, idle expert in host memory", "wan2.2-a14b", HOST),
-          ("Wan 2.2 TI2V-5B", "wan2.2-ti2v-5b", "auto"))
+          ("Wan 2.2 TI2V-5B", "wan2.2-ti2v-5b", "auto"), ("HunyuanVideo 1.5", "hunyuanvideo-1.5", "auto"))
 STEPS = 20
 
 
@@ -98,7 +98,8 @@ SHARD_MODELS = (("Wan 2.1 14B", "wan2.1-14b", (1280, 720, 81), {}),
                 ("Wan 2.2 A14B (both experts)", "wan2.2-a14b", (832, 480, 81), {}),
                 ("FLUX.2 [dev]", "flux2-dev", (1024, 1024, 1), {"negative_pass": False}),
                 ("Qwen-Image (cfg 2.5)", "qwen-image", (1328, 1328, 1), {}),
-                ("Krea 2 Turbo (cfg 1)", "krea-2", (1024, 1024, 1), {"negative_pass": False}))
+                ("Krea 2 Turbo (cfg 1)", "krea-2", (1024, 1024, 1), {"negative_pass": False}),
+                ("HunyuanVideo 1.5 (cfg 6)", "hunyuanvideo-1.5", (1280, 720, 121), {}))
 
 
 def shard_header() -> list[str]:
