@@ -180,7 +180,8 @@ def test_make_tiny_writes_int8_layers_as_comfyuis_files_hold_them(files, kind, f
 def test_every_weight_loads_as_the_reference_dequantization(files, name, dtype):
     """Exact by construction on both sides (the rotation's float64 sums are exact), so equal bit for bit: in float32,
     and in bf16 as the float32 value rounded to bf16 (ComfyUI's dequantize_int8_*_dtype path); a plain tensor of the
-    family's float32 islands (MiniMax-H3's patch projections, time embedding, heads, RoPE) stays float32."""
+    family's float32 islands (MiniMax-H3's patch projections, time embedding, heads, RoPE; a pruned file's modulation
+    projections: the loader's one rule, Holding) stays float32."""
     path = files[name]
     loaded = load_model(path, dtype=dtype)
     want = expected_params(loaded, path)
@@ -191,7 +192,7 @@ def test_every_weight_loads_as_the_reference_dequantization(files, name, dtype):
     source = {dst: (src, op) for dst, src, op in loaded.mapping}
     modules = dict(loaded.model.named_modules())
     for k, v in want.items():
-        held = torch.float32 if (DTYPES[dtype] == torch.bfloat16 and loaded.info.spec.fp32_params(k)
+        held = torch.float32 if (DTYPES[dtype] == torch.bfloat16 and loaded.holding.fp32(k)
                                  and source[k][0] not in int8) else DTYPES[dtype]
         assert params[k].dtype == held and torch.equal(params[k], v.to(held)), k
         if source[k][0] in int8:   # held as stored: the file's int8 rows and their scales
