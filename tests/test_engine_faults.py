@@ -84,7 +84,7 @@ e.submit("echo", {"steps": 10000, "step_sleep_s": 0.05}, {"x": torch.zeros(1 << 
 """
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [4])   # (2 ranks: the same path, one rank fewer)
 def test_kill_9_of_the_client_mid_job_takes_all_ranks_and_shared_memory_within_10_s(ranks):
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(ranks)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT))

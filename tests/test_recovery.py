@@ -16,7 +16,7 @@ from engine.runtime.launch import pid_gone
 from conftest import FAST
 from test_fuzz_protocol import frame
 
-REPEATS = 3
+REPEATS = 2
 GOING = ("had exited while idle", "engine directory was removed while idle")
 
 

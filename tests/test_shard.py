@@ -220,18 +220,21 @@ def test_a_dropped_mesh_takes_its_division_and_the_plan_loads_it_again(files, en
     (["--pipefusion", "2", "--shard", "2"], "shard 2 with pipefusion 2"),
     (["--shard", "0"], "--shard"),
 ])
-def test_a_shard_degree_that_cannot_run_is_refused_in_one_line_before_any_rank_starts(files, tmp_path, args, words):
-    import subprocess
-    import sys
+def test_a_shard_degree_that_cannot_run_is_refused_in_one_line_before_any_rank_starts(files, tmp_path, args, words,
+                                                                                      capsys, monkeypatch):
+    """(In the test's process: `python -m engine` is this main; a rank started would fail the test.)"""
     from safetensors.torch import save_file
+    from engine.cli import main
+    from engine.runtime import client
+    monkeypatch.setattr(client.Engine, "__init__", lambda *a, **k: pytest.fail("a rank group was started"))
     cond = str(tmp_path / "cond.safetensors")
     save_file({"cond": torch.zeros(1, 8, 4096), "pooled": torch.zeros(1, 768)}, cond)
-    p = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", files["flux"], "--cond", cond, "--out",
-                        str(tmp_path / "out.safetensors"), "--width", "128", "--height", "128", "--steps", "1", *args],
-                       capture_output=True, text=True, timeout=120)
-    print(p.stderr.strip())
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr
-    assert "Traceback" not in p.stderr
+    code = main(["generate", "--model", files["flux"], "--cond", cond, "--out", str(tmp_path / "out.safetensors"),
+                 "--width", "128", "--height", "128", "--steps", "1", *args])
+    err = capsys.readouterr().err
+    print(err.strip())
+    assert code == 2 and len(err.strip().splitlines()) == 1 and words in err
+    assert "Traceback" not in err
 
 
 def test_compiled_blocks_under_divided_weights_give_the_eager_single_rank_latent(files, engines):
@@ -278,13 +281,15 @@ def test_the_fp8_weight_option_divides_the_fp8_matrices(files, engines):
 
 
 @pytest.mark.parametrize("degrees,words", [("3", "3: plan ulysses3 cannot run this job"), ("9", "9: ranks=9 is invalid")])
-def test_bench_shard_refuses_a_degree_it_cannot_run_in_one_line_before_any_rank_starts(degrees, words):
-    import subprocess
-    import sys
-    p = subprocess.run([sys.executable, "-m", "engine", "bench", "shard", "--degrees", degrees], capture_output=True,
-                       text=True, timeout=120)
-    print(p.stderr.strip())
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and words in p.stderr
+def test_bench_shard_refuses_a_degree_it_cannot_run_in_one_line_before_any_rank_starts(degrees, words, capsys,
+                                                                                       monkeypatch):
+    from engine.cli import main
+    from engine.runtime import client
+    monkeypatch.setattr(client.Engine, "__init__", lambda *a, **k: pytest.fail("a rank group was started"))
+    code = main(["bench", "shard", "--degrees", degrees])
+    err = capsys.readouterr().err
+    print(err.strip())
+    assert code == 2 and len(err.strip().splitlines()) == 1 and words in err
 
 
 UNIT_GATHERS_PROBE = r'''
