@@ -137,7 +137,7 @@ def fitted_conv_share() -> float:
 
 def table() -> list[str]:
     """Markdown: each published decode, the model's, the residual, fitted or held out."""
-    lines = [f"| published decode | GPUs | published | model | residual | role | note | source |",
+    lines = ["| published decode | GPUs | published | model | residual | role | note | source |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows():
         lines.append(f"| {r.what} | {r.gpus} | {r.published_s:g} s | {r.predicted_s:.3g} s | {r.residual:+.0%} | "
