@@ -12,21 +12,8 @@ import torch.nn.functional as F
 from engine.errors import JobCancelled
 from engine.vae import client
 from engine.vae.load import inspect_vae, load_vae, write_tiny_vae
+from tolerance import within
 
-K = 4   # how much farther from float64 a split's float32 result may be than the unsplit float32 result
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def within(name, split32, whole32, ref64):
-    """split32 no farther from ref64 than K x whole32 is (relative L2); the figures printed."""
-    measured, own = rel(split32, ref64), rel(whole32, ref64)
-    print(f"{name}: vs one rank max abs {float((split32 - whole32).abs().max()):.3g}, rel L2 "
-          f"{rel(split32, whole32):.3g}; vs float64 rel L2 {measured:.3g} (one rank's own {own:.3g}, bound "
-          f"{K * own:.3g})")
-    return measured <= K * own
 
 
 def bands(engine, spec, inputs):

@@ -17,21 +17,9 @@ from engine.vae import client
 from engine.vae import minimax_tiles as minimax
 from engine.vae.load import LTX_TINY, VAEInputError, inspect_vae, load_vae, write_tiny_vae
 from engine.vae.pool import assign
+from tolerance import K, rel, within
 
-K = 4
 EPS_RATIO = 2.0 ** -29   # float64's epsilon over float32's
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def within(name, split32, whole32, ref64):
-    measured, own = rel(split32, ref64), rel(whole32, ref64)
-    print(f"{name}: vs one rank max abs {float((split32 - whole32).abs().max()):.3g}, rel L2 "
-          f"{rel(split32, whole32):.3g}; vs float64 rel L2 {measured:.3g} (one rank's own {own:.3g}, bound "
-          f"{K * own:.3g})")
-    return measured <= K * own
 
 
 LTX_DECODE, LTX_FRAMES = (1, 128, 3, 5, 2), 9   # 5 latent rows: bands (3, 2) and (2, 1, 1, 1); 9 frames: two chunks

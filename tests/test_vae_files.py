@@ -17,13 +17,9 @@ from engine.cli import main
 from engine.errors import CheckpointError
 from engine.vae import client
 from engine.vae.load import NAMES, VAEInputError, inspect_vae, load_vae, write_tiny_vae
+from tolerance import K, rel
 
-K = 4            # as tests/test_vae.py: a float32 evaluation may be K x farther from float64 than ours
 EPS_RATIO = 2.0 ** -29   # float64's epsilon over float32's: the same computation's rounding in float64
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def diffusers_keys(name: str, sd: dict) -> dict:

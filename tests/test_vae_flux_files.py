@@ -18,14 +18,10 @@ from engine.cli import main
 from engine.errors import CheckpointError
 from engine.vae import client
 from engine.vae.load import VAEInputError, inspect_vae, load_vae, write_tiny_vae
+from tolerance import K, rel
 
-K = 4            # as tests/test_vae.py: a float32 evaluation may be K x farther from float64 than ours
 EPS_RATIO = 2.0 ** -29   # float64's epsilon over float32's: the same computation's rounding in float64
 BLOCKS = ("DownEncoderBlock2D",) * 4, ("UpDecoderBlock2D",) * 4
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def widths_of(ch: int) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from engine.vae import client, cost, tiles
 from engine.vae.load import inspect_vae, kind, load_vae, write_tiny_vae
 
 from conftest import FAST, PACK_NAME, load_pack
+from tolerance import rel
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +69,6 @@ def tile_set():
     """Tiles of a decode as ComfyUI's 3-D tiler cuts them: whole ones and the smaller ones at the edges."""
     z = latent((1, 16, 3, 5, 6), seed=2)
     return [z[:, :, :2, :4, :4], z[:, :, :2, :4, 3:], z[:, :, 1:, 2:, :4], z[:, :, 1:, 1:, 2:], z[:, :, :1, :2, :3]]
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def test_tiles_spread_over_the_ranks_each_equal_the_unsplit_network_on_that_tile(engines, files, tile_set):

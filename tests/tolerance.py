@@ -43,3 +43,21 @@ def report(name, measured, bound):
     measured, bound = float(measured), float(bound)
     print(f"{name}: max abs diff {measured:.3g} (bound {bound:.3g})")
     return measured <= bound
+
+
+# ---- a split computation against the whole one, both against float64 (the VAE tests) --------------------------------
+K = 4   # how much farther from float64 a split's float32 result may be than the unsplit float32 result
+
+
+def rel(a, b) -> float:
+    """Relative L2 distance of a from b, in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def within(name, split32, whole32, ref64) -> bool:
+    """split32 no farther from ref64 than K x whole32 is (relative L2); the figures printed."""
+    measured, own = rel(split32, ref64), rel(whole32, ref64)
+    print(f"{name}: vs one rank max abs {float((split32 - whole32).abs().max()):.3g}, rel L2 "
+          f"{rel(split32, whole32):.3g}; vs float64 rel L2 {measured:.3g} (one rank's own {own:.3g}, bound "
+          f"{K * own:.3g})")
+    return measured <= K * own
