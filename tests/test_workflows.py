@@ -933,13 +933,7 @@ def test_ltx23_is_comfyuis_two_pass_template_with_the_checkpoint_loader_swapped(
     assert source(api, only(api, "LTXVConditioning")[0], "negative")[1]["inputs"]["text"] == \
         "pc game, console game, video game, cartoon, childish, ugly"
     # pass 1's latent: the empty video (the image in its first frame) and the empty audio
-    _, video = source(api, source(api, first, "latent_image")[0], "video_latent")
-    if kind == "i2v":
-        assert video["class_type"] == "LTXVImgToVideoInplace" and video["inputs"]["strength"] == 0.7
-        video = api[video["inputs"]["latent"][0]]
-    assert video["inputs"] == {"width": 640, "height": 352, "length": 121, "batch_size": 1}
-    _, audio = source(api, source(api, first, "latent_image")[0], "audio_latent")
-    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == {"frames_number": 126, "frame_rate": 25.0}
+    first_pass_latents(api, first, kind, frames_number=126, frame_rate=25.0)
     # pass 2's: pass 1's video upsampled (the image again in its first frame) with pass 1's audio
     split1_id, _ = only_after(api, first)
     av2_id, av2 = source(api, second, "latent_image")
@@ -1049,13 +1043,7 @@ def test_ltx25_is_comfyuis_two_pass_template_with_the_engine_in_unetloaders_plac
         assert guider["class_type"] == "LTXVDualCFGGuider" and guider["inputs"] == {
             "model": [engine_id, 1], "positive": [conditioning_id, 0], "negative": [conditioning_id, 1],
             "video_cfg": 1.0, "audio_cfg": 1.0}
-    _, video = source(api, source(api, first, "latent_image")[0], "video_latent")
-    if kind == "i2v":
-        assert video["class_type"] == "LTXVImgToVideoInplace" and video["inputs"]["strength"] == 0.7
-        video = api[video["inputs"]["latent"][0]]
-    assert video["inputs"] == {"width": 640, "height": 352, "length": 121, "batch_size": 1}
-    _, audio = source(api, source(api, first, "latent_image")[0], "audio_latent")
-    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == {"frames_number": 121, "frame_rate": 24.0}
+    first_pass_latents(api, first, kind, frames_number=121, frame_rate=24.0)
     assert source(api, source(api, first, "latent_image")[0], "audio_latent")[1]["inputs"]["audio_vae"][0] == \
         next(i for i, n in api.items() if n["inputs"].get("vae_name") == LTX25_AUDIO_VAE)
     split1_id, _ = only_after(api, first)
@@ -1152,3 +1140,16 @@ def test_the_layout_checks_catch_an_overlap_and_a_node_too_small_for_its_texts(d
     engine = next(n for n in narrow["nodes"] if n["type"] == "XDiTEngine")
     engine["size"][0] = 270   # the frontend's default width: "qwen_image_fp8_e4m3fn.safetensors" would be cut
     assert [n[0] for n in undersized(narrow, definitions)] == [engine["id"]]
+
+
+def first_pass_latents(api, first, kind, frames_number, frame_rate):
+    """An LTX template's pass-1 latent: the empty 640x352x121 video (image-to-video: the image in its first frame at
+    strength 0.7) and the empty audio of the template's frame count and rate, joined by LTXVConcatAVLatent."""
+    _, video = source(api, source(api, first, "latent_image")[0], "video_latent")
+    if kind == "i2v":
+        assert video["class_type"] == "LTXVImgToVideoInplace" and video["inputs"]["strength"] == 0.7
+        video = api[video["inputs"]["latent"][0]]
+    assert video["inputs"] == {"width": 640, "height": 352, "length": 121, "batch_size": 1}
+    _, audio = source(api, source(api, first, "latent_image")[0], "audio_latent")
+    assert {k: audio["inputs"][k] for k in ("frames_number", "frame_rate")} == \
+        {"frames_number": frames_number, "frame_rate": frame_rate}
