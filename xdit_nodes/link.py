@@ -88,6 +88,9 @@ class EngineLink:
                     continue   # a mask that masks nothing
                 raise ModelPatchError("the conditioning carries a text attention mask that masks tokens, which the "
                                       "xDiT engine does not apply; encode one prompt per conditioning")
+            if name in PACKED_KWARGS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                # a family's constant (ComfyUI's CONDConstant, e.g. Wan-Animate 2's strengths): one value a row
+                value = torch.full((x.shape[0],), float(value), dtype=torch.float64)
             if name not in CONDITIONING_KWARGS + PACKED_KWARGS:
                 raise ModelPatchError(f"the MODEL is called with {name!r} (from a node that adds conditioning the "
                                       f"xDiT engine does not take: e.g. an inpainting, control or regional node); "

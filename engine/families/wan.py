@@ -40,6 +40,7 @@ from ..sampling.latent_formats import LatentFormat
 from ..sampling.schedules import FlowSampling
 from .base import Family, Marker, StockJob, TokenTable, forward_hook, pre_hook
 from .qwen_image import WAN21_MEAN, WAN21_STD
+from . import wan_animate2 as animate2
 from .wan_layout import CLIP_TOKENS, DIMS, FREQ_DIM, WanDims, dims_of, infer, key_map, shapes  # noqa: F401 (read here)
 
 SHIFT = 8.0             # supported_models.WAN21_T2V.sampling_settings
@@ -152,6 +153,15 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
     """v for x [n, in_channels, F, h, w] (model space, c_concat attached, compute dtype) at ComfyUI's model timestep
     (float32 sigma x 1000: [n], or [n, F] per latent frame): one call of the unmodified WanTransformer3DModel."""
     model, config = flow.model, flow.model.config
+    extras = prepared.extras or {}
+    processors = list({id(p): p for p in model.attn_processors.values()}.values())
+    if flow.loaded.info.variant == animate2.ANIMATE2:
+        if extras.get("pose_latents") is not None or animate2.strength(extras, "reference_strength") != 1.0:
+            return animate2.animate_forward(flow, x, timestep, prepared, processors, pad_to_patches,
+                                            embedding_in_comfys_sinusoid)
+    elif extras:
+        raise ValueError(f"this {flow.loaded.info.variant} file got Wan-Animate 2's inputs ({', '.join(sorted(extras))}): "
+                         f"ComfyUI takes a file as Wan-Animate 2 only when its header says so (model_type animate2)")
     frames, h, w = x.shape[2:]
     x = pad_to_patches(x)
     if timestep.ndim == 2:   # ComfyUI's per-frame modulation -> diffusers' per-token timestep, frame by frame
@@ -165,7 +175,7 @@ def forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared) -> torch.Te
                          "CLIPVisionEncode to WanImageToVideo")
     if config.image_dim is None:
         image = None   # ComfyUI's model without an image projection ignores clip_fea
-    for processor in {id(p): p for p in model.attn_processors.values()}.values():
+    for processor in processors:
         processor.image_tokens = image_tokens(config, image)
     with contextlib.ExitStack() as stack:
         stack.enter_context(embedding_in_comfys_sinusoid(model.condition_embedder, flow.dtype))
@@ -189,10 +199,16 @@ class WanProcessor:
     def __init__(self, attention=None):
         self.attention = attention
         self.image_tokens = 0
+        self.animate = None   # Wan-Animate 2's sequence this forward (wan_animate2.AnimateLayout), else None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if attention_mask is not None:
             raise ValueError("Wan attention takes no attention mask (ComfyUI uses none)")
+        if self.animate is not None and encoder_hidden_states is not None:
+            return animate2.cross_rows(self, attn, hidden_states, encoder_hidden_states, self._attend)
+        return self._attend(attn, hidden_states, encoder_hidden_states, rotary_emb)
+
+    def _attend(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None):
         cross = encoder_hidden_states is not None
         context = encoder_hidden_states[:, self.image_tokens:] if cross else hidden_states
         q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
@@ -200,7 +216,12 @@ class WanProcessor:
         q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
-        if cross or self.attention is None:
+        if cross:
+            out = local_attention(q, k, v)
+        elif self.animate is not None:   # Wan-Animate 2: both branches' pairs of queries and keys (wan_animate2.py)
+            out = animate2.local(self.animate, q, k, v) if self.attention is None else \
+                self.attention(q, k, v, bias=self.animate)[0]
+        elif self.attention is None:
             out = local_attention(q, k, v)
         else:
             out = self.attention(q, k, v)[0]
@@ -283,7 +304,7 @@ FAMILY = Family(
     layers=lambda config: config["num_layers"],
     latent=WAN21, latent_for=lambda config: WAN22 if config["out_channels"] == 48 else WAN21,
     latent_patch=lambda config: 2, pads_to_patches=True, frames=True,
-    sampling=lambda variant: FlowSampling.sd3(SHIFT),
+    sampling=lambda variant: FlowSampling.sd3(animate2.SHIFT if variant == animate2.ANIMATE2 else SHIFT),
     comfy_model=_comfy_model,
     cond_width=lambda config: config["text_dim"],
     pooled_width=lambda config: None,
@@ -293,6 +314,9 @@ FAMILY = Family(
     concat_cond=concat_cond, process_timestep=process_timestep,
     masked_latent_clean=lambda config: config["out_channels"] == 48,
     forward=forward, cfg=5.0, text_tokens=TEXT_TOKENS,
+    extras=animate2.EXTRAS, host_extras=animate2.HOST_EXTRAS,
+    comfyui_since=lambda variant: animate2.COMFYUI_SINCE if variant == animate2.ANIMATE2 else "",
+    tiny_metadata=lambda dims: animate2.header() if dims.animate2 else {},
     stock_jobs={**{v: StockJob("wan2.1-t2v-1.3b", 832, 480, 30, 6.0, frames=33, shift=SHIFT,
                                note="" if v == "wan2.1-1.3b" else "the Wan 2.1 1.3B workflow's values")
                    for v in ("wan2.1-1.3b", "wan2.1-14b", "wan2.1-i2v-14b", "wan2.1-flf2v-14b")},

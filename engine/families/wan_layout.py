@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError
 from .base import count, linear_shapes
+from .wan_animate2 import ANIMATE2, stated
 
 HEAD_DIM = 128          # model_detection: num_heads = dim // 128
 TEXT_DIM = 4096         # umT5-XXL
@@ -34,6 +35,7 @@ class WanDims:
     image: bool = False        # img_emb: CLIP-vision tokens in the cross-attention
     flf_tokens: int = 0        # img_emb.emb_pos: first-last-frame models' 2 x 257 positions
     text_dim: int = TEXT_DIM
+    animate2: bool = False     # Wan-Animate 2: the image-to-video tensors, told apart only by the header
 
     @property
     def heads(self) -> int:
@@ -49,14 +51,16 @@ DIMS = {
              "wan2.1-flf2v-14b": WanDims(**_T14, in_channels=36, image=True, flf_tokens=2 * CLIP_TOKENS),
              "wan2.2-a14b": WanDims(**_T14),
              "wan2.2-i2v-a14b": WanDims(**_T14, in_channels=36),
-             "wan2.2-ti2v-5b": WanDims(dim=3072, ffn=14336, depth=30, in_channels=48, out_channels=48)},
+             "wan2.2-ti2v-5b": WanDims(dim=3072, ffn=14336, depth=30, in_channels=48, out_channels=48),
+             "wan-animate-2": WanDims(**_T14, in_channels=36, image=True, animate2=True)},
     "tiny": {"wan2.1-1.3b": WanDims(**_TINY),
              "wan2.1-14b": WanDims(**_TINY),
              "wan2.1-i2v-14b": WanDims(**_TINY, in_channels=36, image=True),
              "wan2.1-flf2v-14b": WanDims(**_TINY, in_channels=36, image=True, flf_tokens=2 * CLIP_TOKENS),
              "wan2.2-a14b": WanDims(**_TINY),
              "wan2.2-i2v-a14b": WanDims(**_TINY, in_channels=36),
-             "wan2.2-ti2v-5b": WanDims(**_TINY, in_channels=48, out_channels=48)},
+             "wan2.2-ti2v-5b": WanDims(**_TINY, in_channels=48, out_channels=48),
+             "wan-animate-2": WanDims(**_TINY, in_channels=36, image=True, animate2=True)},
 }
 
 
@@ -154,10 +158,12 @@ def dims_of(config: dict) -> WanDims:
 def _variant(d: WanDims, metadata: dict) -> str:
     """Which Wan model the structure is: what the tensors tell apart (ComfyUI tells no more apart: a Wan 2.1 14B and a
     Wan 2.2 A14B text-to-video expert are one structure, named wan2.1-14b unless a synthetic file states which)."""
+    if d.animate2:   # the header's model_type, as ComfyUI reads it (model_detection.py:779)
+        return ANIMATE2
     synthetic = metadata.get("xdit.synthetic")
     stated = json.loads(synthetic).get("variant", "") if synthetic else ""
     structure = (d.in_channels, d.out_channels, d.image, bool(d.flf_tokens))
-    known = DIMS["full"].get(stated)
+    known = DIMS["full"].get(stated) if stated != ANIMATE2 else None   # Animate 2 only by its header
     if known is not None and (known.in_channels, known.out_channels, known.image, bool(known.flf_tokens)) == structure:
         return stated
     if d.out_channels == 48:
@@ -195,8 +201,13 @@ def infer(layout: str, s: dict, metadata: dict) -> tuple[dict, str]:
         raise CheckpointError(f"Wan transformer with {in_channels} input and {out_channels} output channels"
                               f"{' and an image projection' if image else ''}: the engine runs text-to-video (16/16), "
                               f"image-to-video (36/16) and TI2V-5B (48/48) files, not Fun-Control or Camera ones")
+    animate = stated(metadata)
+    if animate and not (image and in_channels == 36 and out_channels == 16 and not flf):
+        raise CheckpointError(f"a file whose header says Wan-Animate 2 but whose tensors are not Wan 2.1 "
+                              f"image-to-video's ({in_channels} input channels{', an image projection' if image else ''}"
+                              f"): Wan-Animate 2 files hold the image-to-video tensors")
     d = WanDims(dim=dim, ffn=ffn, depth=depth, in_channels=in_channels, out_channels=out_channels, image=image,
-                flf_tokens=flf, text_dim=text_dim)
+                flf_tokens=flf, text_dim=text_dim, animate2=animate)
     config = {"num_attention_heads": dim // HEAD_DIM, "attention_head_dim": HEAD_DIM, "in_channels": in_channels,
               "out_channels": out_channels, "text_dim": text_dim, "freq_dim": FREQ_DIM, "ffn_dim": ffn,
               "num_layers": depth, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,

@@ -1,0 +1,327 @@
+"""Wan-Animate 2: the engine's output equals an independent restatement of ComfyUI 0.33's WanAnimate2Model
+(comfy/ldm/wan/model_animate2.py) on a tiny file: the pose branch run block by block at timestep 1 over
+[pose | ones(4) | pose] with its own context, its K/V handed to the generation branch, whose frame j attends every
+generation token plus pose frame j - 1 in one softmax, frame by frame as ComfyUI loops; the strengths; no pose (a step
+outside the pose window). Every plan equals one rank through the model-call route (the one ComfyUI's samplers drive).
+Detection follows ComfyUI's: the header's model_type alone makes the image-to-video tensors Animate 2.
+
+The reference drives the unmodified diffusers modules with diffusers' own processors where ComfyUI's math is the plain
+Wan block's (the pose branch, every cross-attention) and a processor written here for ComfyUI's per-frame
+self-attention of the generation branch; nothing of the engine's Animate 2 code runs in it.
+"""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engine.errors import CheckpointError
+from engine.generate.model_call import ModelSession
+from engine.generate.request import GenerateRequest
+from engine.models.flow import FlowModel, Prepared
+from engine.models.load import inspect_model, load_model, load_transformer
+from engine.models.tiny import write_tiny
+from engine.parallel.plan import ParallelPlan
+
+from tolerance import fp32_bound, report
+
+TEXT_DIM, CLIP_DIM, DEPTH = 4096, 1280, 4
+
+
+def randn(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("animate2")
+    return {"animate": write_tiny("wan", str(d), variant="wan-animate-2")}
+
+
+@pytest.fixture(scope="module")
+def flow(files):
+    return FlowModel(load_model(files["animate"], dtype="fp32", device=torch.device("cpu")))
+
+
+@pytest.fixture(scope="module")
+def reference_model(files):
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    model = load_transformer(files["animate"]).model
+    model.set_attn_processor(WanAttnProcessor())
+    return model
+
+
+# ---- the independent reference ---------------------------------------------------------------------------------------
+def comfy_rope(ids, head_dim):
+    """EmbedND at position ids [tokens, 3] (frame, row, column), axes d - 4(d/6), 2(d/6), 2(d/6), theta 10000, float64
+    angles; (cos, sin) with each frequency on both channels of its pair, [1, tokens, 1, head_dim]."""
+    third = head_dim // 6
+    cos, sin = [], []
+    for axis, d in enumerate((head_dim - 4 * third, 2 * third, 2 * third)):
+        omega = 1.0 / 10000 ** torch.linspace(0, (d - 2) / d, d // 2, dtype=torch.float64)
+        angles = ids[:, axis:axis + 1].double() * omega
+        cos.append(torch.cos(angles).float())
+        sin.append(torch.sin(angles).float())
+    return tuple(torch.cat(t, dim=1).repeat_interleave(2, dim=1)[None, :, None] for t in (cos, sin))
+
+
+def grid(frames, rows, cols, t0=0, c0=0):
+    """rope_encode's ids: frames t0.., rows 0.., columns c0.. (shift_x)."""
+    return torch.tensor([[t0 + f, r, c0 + c] for f in range(frames) for r in range(rows) for c in range(cols)])
+
+
+def apply_rope1(x, cos, sin):
+    """ComfyUI's apply_rope1 on (batch, tokens, heads, dim): each pair (x0, x1) rotated by its angle."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[..., 0::2], sin[..., 0::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+
+
+def comfy_sinusoid(t):
+    angles = torch.outer(t.float(), torch.pow(10000, -torch.arange(128).float().div(128)))
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+
+
+class PoseKV:
+    """Plain self-attention (the pose branch's forward_pose), keeping its roped K and V for the generation branch."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        b, s, _ = hidden_states.shape
+        q = apply_rope1(attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1)), *rotary_emb)
+        k = apply_rope1(attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1)), *rotary_emb)
+        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        self.k, self.v = k, v
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2)))
+
+
+class FrameLoop:
+    """forward_gen's self-attention: reference slot values scaled, then frame 0 over the generation keys, frame j >= 1
+    over the generation keys and pose frame j - 1's (values times pose_strength), one SDPA a frame."""
+
+    def __init__(self, pose: PoseKV | None, hw, frames, pose_strength, ref_strength):
+        self.pose, self.hw, self.frames = pose, hw, frames
+        self.pose_strength, self.ref_strength = pose_strength, ref_strength
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        hw = self.hw
+        q = apply_rope1(attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1)), *rotary_emb)
+        k = apply_rope1(attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1)), *rotary_emb)
+        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if self.ref_strength != 1.0:
+            v[:, :hw] *= self.ref_strength
+        out = torch.empty_like(q)
+        for j in range(self.frames):
+            kk, vv = k, v
+            if j and self.pose is not None:
+                kp, vp = self.pose.k[:, (j - 1) * hw:j * hw], self.pose.v[:, (j - 1) * hw:j * hw]
+                kk, vv = torch.cat([k, kp], dim=1), torch.cat([v, vp * self.pose_strength], dim=1)
+            out[:, j * hw:(j + 1) * hw] = F.scaled_dot_product_attention(
+                q[:, j * hw:(j + 1) * hw].transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)).transpose(1, 2)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2)))
+
+
+@torch.no_grad()
+def reference(m, x, t, cond, clip, pose=None, context_pose=None, clip_pose=None, pose_strength=1.0, ref_strength=1.0):
+    """WanAnimate2Model on the diffusers modules: x [n, 36, F, h, w] (c_concat attached), t [n]."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    n, _, frames, h, w = x.shape
+    pad = (0, w % 2, 0, h % 2, 0, 0)
+    x = F.pad(x, pad, mode="circular")
+    rows, cols = x.shape[-2] // 2, x.shape[-1] // 2
+    hw = rows * cols
+    embed, head_dim = m.condition_embedder, m.config.attention_head_dim
+
+    def tokens(z):
+        return m.patch_embedding(z).flatten(2).transpose(1, 2)
+
+    def modulation(tv):
+        temb = embed.time_embedder(comfy_sinusoid(tv))
+        return temb, embed.time_proj(F.silu(temb)).unflatten(1, (6, -1))
+
+    def context(text, image):
+        c = embed.text_embedder(text)
+        return torch.cat([embed.image_embedder(image), c], dim=1)
+
+    xg = tokens(x)
+    temb, proj = modulation(t)
+    ctx = context(cond, clip)
+    rope = comfy_rope(grid(frames, rows, cols), head_dim)
+    xp = None
+    if pose is not None:
+        pose_in = F.pad(torch.cat([pose, torch.ones_like(pose[:, :4]), pose], dim=1), pad, mode="circular")
+        xp = tokens(pose_in)
+        _, proj_pose = modulation(torch.ones(n))   # t_pose: ones
+        ctx_pose = context(cond if context_pose is None else context_pose, clip if clip_pose is None else clip_pose)
+        rope_pose = comfy_rope(grid(frames - 1, rows, cols, t0=1, c0=cols), head_dim)
+    for block in m.blocks:
+        kv = None
+        if xp is not None:
+            kv = PoseKV()
+            block.attn1.set_processor(kv)
+            xp = block(xp, ctx_pose, proj_pose, rope_pose)
+        block.attn1.set_processor(FrameLoop(kv, hw, frames, pose_strength, ref_strength))
+        xg = block(xg, ctx, proj, rope)
+        block.attn1.set_processor(WanAttnProcessor())
+    shift, scale = (m.scale_shift_table + temb.unsqueeze(1)).unbind(1)
+    out = m.proj_out(m.norm_out(xg) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1))
+    out = out.view(n, frames, rows, cols, 1, 2, 2, -1)
+    v = torch.einsum("bfhwpqrc->bcfphqwr", out).reshape(n, -1, frames, rows * 2, cols * 2)
+    return v[:, :, :, :h, :w]
+
+
+def case(n=2, frames=3, h=6, w=10, seed=0, text=9, pose_text=None):
+    """A call's inputs as ComfyUI's WAN_Animate2 hands them over: the latent with c_concat attached (mask 0 on the
+    reference slot), the text padded to umT5's 512, CLIP-vision tokens, the pose latent one frame shorter."""
+    x = randn(seed, n, 16, frames, h, w)
+    image = randn(seed + 1, n, 16, frames, h, w)
+    mask = torch.ones(n, 4, frames, h, w)
+    mask[:, :, 0] = 0.0
+    x = torch.cat([x, 1.0 - mask, image], dim=1)
+    cond = F.pad(randn(seed + 2, n, text, TEXT_DIM), (0, 0, 0, 512 - text))
+    pose_cond = F.pad(randn(seed + 3, n, pose_text, TEXT_DIM), (0, 0, 0, 512 - pose_text)) if pose_text else None
+    return dict(x=x, t=torch.full((n,), 630.0), cond=cond, clip=randn(seed + 4, n, 257, CLIP_DIM),
+                pose=randn(seed + 5, n, 16, frames - 1, h, w), context_pose=pose_cond)
+
+
+def engine_out(flow, c, pose=True, clip_pose=None, pose_strength=None, ref_strength=None):
+    n = c["x"].shape[0]
+    extras = {}
+    if pose:
+        extras["pose_latents"] = c["pose"].double()
+        if c["context_pose"] is not None:
+            extras["context_pose"] = c["context_pose"].double()
+        if clip_pose is not None:
+            extras["clip_fea_pose"] = clip_pose.double()
+    if pose_strength is not None:
+        extras["pose_strength"] = torch.full((n,), pose_strength, dtype=torch.float64)
+    if ref_strength is not None:
+        extras["reference_strength"] = torch.full((n,), ref_strength, dtype=torch.float64)
+    prepared = Prepared(c["cond"], None, torch.full((n,), 3.5), image_context=c["clip"], extras=extras or None)
+    return flow.output(c["x"], c["t"], prepared)
+
+
+def bound(want):
+    return fp32_bound(want.abs().max(), reduction=TEXT_DIM, depth=2 * DEPTH)
+
+
+CASES = [
+    dict(name="pose, default strengths", shape=(3, 6, 10), kw={}),
+    dict(name="pose, odd latent (padded to whole patches), 4 frames", shape=(4, 5, 7), kw={}),
+    dict(name="pose with its own prompt and CLIP output, strengths 0.6 / 1.7", shape=(3, 6, 10),
+         kw=dict(pose_text=5, clip_pose=True, pose_strength=0.6, ref_strength=1.7)),
+    dict(name="no pose (outside the pose window), reference strength 0.5", shape=(3, 6, 10),
+         kw=dict(pose=False, ref_strength=0.5)),
+]
+
+
+@pytest.mark.parametrize("spec", CASES, ids=[c["name"] for c in CASES])
+def test_one_forward_equals_comfyuis_animate2_model_restated(flow, reference_model, spec):
+    kw = dict(spec["kw"])
+    frames, h, w = spec["shape"]
+    c = case(frames=frames, h=h, w=w, pose_text=kw.pop("pose_text", None))
+    clip_pose = randn(9, 2, 257, CLIP_DIM) if kw.pop("clip_pose", False) else None
+    pose = kw.pop("pose", True)
+    got = engine_out(flow, c, pose=pose, clip_pose=clip_pose, **kw)
+    want = reference(reference_model, c["x"], c["t"], c["cond"], c["clip"], c["pose"] if pose else None,
+                     c["context_pose"], clip_pose, kw.get("pose_strength", 1.0), kw.get("ref_strength", 1.0))
+    assert got.shape == want.shape == (2, 16, frames, h, w)
+    assert report(f"Wan-Animate 2 {spec['name']}: engine vs ComfyUI's model restated", (got - want).abs().max(),
+                  bound(want))
+
+
+def test_the_pose_branch_and_the_strengths_steer_the_result(flow):
+    """What the reference's agreement rests on is not nothing: the pose latents, the pose prompt and each strength move
+    the output far beyond rounding."""
+    c = case(pose_text=5)
+    base = engine_out(flow, {**c, "context_pose": None})
+    for name, other in (("no pose", engine_out(flow, c, pose=False)),
+                        ("the pose prompt", engine_out(flow, c)),
+                        ("pose strength 0.5", engine_out(flow, {**c, "context_pose": None}, pose_strength=0.5)),
+                        ("reference strength 2", engine_out(flow, {**c, "context_pose": None}, ref_strength=2.0))):
+        moved = ((other - base).norm() / base.norm()).item()
+        print(f"{name}: relative L2 change {moved:.3g}")
+        assert moved > 1e-3, name
+
+
+# ---- detection ---------------------------------------------------------------------------------------------------------
+def test_the_header_alone_makes_the_image_to_video_tensors_animate2(files, tmp_path):
+    """comfy/model_detection.py:779: model_type from the header's config; without it the same tensors are Wan 2.1
+    image-to-video; a header that says Animate 2 over other tensors is refused in one line."""
+    path = files["animate"]
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    assert json.loads(metadata["config"]) == {"transformer": {"model_type": "animate2"}}
+    info = inspect_model(path)
+    assert (info.variant, info.spec.sampling(info.variant).shift, info.spec.comfyui_since(info.variant)) == \
+        ("wan-animate-2", 5.0, "0.31.0")
+    tensors = load_file(path)
+    bare = tmp_path / "no-header.safetensors"
+    save_file(tensors, str(bare), {k: v for k, v in metadata.items() if k != "config"})
+    assert inspect_model(str(bare)).variant == "wan2.1-i2v-14b"
+    t2v = write_tiny("wan", str(tmp_path), variant="wan2.1-1.3b")
+    wrong = tmp_path / "wrong.safetensors"
+    save_file(load_file(t2v), str(wrong), {"config": metadata["config"]})
+    with pytest.raises(CheckpointError, match="Wan-Animate 2") as e:
+        inspect_model(str(wrong))
+    assert "\n" not in str(e.value)
+
+
+def test_a_plain_wan_file_refuses_animate2_inputs_in_one_line(tmp_path):
+    flow = FlowModel(load_model(write_tiny("wan", str(tmp_path), variant="wan2.1-i2v-14b"), dtype="fp32",
+                                device=torch.device("cpu")))
+    c = case()
+    with pytest.raises(ValueError, match="model_type animate2") as e:
+        engine_out(flow, c)
+    assert "\n" not in str(e.value)
+
+
+def test_a_pose_latent_of_another_length_is_refused_in_one_line(flow):
+    c = case()
+    c["pose"] = c["pose"][:, :, :1]
+    with pytest.raises(ValueError, match="WanAnimate2ToVideo") as e:
+        engine_out(flow, c)
+    assert "\n" not in str(e.value)
+
+
+# ---- every plan equals one rank, through the model-call route ---------------------------------------------------------
+def conditioning(c, rows=slice(None)):
+    out = {"context": c["cond"][rows], "clip_fea": c["clip"][rows], "pose_latents": c["pose"][rows],
+           "pose_strength": torch.full((c["x"][rows].shape[0],), 0.8, dtype=torch.float64)}
+    if c["context_pose"] is not None:
+        out["context_pose"] = c["context_pose"][rows]
+    return out
+
+
+def session_request(path, c, plan):
+    x = c["x"]
+    batch = plan.dp   # a data-parallel session is planned for a batch it divides
+    return GenerateRequest(model=path, cond=c["cond"][:1], latent_raw=torch.zeros(()).expand(batch, 16, *x.shape[2:]),
+                           cfg=2.0, neg_cond=c["cond"][1:2], clip_vision_output=c["clip"][:1],
+                           neg_clip_vision_output=c["clip"][1:2],
+                           concat_latent_image=torch.zeros(()).expand(1, 16, *x.shape[2:]),
+                           neg_concat_latent_image=torch.zeros(()).expand(1, 16, *x.shape[2:]),
+                           plan=plan).validate(plan.world_size)
+
+
+PLANS = [(2, dict(ulysses=2), (3, 5, 7)), (2, dict(ring=2), (3, 5, 5)), (4, dict(ulysses=2, ring=2), (3, 5, 7)),
+         (2, dict(cfg=2), (3, 5, 7)), (2, dict(dp=2), (3, 5, 7)), (2, dict(ulysses=2, shard=2), (3, 5, 5))]
+
+
+@pytest.mark.parametrize("world,degrees,shape", PLANS,
+                         ids=[f"{ParallelPlan(**d).describe().replace(' ', '')}-{'x'.join(map(str, s))}"
+                              for _, d, s in PLANS])
+def test_every_plan_equals_one_rank_through_the_model_call_route(engines, files, flow, world, degrees, shape):
+    """A positive and a negative batched in one call (the pose values and the pose prompt on both rows, as
+    WanAnimate2ToVideo sets them). 3 frames of 5x7: 3 x 12 generation tokens and 2 x 12 pose tokens, 60 in all, which
+    ulysses x ring splits inside frames and across the two branches' boundary; 3 frames of 5x5: 27 + 18 = 45 tokens,
+    padded for 2 ranks."""
+    frames, h, w = shape
+    c = case(frames=frames, h=h, w=w, pose_text=5)
+    plan = ParallelPlan(**degrees)
+    want = engine_out(flow, c, pose_strength=0.8)
+    with ModelSession(engines(world), session_request(files["animate"], c, plan)) as s:
+        got = s.call(c["x"], c["t"], conditioning(c))
+    assert report(f"Wan-Animate 2 {plan.describe()} vs one rank", (got - want).abs().max(), bound(want))
