@@ -325,3 +325,38 @@ def test_every_plan_equals_one_rank_through_the_model_call_route(engines, files,
     with ModelSession(engines(world), session_request(files["animate"], c, plan)) as s:
         got = s.call(c["x"], c["t"], conditioning(c))
     assert report(f"Wan-Animate 2 {plan.describe()} vs one rank", (got - want).abs().max(), bound(want))
+
+
+# ---- the nodes' side -------------------------------------------------------------------------------------------------
+def test_the_xdit_samplers_own_loop_refuses_the_pose_inputs_in_one_line():
+    """WanAnimate2ToVideo's conditioning on the xDiT Sampler: refused naming the keys and the route that runs them (the
+    own loop would otherwise sample plain image-to-video)."""
+    import importlib
+    from conftest import PACK_NAME, load_pack
+    load_pack()
+    conditioning = importlib.import_module(PACK_NAME + ".xdit_nodes.conditioning")
+    c = [[torch.zeros(1, 9, TEXT_DIM), {"pose_video_latent": torch.zeros(1, 16, 2, 4, 4), "cross_attn_pose":
+                                        torch.zeros(1, 9, TEXT_DIM)}]]
+    with pytest.raises(ValueError, match="pose_video_latent, cross_attn_pose.*KSampler on the xDiT Engine's MODEL") as e:
+        conditioning.conditioning_tensors(c, "positive")
+    assert "\n" not in str(e.value)
+
+
+def test_the_strengths_comfyui_passes_as_floats_cross_as_one_value_a_row():
+    """ComfyUI's WAN_Animate2 passes pose_strength and reference_strength as Python floats (CONDConstant): the link
+    hands them to the ranks as one float64 a row, the family's host-side constants."""
+    import importlib
+    from conftest import PACK_NAME, load_pack
+    load_pack()
+    link = importlib.import_module(PACK_NAME + ".xdit_nodes.link")
+    assert {"pose_latents", "context_pose", "clip_fea_pose", "pose_strength", "reference_strength"} <= \
+        set(link.PACKED_KWARGS)
+    noted = []
+    e = link.EngineLink(settings=None, registry=None, request_for=None)
+    e._noting = noted
+    x = torch.zeros(2, 36, 3, 4, 4)
+    e.call(x, torch.full((2,), 500.0), torch.zeros(2, 9, TEXT_DIM), None, {"cond_or_uncond": [0, 1]},
+           {"pose_strength": 0.8, "reference_strength": 1.5, "pose_latents": torch.zeros(2, 16, 2, 4, 4)})
+    got = noted[0].conditioning
+    assert got["pose_strength"].dtype == torch.float64 and got["pose_strength"].tolist() == [0.8, 0.8]
+    assert got["reference_strength"].tolist() == [1.5, 1.5]

@@ -29,7 +29,17 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     if extras.get("conditioning_byt5small") is not None:   # HunyuanVideo 1.5's glyph rows: the MODEL route takes them
         raise ValueError(f"{name} carries byT5 glyph rows (a HunyuanVideo 1.5 prompt with quoted text), which the xDiT "
                          f"Sampler's own loop does not take: sample with KSampler on the xDiT Engine's MODEL")
+    pose = [k for k in POSE_KEYS if extras.get(k) is not None]
+    if pose:   # Wan-Animate 2's pose branch: the MODEL route runs it (ComfyUI's WAN_Animate2 hands its inputs over)
+        raise ValueError(f"{name} carries Wan-Animate 2's pose inputs ({', '.join(pose)}, from WanAnimate2ToVideo), "
+                         f"which the xDiT Sampler's own loop does not take: sample with KSampler on the xDiT Engine's "
+                         f"MODEL")
     return cond, pooled, extras.get("guidance")
+
+
+# WanAnimate2ToVideo's conditioning keys (comfy_extras/nodes_wan.py) that ComfyUI's WAN_Animate2 turns into the pose
+# branch's inputs
+POSE_KEYS = ("pose_video_latent", "cross_attn_pose", "clip_vision_output_pose", "pose_strength", "reference_strength")
 
 
 def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:

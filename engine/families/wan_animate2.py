@@ -184,7 +184,7 @@ def animate_forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared, pro
                     comfys_sinusoid) -> torch.Tensor:
     """v for the generation latent x [n, 36, F, h, w] (frame 0 the reference slot) under ComfyUI's Animate 2 forward:
     see the module. timestep: [n] (the model timestep)."""
-    model, config = flow.model, flow.model.config
+    model = flow.model
     extras = prepared.extras or {}
     frames, h, w = x.shape[2:]
     pose = extras.get("pose_latents")
