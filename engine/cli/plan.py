@@ -208,7 +208,8 @@ def run(a) -> int:
     experts = a.experts or (2 if info.variant in TWO_EXPERTS else 1)
     plan_job.check_experts(a, experts, info.variant)
     work = Workload.from_info(info, latent_h, latent_w, batch=a.batch, negative_pass=a.cfg != 1.0,
-                              frames=latent.shape[2] if info.spec.frames else 1,
+                              frames=latent.shape[2] + info.spec.reference_frames(info.variant)
+                              if info.spec.frames else 1,
                               text_tokens=info.spec.text_tokens, dtype=a.dtype, fp8_weights=a.fp8,
                               compiled=a.compile, steps=a.steps, warmup_steps=a.warmup_steps,
                               bytes_per_weight=BLOCKS[a.quant][2] / BLOCKS[a.quant][1] if a.quant else None,

@@ -211,6 +211,13 @@ class Family:
     # tokens of the sequence besides the image's and the text's, split with the image's (the planner): (config, latent
     # frames) -> count (MiniMax-H3: both audio channels' frames)
     extra_tokens: Callable[[dict, int], int] = lambda config, latent_frames: 0
+    # (variant, latent frames of the latent the model gets) -> frames of tokens (at the latent's rows and columns) the
+    # forward runs besides the latent's, split with them (the planner; Wan-Animate 2: its pose branch, one frame fewer)
+    extra_frames: Callable[[str, int], int] = lambda variant, latent_frames: 0
+    extra_token_kind: str = "audio"   # what the planner calls the tokens extra_tokens / extra_frames count
+    # variant -> latent frames the model's latent holds before the video's (the planner: WanAnimate2ToVideo puts the
+    # reference image's latent frame first)
+    reference_frames: Callable[[str], int] = lambda variant: 0
     # (flow, conditioning name, the tensor [rows, ...] as the ranks hold it for the session) -> {name: tensor [rows,
     # ...]} the family derives from it once (LTX-2.3: its text connectors' output from the context), or None: carried
     # with the calls that hold it (Prepared.held, sliced with its rows); a forward given none computes them itself.

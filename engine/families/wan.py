@@ -317,12 +317,19 @@ FAMILY = Family(
     extras=animate2.EXTRAS, host_extras=animate2.HOST_EXTRAS,
     comfyui_since=lambda variant: animate2.COMFYUI_SINCE if variant == animate2.ANIMATE2 else "",
     tiny_metadata=lambda dims: animate2.header() if dims.animate2 else {},
+    extra_frames=lambda variant, latent_frames: latent_frames - 1 if variant == animate2.ANIMATE2 else 0,
+    extra_token_kind="pose", reference_frames=lambda variant: 1 if variant == animate2.ANIMATE2 else 0,
     stock_jobs={**{v: StockJob("wan2.1-t2v-1.3b", 832, 480, 30, 6.0, frames=33, shift=SHIFT,
                                note="" if v == "wan2.1-1.3b" else "the Wan 2.1 1.3B workflow's values")
                    for v in ("wan2.1-1.3b", "wan2.1-14b", "wan2.1-i2v-14b", "wan2.1-flf2v-14b")},
                 "wan2.2-a14b": StockJob("wan2.2-t2v-a14b", 640, 640, 20, 3.5, frames=81, shift=SHIFT),
                 "wan2.2-i2v-a14b": StockJob("wan2.2-i2v-a14b", 640, 640, 20, 3.5, frames=81, shift=SHIFT),
-                "wan2.2-ti2v-5b": StockJob("wan2.2-ti2v-5b", 1280, 704, 20, 5.0, frames=121, shift=SHIFT)},
+                "wan2.2-ti2v-5b": StockJob("wan2.2-ti2v-5b", 1280, 704, 20, 5.0, frames=121, shift=SHIFT),
+                # ComfyUI's "Wan Animate 2 Distilled: Motion Transfer" template: the driving video resized to 482x854,
+                # 81 frames a segment, SamplerCustom lcm, 10 steps, cfg 1
+                animate2.ANIMATE2: StockJob("wan-animate-2", 482, 854, 10, 1.0, frames=81, shift=animate2.SHIFT,
+                                            note="the latent also holds the reference image's frame, and the pose "
+                                                 "branch's tokens run with the video's")},
     max_latent_side=lambda config: 2 * config["rope_max_seq_len"],
     tokens=TokenTable(processor=WanProcessor, gather_after="proj_out", split_inputs=(("timestep", 1),),
                       split_grid_after=(("patch_embedding", 2),), split_after=(("rope", 0, 1), ("rope", 1, 1)),

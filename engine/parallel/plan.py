@@ -155,7 +155,8 @@ class Workload:
     # audio stream, which image_tokens counts with the video's (they split alike)
     video: bool = False
     latent_frames: int = 1
-    audio_tokens: int = 0
+    audio_tokens: int = 0          # tokens besides the video's, split with them (audio; Wan-Animate 2's pose branch)
+    extra_kind: str = "audio"      # what those tokens are, in the planner's words
     # queries every rank holds whole that attend, once a block, to the split image tokens (TokenTable.local_keys:
     # LTX-2.3's audio over the video), and their heads and head width: under sequence parallel their partial results
     # are exchanged and merged (traffic.sp_merge_bytes); 0: none
@@ -195,7 +196,7 @@ class Workload:
             rows, cols = -(-latent_h // patch), -(-latent_w // patch)
         else:
             rows, cols = latent_h // patch, latent_w // patch
-        audio = family.extra_tokens(info.config, frames)
+        audio = family.extra_tokens(info.config, frames) + family.extra_frames(info.variant, frames) * rows * cols
         return cls(variant=info.variant, heads=info.heads, layers=info.layers, batch=batch,
                    image_tokens=frames * rows * cols + audio, negative_pass=negative_pass,
                    head_dim=info.config["attention_head_dim"], text_tokens=text_tokens,
@@ -211,7 +212,7 @@ class Workload:
                    # (Wan: `text_dim`) attends to the text by cross-attention
                    text_cross=("joint_attention_dim" not in info.config) if family.text_cross is None
                    else family.text_cross, experts=experts, placement=placement, video=family.frames,
-                   latent_frames=frames, audio_tokens=audio,
+                   latent_frames=frames, audio_tokens=audio, extra_kind=family.extra_token_kind,
                    **dict(zip(("merge_queries", "merge_heads", "merge_head_dim"),
                               family.local_key_queries(info.config, frames))))
 

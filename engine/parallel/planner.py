@@ -43,7 +43,7 @@ def tokens_said(work: Workload) -> str:
     tokens"."""
     if not work.video:
         return f"{work.image_tokens} image tokens"
-    audio = f" + {work.audio_tokens} audio" if work.audio_tokens else ""
+    audio = f" + {work.audio_tokens} {work.extra_kind}" if work.audio_tokens else ""
     return f"{work.image_tokens - work.audio_tokens} video{audio} tokens"
 
 
