@@ -844,7 +844,7 @@ def read_fit_doc() -> str:
 def test_plan_fit_table_prints_every_model_weights_and_size_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--fit-table", "--markdown"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| Wan", "| HunyuanVideo"))]
-    assert len(rows) == len(fits.MODELS) * len(fits.WEIGHTS) * len(fits.SIZES) == 36
+    assert len(rows) == len(fits.MODELS) * len(fits.WEIGHTS) * len(fits.SIZES) == 42
     fit_doc = read_fit_doc()
     missing = [r for r in rows if r not in fit_doc]
     assert not missing, "docs/fit.md's fit table differs from `python -m engine plan --fit-table`: " + missing[0]
@@ -864,7 +864,7 @@ def test_plan_memory_table_prints_every_model_weights_and_plan_and_docs_fit_hold
 def test_plan_shard_table_prints_the_big_models_on_consumer_cards_and_docs_fit_holds_it(capsys):
     assert main(["plan", "--shard-table", "--markdown"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + len(fits.SHARD_MODELS) * len(fits.SHARD_WEIGHTS) == 29
+    assert len(rows) == 1 + len(fits.SHARD_MODELS) * len(fits.SHARD_WEIGHTS) == 33
     print("\n".join(rows))
     # the bf16 Wan models and FLUX.2 [dev] run on 24 GB cards only with their weights divided
     assert all("shard" in r.split(" | ")[5] for r in rows if r.startswith(("| Wan 2.1 14B | bf16", "| FLUX.2 [dev] | bf16")))

@@ -35,7 +35,8 @@ SIZES = ((832, 480, 81), (1280, 720, 81))
 MODELS = (("Wan 2.1 1.3B", "wan2.1-1.3b", "auto"), ("Wan 2.1 14B", "wan2.1-14b", "auto"),
           ("Wan 2.2 A14B, both experts resident", "wan2.2-a14b", RESIDENT),
           ("Wan 2.2 A14B, idle expert in host memory", "wan2.2-a14b", HOST),
-          ("Wan 2.2 TI2V-5B", "wan2.2-ti2v-5b", "auto"), ("HunyuanVideo 1.5", "hunyuanvideo-1.5", "auto"))
+          ("Wan 2.2 TI2V-5B", "wan2.2-ti2v-5b", "auto"), ("HunyuanVideo 1.5", "hunyuanvideo-1.5", "auto"),
+          ("Wan-Animate 2 (cfg 1, pose branch)", "wan-animate-2", "auto", {"negative_pass": False}))
 STEPS = 20
 
 
@@ -57,7 +58,7 @@ def cell(work: Workload, m: Machine) -> str:
 def header() -> list[str]:
     """What the table assumes, in words."""
     return [f"Each cell: the plan auto picks (it may leave GPUs idle), GiB per GPU, est. seconds a clip ({STEPS} "
-            f"steps, cfg > 1, eager, bf16 compute; transformer only), and for the idle expert in host memory the host "
+            f"steps, cfg > 1 but Wan-Animate 2's 1, eager, bf16 compute; transformer only), and for the idle expert in host memory the host "
             f"GiB per machine; \"no (X)\": no plan fits, the least needs X GiB per GPU. 24 GB: RTX 4090 (PCIe, no "
             f"peer access), 48 GB: L40S (PCIe across sockets), 80 GB: H100 SXM (NVLink).", ""]
 
@@ -71,11 +72,11 @@ def markdown(header: tuple, rows: list[tuple]) -> list[str]:
 def fit_rows() -> tuple[tuple, list[tuple]]:
     """The video fit table: (header, rows), one row per model, weights and size, one column per machine."""
     rows = []
-    for title, variant, placement in MODELS:
+    for title, variant, placement, *job in MODELS:
         for weights, kw in WEIGHTS:
             for w, h, frames in SIZES:
-                work = Workload.for_variant(variant, w, h, frames=frames, negative_pass=True, steps=STEPS,
-                                            placement=placement, **kw)
+                work = Workload.for_variant(variant, w, h, frames=frames, steps=STEPS, placement=placement,
+                                            **{"negative_pass": True, **(job[0] if job else {}), **kw})
                 rows.append((title, f"{weights} ({work.weight_bytes / 2 ** 30:.1f} GiB)", f"{w}x{h}x{frames}",
                              *(cell(work, m) for m in MACHINES)))
     return ("model", "weights", "video", *(m.label for m in MACHINES)), rows
@@ -99,12 +100,13 @@ SHARD_MODELS = (("Wan 2.1 14B", "wan2.1-14b", (1280, 720, 81), {}),
                 ("FLUX.2 [dev]", "flux2-dev", (1024, 1024, 1), {"negative_pass": False}),
                 ("Qwen-Image (cfg 2.5)", "qwen-image", (1328, 1328, 1), {}),
                 ("Krea 2 Turbo (cfg 1)", "krea-2", (1024, 1024, 1), {"negative_pass": False}),
-                ("HunyuanVideo 1.5 (cfg 6)", "hunyuanvideo-1.5", (1280, 720, 121), {}))
+                ("HunyuanVideo 1.5 (cfg 6)", "hunyuanvideo-1.5", (1280, 720, 121), {}),
+                ("Wan-Animate 2 (cfg 1, pose branch)", "wan-animate-2", (482, 854, 81), {"negative_pass": False}))
 
 
 def shard_header() -> list[str]:
     return [f"Each cell: the plan auto picks (\"shardN\": each GPU holds 1/N of the weights), GiB per GPU, est. seconds "
-            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's and Krea 2 Turbo's 1, eager, bf16 compute; transformer only), the "
+            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's, Krea 2 Turbo's and Wan-Animate 2's 1, eager, bf16 compute; transformer only), the "
             f"idle expert's host GiB per machine where auto keeps it there; \"no (X)\": no plan fits, the least needs "
             f"X GiB per GPU. 16 GB: RTX 4080, 24 GB: RTX 4090 (PCIe, no peer access), 48 GB: RTX 6000 Ada (PCIe).", ""]
 

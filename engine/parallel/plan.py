@@ -233,7 +233,8 @@ class Workload:
                              text_tokens=text_tokens or info.spec.text_tokens, dtype=dtype, fp8_weights=fp8_weights,
                              compiled=compiled, steps=steps, warmup_steps=warmup_steps,
                              bytes_per_weight=bytes_per_weight,
-                             frames=fmt.latent_frames(frames) if info.spec.frames else 1,
+                             frames=fmt.latent_frames(frames) + info.spec.reference_frames(info.variant)
+                             if info.spec.frames else 1,
                              experts=experts or (2 if variant in TWO_EXPERTS else 1), placement=placement)
 
 
