@@ -360,3 +360,24 @@ def test_the_strengths_comfyui_passes_as_floats_cross_as_one_value_a_row():
     got = noted[0].conditioning
     assert got["pose_strength"].dtype == torch.float64 and got["pose_strength"].tolist() == [0.8, 0.8]
     assert got["reference_strength"].tolist() == [1.5, 1.5]
+
+
+# ---- the files users have --------------------------------------------------------------------------------------------
+def test_the_templates_int8_convrot_file_is_animate2_and_runs_as_its_dequantized_plain_copy(tmp_path):
+    """The template's file is an int8 ConvRot one (wan_animate_2_distill_int8_convrot): its header keeps the model
+    type, and its forward with the pose branch equals a float32 file of the reference dequantization to fp32 rounding
+    (each layer's sums in another order, the rotation's own sums of its group added)."""
+    from test_int8_checkpoints import dequantized_file
+    path = write_tiny("wan", str(tmp_path), variant="wan-animate-2", format="int8_convrot")
+    info = inspect_model(path)
+    assert info.variant == "wan-animate-2" and info.quantized_parameters, info
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    plain = str(tmp_path / "plain.safetensors")
+    save_file(dequantized_file(path), plain, metadata={k: metadata[k] for k in ("xdit.synthetic", "config")})
+    assert inspect_model(plain).variant == "wan-animate-2"
+    c = case(pose_text=5)
+    got, want = (engine_out(FlowModel(load_model(p, dtype="fp32", device=torch.device("cpu"))), c, pose_strength=0.8)
+                 for p in (path, plain))
+    assert report("Wan-Animate 2 int8_convrot vs its dequantized plain copy", (got - want).abs().max(),
+                  fp32_bound(want.abs().max(), reduction=4 * 256, depth=2 * 2 * DEPTH))
