@@ -1,21 +1,22 @@
 """Wan-Animate 2 (a variant of the Wan family: Wan 2.1 I2V 14B weights driven by a pose video): how the engine runs
 ComfyUI's forward of it as one token sequence through the unmodified diffusers WanTransformer3DModel.
 
-ComfyUI's conventions, read from ComfyUI 0.33.0 (first in 0.31.0, a464ac33 "Support Wan-Animate2"; file and line in
+ComfyUI's conventions, read from ComfyUI 0.33.0 (first in 0.31.0, a464ac33 "Support Wan-Animate2"; also in
 docs/families/wan.md):
-- comfy/model_detection.py:779: the file is Animate 2 only by its header (`config` -> transformer.model_type
-  "animate2"); the same tensors without it load as Wan 2.1 image-to-video. comfy/supported_models.py:1454 WAN_Animate2:
-  discrete flow, shift 5.
+- comfy/model_detection.py:780: the file is Animate 2 only by its header (`config` -> transformer.model_type
+  "animate2"); the same tensors without it load as Wan 2.1 image-to-video. comfy/supported_models.py:1454
+  WAN_Animate2: discrete flow, shift 5 (:1461).
 - comfy/model_base.py:1827 WAN_Animate2: WAN21's c_concat and clip_fea, plus pose_latents (the pose video's latent,
-  process_in'd), clip_fea_pose, context_pose (the positive prompt, on the negative pass too: WanAnimate2ToVideo sets
-  the pose values on both), pose_strength and reference_strength (constants, passed only when not 1).
-- comfy/ldm/wan/model_animate2.py: the generation latent's frame 0 is the reference image's slot; the pose branch is
-  the same blocks over the pose latents' tokens, input [pose | ones(4) | pose], timestep 1 (:313), its own text and
-  image context, plain self-attention among its tokens; its RoPE starts at frame 1 with columns shifted by the latent's
-  width in patches (:227); per block its K/V feed the generation branch: generation frame j >= 1 attends every
-  generation token plus pose frame j-1's tokens in one softmax, frame 0 every generation token (:57-71); the reference
-  slot's values scaled by reference_strength (:50), the pose values (for the generation branch only) by pose_strength
-  (:356); without pose latents (a step outside the node's pose window) the plain image-to-video forward.
+  process_in'd, :1837), clip_fea_pose (:1841), context_pose (:1845: the positive prompt, on the negative pass too:
+  comfy_extras/nodes_wan.py:1339), pose_strength and reference_strength (constants, passed only when not 1: :1847).
+- comfy/ldm/wan/model_animate2.py: the generation latent's frame 0 is the reference image's slot (:282); the pose
+  branch is the same blocks over the pose latents' tokens, input [pose | ones(4) | pose] (:303), timestep 1 (:313),
+  its own text and image context (:328-332), plain self-attention among its tokens; its RoPE starts at frame 1 with
+  columns shifted by the latent's width in patches (:261-264); per block its K/V feed the generation branch, whose
+  frame j >= 1 attends every generation token plus pose frame j-1's tokens in one softmax, frame 0 every generation
+  token (:61-71); the reference slot's values scaled by reference_strength (:49), the pose values (for the generation
+  branch only) by pose_strength (:371); without pose latents (a step outside the node's pose window) the plain
+  image-to-video forward.
 
 The engine runs both branches as one sequence [generation tokens | pose tokens]: the two latents concatenated along
 frames before the patch embedding (frame-local, so exactly each branch's tokens), a per-token timestep (the model
