@@ -415,3 +415,27 @@ def test_audio_video_model_calls_sync_only_for_each_calls_upload_and_download(av
         assert len(c["per_step"]) == calls + 1
         download = int(rank["rank"] == 0)
         assert c["per_step"][1:calls] == [dict(read=download, upload=1, wait=0, deferred=0)] * (calls - 1), c["where"]
+
+
+@pytest.mark.parametrize("plan", [dict(ulysses=2), dict(ring=2)], ids=["ulysses2", "ring2"])
+def test_wan_animate2_model_calls_sync_only_for_each_calls_upload_and_download(tmp_path, counting, plan):
+    """Wan-Animate 2 on the per-call route: its strengths (Family.host_extras) are read in host memory, the pose
+    branch's layout from shapes alone; after the first call a call makes one upload on every rank and rank 0 one read,
+    whatever the attention's blocks of frames."""
+    from engine.generate.model_call import ModelSession
+    from engine.models.tiny import write_tiny
+    from test_wan_animate2 import case, conditioning, session_request
+    path = write_tiny("wan", str(tmp_path), variant="wan-animate-2")
+    c = case(frames=3, h=5, w=5, pose_text=5)
+    r = session_request(path, c, ParallelPlan(**plan))
+    calls = 4
+    with ModelSession(counting(2), r) as s:
+        for k in range(calls):
+            s.call(c["x"], c["t"] - 100.0 * k, conditioning(c))
+    for rank in s.result.ranks:
+        counts = rank["host_syncs"]
+        print(f"wan-animate-2 {r.plan.describe()} rank {rank['rank']}: per call {counts['per_step']}; "
+              f"where {counts['where']}")
+        download = int(rank["rank"] == 0)
+        assert counts["per_step"][1:calls] == [dict(read=download, upload=1, wait=0, deferred=0)] * (calls - 1), \
+            counts["where"]
