@@ -714,3 +714,58 @@ def test_the_xdit_vae_loader_decodes_and_encodes_the_audio_video_families_vaes_a
     assert report["kinds"]["ltx2"]["upsampler_equal"]
     assert min(report["kinds"]["ltx2-tc"]["other_seed_rel_l2"]) > 1e-3   # the noise is drawn, and it matters
     assert "vae: last " in report["info"], report["info"]
+
+
+@pytest.mark.timeout(900)
+def test_wan_animate2_graphs_with_the_engines_model_equal_comfyui_own(setup):
+    """ComfyUI's Wan-Animate 2 graphs (its own WanAnimate2ToVideo with its own Load VAE on a tiny Wan 2.1 VAE: the
+    Motion Transfer template's ModelSamplingSD3 5 and SamplerCustom cfg 1 lcm over a token count the split pads;
+    KSampler at cfg 4 with a negative of another length, pose_strength 0.7 and reference_image_strength 1.3; a pose
+    window 0.0 to 0.5; no pose video) with only the loader swapped for the xDiT Engine on 1 and 2 CPU ranks (auto,
+    Ulysses, Ring padded, CFG parallel, the weights divided), against ComfyUI's own model of the same tiny file;
+    ComfyUI's own WanAnimate2Cache on ComfyUI's model and on the engine's; the xDiT Sampler on the pose inputs."""
+    folder = setup["dir"] / "written-animate2"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(write_tiny("wan", str(folder), variant="wan-animate-2"),
+                setup["models"] / "diffusion_models" / "tiny-wan-animate-2.safetensors")
+    vae = setup["models"] / "vae" / "tiny-wan2.1-vae.safetensors"
+    if not vae.exists():   # the VAE test writes the same file
+        shutil.copy(write_tiny_vae("wan2.1", str(folder)), vae)
+    report = run_check("comfyui_animate2_check.py", setup, 840)
+    if "older" in report:   # older than Wan-Animate 2: the engine's MODEL names the release to update to
+        assert "update ComfyUI to 0.31.0 or newer" in report["older"], report
+        return
+    keys = report["keys"]   # the tiny file is ComfyUI's own WAN_Animate2 model's state dict (the header read)
+    assert keys["model_class"] == "WAN_Animate2" and keys["shift"] == 5.0 and keys["file"] == keys["comfyui_model"] \
+        and not keys["missing_in_file"] and not keys["extra_in_file"], keys
+    cond = report["conditioning"]   # WanAnimate2ToVideo's keys, on the negative too
+    assert {"pose_video_latent", "cross_attn_pose", "clip_vision_output_pose", "concat_latent_image",
+            "clip_vision_output"} <= set(cond["positive_keys"]) and cond["negative_has_pose"], cond
+    assert cond["latent"][2] == 3 and cond["pose_video_latent"][2] == 2, cond   # the reference slot + 2 frames
+    graphs = report["graphs"]
+    assert len(graphs) == 4, sorted(graphs)
+    window = graphs["animate2 pose window 0.0-0.5, KSampler cfg 4"]   # ComfyUI ran some calls without the branch
+    assert window["native_calls_with_pose"] > 0 and window["native_calls_without_pose"] > 0, window
+    assert report["native_vs_no_pose_rel_l2"] > 1e-2, report   # the pose inputs matter
+    plans = set()
+    for name, entry in graphs.items():
+        # fp32 through different code paths: rounding only, which CFG amplifies up to 2 cfg - 1 times over the steps
+        bound = 1e-5 * max(1.0, 2 * entry["cfg"] - 1)
+        for key, run in entry.items():
+            if isinstance(run, dict):
+                assert run["rel_l2"] < bound, (name, key, run)
+                plans.add(run["plan"])
+    assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
+    cache = report["cache"]   # ComfyUI's cache in the model's dtype changes nothing; the engine ignores the node
+    assert cache["native_default_vs_no_cache_rel_l2"] < 1e-5, cache
+    assert cache["engine_with_cache_vs_native_cache_default_rel_l2"] < 1e-5, cache
+    # the engine's own loop: ComfyUI's result, or a refusal in one line (of the pose inputs: naming KSampler on the
+    # engine's MODEL; of the pose window: its two conditioning entries)
+    assert len(report["xdit_sampler"]) == 2, report["xdit_sampler"]
+    for name, run in report["xdit_sampler"].items():
+        if "refused" not in run:
+            assert run["rel_l2"] < 1e-5 * max(1.0, 2 * graphs[name]["cfg"] - 1), (name, run)
+            continue
+        assert "\n" not in run["refused"], (name, run)
+        if "window" not in name:
+            assert "pose" in run["refused"] and "KSampler" in run["refused"], (name, run)
