@@ -3,7 +3,8 @@ running ComfyUI is new enough for (the version its UI twin's note names), throug
 (execution.validate_prompt, what POST /prompt runs before anything executes): node types, each input's type and range,
 links, combo values, the nodes' own validate_inputs. The model files a workflow names are there as empty files of a
 folder of the check's own (validation reads names, never files); the images it loads are copies of ComfyUI's own
-input/example.png under their names, in an input folder of the check's own (a template's own pictures are the user's).
+input/example.png under their names, the videos empty files of theirs (Load Video checks that the file is there), in an
+input folder of the check's own (a template's own pictures and videos are the user's).
 Prints one JSON report: per workflow "valid" with ComfyUI's error and node errors, or the release it needs.
 Usage: python comfyui_workflow_check.py COMFYUI_PATH PACK_LINK_PARENT MODELS_DIR"""
 import asyncio
@@ -54,10 +55,14 @@ nodes = [node for prompt in prompts.values() for node in prompt.values()]
 files = {v for node in nodes for v in node["inputs"].values() if isinstance(v, str) and MODEL_FILE.match(v)}
 images = {node["inputs"]["image"] for node in nodes
           if node["class_type"] == "LoadImage" and isinstance(node["inputs"].get("image"), str)}
+videos = {node["inputs"]["file"] for node in nodes
+          if node["class_type"] == "LoadVideo" and isinstance(node["inputs"].get("file"), str)}
 example = os.path.join(folder_paths.get_input_directory(), "example.png")
 os.makedirs(os.path.join(own, "input"), exist_ok=True)
 for name in images:
     shutil.copyfile(example, os.path.join(own, "input", name))
+for name in videos:
+    open(os.path.join(own, "input", name), "wb").close()
 folder_paths.set_input_directory(os.path.join(own, "input"))
 for folder in FOLDERS:
     os.makedirs(os.path.join(own, folder), exist_ok=True)

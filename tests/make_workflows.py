@@ -95,12 +95,21 @@ def models_of(node) -> list:
     return entries
 
 
+def input_slots(node, definition) -> list:
+    """A node's input slots as the UI file saves them: its sockets, then each widget a link feeds (in widget order),
+    as the frontend saves a widget input with a link: {"name", "type", "widget": {"name"}, "link"} (its value stays in
+    widgets_values; the API prompt gives the link in its place)."""
+    return sockets(definition) + [w for w in widgets(definition) if w["name"] in node.links]
+
+
 def ui_workflow(graph, defs) -> dict:
     size = sizes(graph, defs)
     pos, order = places(graph, size, defs), execution_order(graph)
     links, feeds = [], {}
     for node in graph.nodes:
-        names = [s["name"] for s in sockets(defs[node.type])]
+        names = [s["name"] for s in input_slots(node, defs[node.type])]
+        unknown = set(node.links) - set(names)
+        assert not unknown, f"{graph.name}: {node.type} has no input {sorted(unknown)}"
         for name, (src, slot) in sorted(node.links.items(), key=lambda kv: names.index(kv[0])):
             link_type = defs[src.type]["outputs"][slot][0]
             links.append([len(links) + 1, src.key, slot, node.key, names.index(name), link_type])
@@ -110,8 +119,10 @@ def ui_workflow(graph, defs) -> dict:
         d = defs[node.type]
         entry = {"id": node.key, "type": node.type, "pos": pos[node.key], "size": size[node.key], "flags": {},
                  "order": order[node.key], "mode": 0,
-                 "inputs": [{"name": s["name"], "type": s["type"], "link": feeds.get((node.key, s["name"]))}
-                            for s in sockets(d)],
+                 "inputs": [dict({"name": s["name"], "type": s["type"]},
+                                 **({"widget": {"name": s["name"]}} if "widget" in s else {}),
+                                 link=feeds.get((node.key, s["name"])))
+                            for s in input_slots(node, d)],
                  "outputs": [{"name": n, "type": t, "slot_index": i,
                               "links": [l[0] for l in links if l[1] == node.key and l[2] == i]}
                              for i, (t, n) in enumerate(d["outputs"])],

@@ -21,12 +21,12 @@ from workflow_nodes import current_title, definitions as node_definitions, socke
 WORKFLOW_DIR = os.path.join(ROOT, "workflows")
 WORKFLOWS = ("flux1-dev", "flux1-schnell", "sd3.5-large", "flux1-dev-img2img", "flux1-kontext-dev", "qwen-image",
              "qwen-image-edit", "flux2-dev", "flux2-dev-multi-reference", "flux2-klein-4b", "krea-2", "wan2.1-t2v-1.3b",
-             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo-1.5-t2v", "hunyuanvideo-1.5-i2v",
-             "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v",
-             "ltx-2.5-i2v", "ltx-2.5-flf")
-VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "hunyuanvideo-1.5-t2v",
-                   "hunyuanvideo-1.5-i2v", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v",
-                   "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
+             "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "wan-animate-2", "hunyuanvideo-1.5-t2v",
+             "hunyuanvideo-1.5-i2v", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.3-flf",
+             "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
+VIDEO_WORKFLOWS = ("wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b", "wan-animate-2",
+                   "hunyuanvideo-1.5-t2v", "hunyuanvideo-1.5-i2v", "minimax-h3-t2v", "minimax-h3-i2v", "ltx-2.3-t2v",
+                   "ltx-2.3-i2v", "ltx-2.3-flf", "ltx-2.5-t2v", "ltx-2.5-i2v", "ltx-2.5-flf")
 # Two passes on one model (LTX-2.3, LTX-2.5: the second after the latent upsampler), each its own sampler
 TWO_PASSES = ("ltx-2.3-t2v", "ltx-2.3-i2v", "ltx-2.5-t2v", "ltx-2.5-i2v")
 MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-schnell.safetensors",
@@ -41,6 +41,8 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
                "krea-2": "krea2_turbo_fp8_scaled.safetensors",
                # Comfy-Org's repackaged Wan files (split_files/diffusion_models)
                "wan2.1-t2v-1.3b": "wan2.1_t2v_1.3B_fp16.safetensors", "wan2.2-ti2v-5b": "wan2.2_ti2v_5B_fp16.safetensors",
+               # Comfy-Org's distilled Wan-Animate 2 in int8 ConvRot, as its Motion Transfer template loads it
+               "wan-animate-2": "wan_animate_2_distill_int8_convrot.safetensors",
                # Comfy-Org's repackaged HunyuanVideo 1.5 files, as its 720p templates load them
                "hunyuanvideo-1.5-t2v": "hunyuanvideo1.5_720p_t2v_fp16.safetensors",
                "hunyuanvideo-1.5-i2v": "hunyuanvideo1.5_720p_i2v_fp16.safetensors",
@@ -57,14 +59,15 @@ MODEL_FILES = {"flux1-dev": "flux1-dev.safetensors", "flux1-schnell": "flux1-sch
 EXPERT_FILES = {f"wan2.2-{kind}-a14b": tuple(f"wan2.2_{kind}_{noise}_noise_14B_fp8_scaled.safetensors"
                                              for noise in ("high", "low")) for kind in ("t2v", "i2v")}
 # The ComfyUI each workflow needs: FLUX.2 [dev] arrived in 0.3.72, [klein]'s Qwen3 text encoder in 0.9.2, MiniMax-H3
-# (its nodes, text encoder type and VAEs) in 0.33.0.
+# (its nodes, text encoder type and VAEs) in 0.33.0, Wan-Animate 2 (its model and WanAnimate2ToVideo) in 0.31.0.
 NEEDS_COMFYUI = {"flux2-dev": "0.3.72", "flux2-dev-multi-reference": "0.3.72", "flux2-klein-4b": "0.9.2",
-                 "krea-2": "0.26.0", "hunyuanvideo-1.5-t2v": "0.3.71", "hunyuanvideo-1.5-i2v": "0.3.71",
+                 "krea-2": "0.26.0", "wan-animate-2": "0.31.0", "hunyuanvideo-1.5-t2v": "0.3.71",
+                 "hunyuanvideo-1.5-i2v": "0.3.71",
                  "minimax-h3-t2v": "0.33.0", "minimax-h3-i2v": "0.33.0", "ltx-2.3-t2v": "0.33.0", "ltx-2.3-i2v": "0.33.0",
                  "ltx-2.3-flf": "0.33.0", "ltx-2.5-t2v": "0.33.0", "ltx-2.5-i2v": "0.33.0", "ltx-2.5-flf": "0.33.0"}
 # stock MODEL -> MODEL nodes the templates use
 MODEL_PATCHES = ("ModelSamplingAuraFlow", "ModelSamplingSD3", "CFGNorm", "LoraLoaderModelOnly")
-SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced")
+SAMPLERS = ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustomAdvanced", "SamplerCustom")
 # the loaders that stand in for the template's: (node, its model file input, its MODEL slot, its engine slot)
 ENGINES = {"XDiTEngine": ("model_name", 1, 0), "XDiTCheckpointLoader": ("ckpt_name", 0, 3)}
 # model-file widgets and the models/ folders their files belong in
@@ -81,7 +84,7 @@ MODEL_WIDGETS = {("XDiTEngine", "model_name"): ("diffusion_models", "checkpoints
 FOLDER_EXTENSIONS = {"text_encoders": (".safetensors",), "vae": (".safetensors",), "loras": (".safetensors",),
                      "checkpoints": (".safetensors",), "latent_upscale_models": (".safetensors",),
                      "clip_vision": (".safetensors",),
-                     "input": (".png", ".jpg", ".jpeg", ".webp")}
+                     "input": (".png", ".jpg", ".jpeg", ".webp", ".mp4")}
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +118,10 @@ def widget_values(node, definition):
 
 
 def ui_to_api(ui, definitions):
-    """What ComfyUI's frontend queues (File > Export (API)) for a UI workflow with no muted, bypassed, converted
-    or primitive-fed widgets: every node but the frontend's own (virtual) ones by its id, widget values by name (and
-    by the other name the newest frontend also sends one under), links as [source id, source slot], the title the
-    newest frontend shows."""
+    """What ComfyUI's frontend queues (File > Export (API)) for a UI workflow with no muted, bypassed or
+    primitive-fed widgets: every node but the frontend's own (virtual) ones by its id, widget values by name (and
+    by the other name the newest frontend also sends one under), links as [source id, source slot] (a widget's link
+    in place of its value), the title the newest frontend shows."""
     links = {link[0]: link for link in ui["links"]}
     api = {}
     for node in ui["nodes"]:
@@ -254,14 +257,21 @@ def test_ui_links_join_outputs_to_inputs_of_the_same_type_and_agree_with_the_nod
     assert len(set(link_ids)) == len(link_ids), "duplicate link ids"
     assert ui["last_node_id"] >= max(nodes) and ui["last_link_id"] >= max(link_ids)
 
-    # each node's sockets are its type's, in the frontend's order, and every required input is connected
+    # each node's sockets are its type's, in the frontend's order, then the widgets a link feeds (in widget order, as
+    # the frontend saves a widget input: {"widget": {"name"}}, its link), and every required input is connected
     for node in ui["nodes"]:
         definition = definitions[node["type"]]
-        assert [(s["name"], s["type"]) for s in node["inputs"]] == \
+        plain = [s for s in node["inputs"] if "widget" not in s]
+        fed = node["inputs"][len(plain):]
+        assert [(s["name"], s["type"]) for s in plain] == \
             [(s["name"], s["type"]) for s in sockets(definition)], node["type"]
+        assert [(s["name"], s["type"], s["widget"]) for s in fed] == \
+            [(w["name"], w["type"], {"name": w["name"]}) for w in widgets(definition)
+             if w["name"] in {s["name"] for s in fed}], node["type"]
+        assert all(s["link"] is not None for s in fed), node["type"]
         assert [(o["name"], o["type"], o.get("slot_index", i)) for i, o in enumerate(node["outputs"])] == \
             [(n, t, i) for i, (t, n) in enumerate(definition["outputs"])], node["type"]
-        for s, spec in zip(node["inputs"], sockets(definition)):
+        for s, spec in zip(plain, sockets(definition)):
             assert s["link"] is not None or spec.get("optional"), f"{node['type']}.{s['name']} is not connected"
 
     # the links table against the nodes
@@ -269,7 +279,8 @@ def test_ui_links_join_outputs_to_inputs_of_the_same_type_and_agree_with_the_nod
         assert src in nodes and dst in nodes, (link_id, src, dst)
         out_sockets, in_sockets = nodes[src]["outputs"], nodes[dst]["inputs"]
         assert 0 <= src_slot < len(out_sockets) and 0 <= dst_slot < len(in_sockets), link_id
-        assert out_sockets[src_slot]["type"] == in_sockets[dst_slot]["type"] == link_type, link_id
+        # an input of several types ("IMAGE,MASK": a match-type input) takes a link of any one of them
+        assert out_sockets[src_slot]["type"] == link_type in in_sockets[dst_slot]["type"].split(","), link_id
         assert link_id in (out_sockets[src_slot]["links"] or []), link_id
         assert in_sockets[dst_slot]["link"] == link_id, link_id
     # ... and the nodes against the links table: no link id a node names is missing or misplaced
@@ -346,9 +357,10 @@ def test_the_api_file_is_the_translation_of_the_ui_file(name, definitions):
 def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sampler(name):
     """The template's graph with its loader swapped: each engine's MODEL (the xDiT Engine's slot 1, the xDiT Checkpoint
     Loader's slot 0, where CheckpointLoaderSimple has it), through the template's own MODEL nodes, into its xDiT
-    Sampler's model input (its engine input unconnected) or the stock guider (a two-expert model: an engine and a
-    sampler per expert, on the same GPUs; a two-pass graph: both passes' guiders on the one engine); Info on the last
-    engine's engine output, run after the last sampler's LATENT; text encoders, VAE decode and save stock."""
+    Sampler's model input (its engine input unconnected), SamplerCustom's or the stock guider (a two-expert model: an
+    engine and a sampler per expert, on the same GPUs; a two-pass graph: both passes' guiders on the one engine); Info
+    on the last engine's engine output, run after the last sampler's LATENT (Wan-Animate 2's TrimVideoLatent between
+    them and VAE Decode); text encoders, VAE decode and save stock."""
     _, api = load(name)
     engines, samplers = all_of(api, tuple(ENGINES)), all_of(api, SAMPLERS)
     assert [e["inputs"][ENGINES[e["class_type"]][0]] for _, e in engines] == list(model_files(name))
@@ -356,7 +368,7 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
     assert len(samplers) == len(engines) * passes
     for i, (sampler_id, sampler) in enumerate(samplers):
         engine_id, engine = engines[i // passes]
-        if sampler["class_type"] in ("XDiTSampler", "XDiTSamplerAdvanced"):
+        if sampler["class_type"] in ("XDiTSampler", "XDiTSamplerAdvanced", "SamplerCustom"):
             assert "engine" not in sampler["inputs"]
             consumer = (sampler_id, sampler)
         else:
@@ -380,6 +392,8 @@ def test_the_engine_stands_in_for_the_model_loader_and_its_model_reaches_the_sam
             separate_id, separate = source(api, separate_id, "latent")
         assert separate["class_type"] == "LTXVSeparateAVLatent" and separate["inputs"]["av_latent"] == [last_id, 0]
         assert taker["inputs"][{"LTXVCropGuides": "latent"}.get(taker["class_type"], "samples")] == [separate_id, 0]
+    elif separate["class_type"] == "TrimVideoLatent":   # Wan-Animate 2: the reference image's latent frame off first
+        assert decode["inputs"]["samples"] == [separate_id, 0] and separate["inputs"]["samples"] == [last_id, 0]
     else:
         assert decode["inputs"]["samples"] == [last_id, 0] and last_engine["class_type"] != "XDiTCheckpointLoader"
     if last_engine["class_type"] == "XDiTCheckpointLoader":   # the file's VAE
@@ -715,7 +729,7 @@ def _wan_common(api, sampler_id, vae_file):
     decode and the start image's encode on its ranks)."""
     positive_id, positive = source(api, sampler_id, "positive")
     negative_id, negative = source(api, sampler_id, "negative")
-    if positive["class_type"] == "WanImageToVideo":    # both come through it
+    if positive["class_type"] in ("WanImageToVideo", "WanAnimate2ToVideo"):    # both come through it
         positive_id, positive = source(api, positive_id, "positive")
         negative_id, negative = source(api, negative_id, "negative")
     assert positive["class_type"] == negative["class_type"] == "CLIPTextEncode"
@@ -798,6 +812,76 @@ def test_hunyuanvideo15_i2v_conditions_both_prompts_on_the_start_image_and_its_s
     assert source(api, encode_id, "image")[0] == source(api, conditioned_id, "start_image")[0]
     assert source(api, source(api, guider_id, "model")[0], "model")[1]["inputs"]["model_name"] == \
         "hunyuanvideo1.5_720p_i2v_fp16.safetensors"
+
+
+def test_wan_animate2_is_comfyuis_distilled_motion_transfer_template_with_the_engine_for_the_model():
+    """ComfyUI's "Wan Animate 2 Distilled: Motion Transfer" template, its first segment flattened: the driving video's
+    frames resized to 482x854 (Resize Image/Mask, center crop, area) as pose_video, their size (Get Image Size) as
+    WanAnimate2ToVideo's width and height and the reference image's resize; CLIP Vision Encode (clip_vision_h, crop
+    none) of the resized reference image and of the first driving frame; the character, negative and pose prompts;
+    81 frames, strengths 1 / 0 / 1 / 1; the engine's MODEL (no WanAnimate2Cache) -> ModelSamplingSD3 5 ->
+    SamplerCustom (noise on, seed 42, cfg 1), KSamplerSelect lcm, BasicScheduler simple 10 steps on the engine's
+    MODEL; TrimVideoLatent by trim_latent before the xDiT VAE Loader's decode; Create Video at the driving video's
+    fps with its audio."""
+    _, api = load("wan-animate-2")
+    sampler_id, sampler = only(api, "SamplerCustom")
+    s = sampler["inputs"]
+    assert (s["add_noise"], s["noise_seed"], s["cfg"]) == (True, 42, 1.0)
+    assert _shift(api, sampler_id) == 5.0
+    engine_id, engine = only(api, "XDiTEngine")
+    assert engine["inputs"]["model_name"] == "wan_animate_2_distill_int8_convrot.safetensors"
+    assert source(api, sampler_id, "sampler")[1]["inputs"] == {"sampler_name": "lcm"}
+    sigmas = source(api, sampler_id, "sigmas")[1]
+    assert sigmas["class_type"] == "BasicScheduler" and sigmas["inputs"] == {
+        "scheduler": "simple", "steps": 10, "denoise": 1.0, "model": [engine_id, 1]}   # the template's: unshifted
+    assert "WanAnimate2Cache" not in {n["class_type"] for n in api.values()}
+    animate_id, animate = only(api, "WanAnimate2ToVideo")
+    assert (s["positive"], s["negative"], s["latent_image"]) == ([animate_id, 0], [animate_id, 1], [animate_id, 2])
+    a = animate["inputs"]
+    assert {k: a[k] for k in ("length", "batch_size", "video_frame_offset", "pose_strength", "pose_start_percent",
+                              "pose_end_percent", "reference_image_strength")} == {
+        "length": 81, "batch_size": 1, "video_frame_offset": 0, "pose_strength": 1.0, "pose_start_percent": 0.0,
+        "pose_end_percent": 1.0, "reference_image_strength": 1.0}
+    assert "continue_motion" not in a   # the first segment
+    # the driving video: Load Video -> Get Video Components -> resized to 482x854 -> pose_video, its size the output's
+    pose_id, pose = source(api, animate_id, "pose_video")
+    assert pose["class_type"] == "ResizeImageMaskNode" and {k: v for k, v in pose["inputs"].items() if k != "input"} \
+        == {"resize_type": "scale dimensions", "resize_type.width": 482, "resize_type.height": 854,
+            "resize_type.crop": "center", "scale_method": "area"}
+    components_id, components = source(api, pose_id, "input")
+    assert components["class_type"] == "GetVideoComponents" and pose["inputs"]["input"] == [components_id, 0]
+    assert source(api, components_id, "video")[1]["inputs"] == {"file": "drive_doll_street_dance.mp4"}
+    size_id, size = source(api, animate_id, "width")
+    assert size["class_type"] == "GetImageSize" and size["inputs"]["image"] == [pose_id, 0]
+    assert (a["width"], a["height"]) == ([size_id, 0], [size_id, 1])
+    # the reference image resized to the same size; CLIP vision of it and of the first driving frame
+    reference_id, reference = source(api, animate_id, "reference_image")
+    r = reference["inputs"]
+    assert reference["class_type"] == "ResizeImageMaskNode" and (r["resize_type.width"], r["resize_type.height"]) \
+        == ([size_id, 0], [size_id, 1]) and (r["resize_type"], r["resize_type.crop"], r["scale_method"]) == \
+        ("scale dimensions", "center", "area")
+    assert source(api, reference_id, "input")[1]["inputs"]["image"] == "ref_doll_realistic.png"
+    seen_id, seen = source(api, animate_id, "clip_vision_output")
+    assert seen["inputs"]["crop"] == "none" and seen["inputs"]["image"] == [reference_id, 0]
+    pose_seen_id, pose_seen = source(api, animate_id, "clip_vision_output_pose")
+    first_id, first = source(api, pose_seen_id, "image")
+    assert pose_seen["inputs"]["crop"] == "none" and first["class_type"] == "ImageFromBatch"
+    assert first["inputs"] == {"image": [pose_id, 0], "batch_index": 0, "length": 1}
+    assert seen["inputs"]["clip_vision"] == pose_seen["inputs"]["clip_vision"]
+    assert source(api, seen_id, "clip_vision")[1]["inputs"] == {"clip_name": "clip_vision_h.safetensors"}
+    # the prompts: the character and background, the Wan negative, the motion for the pose branch
+    _wan_common(api, sampler_id, "Wan2_1_VAE_bf16.safetensors")
+    assert source(api, animate_id, "positive")[1]["inputs"]["text"].startswith("Character appearance description:")
+    pose_prompt = source(api, animate_id, "positive_pose")[1]["inputs"]
+    assert pose_prompt["text"].startswith("A man doing energetic street dance")
+    assert pose_prompt["clip"] == source(api, animate_id, "positive")[1]["inputs"]["clip"]
+    assert a["vae"] == only(api, "VAEDecode")[1]["inputs"]["vae"]
+    # the reference frame trimmed off before the decode; the video at the driving video's fps, with its sound
+    trim_id, trim = only(api, "TrimVideoLatent")
+    assert trim["inputs"] == {"samples": [sampler_id, 0], "trim_amount": [animate_id, 3]}
+    assert only(api, "VAEDecode")[1]["inputs"]["samples"] == [trim_id, 0]
+    _, video = only(api, "CreateVideo")
+    assert (video["inputs"]["fps"], video["inputs"]["audio"]) == ([components_id, 2], [components_id, 1])
 
 
 @pytest.mark.parametrize("kind", ["t2v", "i2v"])

@@ -94,6 +94,13 @@ MODEL_SOURCES = {
                             ("vae", "hunyuanvideo15_vae_fp16.safetensors"))},
     "sigclip_vision_patch14_384.safetensors": (HF + "Comfy-Org/sigclip_vision_384/resolve/main/"
                                                "sigclip_vision_patch14_384.safetensors", "clip_vision"),
+    # Wan-Animate 2: Comfy-Org's files as ComfyUI's "Wan Animate 2 Distilled: Motion Transfer" template links them
+    # (video_wan_animate2_distilled.json, each loader's properties.models; its umT5 file is the Wan workflows', linked
+    # above)
+    **{name: (HF + f"Comfy-Org/Wan-Animate-2/resolve/main/{folder}/{name}", folder) for folder, name in (
+        ("diffusion_models", "wan_animate_2_distill_int8_convrot.safetensors"),
+        ("clip_vision", "clip_vision_h.safetensors"),
+        ("vae", "Wan2_1_VAE_bf16.safetensors"))},
     # LTX-2.3: the files ComfyUI 0.33.0's LTX-2.3 templates link (blueprints/Text to Video (LTX-2.3).json, each
     # loader's properties.models)
     "ltx-2.3-22b-dev-fp8.safetensors": (HF + "Lightricks/LTX-2.3-fp8/resolve/main/ltx-2.3-22b-dev-fp8.safetensors",
@@ -288,10 +295,13 @@ def _custom_sampling(g, column, steps, engine, vae, guider, size=1024):
     g.add("SaveImage", [f"xDiT/{g.name}"], column + 2, size=SAVE_BOX, images=decode)
 
 
-def _version_note(g, column, why):
+def _version_note(g, column, why, more="", size=(400, 120)):
+    """The Markdown note every workflow that needs more than 0.3.64 carries (its one note); `more`, a paragraph
+    after it."""
     g.add("MarkdownNote", [f"**Needs ComfyUI {g.needs_comfyui} or later** ({why}).\n\n"
-                           "The xDiT Engine uses every GPU (`gpus` all); list some, e.g. 0,1, to use fewer."],
-          column, size=(400, 120))
+                           "The xDiT Engine uses every GPU (`gpus` all); list some, e.g. 0,1, to use fewer."
+                           + (f"\n\n{more}" if more else "")],
+          column, size=size)
 
 
 def _flux2_dev(multi_reference=False) -> Graph:
@@ -490,6 +500,63 @@ def _wan22_ti2v_5b() -> Graph:
     latent = g.add("Wan22ImageToVideoLatent", [1280, 704, 121, 1], 1, vae=vae, start_image=picture)
     sampler = _xdit_sampler(g, 2, shifted, positive, negative, latent, 20, 5.0, sampler="uni_pc")
     _video_finish(g, 3, engine, sampler, vae, 24.0)
+    return g
+
+
+def _wan_animate2() -> Graph:
+    """ComfyUI's "Wan Animate 2 Distilled: Motion Transfer" template (video_wan_animate2_distilled.json: its first
+    "Motion Transfer (Wan Animate 2 Distilled)" subgraph flattened, each node with the value the subgraph node gives
+    it) with UNETLoader swapped for the xDiT Engine (the template's distilled int8 ConvRot file). Load Image (the
+    reference) and Load Video (the driving video) -> Get Video Components; the driving frames resized to 482x854
+    (Resize Image/Mask: scale dimensions, center crop, area), their size (Get Image Size) the reference image's
+    resize and WanAnimate2ToVideo's width and height; umT5 through CLIPLoader type wan for the character prompt, the
+    Wan negative and the pose prompt; CLIP Vision Encode (clip_vision_h, crop none) of the resized reference and of
+    the first resized driving frame (Get Image from Batch 0, 1); the xDiT VAE Loader (Wan2_1_VAE_bf16) on the engine;
+    WanAnimate2ToVideo 81 frames, batch 1, offset 0, strengths 1 / 0 / 1 / 1; the engine's MODEL -> ModelSamplingSD3
+    5 -> SamplerCustom (noise on, cfg 1) with KSamplerSelect lcm and BasicScheduler simple 10 steps (on the model
+    before the shift, as there); TrimVideoLatent by WanAnimate2ToVideo's trim_latent (the reference frame) -> VAE
+    Decode -> Create Video at the driving video's fps with its audio -> Save Video. Left out: WanAnimate2Cache (the
+    engine runs the pose branch on its ranks every step), the ContextWindowsManual switch (off there), the bypassed
+    second segment and the Video Stitch side-by-side subgraph; the seed fixed (42) where the template draws it."""
+    g = Graph("wan-animate-2", needs_comfyui="0.31.0")
+    _version_note(g, 0, "Wan-Animate 2: its model and WanAnimate2ToVideo",
+                  "The template's WanAnimate2Cache is left out: the engine runs the pose branch on its ranks every "
+                  "step. One segment of 81 frames; the template's second one and its side-by-side video are left "
+                  "out.", size=(400, 200))
+    clip = _umt5(g)
+    engine = _engine(g, "wan_animate_2_distill_int8_convrot.safetensors")
+    vae = _engine_vae(g, "Wan2_1_VAE_bf16.safetensors", engine)
+    vision = g.add("CLIPVisionLoader", ["clip_vision_h.safetensors"], 0)
+    reference = g.add("LoadImage", ["ref_doll_realistic.png", "image"], 1, "Load Image (Reference Image)",
+                      size=LOAD_BOX)
+    driving = g.add("LoadVideo", ["drive_doll_street_dance.mp4", "image"], 1, "Load Video (Pose Video)",
+                    size=LOAD_BOX)
+    components = g.add("GetVideoComponents", [], 1, video=driving)
+    positive = _prompt(g, 2, clip, PROMPTS[g.name], "CLIP Text Encode (Positive Prompt)")
+    negative = _prompt(g, 2, clip, NEGATIVE_WAN, "CLIP Text Encode (Negative Prompt)")
+    pose = _prompt(g, 2, clip, POSE_PROMPT_ANIMATE2, "CLIP Text Encode (Pose Prompt)")
+    pose_video = g.add("ResizeImageMaskNode", ["scale dimensions", 482, 854, "center", "area"], 3,
+                       input=components.out(0))
+    size = g.add("GetImageSize", [], 3, image=pose_video)
+    picture = g.add("ResizeImageMaskNode", ["scale dimensions", 482, 854, "center", "area"], 3, input=reference,
+                    **{"resize_type.width": size.out(0), "resize_type.height": size.out(1)})
+    first = g.add("ImageFromBatch", [0, 1], 3, image=pose_video)
+    seen = g.add("CLIPVisionEncode", ["none"], 4, clip_vision=vision, image=picture)
+    seen_pose = g.add("CLIPVisionEncode", ["none"], 4, clip_vision=vision, image=first)
+    animate = g.add("WanAnimate2ToVideo", [832, 480, 81, 1, 0, 1.0, 0.0, 1.0, 1.0], 4, positive=positive,
+                    negative=negative, vae=vae, reference_image=picture, pose_video=pose_video,
+                    clip_vision_output=seen, positive_pose=pose, clip_vision_output_pose=seen_pose,
+                    width=size.out(0), height=size.out(1))
+    shifted = g.add("ModelSamplingSD3", [5.0], 4, model=engine.out(1))
+    select = g.add("KSamplerSelect", ["lcm"], 4)
+    sigmas = g.add("BasicScheduler", ["simple", 10, 1.0], 4, model=engine.out(1))
+    sampler = g.add("SamplerCustom", [True, SEED, "fixed", 1.0], 5, model=shifted, positive=animate.out(0),
+                    negative=animate.out(1), sampler=select, sigmas=sigmas, latent_image=animate.out(2))
+    trimmed = g.add("TrimVideoLatent", [0], 5, samples=sampler.out(0), trim_amount=animate.out(3))
+    decode = g.add("VAEDecode", [], 5, samples=trimmed, vae=vae)
+    _info(g, 5, engine, sampler.out(0))
+    video = g.add("CreateVideo", [30.0, 8], 6, images=decode, audio=components.out(1), fps=components.out(2))
+    g.add("SaveVideo", [f"xDiT/{g.name}", "auto", "auto"], 6, size=SAVE_BOX, video=video)
     return g
 
 
@@ -834,6 +901,15 @@ PROMPTS = {
                             "textured feathers. The camera captures the dynamic, tense stillness of its movement, "
                             "emphasizing the lush, ancient wilderness and the creature\u2019s vivid, lifelike "
                             "details.",
+    # the Wan Animate 2 Distilled template's character prompt (its "Character Prompt" text node, which the first
+    # segment's positive prompt takes; the pose prompt is POSE_PROMPT_ANIMATE2)
+    "wan-animate-2": ("Character appearance description: A realistic premium collectible action figure of a male "
+                      "street dancer, lifelike matte vinyl and resin material with realistic skin-like paint finish, "
+                      "detailed fabric folds on a black hoodie, dark cargo pants, white sneakers, subtle articulated "
+                      "joints, premium designer toy craftsmanship, standing in a relaxed confident pose facing the "
+                      "camera, full body from head to toe.\nBackground description: rainy neon-lit city street "
+                      "corner at night, wet asphalt reflecting purple-blue and red neon signs, light mist, cinematic "
+                      "night photography."),
     # the Wan templates' own prompts
     "wan2.1-t2v-1.3b": "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking "
                        "camera",
@@ -941,6 +1017,9 @@ PROMPTS.update({
 })
 PROMPTS["flux1-schnell"] = PROMPTS["flux1-dev"]
 PROMPTS["flux2-klein-4b"] = PROMPTS["flux2-dev"]
+# the Wan Animate 2 Distilled template's pose prompt (its text node for the pose branch: the motion, not the looks)
+POSE_PROMPT_ANIMATE2 = ("A man doing energetic street dance with popping body waves and fast spinning moves, rain "
+                        "falling around him.")
 NEGATIVE_SD35 = "blurry, low quality, jpeg artifacts, watermark, deformed, oversaturated"
 # The Wan templates' negative prompt (the Wan 2.2 A14B text-to-video one adds "，裸露，NSFW")
 NEGATIVE_WAN = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"
@@ -955,6 +1034,6 @@ def graphs() -> list[Graph]:
             _flux1("flux1-dev-img2img", "flux1-dev.safetensors", 28, image=True, denoise=0.75),
             _kontext(), _qwen_image(), _qwen_image_edit(), _flux2_dev(), _flux2_dev(multi_reference=True),
             _flux2_klein(), _krea2(), _wan21_t2v(), _wan22_a14b(image=False), _wan22_a14b(image=True), _wan22_ti2v_5b(),
-            _hunyuanvideo15(image=False), _hunyuanvideo15(image=True), _minimax_h3(image=False),
+            _wan_animate2(), _hunyuanvideo15(image=False), _hunyuanvideo15(image=True), _minimax_h3(image=False),
             _minimax_h3(image=True), _ltx23(image=False), _ltx23(image=True), _ltx23_flf(), _ltx25(image=False),
             _ltx25(image=True), _ltx25_flf()]

@@ -431,7 +431,186 @@ LATER_NODES = {
         "outputs": (("GUIDER", "GUIDER"),),
         "output_node": False,
     },
+    # The stock nodes of ComfyUI's "Wan Animate 2 Distilled: Motion Transfer" template (comfyui-workflow-templates-json
+    # 0.1.50 and 0.1.123: video_wan_animate2_distilled.json, its subgraph flattened) that the tables above lack, as
+    # ComfyUI 0.33.0 defines them (comfy_extras/nodes_wan.py, nodes_video.py, nodes_images.py,
+    # nodes_post_processing.py, nodes_custom_sampler.py). Those without "since" are in 0.3.64 with the same inputs and
+    # outputs (its nodes_video.py, nodes_images.py, nodes_wan.py, nodes_custom_sampler.py; V1 there, their display
+    # names kept: the frontends' titles are in LATER_TITLES), but for the outputs 0.33.0 adds (LATER_NODE_OUTPUTS) and
+    # ImageFromBatch's batch_index, which 0.3.64 takes from 0 to 4095.
+    # comfy_extras/nodes_wan.py (0.33.0), WanAnimate2ToVideo (first released in 0.31.0, a464ac33; is_experimental, no
+    # display_name): io.Conditioning.Input("positive"), ("negative"), io.Vae.Input("vae"), io.Int.Input("width",
+    # default=832, min=16, max=nodes.MAX_RESOLUTION, step=16), "height" (default 480) likewise, io.Int.Input("length",
+    # default=81, min=1, max=nodes.MAX_RESOLUTION, step=4), io.Int.Input("batch_size", default=1, min=1, max=4096);
+    # optional io.Image.Input("reference_image"), io.Image.Input("pose_video"),
+    # io.ClipVisionOutput.Input("clip_vision_output"), io.Conditioning.Input("positive_pose"),
+    # io.ClipVisionOutput.Input("clip_vision_output_pose"), io.Image.Input("continue_motion"); then
+    # io.Int.Input("video_frame_offset", default=0, min=0, max=nodes.MAX_RESOLUTION, step=1),
+    # io.Float.Input("pose_strength", default=1.0, min=0.0, max=10.0, step=0.01), "pose_start_percent" (0.0, 0 to 1),
+    # "pose_end_percent" (1.0, 0 to 1), "reference_image_strength" (1.0, 0 to 10), all required; outputs positive,
+    # negative, latent, io.Int.Output "trim_latent", "trim_image", "video_frame_offset". The frontend 1.49.6 has no
+    # locale entry for it: shown under its node id
+    "WanAnimate2ToVideo": {
+        "display_name": "WanAnimate2ToVideo",
+        "source": "comfy_extras/nodes_wan.py",
+        "since": "0.31.0",
+        "experimental": True,
+        "inputs": (
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "vae", "type": "VAE"},
+            {"name": "width", "type": "INT", "widget": "number", "default": 832, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "height", "type": "INT", "widget": "number", "default": 480, "min": 16,
+             "max": stock.MAX_RESOLUTION, "step": 16},
+            {"name": "length", "type": "INT", "widget": "number", "default": 81, "min": 1,
+             "max": stock.MAX_RESOLUTION, "step": 4},
+            {"name": "batch_size", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+            {"name": "reference_image", "type": "IMAGE", "optional": True},
+            {"name": "pose_video", "type": "IMAGE", "optional": True},
+            {"name": "clip_vision_output", "type": "CLIP_VISION_OUTPUT", "optional": True},
+            {"name": "positive_pose", "type": "CONDITIONING", "optional": True},
+            {"name": "clip_vision_output_pose", "type": "CLIP_VISION_OUTPUT", "optional": True},
+            {"name": "continue_motion", "type": "IMAGE", "optional": True},
+            {"name": "video_frame_offset", "type": "INT", "widget": "number", "default": 0, "min": 0,
+             "max": stock.MAX_RESOLUTION, "step": 1},
+            {"name": "pose_strength", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0, "max": 10.0,
+             "step": 0.01},
+            {"name": "pose_start_percent", "type": "FLOAT", "widget": "number", "default": 0.0, "min": 0.0,
+             "max": 1.0, "step": 0.01},
+            {"name": "pose_end_percent", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0,
+             "max": 1.0, "step": 0.01},
+            {"name": "reference_image_strength", "type": "FLOAT", "widget": "number", "default": 1.0, "min": 0.0,
+             "max": 10.0, "step": 0.01},
+        ),
+        "outputs": (("CONDITIONING", "positive"), ("CONDITIONING", "negative"), ("LATENT", "latent"),
+                    ("INT", "trim_latent"), ("INT", "trim_image"), ("INT", "video_frame_offset")),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_video.py, LoadVideo: display_name "Load Video"; io.Combo.Input("file", options=the video files
+    # of ComfyUI's input folder, upload=io.UploadType.video); io.Video.Output(). The frontend adds the upload button
+    # after it (saved as "image", as the template saves it) and shows the video below
+    "LoadVideo": {
+        "display_name": "Load Video",
+        "source": "comfy_extras/nodes_video.py",
+        "image_preview": True,
+        "inputs": (
+            {"name": "file", "type": "COMBO", "widget": "combo", "folder": "input", "image_upload": True,
+             "ui_extra": {"name": "upload", "value": "image"}},
+        ),
+        "outputs": (("VIDEO", "VIDEO"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_video.py, GetVideoComponents: display_name "Get Video Components"; io.Video.Input("video");
+    # io.Image.Output "images", io.Audio.Output "audio", io.Float.Output "fps" (0.3.64's three; 0.33.0 adds
+    # io.Int.Output "bit_depth" and io.Combo.Output "color_space": LATER_NODE_OUTPUTS)
+    "GetVideoComponents": {
+        "display_name": "Get Video Components",
+        "source": "comfy_extras/nodes_video.py",
+        "inputs": ({"name": "video", "type": "VIDEO"},),
+        "outputs": (("IMAGE", "images"), ("AUDIO", "audio"), ("FLOAT", "fps")),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_images.py, GetImageSize (V1 in 0.3.64, RETURN_NAMES = ("width", "height", "batch_size"); V3 in
+    # 0.33.0): display name "Get Image Size"; IO.Image.Input("image"); three IO.Int.Output
+    "GetImageSize": {
+        "display_name": "Get Image Size",
+        "source": "comfy_extras/nodes_images.py",
+        "inputs": ({"name": "image", "type": "IMAGE"},),
+        "outputs": (("INT", "width"), ("INT", "height"), ("INT", "batch_size")),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_images.py, ImageFromBatch (V3 in 0.33.0, display_name "Get Image from Batch"; V1 in 0.3.64
+    # without one, batch_index from 0 to 4095): IO.Image.Input("image"), IO.Int.Input("batch_index", default=0,
+    # min=-MAX_RESOLUTION, max=MAX_RESOLUTION), IO.Int.Input("length", default=1, min=1, max=4096); IO.Image.Output()
+    "ImageFromBatch": {
+        "display_name": "ImageFromBatch",
+        "source": "comfy_extras/nodes_images.py",
+        "inputs": (
+            {"name": "image", "type": "IMAGE"},
+            {"name": "batch_index", "type": "INT", "widget": "number", "default": 0, "min": -stock.MAX_RESOLUTION,
+             "max": stock.MAX_RESOLUTION},
+            {"name": "length", "type": "INT", "widget": "number", "default": 1, "min": 1, "max": 4096},
+        ),
+        "outputs": (("IMAGE", "IMAGE"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_post_processing.py (0.33.0), ResizeImageMaskNode: display_name "Resize Image/Mask";
+    # io.MatchType.Input("input", template IMAGE or MASK), io.DynamicCombo.Input("resize_type", options "scale
+    # dimensions" (io.Int.Input("width", default=512, min=0, max=MAX_RESOLUTION, step=1), "height" likewise,
+    # io.Combo.Input("crop", ["disabled", "center"], default "center")), "scale by", "scale longer dimension", "scale
+    # shorter dimension", "scale width", "scale height", "scale total pixels", "match size", "scale to multiple"),
+    # io.Combo.Input("scale_method", ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"], default "area");
+    # io.MatchType.Output "resized". The frontend (1.49.6) draws the chosen option's inputs as widgets after
+    # resize_type, named "resize_type.width" and so on (as the template saves them, and as the API prompt names
+    # them); it shows the input as "IMAGE,MASK" and the output as the type its input gets (IMAGE here). Not in
+    # 0.3.64; in ComfyUI by January 2026 (Comfy-Org/ComfyUI#12013 edits it), so in 0.31.0 (later: WanAnimate2ToVideo's
+    # release) at the latest: "since" names that bound, its first release is not checked. Only "scale dimensions" is
+    # spelled out here, the option the template uses
+    "ResizeImageMaskNode": {
+        "display_name": "Resize Image/Mask",
+        "source": "comfy_extras/nodes_post_processing.py",
+        "since": "0.31.0",
+        "inputs": (
+            {"name": "input", "type": "IMAGE,MASK"},
+            {"name": "resize_type", "type": "COMBO", "widget": "combo",
+             "options": ("scale dimensions", "scale by", "scale longer dimension", "scale shorter dimension",
+                         "scale width", "scale height", "scale total pixels", "match size", "scale to multiple")},
+            {"name": "resize_type.width", "type": "INT", "widget": "number", "default": 512, "min": 0,
+             "max": stock.MAX_RESOLUTION, "step": 1},
+            {"name": "resize_type.height", "type": "INT", "widget": "number", "default": 512, "min": 0,
+             "max": stock.MAX_RESOLUTION, "step": 1},
+            {"name": "resize_type.crop", "type": "COMBO", "widget": "combo", "options": ("disabled", "center")},
+            {"name": "scale_method", "type": "COMBO", "widget": "combo",
+             "options": ("nearest-exact", "bilinear", "area", "bicubic", "lanczos")},
+        ),
+        "outputs": (("IMAGE", "resized"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_wan.py, TrimVideoLatent (V3, no display_name in 0.3.64; "Trim Video Latent" in 0.33.0):
+    # io.Latent.Input("samples"), io.Int.Input("trim_amount", default=0, min=0, max=99999); io.Latent.Output() (the
+    # samples without their first trim_amount latent frames)
+    "TrimVideoLatent": {
+        "display_name": "TrimVideoLatent",
+        "source": "comfy_extras/nodes_wan.py",
+        "inputs": (
+            {"name": "samples", "type": "LATENT"},
+            {"name": "trim_amount", "type": "INT", "widget": "number", "default": 0, "min": 0, "max": 99999},
+        ),
+        "outputs": (("LATENT", "LATENT"),),
+        "output_node": False,
+    },
+    # comfy_extras/nodes_custom_sampler.py, SamplerCustom (V1 in 0.3.64, V3 in 0.33.0, no display name; 0.33.0 marks
+    # add_noise advanced): "model": ("MODEL",), "add_noise": ("BOOLEAN", {"default": True}), "noise_seed": ("INT",
+    # {"default": 0, "min": 0, "max": 0xffffffffffffffff, "control_after_generate": True}), "cfg": ("FLOAT",
+    # {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}), "positive", "negative":
+    # ("CONDITIONING",), "sampler": ("SAMPLER",), "sigmas": ("SIGMAS",), "latent_image": ("LATENT",);
+    # RETURN_NAMES = ("output", "denoised_output")
+    "SamplerCustom": {
+        "display_name": "SamplerCustom",
+        "source": "comfy_extras/nodes_custom_sampler.py",
+        "inputs": (
+            {"name": "model", "type": "MODEL"},
+            {"name": "add_noise", "type": "BOOLEAN", "widget": "toggle", "default": True, "advanced": True},
+            {"name": "noise_seed", "type": "INT", "widget": "number", "default": 0, "min": 0,
+             "max": 0xffffffffffffffff,
+             "ui_extra": {"name": "control_after_generate", "values": ("fixed", "increment", "decrement",
+                                                                       "randomize")}},
+            {"name": "cfg", "type": "FLOAT", "widget": "number", "default": 8.0, "min": 0.0, "max": 100.0,
+             "step": 0.1},
+            {"name": "positive", "type": "CONDITIONING"},
+            {"name": "negative", "type": "CONDITIONING"},
+            {"name": "sampler", "type": "SAMPLER"},
+            {"name": "sigmas", "type": "SIGMAS"},
+            {"name": "latent_image", "type": "LATENT"},
+        ),
+        "outputs": (("LATENT", "output"), ("LATENT", "denoised_output")),
+        "output_node": False,
+    },
 }
+# Outputs 0.33.0 adds to a node above (not saved, as LATER_OUTPUTS; they count only for the node's drawn size):
+# comfy_extras/nodes_video.py, GetVideoComponents: io.Int.Output "bit_depth", io.Combo.Output "color_space"
+LATER_NODE_OUTPUTS = {"GetVideoComponents": (("INT", "bit_depth"), ("COMBO", "color_space"))}
 # nodes.py (0.33.0), CLIPLoader's type list: comfyui_stock_nodes.py's (v0.12.1) and the types added since, "minimax"
 # (MiniMax-H3's Qwen3-VL text encoder) among them; the rest of the node as there
 CLIP_TYPES_0_33 = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
@@ -446,9 +625,12 @@ DUAL_CLIP_TYPES_0_33 = ("sdxl", "sd3", "flux", "hunyuan_video", "hidream", "huny
 # names BasicScheduler and LoraLoaderModelOnly so and VAEDecodeAudio "VAE Decode Audio"; 1.49.6 names
 # LoraLoaderModelOnly "Load LoRA" and has no entry for MiniMaxH3ImageToVideo, shown under 0.33.0's display name; it
 # names LTXVConcatAVLatent and LTXVSeparateAVLatent by their node ids, where 0.33.0 says "Concat AV Latent" and
-# "Separate AV Latent")
+# "Separate AV Latent"; it names ImageFromBatch and TrimVideoLatent as 0.33.0 does, where 0.3.64 gives no display
+# name, and has no entry for WanAnimate2ToVideo)
 LATER_TITLES = {"1.27.10": {}, "1.49.6": {"LoraLoaderModelOnly": "Load LoRA", "LTXVConcatAVLatent": "LTXVConcatAVLatent",
-                                          "LTXVSeparateAVLatent": "LTXVSeparateAVLatent"}}
+                                          "LTXVSeparateAVLatent": "LTXVSeparateAVLatent",
+                                          "ImageFromBatch": "Get Image from Batch",
+                                          "TrimVideoLatent": "Trim Video Latent"}}
 
 
 def _clip_loader(d):
@@ -540,4 +722,4 @@ def current_title(node_type, definition) -> str:
 
 def drawn_outputs(node_type, definition):
     """The outputs a node shows on the newest ComfyUI checked (a later version may have added some)."""
-    return tuple(definition["outputs"]) + stock.LATER_OUTPUTS.get(node_type, ())
+    return tuple(definition["outputs"]) + stock.LATER_OUTPUTS.get(node_type, ()) + LATER_NODE_OUTPUTS.get(node_type, ())

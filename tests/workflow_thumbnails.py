@@ -1,11 +1,13 @@
 """Draws the picture ComfyUI's template browser shows for each workflow (workflows/NAME.jpg: both frontends fetch a
 custom node template's card picture as <name>.jpg beside its JSON): the graph as the page draws it, in headless
 Chromium, on a ComfyUI started here with this pack, placeholder model files of the names the workflows use (so no
-node shows a missing-model error) and ComfyUI's example.png as every image the workflows load.
+node shows a missing-model error), ComfyUI's example.png as every image the workflows load and a short video of it
+as every video they load.
 
     python tests/workflow_thumbnails.py COMFYUI_DIR [--python PYTHON] [--port 8189] [--only NAME ...]
 
-PYTHON runs ComfyUI (default: this one) and needs selenium and Pillow here; Chromium and chromedriver are taken
+PYTHON runs ComfyUI (default: this one) and needs selenium, Pillow and (for a workflow that loads a video) PyAV
+here; Chromium and chromedriver are taken
 from PATH (or CHROMIUM / CHROMEDRIVER). Run it after tests/make_workflows.py when a graph changes; --only redraws
 just the named workflows (each workflow's picture needs a ComfyUI that has its nodes: the MiniMax-H3 ones 0.33.0)."""
 import argparse
@@ -34,10 +36,11 @@ def workflow_names():
 
 def prepare_base(base, comfyui):
     """custom_nodes/ with this pack, models/ with empty files of the names the workflows' models entries give, and
-    input/ with ComfyUI's example.png under every image name the workflows load."""
+    input/ with ComfyUI's example.png under every image name the workflows load and a video of it under every video
+    name."""
     os.makedirs(os.path.join(base, "custom_nodes"))
     os.symlink(ROOT, os.path.join(base, "custom_nodes", "ComfyUI-xDiT"))
-    images = set()
+    images, videos = set(), set()
     for name in workflow_names():
         with open(os.path.join(WORKFLOW_DIR, f"{name}.json")) as f:
             ui = json.load(f)
@@ -48,9 +51,27 @@ def prepare_base(base, comfyui):
                 open(os.path.join(folder, model["name"]), "wb").close()
             if node["type"] == "LoadImage":
                 images.add(node["widgets_values"][0])
+            if node["type"] == "LoadVideo":
+                videos.add(node["widgets_values"][0])
     os.makedirs(os.path.join(base, "input"))
     for image in images:
         shutil.copy(os.path.join(comfyui, "input", "example.png"), os.path.join(base, "input", image))
+    for video in videos:
+        write_video(os.path.join(comfyui, "input", "example.png"), os.path.join(base, "input", video))
+
+
+def write_video(image, path, seconds=1, fps=8):
+    """An H.264 MP4 of `image` held still: what a Load Video node shows in the picture."""
+    import av
+    from PIL import Image
+    picture = Image.open(image).convert("RGB")
+    picture = picture.crop((0, 0, picture.width // 2 * 2, picture.height // 2 * 2))
+    with av.open(path, "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = picture.width, picture.height, "yuv420p"
+        for _ in range(seconds * fps):
+            out.mux(stream.encode(av.VideoFrame.from_image(picture)))
+        out.mux(stream.encode())
 
 
 def start_comfyui(comfyui, python, base, port):
