@@ -175,8 +175,8 @@ cache["engine_plan"] = last_plan(eng)
 report["cache"] = cache
 print("cache", json.dumps(cache), flush=True)
 
-# the sampler swapped too (xDiT Sampler: the engine's own loop) on the KSampler graphs: it runs them (its result against
-# ComfyUI's own) or refuses the pose inputs in one line naming KSampler on the engine's MODEL (the route above)
+# the sampler swapped too (xDiT Sampler: the engine's own loop) on the KSampler graphs: it runs the pose inputs (its result
+# against ComfyUI's own) and refuses the pose window (two conditioning entries a side) in one line
 report["xdit_sampler"] = {}
 for name, (p, n, latent) in ((GRAPHS[1][0], STRENGTHS), (GRAPHS[2][0], WINDOW)):
     eng, model = engine("0,1")

@@ -54,13 +54,21 @@ def test_flux_bf16_on_two_4090s_is_not_called_a_fit_under_sequence_parallel_and_
 def _workflow_job(name: str) -> dict:
     """Steps, cfg, size, frames and shift as the pack's API workflow sets them on its nodes (the first pass's)."""
     with open(os.path.join(WORKFLOWS, f"{name}.api.json")) as f:
-        nodes = [n for _, n in sorted(json.load(f).items(), key=lambda kv: int(kv[0]))]
+        api = json.load(f)
+    nodes = [n for _, n in sorted(api.items(), key=lambda kv: int(kv[0]))]
+
+    def size(value, axis):   # a linked size (Wan-Animate 2): Get Image Size of the Resize Image/Mask it measures
+        if not isinstance(value, list):
+            return value
+        return api[api[value[0]]["inputs"]["image"][0]]["inputs"][f"resize_type.{axis}"]
     job = {"cfg": 1.0}   # BasicGuider: no negative pass
     for n in nodes:
         kind, given = n["class_type"], n["inputs"]
-        latent = kind not in ("ImageScale", "Flux2Scheduler") and "width" in given and "height" in given
+        latent = kind not in ("ImageScale", "Flux2Scheduler", "ResizeImageMaskNode") and "width" in given \
+            and "height" in given
         if latent and "width" not in job:
-            job.update(width=given["width"], height=given["height"], frames=given.get("length", 1))
+            job.update(width=size(given["width"], "width"), height=size(given["height"], "height"),
+                       frames=given.get("length", 1))
         if kind in ("XDiTSampler", "XDiTSamplerAdvanced", "BasicScheduler", "Flux2Scheduler") and "steps" not in job:
             job["steps"] = given["steps"]
         if kind == "ManualSigmas" and "steps" not in job:

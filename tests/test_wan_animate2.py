@@ -328,18 +328,102 @@ def test_every_plan_equals_one_rank_through_the_model_call_route(engines, files,
 
 
 # ---- the nodes' side -------------------------------------------------------------------------------------------------
-def test_the_xdit_samplers_own_loop_refuses_the_pose_inputs_in_one_line():
-    """WanAnimate2ToVideo's conditioning on the xDiT Sampler: refused naming the keys and the route that runs them (the
-    own loop would otherwise sample plain image-to-video)."""
+def test_the_xdit_samplers_request_takes_the_pose_inputs_of_both_sides_as_the_node_sets_them():
+    """WanAnimate2ToVideo's keys on the xDiT Sampler's conditioning become the request's pose fields (the CLIP output's
+    penultimate states); a negative carrying other pose values is refused in one line (the engine's loop gives both
+    passes the same pose branch, as the node sets them)."""
     import importlib
+    import types
     from conftest import PACK_NAME, load_pack
     load_pack()
     conditioning = importlib.import_module(PACK_NAME + ".xdit_nodes.conditioning")
-    c = [[torch.zeros(1, 9, TEXT_DIM), {"pose_video_latent": torch.zeros(1, 16, 2, 4, 4), "cross_attn_pose":
-                                        torch.zeros(1, 9, TEXT_DIM)}]]
-    with pytest.raises(ValueError, match="pose_video_latent, cross_attn_pose.*KSampler on the xDiT Engine's MODEL") as e:
-        conditioning.conditioning_tensors(c, "positive")
+    pose, text = torch.zeros(1, 16, 2, 4, 4), torch.zeros(1, 9, TEXT_DIM)
+    clip = types.SimpleNamespace(penultimate_hidden_states=torch.ones(1, 257, CLIP_DIM))
+    keys = {"pose_video_latent": pose, "cross_attn_pose": text, "clip_vision_output_pose": clip, "pose_strength": 0.7}
+    positive, negative = [[text, dict(keys)]], [[text, dict(keys)]]
+    got = conditioning.conditioning_pose(positive, negative)
+    assert got["pose_latent"] is pose and got["pose_cond"] is text and got["pose_strength"] == 0.7
+    assert got["pose_clip_vision_output"] is clip.penultimate_hidden_states
+    with pytest.raises(ValueError, match="different Wan-Animate 2 pose inputs") as e:
+        conditioning.conditioning_pose(positive, [[text, {**keys, "pose_strength": 1.5}]])
     assert "\n" not in str(e.value)
+    windowed = [[text, {**keys, "start_percent": 0.0, "end_percent": 0.5}], [text, {"start_percent": 0.5}]]
+    with pytest.raises(ValueError, match="pose window .*KSampler on the xDiT Engine's MODEL") as e:
+        conditioning.conditioning_tensors(windowed, "positive")
+    assert "\n" not in str(e.value)
+
+
+def comfy_simple_sigmas(steps, shift=5.0):
+    """ModelSamplingDiscreteFlow (1000 entries, t = i/1000, shift t / (1 + (shift - 1) t)) and the simple schedule."""
+    t = torch.arange(1, 1001, dtype=torch.float32) / 1000
+    table = shift * t / (1 + (shift - 1) * t)
+    return torch.tensor([float(table[-(1 + int(i * 1000 / steps))]) for i in range(steps)] + [0.0])
+
+
+WAN21_MEAN = torch.tensor([-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                           0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]).view(1, -1, 1, 1, 1)
+WAN21_STD = torch.tensor([2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                          3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]).view(1, -1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("world,degrees", [(1, {}), (2, dict(cfg=2))], ids=["single", "cfg2"])
+def test_the_engines_own_loop_samples_with_the_pose_branch_as_comfyuis_ksampler(engines, files, reference_model,
+                                                                                 world, degrees):
+    """The xDiT Sampler's route: a request with WanAnimate2ToVideo's inputs (the image latent with the reference slot,
+    the pose latent, a pose prompt, strengths) sampled on the ranks equals KSampler restated (euler, simple, shift 5,
+    CFG on denoised) around the independent reference model: Wan21's process_in / process_out, c_concat [1 - mask (4
+    channels), the image latent process_in'd], the pose latent process_in'd, the pose values on both passes."""
+    frames, h, w, steps, cfg = 3, 5, 7, 2, 4.0
+    g = torch.Generator().manual_seed(5)
+    cond, neg = (F.pad(torch.randn(1, n, TEXT_DIM, generator=g), (0, 0, 0, 512 - n)) for n in (9, 6))
+    pose_cond = F.pad(torch.randn(1, 7, TEXT_DIM, generator=g), (0, 0, 0, 505))
+    clip, clip_pose = (torch.randn(1, 257, CLIP_DIM, generator=g) for _ in range(2))
+    image = torch.randn(1, 16, frames, h, w, generator=g)
+    mask = torch.ones(1, 1, frames, h, w)
+    mask[:, :, 0] = 0.0
+    pose_raw = torch.randn(1, 16, frames - 1, h, w, generator=g)
+    latent = torch.zeros(1, 16, frames, h, w)
+    r = GenerateRequest(model=files["animate"], cond=cond, neg_cond=neg, latent_raw=latent, seed=3, steps=steps,
+                        cfg=cfg, clip_vision_output=clip, neg_clip_vision_output=clip, concat_latent_image=image,
+                        concat_mask=mask, neg_concat_latent_image=image, neg_concat_mask=mask, pose_latent=pose_raw,
+                        pose_cond=pose_cond, pose_clip_vision_output=clip_pose, pose_strength=0.7,
+                        reference_strength=1.2, plan=ParallelPlan(**degrees)).validate(world)
+    got = engines(world).submit("generate", *r.to_job()).outputs["samples"]
+
+    concat = torch.cat([(1.0 - mask).repeat(1, 4, 1, 1, 1), (image - WAN21_MEAN) / WAN21_STD], dim=1)
+    pose = (pose_raw - WAN21_MEAN) / WAN21_STD
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(3))
+    sigmas = comfy_simple_sigmas(steps)
+    x = sigmas[0] * noise
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        def denoised(text):
+            v = reference(reference_model, torch.cat([x, concat], dim=1), torch.full((1,), float(s) * 1000), text,
+                          clip, pose, pose_cond, clip_pose, 0.7, 1.2)
+            return x - v * s
+        pos_d, neg_d = denoised(cond), denoised(neg)
+        d = neg_d + (pos_d - neg_d) * cfg
+        x = x + (x - d) / s * (s_next - s)
+    want = x * WAN21_STD + WAN21_MEAN
+    assert report(f"Wan-Animate 2 own loop {ParallelPlan(**degrees).describe()} vs KSampler restated around the "
+                  f"reference", (got - want).abs().max(),
+                  fp32_bound(want.abs().max(), reduction=TEXT_DIM, depth=2 * DEPTH, amplification=steps * (2 * cfg - 1)))
+
+
+def test_pose_inputs_on_a_plain_wan_file_are_refused_before_any_rank(tmp_path):
+    path = write_tiny("wan", str(tmp_path), variant="wan2.1-i2v-14b")
+    frames, h, w = 3, 4, 4
+    with pytest.raises(ValueError, match="does not take: load a Wan-Animate 2 file") as e:
+        GenerateRequest(model=path, cond=torch.zeros(1, 9, TEXT_DIM), latent_raw=torch.zeros(1, 16, frames, h, w),
+                        clip_vision_output=torch.zeros(1, 257, CLIP_DIM),
+                        concat_latent_image=torch.zeros(1, 16, frames, h, w),
+                        pose_latent=torch.zeros(1, 16, frames - 1, h, w)).validate(1)
+    assert "\n" not in str(e.value)
+    animate = write_tiny("wan", str(tmp_path), variant="wan-animate-2")
+    with pytest.raises(ValueError, match="pose_latent of shape \\[1, 16, 3, 4, 4\\] is invalid") as e:
+        GenerateRequest(model=animate, cond=torch.zeros(1, 9, TEXT_DIM), latent_raw=torch.zeros(1, 16, frames, h, w),
+                        clip_vision_output=torch.zeros(1, 257, CLIP_DIM),
+                        concat_latent_image=torch.zeros(1, 16, frames, h, w),
+                        pose_latent=torch.zeros(1, 16, frames, h, w)).validate(1)
 
 
 def test_the_strengths_comfyui_passes_as_floats_cross_as_one_value_a_row():

@@ -13,6 +13,10 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     """(cond, pooled, guidance) of a CONDITIONING: a list of [cond_tensor, {"pooled_output": ..., "guidance": ...}]."""
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
         raise ValueError(f"{name} is not a CONDITIONING (a list of [tensor, dict]); connect a text encoder to it")
+    if len(conditioning) > 1 and any("pose_video_latent" in entry[1] for entry in conditioning):
+        raise ValueError(f"{name} carries WanAnimate2ToVideo's pose window (pose_start_percent / pose_end_percent), "
+                         f"which the xDiT Sampler's own loop does not run: sample with KSampler on the xDiT Engine's "
+                         f"MODEL, or set the window to 0 and 1")
     if len(conditioning) > 1:
         raise ValueError(f"{name} holds {len(conditioning)} conditioning entries (combined or area conditioning); the "
                          f"xDiT Sampler takes exactly one: use a single text encode")
@@ -29,17 +33,40 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     if extras.get("conditioning_byt5small") is not None:   # HunyuanVideo 1.5's glyph rows: the MODEL route takes them
         raise ValueError(f"{name} carries byT5 glyph rows (a HunyuanVideo 1.5 prompt with quoted text), which the xDiT "
                          f"Sampler's own loop does not take: sample with KSampler on the xDiT Engine's MODEL")
-    pose = [k for k in POSE_KEYS if extras.get(k) is not None]
-    if pose:   # Wan-Animate 2's pose branch: the MODEL route runs it (ComfyUI's WAN_Animate2 hands its inputs over)
-        raise ValueError(f"{name} carries Wan-Animate 2's pose inputs ({', '.join(pose)}, from WanAnimate2ToVideo), "
-                         f"which the xDiT Sampler's own loop does not take: sample with KSampler on the xDiT Engine's "
-                         f"MODEL")
     return cond, pooled, extras.get("guidance")
 
 
-# WanAnimate2ToVideo's conditioning keys (comfy_extras/nodes_wan.py) that ComfyUI's WAN_Animate2 turns into the pose
-# branch's inputs
-POSE_KEYS = ("pose_video_latent", "cross_attn_pose", "clip_vision_output_pose", "pose_strength", "reference_strength")
+# WanAnimate2ToVideo's conditioning keys (comfy_extras/nodes_wan.py:1339-1366) that ComfyUI's WAN_Animate2 turns into
+# the pose branch's inputs (comfy/model_base.py:1833-1853), and the request's fields they become
+POSE_KEYS = {"pose_video_latent": "pose_latent", "cross_attn_pose": "pose_cond",
+             "clip_vision_output_pose": "pose_clip_vision_output", "pose_strength": "pose_strength",
+             "reference_strength": "reference_strength"}
+
+
+def conditioning_pose(positive, negative=None, clip_state: str = "penultimate_hidden_states") -> dict:
+    """Wan-Animate 2's pose inputs of a CONDITIONING (WanAnimate2ToVideo's keys) as the request's fields; with a
+    negative pass the negative must carry the same ones (the node sets them on both sides; ComfyUI's model would run a
+    negative without them without its pose branch, which the engine's loop does not do apart)."""
+    def read(conditioning):
+        extras = conditioning[0][1]
+        out = {}
+        for key, field_name in POSE_KEYS.items():
+            value = extras.get(key)
+            if value is None:
+                continue
+            if key == "clip_vision_output_pose":
+                value = getattr(value, clip_state, value)
+            out[field_name] = float(value) if field_name.endswith("strength") else value
+        return out
+    fields = read(positive)
+    if negative is not None:
+        other = read(negative)
+        same = set(other) == set(fields) and all(
+            torch.equal(v, other[k]) if isinstance(v, torch.Tensor) else v == other[k] for k, v in fields.items())
+        if not same:
+            raise ValueError("the positive and negative carry different Wan-Animate 2 pose inputs: connect both from "
+                             "WanAnimate2ToVideo's outputs (it sets the same pose values on both)")
+    return fields
 
 
 def conditioning_references(conditioning, name: str) -> tuple[list[torch.Tensor] | None, str]:
@@ -103,6 +130,7 @@ def job_request(settings, positive, negative, latent_raw: torch.Tensor, *, cfg: 
         neg_cond, neg_pooled, _ = conditioning_tensors(negative, "negative")
         neg_refs, neg_method = conditioning_references(negative, "negative")
         images.update(conditioning_images(negative, "neg_", clip_state))
+    images.update(conditioning_pose(positive, negative if cfg != 1.0 else None, clip_state))
     return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
                            seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
                            scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,

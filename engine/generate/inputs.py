@@ -258,6 +258,43 @@ def check_image_inputs(prefix: str, clip, image, mask, info: CheckpointInfo, lat
                          f"(0 where the image is known)")
 
 
+def check_pose_inputs(request, info: CheckpointInfo) -> None:
+    """Wan-Animate 2's pose branch (WanAnimate2ToVideo's keys, as the request's pose_* fields): only a file that is
+    Animate 2 by its header takes them, each shaped as its model takes it (comfy/model_base.py WAN_Animate2)."""
+    given = [n for n in ("pose_latent", "pose_cond", "pose_clip_vision_output") if getattr(request, n) is not None] \
+        + [n for n in ("pose_strength", "reference_strength") if getattr(request, n) != 1.0]
+    if not given:
+        return
+    if not info.spec.extra_frames(info.variant, 2):   # the families' one model with a pose branch
+        raise ValueError(f"{', '.join(given)}: Wan-Animate 2's pose inputs (WanAnimate2ToVideo), which {info.variant} "
+                         f"does not take: load a Wan-Animate 2 file (its header's model_type animate2)")
+    batch = request.latent_raw.shape[0]
+    rows = "1" if batch == 1 else f"1 or {batch}"
+    fmt, grid = info.latent, tuple(request.latent_raw.shape[2:])
+    want = (fmt.channels, grid[0] - 1) + grid[1:]
+    pose = request.pose_latent
+    if pose is not None and (not isinstance(pose, torch.Tensor) or not pose.is_floating_point() or pose.ndim != 5
+                             or tuple(pose.shape[1:]) != want or pose.shape[0] not in (1, batch)):
+        raise ValueError(f"pose_latent of shape {_shape(pose)} is invalid: for this latent (the reference image's frame "
+                         f"and {grid[0] - 1} more) {info.variant} takes [{rows}, {', '.join(map(str, want))}] floats "
+                         f"(WanAnimate2ToVideo's pose video latent, one frame fewer than the latent)")
+    if pose is None and (request.pose_cond is not None or request.pose_clip_vision_output is not None
+                         or request.pose_strength != 1.0):
+        raise ValueError("pose_cond, pose_clip_vision_output and pose_strength need pose_latent (the pose video's "
+                         "latent): connect a pose video to WanAnimate2ToVideo")
+    width = info.spec.cond_width(info.config)
+    cond = request.pose_cond
+    if cond is not None and (not isinstance(cond, torch.Tensor) or not cond.is_floating_point() or cond.ndim != 3
+                             or cond.shape[2] != width or cond.shape[0] not in (1, batch)):
+        raise ValueError(f"pose_cond of shape {_shape(cond)} is invalid: {info.variant} takes [{rows}, N, {width}] "
+                         f"floats (the pose prompt's CONDITIONING)")
+    clip, width = request.pose_clip_vision_output, info.spec.image_context_width(info.config)
+    if clip is not None and (not isinstance(clip, torch.Tensor) or not clip.is_floating_point() or clip.ndim != 3
+                             or clip.shape[2] != width or clip.shape[0] not in (1, batch)):
+        raise ValueError(f"pose_clip_vision_output of shape {_shape(clip)} is invalid: {info.variant} takes "
+                         f"[{rows}, 257, {width}] floats (CLIPVisionEncode of the pose video's frame)")
+
+
 def check_noise_mask(mask, latent: torch.Tensor) -> None:
     """The LATENT's noise_mask: floats that ComfyUI's reshape_mask fits to the latent (any size, interpolated)."""
     if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not 2 <= mask.ndim <= latent.ndim \
@@ -286,7 +323,8 @@ def check_scalars(request) -> None:
         raise ValueError(f"seed={request.seed!r} is invalid: use an integer in [0, 2**64)")
     if isinstance(request.steps, bool) or not isinstance(request.steps, int) or not 1 <= request.steps <= 10000:
         raise ValueError(f"steps={request.steps!r} is invalid: use an integer from 1 to 10000")
-    for name, low in (("cfg", 0.0), ("guidance", None), ("denoise", 0.0)):
+    for name, low in (("cfg", 0.0), ("guidance", None), ("denoise", 0.0), ("pose_strength", None),
+                      ("reference_strength", None)):
         value = getattr(request, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"{name}={value!r} is invalid: use a finite number")

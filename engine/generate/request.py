@@ -23,7 +23,7 @@ from ..sampling.ksampler import StepWindow
 from ..sampling.schedules import FlowSampling
 from . import admission
 from .inputs import (REFERENCE_METHODS, SEED_LIMIT, check_dtype, check_finite, check_image_inputs, check_latent,  # noqa: F401
-                     check_loras, check_noise_mask, check_references, check_scalars, check_side)
+                     check_loras, check_noise_mask, check_pose_inputs, check_references, check_scalars, check_side)
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
@@ -88,6 +88,14 @@ class GenerateRequest:
     neg_clip_vision_output: torch.Tensor | None = field(default=None, metadata=TENSOR)
     neg_concat_latent_image: torch.Tensor | None = field(default=None, metadata=TENSOR)
     neg_concat_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    # Wan-Animate 2's pose branch (WanAnimate2ToVideo's keys, the same on both sides): the pose video's raw VAE latent
+    # (pose_video_latent) [B|1, C, F - 1, H, W], its prompt (cross_attn_pose) [B|1, N, width] and CLIP-vision features
+    # (clip_vision_output_pose's penultimate_hidden_states) [B|1, T, width], and the node's strengths
+    pose_latent: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    pose_cond: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    pose_clip_vision_output: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    pose_strength: float = 1.0
+    reference_strength: float = 1.0
     # the LATENT's noise_mask (SetLatentNoiseMask, Wan22ImageToVideoLatent): 1 denoises, 0 keeps the latent, as
     # ComfyUI's KSampler applies it (resized to the latent as comfy.utils.reshape_mask does)
     noise_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
@@ -150,6 +158,7 @@ class GenerateRequest:
                                info, self.latent_raw)
         if self.noise_mask is not None:
             check_noise_mask(self.noise_mask, self.latent_raw)
+        check_pose_inputs(self, info)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
         if self.model_sampling is not None:
@@ -292,6 +301,9 @@ class GenerateRequest:
                     yield side + name, getattr(self, side + name)
         if self.noise_mask is not None:
             yield "noise_mask", self.noise_mask
+        for name in ("pose_latent", "pose_cond", "pose_clip_vision_output"):
+            if getattr(self, name) is not None:
+                yield name, getattr(self, name)
 
     def _check_pipefusion(self, info, plan: ParallelPlan, latent_h: int, latent_w: int) -> None:
         """The PipeFusion settings against the plan and the job's shapes (parallel/pipefusion), before launch."""

@@ -189,14 +189,34 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
 
 
 def _sides(request: GenerateRequest) -> tuple[Conditioning, Conditioning | None]:
+    extras = _pose_extras(request)
     positive = Conditioning(request.cond, request.pooled, request.guidance, tuple(request.reference_latents or ()),
                             request.reference_latents_method, request.clip_vision_output, request.concat_latent_image,
-                            request.concat_mask)
+                            request.concat_mask, extras)
     negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance,
                              tuple(request.neg_reference_latents or ()), request.neg_reference_latents_method,
-                             request.neg_clip_vision_output, request.neg_concat_latent_image, request.neg_concat_mask)
+                             request.neg_clip_vision_output, request.neg_concat_latent_image, request.neg_concat_mask,
+                             extras)
                 if request.neg_cond is not None else None)
     return positive, negative
+
+
+def _pose_extras(request: GenerateRequest) -> dict | None:
+    """Wan-Animate 2's pose inputs as ComfyUI's WAN_Animate2.extra_conds hands them to its model, for both sides (its
+    node sets the same pose values on the negative): the pose latent process_in'd, the pose prompt, its CLIP-vision
+    features, the strengths (one float64 a row, read on the host); None without them."""
+    extras = {}
+    if request.pose_latent is not None:
+        fmt = inspect_model(request.model).latent
+        extras["pose_latents"] = fmt.process_in(request.pose_latent.to(torch.float32))
+        for name, value in (("context_pose", request.pose_cond), ("clip_fea_pose", request.pose_clip_vision_output)):
+            if value is not None:
+                extras[name] = value
+        if request.pose_strength != 1.0:
+            extras["pose_strength"] = torch.tensor([float(request.pose_strength)], dtype=torch.float64)
+    if request.reference_strength != 1.0:
+        extras["reference_strength"] = torch.tensor([float(request.reference_strength)], dtype=torch.float64)
+    return extras or None
 
 
 def _finish(ctx, request: GenerateRequest, mesh, info, samples: torch.Tensor) -> dict[str, torch.Tensor] | None:

@@ -41,6 +41,9 @@ class Conditioning:
     image_context: torch.Tensor | None = None
     concat_latent: torch.Tensor | None = None
     concat_mask: torch.Tensor | None = None
+    # the family's own per-call tensors (Family.extras) as the model takes them, [B|1, ...] (Wan-Animate 2's pose
+    # branch: pose_latents in model space, context_pose, clip_fea_pose, the strengths); None: none
+    extras: dict | None = None
 
     @property
     def forward_shape(self) -> tuple:
@@ -139,8 +142,17 @@ class FlowModel:
             if parts[0] is not None:   # None: the family's forward attaches ComfyUI's c_concat without an image
                 concat = torch.cat([rows(p, batch, items, "concat_latent_image")
                                     for p in parts]).to(self.device, self.dtype)
+        extras = None
+        if sides[0].extras:
+            if any(set(s.extras or {}) != set(sides[0].extras) for s in sides):
+                raise ValueError("the sides carry different pose inputs: give both sides WanAnimate2ToVideo's "
+                                 "conditioning")
+            host = set(self.family.host_extras)   # read on the host: kept there (no wait on the device to read them)
+            extras = {k: torch.cat([rows(s.extras[k], batch, items, k) for s in sides])
+                      .to(*(() if k in host else (self.device, self.dtype))) for k in sides[0].extras}
         return Prepared(cond, pooled, guidance, references, method, image_context=image, concat=concat,
-                        denoise_mask=None if mask is None else mask.repeat(len(sides), *([1] * (mask.ndim - 1))))
+                        denoise_mask=None if mask is None else mask.repeat(len(sides), *([1] * (mask.ndim - 1))),
+                        extras=extras)
 
     @torch.no_grad()
     def velocity(self, x_model: torch.Tensor, sigma: torch.Tensor, prepared: Prepared) -> torch.Tensor:
