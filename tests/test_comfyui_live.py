@@ -542,7 +542,6 @@ def test_hunyuanvideo15_graphs_with_the_engines_model_equal_comfyui_own(setup):
                 assert run["rel_l2"] < bound, (name, key, run)
                 plans.add(run["plan"])
     assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
-    assert "byT5" in report["xdit_sampler_byt5"] and "\n" not in report["xdit_sampler_byt5"], report
 
 
 @pytest.mark.timeout(300)

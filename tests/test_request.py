@@ -53,7 +53,7 @@ def test_the_job_document_carries_every_field_so_the_ranks_never_fall_back_to_a_
     assert set(spec) | set(inputs) == {f.name for f in fields(GenerateRequest) if not f.metadata.get("local")} - absent
     assert absent == {"clip_vision_output", "concat_latent_image", "concat_mask", "neg_clip_vision_output",
                       "neg_concat_latent_image", "neg_concat_mask", "noise_mask", "pose_latent", "pose_cond",
-                      "pose_clip_vision_output"}   # inputs SD3 takes none of
+                      "pose_clip_vision_output", "byt5", "neg_byt5"}   # inputs SD3 takes none of
     for key in ("steps", "plan"):
         partial = {k: v for k, v in spec.items() if k != key}
         with pytest.raises(ValueError, match=f"missing \\['{key}'\\]"):

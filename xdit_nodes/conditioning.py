@@ -30,9 +30,6 @@ def conditioning_tensors(conditioning, name: str) -> tuple[torch.Tensor, torch.T
     if unsupported:
         raise ValueError(f"{name} carries {', '.join(unsupported)} (area, mask, ControlNet, timestep-range or "
                          f"strength conditioning), which the xDiT Sampler does not support")
-    if extras.get("conditioning_byt5small") is not None:   # HunyuanVideo 1.5's glyph rows: the MODEL route takes them
-        raise ValueError(f"{name} carries byT5 glyph rows (a HunyuanVideo 1.5 prompt with quoted text), which the xDiT "
-                         f"Sampler's own loop does not take: sample with KSampler on the xDiT Engine's MODEL")
     return cond, pooled, extras.get("guidance")
 
 
@@ -131,6 +128,10 @@ def job_request(settings, positive, negative, latent_raw: torch.Tensor, *, cfg: 
         neg_refs, neg_method = conditioning_references(negative, "negative")
         images.update(conditioning_images(negative, "neg_", clip_state))
     images.update(conditioning_pose(positive, negative if cfg != 1.0 else None, clip_state))
+    # HunyuanVideo 1.5's byT5 rows of a prompt's quoted text, per side (comfy/model_base.py HunyuanVideo15: txt_byt5)
+    images["byt5"] = positive[0][1].get("conditioning_byt5small")
+    if cfg != 1.0:
+        images["neg_byt5"] = negative[0][1].get("conditioning_byt5small")
     return GenerateRequest(model=settings.model_path, cond=cond, pooled=pooled, latent_raw=latent_raw,
                            seed=int(seed), steps=int(steps), cfg=float(cfg), sampler=sampler_name,
                            scheduler=scheduler, denoise=float(denoise), neg_cond=neg_cond, neg_pooled=neg_pooled,

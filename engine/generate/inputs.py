@@ -295,6 +295,22 @@ def check_pose_inputs(request, info: CheckpointInfo) -> None:
                          f"[{rows}, 257, {width}] floats (CLIPVisionEncode of the pose video's frame)")
 
 
+def check_byt5(name: str, rows_in, info: CheckpointInfo, batch: int) -> None:
+    """One side's byT5 rows (HunyuanVideo 1.5's conditioning_byt5small): only a model that takes them, shaped as it
+    takes them."""
+    if rows_in is None:
+        return
+    if "txt_byt5" not in info.spec.extras:
+        raise ValueError(f"{name}: byT5 rows (a HunyuanVideo 1.5 prompt's quoted text), which {info.variant} does not "
+                         f"take: encode the prompt with this model's text encoder")
+    width = info.config["text_embed_2_dim"]
+    if not isinstance(rows_in, torch.Tensor) or not rows_in.is_floating_point() or rows_in.ndim != 3 \
+            or rows_in.shape[2] != width or rows_in.shape[0] not in (1, batch):
+        rows = "1" if batch == 1 else f"1 or {batch}"
+        raise ValueError(f"{name} of shape {_shape(rows_in)} is invalid: {info.variant} takes [{rows}, N, {width}] "
+                         f"floats (the byT5 encoder's rows of the prompt's quoted text)")
+
+
 def check_noise_mask(mask, latent: torch.Tensor) -> None:
     """The LATENT's noise_mask: floats that ComfyUI's reshape_mask fits to the latent (any size, interpolated)."""
     if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not 2 <= mask.ndim <= latent.ndim \

@@ -23,7 +23,8 @@ from ..sampling.ksampler import StepWindow
 from ..sampling.schedules import FlowSampling
 from . import admission
 from .inputs import (REFERENCE_METHODS, SEED_LIMIT, check_dtype, check_finite, check_image_inputs, check_latent,  # noqa: F401
-                     check_loras, check_noise_mask, check_pose_inputs, check_references, check_scalars, check_side)
+                     check_byt5, check_loras, check_noise_mask, check_pose_inputs, check_references, check_scalars,
+                     check_side)
 
 TENSOR = {"tensor": True}   # field metadata: crosses as a tensor through the bridge, not in the job document
 TENSOR_LIST = {"list": True}   # tensors: the document holds the list's length (or None), each crosses as "<name>.<i>"
@@ -96,6 +97,10 @@ class GenerateRequest:
     pose_clip_vision_output: torch.Tensor | None = field(default=None, metadata=TENSOR)
     pose_strength: float = 1.0
     reference_strength: float = 1.0
+    # HunyuanVideo 1.5's byT5 rows per side (conditioning_byt5small: a prompt's quoted text through the byT5 encoder)
+    # [B|1, N, width]; None: the prompt quotes nothing
+    byt5: torch.Tensor | None = field(default=None, metadata=TENSOR)
+    neg_byt5: torch.Tensor | None = field(default=None, metadata=TENSOR)
     # the LATENT's noise_mask (SetLatentNoiseMask, Wan22ImageToVideoLatent): 1 denoises, 0 keeps the latent, as
     # ComfyUI's KSampler applies it (resized to the latent as comfy.utils.reshape_mask does)
     noise_mask: torch.Tensor | None = field(default=None, metadata=TENSOR)
@@ -159,6 +164,9 @@ class GenerateRequest:
         if self.noise_mask is not None:
             check_noise_mask(self.noise_mask, self.latent_raw)
         check_pose_inputs(self, info)
+        check_byt5("byt5", self.byt5, info, batch)
+        if self.negative_pass:
+            check_byt5("neg_byt5", self.neg_byt5, info, batch)
         if self.batch_index is not None and len(self.batch_index) != batch:
             raise ValueError(f"batch_index has {len(self.batch_index)} entries for a batch of {batch}")
         if self.model_sampling is not None:
@@ -301,7 +309,8 @@ class GenerateRequest:
                     yield side + name, getattr(self, side + name)
         if self.noise_mask is not None:
             yield "noise_mask", self.noise_mask
-        for name in ("pose_latent", "pose_cond", "pose_clip_vision_output"):
+        for name in ("pose_latent", "pose_cond", "pose_clip_vision_output", "byt5") + (
+                ("neg_byt5",) if self.negative_pass else ()):
             if getattr(self, name) is not None:
                 yield name, getattr(self, name)
 
@@ -367,7 +376,7 @@ class GenerateRequest:
         spec["stage_blocks"] = list(self.stage_blocks) if self.stage_blocks is not None else None
         if not self.negative_pass:  # the sampler never runs the negative pass: its tensors stay home
             for name in ("neg_cond", "neg_pooled", "neg_clip_vision_output", "neg_concat_latent_image",
-                         "neg_concat_mask"):
+                         "neg_concat_mask", "neg_byt5"):
                 inputs.pop(name, None)
             spec["neg_reference_latents"] = None
             inputs = {k: v for k, v in inputs.items() if not k.startswith("neg_reference_latents.")}

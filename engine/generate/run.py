@@ -190,13 +190,17 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
 
 def _sides(request: GenerateRequest) -> tuple[Conditioning, Conditioning | None]:
     extras = _pose_extras(request)
+
+    def side(byt5):   # a side's own extras: the pose branch's (both sides), its byT5 rows
+        out = {**(extras or {}), **({"txt_byt5": byt5} if byt5 is not None else {})}
+        return out or None
     positive = Conditioning(request.cond, request.pooled, request.guidance, tuple(request.reference_latents or ()),
                             request.reference_latents_method, request.clip_vision_output, request.concat_latent_image,
-                            request.concat_mask, extras)
+                            request.concat_mask, side(request.byt5))
     negative = (Conditioning(request.neg_cond, request.neg_pooled, request.guidance,
                              tuple(request.neg_reference_latents or ()), request.neg_reference_latents_method,
                              request.neg_clip_vision_output, request.neg_concat_latent_image, request.neg_concat_mask,
-                             extras)
+                             side(request.neg_byt5))
                 if request.neg_cond is not None else None)
     return positive, negative
 

@@ -51,7 +51,8 @@ class Conditioning:
         context tokens."""
         refs = tuple(tuple(r.shape[1:]) for r in self.references)
         image = None if self.image_context is None else self.image_context.shape[1]
-        return self.cond.shape[1], refs, self.reference_method if refs else None, image
+        extras = tuple(sorted((k, tuple(v.shape[1:])) for k, v in (self.extras or {}).items()))
+        return self.cond.shape[1], refs, self.reference_method if refs else None, image, extras
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,8 @@ class FlowModel:
         guidance = torch.tensor([3.5 if s.guidance is None else float(s.guidance) for s in sides],
                                 dtype=torch.float32, device=self.device).repeat_interleave(per_side)
         if len({s.forward_shape[1:] for s in sides}) > 1:
-            raise ValueError("sides with different reference latents or image context cannot share one forward: run "
-                             "one per side")
+            raise ValueError("sides with different reference latents, image context or extra inputs cannot share one "
+                             "forward: run one per side")
         # as ComfyUI's extra_conds: each reference to model space in its own dtype, then to the compute dtype
         fmt = self.loaded.info.latent
         references = tuple(
@@ -144,9 +145,9 @@ class FlowModel:
                                     for p in parts]).to(self.device, self.dtype)
         extras = None
         if sides[0].extras:
-            if any(set(s.extras or {}) != set(sides[0].extras) for s in sides):
-                raise ValueError("the sides carry different pose inputs: give both sides WanAnimate2ToVideo's "
-                                 "conditioning")
+            if any(set(s.extras or {}) != set(sides[0].extras) for s in sides):   # forward_shape keeps them apart
+                raise ValueError("sides with different extra inputs (byT5 rows, pose inputs) cannot share one forward: "
+                                 "run one per side")
             host = set(self.family.host_extras)   # read on the host: kept there (no wait on the device to read them)
             extras = {k: torch.cat([rows(s.extras[k], batch, items, k) for s in sides])
                       .to(*(() if k in host else (self.device, self.dtype))) for k in sides[0].extras}
