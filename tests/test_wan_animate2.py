@@ -465,3 +465,55 @@ def test_the_templates_int8_convrot_file_is_animate2_and_runs_as_its_dequantized
                  for p in (path, plain))
     assert report("Wan-Animate 2 int8_convrot vs its dequantized plain copy", (got - want).abs().max(),
                   fp32_bound(want.abs().max(), reduction=4 * 256, depth=2 * 2 * DEPTH))
+
+
+# ---- the pose cache --------------------------------------------------------------------------------------------------
+def test_later_calls_read_the_pose_branch_from_the_cache_and_give_the_uncached_output(files, flow):
+    """The job's first call with pose inputs runs the whole sequence and keeps the pose branch's K/V per block; later
+    calls with the same inputs (the same held tensors) run the video's tokens alone: their output equals a forward
+    that runs the pose branch again (fp32 rounding: the same products, in a shorter sequence). Other pose inputs make
+    a new entry; the job's end lets it go."""
+    from engine.families.base import JOB_STATE, end_of_job, job_state
+    from engine.families.wan_animate2 import POSE_CACHE
+    c = case(pose_text=5)
+    n = c["x"].shape[0]
+    extras = {"pose_latents": c["pose"].double(), "context_pose": c["context_pose"].double(),
+              "pose_strength": torch.full((n,), 0.8, dtype=torch.float64)}
+    held = Prepared(c["cond"], None, torch.full((n,), 3.5), image_context=c["clip"], extras=extras)
+    tokens = []
+    hook = flow.model.patch_embedding.register_forward_hook(lambda m, a, out: tokens.append(out.shape[2]))
+    try:
+        end_of_job(flow.model)
+        outs = [flow.output(c["x"] * (1 + k), c["t"] - 200 * k, held) for k in range(3)]
+        entry = job_state(flow.model)[POSE_CACHE]
+        assert entry.filled and tokens == [2 * 3 - 1, 3, 3], tokens   # frames of tokens: both branches, then video's
+        for k in (1, 2):   # new tensors each time: no entry matches, the pose branch runs again
+            fresh = Prepared(c["cond"].clone(), None, torch.full((n,), 3.5), image_context=c["clip"].clone(),
+                             extras={name: t.clone() for name, t in extras.items()})
+            want = flow.output(c["x"] * (1 + k), c["t"] - 200 * k, fresh)
+            assert report(f"Wan-Animate 2 call {k + 1} from the pose cache vs the pose branch run again",
+                          (outs[k] - want).abs().max(), bound(want))
+        assert job_state(flow.model)[POSE_CACHE] is not entry   # the fresh inputs replaced it
+        assert tokens[-1] == 2 * 3 - 1
+    finally:
+        hook.remove()
+        end_of_job(flow.model)
+    assert JOB_STATE not in flow.model.__dict__
+
+
+@pytest.mark.parametrize("world,degrees,cached", [(2, dict(ulysses=2), True), (2, dict(ring=2), False),
+                                                 (2, dict(cfg=2), True)], ids=["ulysses2", "ring2", "cfg2"])
+def test_a_sessions_calls_with_the_pose_cache_equal_one_rank_without_it(engines, files, flow, world, degrees, cached):
+    """Three calls of a session with the same pose inputs (held once by the ranks): under Ulysses and CFG parallel the
+    later ones read the pose cache (Ring runs the pose branch every call: its keys travel in blocks); each equals one
+    rank running the pose branch again."""
+    c = case(frames=3, h=5, w=5, pose_text=5)
+    plan = ParallelPlan(**degrees)
+    with ModelSession(engines(world), session_request(files["animate"], c, plan)) as s:
+        got = [s.call(c["x"] * (1 + k), c["t"] - 200 * k, conditioning(c)) for k in range(3)]
+        model_s = s.model_s
+    for k in range(3):
+        want = engine_out(flow, {**c, "x": c["x"] * (1 + k), "t": c["t"] - 200 * k}, pose_strength=0.8)
+        assert report(f"Wan-Animate 2 {plan.describe()} call {k + 1} ({'pose cache' if cached and k else 'pose branch'})"
+                      f" vs one rank", (got[k] - want).abs().max(), bound(want))
+    print(f"{plan.describe()}: model seconds per call {[round(t, 3) for t in model_s]}")

@@ -360,6 +360,19 @@ def rope_axes(head_dim: int, metadata: dict, known: dict[int, tuple], title: str
                           f"({title} has 128-wide heads)")
 
 
+JOB_STATE = "_xdit_job_state"   # what a family's forward keeps on the model for one job (Wan-Animate 2's pose cache)
+
+
+def job_state(model: torch.nn.Module) -> dict:
+    """The family's state for the current job, kept with the model (its tensors let go by end_of_job)."""
+    return model.__dict__.setdefault(JOB_STATE, {})
+
+
+def end_of_job(model: torch.nn.Module) -> None:
+    """Let go what a family's forward kept for the job that ended (the device memory it holds)."""
+    model.__dict__.pop(JOB_STATE, None)
+
+
 PLACED_ENTRIES, PLACED_BYTES = 64, 256 * 2 ** 20   # what a model keeps placed: at most this many tensors, bytes
 
 

@@ -219,6 +219,7 @@ class WanProcessor:
         if cross:
             out = local_attention(q, k, v)
         elif self.animate is not None:   # Wan-Animate 2: both branches' pairs of queries and keys (wan_animate2.py)
+            self.animate.block = attn.xdit_block
             out = animate2.local(self.animate, q, k, v) if self.attention is None else \
                 self.attention(q, k, v, bias=self.animate)[0]
         elif self.attention is None:

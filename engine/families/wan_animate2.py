@@ -34,7 +34,7 @@ import json
 import torch
 
 from ..kernels import attention_with_lse, merge, removed_bias
-from .base import forward_hook
+from .base import forward_hook, job_state
 
 ANIMATE2 = "wan-animate-2"
 MODEL_TYPE = "animate2"          # the header's transformer.model_type (comfy/model_detection.py:779)
@@ -45,6 +45,8 @@ MASK_CHANNELS = 4                # the pose input's mask channels, all ones: eve
 # ComfyUI's WAN_Animate2.extra_conds, as its model hands them to the diffusion model (the strengths as floats)
 EXTRAS = ("pose_latents", "clip_fea_pose", "context_pose", "pose_strength", "reference_strength")
 HOST_EXTRAS = ("pose_strength", "reference_strength")
+POSE_CACHE = "wan_animate2_pose"   # the job state's entry (families/base.py job_state)
+CACHE_SHARE = 0.8   # the pose cache and the first call's peak take at most this share of the memory free then
 
 
 def stated(metadata: dict) -> bool:
@@ -76,12 +78,17 @@ class AnimateLayout:
         self.pose = (frames - 1) * hw if pose else 0
         self.pose_strength, self.reference_strength = pose_strength, reference_strength
         self.pose_context = pose_context   # the pose rows' cross-attention context (image tokens first), projected
+        self.fill: PoseCache | None = None     # this forward runs the pose branch and keeps its K/V per block
+        self.cached: PoseCache | None = None   # this forward's sequence is the video's alone: the pose K/V from here
+        self.block = 0                         # the block whose self-attention runs (set by the processor)
 
     def attend(self, q, k, v, q0: int, k0: int, kernel=attention_with_lse):
         nq, nk, G = q.shape[1], k.shape[1], self.gen
         gq, gk = min(max(G - q0, 0), nq), min(max(G - k0, 0), nk)   # generation rows / keys in these blocks
         pk = min(max(G + self.pose - k0, 0), nk)                    # keys end (pose keys: gk .. pk)
         removed = removed_bias(torch.float32)
+        if self.fill is not None and k0 == 0 and nk == G + self.pose:   # every key here: keep the pose branch's
+            self.fill.put(self.block, k[:, G:], v[:, G:])
         outs, lses = [], []
         if gq:
             out = lse = None
@@ -94,6 +101,10 @@ class AnimateLayout:
                 out, lse = merge(None, None, *kernel(q[:, :gq], k[:, :gk], vg))
             if pk > gk:
                 o, s = self._frame_local(q[:, :gq], q0, k[:, gk:pk], v[:, gk:pk], k0 + gk, kernel, removed)
+                out, lse = merge(out, lse, o, s)
+            elif self.cached is not None and k0 == 0:   # the pose keys kept from the job's first call, once a row
+                kp, vp = self.cached.kv[self.block]
+                o, s = self._frame_local(q[:, :gq], q0, kp, vp, G, kernel, removed)
                 out, lse = merge(out, lse, o, s)
             if out is None:
                 out, lse = self._empty(q[:, :gq], removed)
@@ -156,6 +167,76 @@ class AnimateLayout:
         return min(max(self.gen - offset, 0), count)
 
 
+class PoseCache:
+    """The pose branch's keys and values at every block's self-attention, kept for a job: the branch's inputs (the pose
+    latents, its prompt and CLIP-vision output) are the same every step and its timestep is fixed at 1, so they are
+    too (ComfyUI's WanAnimate2Cache keeps its block inputs for the same reason). Filled by the job's first forward with
+    pose inputs, which runs the whole sequence; later forwards with the same inputs run the video's tokens alone and
+    read the pose keys from here. Held where the attention has every key: one rank, or after Ulysses' exchange (this
+    rank's heads of every pose token); `key` names the inputs (their tensors kept alive in `keep`, so an identity
+    cannot be reused while the entry lives)."""
+
+    def __init__(self, key, keep, blocks: int):
+        self.key, self.keep = key, keep
+        self.kv: list = [None] * blocks
+
+    def put(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv[block] = (k.clone(), v.clone())   # not views of the exchange's buffer (q would stay alive with them)
+
+    @property
+    def filled(self) -> bool:
+        return all(e is not None for e in self.kv)
+
+
+def _identity(t: torch.Tensor):
+    base = t._base if t._base is not None else t
+    return (id(base), t.storage_offset(), tuple(t.shape), t.dtype), base
+
+
+def pose_cache_for(flow, processors, prepared, extras, n: int, frames: int, hw: int) -> tuple:
+    """(the cache this forward reads, the cache it fills): one or neither. The cache applies where every key reaches
+    one attention call (one rank, Ulysses; not Ring, whose blocks of keys travel) and where there is room for it."""
+    attention = [p.attention for p in processors if p.attention is not None]
+    if any(a.ring.size > 1 or a.stale is not None for a in attention):
+        return None, None
+    used = [extras["pose_latents"], extras.get("context_pose", prepared.cond),
+            extras.get("clip_fea_pose", prepared.image_context)]
+    idents = [_identity(t) for t in used if t is not None]
+    key = (tuple(i for i, _ in idents), n, frames, hw)
+    state = job_state(flow.model)
+    entry = state.get(POSE_CACHE)
+    if entry is not None and entry.key == key and entry.filled:
+        return entry, None
+    state.pop(POSE_CACHE, None)   # other pose inputs: the old entry goes before the new is made
+    from ..parallel.memory import MEASURED_ACT_WIDTHS
+    config = flow.model.config
+    ulysses = attention[0].ulysses.size if attention else 1
+    width = config.num_attention_heads * config.attention_head_dim
+    need = 2 * n * (frames - 1) * hw * (width // ulysses) * flow.dtype.itemsize * len(flow.model.blocks)
+    # the first call's own peak (both branches' tokens, this rank's share) is live beside the cache as it fills
+    peak = MEASURED_ACT_WIDTHS[ANIMATE2] * n * (2 * frames - 1) * hw / ulysses * width * flow.dtype.itemsize
+    if need + peak > CACHE_SHARE * free_bytes(flow.device):
+        return None, None
+    entry = state[POSE_CACHE] = PoseCache(key, [b for _, b in idents], len(flow.model.blocks))
+    return None, entry
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for the cache on `device`: the GPU's free memory and what torch's allocator holds unused (a driver
+    query, no wait on the stream); the host's available memory for CPU ranks."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def rope_tables(rope, frames: int, ph: int, pw: int, pose: bool):
     """ComfyUI's RoPE of both branches from diffusers' WanRotaryPosEmbed tables (the same float64 angles, looked up at
     ComfyUI's integer positions): generation frames 0.., rows 0.., columns 0..; pose frames 1.., columns pw..
@@ -202,16 +283,20 @@ def animate_forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared, pro
         raise ValueError("this Wan-Animate 2 model needs CLIP-vision features (clip_vision_output): connect "
                          "CLIPVisionEncode to WanAnimate2ToVideo")
     n = x.shape[0]
-    seq = x
+    ph, pw = -(-h // 2), -(-w // 2)
+    hw = ph * pw
+    cached = fill = None
     if pose is not None:
+        cached, fill = pose_cache_for(flow, processors, prepared, extras, n, frames, hw)
+    seq = x
+    if pose is not None and cached is None:
         pose = pose.to(x.dtype)
         seq = torch.cat([x, torch.cat([pose, torch.ones_like(pose[:, :MASK_CHANNELS]), pose], dim=1)], dim=2)
     seq = pad_to_patches(seq)
-    ph, pw = seq.shape[-2] // 2, seq.shape[-1] // 2
-    hw = ph * pw
+    in_sequence = pose is not None and cached is None   # the pose tokens run in this forward
     pose_context = None
     embedder = model.condition_embedder
-    if pose is not None:
+    if in_sequence:
         context_pose = extras.get("context_pose")
         context_pose = (prepared.cond if context_pose is None else context_pose).to(flow.dtype)
         clip_pose = extras.get("clip_fea_pose")
@@ -221,8 +306,9 @@ def animate_forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared, pro
             pose_context = torch.cat([embedder.image_embedder(clip_pose), pose_context], dim=1)
     layout = AnimateLayout(frames, hw, pose is not None, strength(extras, "pose_strength"),
                            strength(extras, "reference_strength"), pose_context)
+    layout.cached, layout.fill = cached, fill
     t = timestep.to(torch.float32).reshape(n, 1).expand(n, layout.gen)
-    if pose is not None:
+    if in_sequence:
         t = torch.cat([t, t.new_full((n, layout.pose), POSE_TIMESTEP)], dim=1)
     clip_tokens = image.shape[1]
     if pose is not None and extras.get("clip_fea_pose") is not None and extras["clip_fea_pose"].shape[1] != clip_tokens:
@@ -231,11 +317,13 @@ def animate_forward(flow, x: torch.Tensor, timestep: torch.Tensor, prepared, pro
     for p in processors:
         p.image_tokens = clip_tokens
         p.animate = layout
+    for i, block in enumerate(model.blocks):   # which block's keys a self-attention call holds (the pose cache)
+        block.attn1.xdit_block = i
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(comfys_sinusoid(embedder, flow.dtype))
             stack.enter_context(forward_hook(model.rope, lambda module, args, out: rope_tables(
-                module, frames, ph, pw, pose is not None), prepend=True))
+                module, frames, ph, pw, in_sequence), prepend=True))
             out = model(hidden_states=seq, timestep=t, encoder_hidden_states=prepared.cond,
                         encoder_hidden_states_image=image, return_dict=False)[0]
     finally:

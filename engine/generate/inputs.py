@@ -278,6 +278,10 @@ def check_pose_inputs(request, info: CheckpointInfo) -> None:
         raise ValueError(f"pose_latent of shape {_shape(pose)} is invalid: for this latent (the reference image's frame "
                          f"and {grid[0] - 1} more) {info.variant} takes [{rows}, {', '.join(map(str, want))}] floats "
                          f"(WanAnimate2ToVideo's pose video latent, one frame fewer than the latent)")
+    if pose is not None and request.cache_threshold:
+        raise ValueError(f"cache_threshold={request.cache_threshold}: the step cache does not combine with Wan-Animate "
+                         f"2's pose branch (the engine keeps the pose branch's keys and values across the steps "
+                         f"instead): set cache_threshold 0")
     if pose is None and (request.pose_cond is not None or request.pose_clip_vision_output is not None
                          or request.pose_strength != 1.0):
         raise ValueError("pose_cond, pose_clip_vision_output and pose_strength need pose_latent (the pose video's "

@@ -26,7 +26,7 @@ from ..models.lora import HeldPatches, WeightPatches
 from ..models.sharded import gathered
 from ..models.speed import attention_kernels
 from .request import GenerateRequest
-from .run import _finish, _parallel_model
+from .run import _finish, _parallel_model, job_ends
 
 # ComfyUI diffusion-model keyword inputs the engine's families take, and what they become: context -> the text
 # tokens, y -> the pooled vector, guidance -> the embedded guidance scale, clip_fea -> the image tokens of the
@@ -264,7 +264,7 @@ def run_model(ctx, request: GenerateRequest, patches: WeightPatches) -> dict[str
     derived: dict[str, dict] = {}        # "<name>@<slot>" -> what the family derived from it (Family.hold)
     calls, compute_s, holds = 0, 0.0, 0
     # a test instrument around the calls (a call is its step); a no-op unless the rank's environment arms it
-    with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device):
+    with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device), job_ends(flow.model):
         syncs.start()
         # each call's tensors arrive on the device in one copy (the upload), its output leaves in one (the download)
         # the family's values read on the host (Family.host_extras) stay in host memory: reading them waits for nothing

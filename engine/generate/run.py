@@ -2,6 +2,7 @@
 LoRAs brought up to date, and ComfyUI's KSampler run over the predictor. No parallel branch lives here."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -16,6 +17,7 @@ from ..parallel.parallelize import parallelize
 from ..parallel.pipefusion.layout import make_layout, stage_keep
 from ..parallel.pipefusion.pipeline import Pipeline
 from .. import families, syncs
+from ..families.base import end_of_job
 from ..parallel.shard import forget_divisions, shard_spec
 from ..sampling.ksampler import ksample, reshape_mask, start_sampling
 from ..sampling.noise import prepare_noise
@@ -188,6 +190,16 @@ def _parallel_model(ctx, request: GenerateRequest, mesh, stage=None, weight_patc
     return parallel
 
 
+@contextlib.contextmanager
+def job_ends(model):
+    """The job's sampling: what the family's forward kept with the model for it is let go at its end, whatever ends
+    it (families/base.py end_of_job)."""
+    try:
+        yield
+    finally:
+        end_of_job(model)
+
+
 def _sides(request: GenerateRequest) -> tuple[Conditioning, Conditioning | None]:
     extras = _pose_extras(request)
 
@@ -290,7 +302,8 @@ def run_generate(ctx, request: GenerateRequest, weight_patches=None) -> dict[str
 
     ctx.check_cancel(0)
     with attention_kernels(request.attention, ctx.device), syncs.loop(ctx.info, ctx.device,
-                                                                         host=(request, latent_raw, noise)):
+                                                                         host=(request, latent_raw, noise)), \
+            job_ends(parallel.flow.model):
         syncs.start()
         samples = ksample(parallel.predictor(positive, negative, mask), latent_raw.to(ctx.device),
                           sampling=request.sampling(info), latent=info.latent, seed=request.seed,

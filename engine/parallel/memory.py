@@ -22,7 +22,10 @@ ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidd
 # widths in float32 per token). The peak is in the FFN (its up projection and GELU output, 2 x FFN/hidden widths)
 # with the residual stream's float32 copies. `tests/test_planner.py` measures the 14B figure again.
 MEASURED_ACT_WIDTHS = {"wan2.1-14b": 11.3, "wan2.1-i2v-14b": 11.3, "wan2.1-flf2v-14b": 11.3, "wan2.2-a14b": 11.3,
-                       "wan2.2-i2v-a14b": 11.3, "wan2.1-1.3b": 15.9, "wan2.2-ti2v-5b": 32.6}
+                       "wan2.2-i2v-a14b": 11.3, "wan2.1-1.3b": 15.9, "wan2.2-ti2v-5b": 32.6,
+                       # not measured: the I2V file's figure (its attention's float32 merge buffers, about 8 widths
+                       # beside q, k, v, stay below the FFN's peak); its tokens count both branches
+                       "wan-animate-2": 11.3}
 # What a GPU gives less than its total (devices.GPU.memory_gib, as torch reports it): the rank's CUDA context (the
 # kernels it loads, cuBLAS and cuDNN handles), which torch's allocator does not count, and what the caching allocator
 # holds reserved but unallocated at the job's peak (blocks freed between the weights' and the activations' sizes).
