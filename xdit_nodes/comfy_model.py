@@ -77,6 +77,9 @@ def engine_model(settings: core.EngineSettings):
     expected = info.spec.comfy_model(info.config)[1].get("image_model")
     if config is not None and expected and getattr(config, "unet_config", {}).get("image_model") != expected:
         config = None   # an older ComfyUI takes the file for another model (0.3.64: LTX-2.3 as the video-only LTXV)
+    wanted = info.spec.comfy_class(info.variant)
+    if config is not None and wanted and type(config).__name__ != wanted:
+        config = None   # (0.3.64: Wan-Animate 2 as Wan 2.1 image-to-video, without its pose inputs)
     device = torch.device("cpu")   # ComfyUI's side of the MODEL holds no weights: its sampler runs on the CPU
     if config is None:
         since = info.spec.comfyui_since(info.variant)

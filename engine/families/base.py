@@ -248,6 +248,10 @@ class Family:
     # variant -> the first ComfyUI release whose graphs sample it (its model class and text encoder); "": older than
     # any ComfyUI the pack runs in
     comfyui_since: Callable[[str], str] = lambda variant: ""
+    # variant -> the comfy.supported_models class ComfyUI must detect the file as ("": any of the family's): an older
+    # ComfyUI that takes the file for another model (Wan-Animate 2's as Wan 2.1 image-to-video, whose pose inputs it
+    # has no node for) is told to update (comfyui_since)
+    comfy_class: Callable[[str], str] = lambda variant: ""
 
     def variant_dims(self, variant: str, size: str = "tiny"):
         return self.dims[size][variant]

@@ -317,6 +317,7 @@ FAMILY = Family(
     forward=forward, cfg=5.0, text_tokens=TEXT_TOKENS,
     extras=animate2.EXTRAS, host_extras=animate2.HOST_EXTRAS,
     comfyui_since=lambda variant: animate2.COMFYUI_SINCE if variant == animate2.ANIMATE2 else "",
+    comfy_class=lambda variant: "WAN_Animate2" if variant == animate2.ANIMATE2 else "",
     tiny_metadata=lambda dims: animate2.header() if dims.animate2 else {},
     extra_frames=lambda variant, latent_frames: latent_frames - 1 if variant == animate2.ANIMATE2 else 0,
     extra_token_kind="pose", reference_frames=lambda variant: 1 if variant == animate2.ANIMATE2 else 0,
