@@ -45,7 +45,7 @@ run vae_wan22 "${VAE:-150}" vae --widths full --kind wan2.2 --gpus 0 --ranks 1 -
 run vae_flux "${VAE:-150}" vae --widths full --kind flux --gpus 0 --ranks 1 --width 1024 --height 1024
 run vae_flux2 "${VAE:-150}" vae --widths full --kind flux2 --gpus 0 --ranks 1 --width 1024 --height 1024
 echo "=== cuda tests (at most ${CUDA_TESTS:-120} s) $(date +%T)"
-timeout "${CUDA_TESTS:-120}" python -m pytest tests/test_cuda.py -q -s -k "guides_bias or fp8_weight_option" \
+timeout "${CUDA_TESTS:-120}" python -m pytest tests/test_cuda.py -q -s -k "guides_bias or fp8_weight_option or wan_animate2" \
     > "$out/cuda_tests.log" 2>&1
 echo "=== cuda tests exit $? $(date +%T)"; grep -E "relative|passed|failed" "$out/cuda_tests.log" | tail -n 12
 echo "=== fsdp memory (at most ${FSDP:-90} s) $(date +%T)"

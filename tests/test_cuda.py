@@ -291,3 +291,42 @@ def test_the_fp8_weight_option_on_cuda_holds_linear_weights_alone_in_fp8(tmp_pat
     rel = float((got - want).norm() / want.norm())
     print(f"{kind} fp8 weights on CUDA, bf16 compute vs fp32 CPU: relative L2 {rel:.3g} (bound 0.15)")
     assert torch.isfinite(got).all() and rel < 0.15
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_wan_animate2_on_the_cuda_kernels_and_its_pose_cache(tmp_path, dtype):
+    """Wan-Animate 2's attention blocks (generation over generation, the frame-local pose part as one batched call,
+    the merge) on CUDA's kernels equal the CPU fp32 model (bf16 within its rounding), and a second call with the same
+    inputs, read from the pose cache kept on the GPU, equals a fresh forward; the job's end lets the cache go."""
+    from engine.families.base import JOB_STATE, end_of_job
+    from engine.models.flow import Prepared
+    from test_wan_animate2 import case
+    path = write_tiny("wan", str(tmp_path), variant="wan-animate-2")
+    c = case(pose_text=5)
+    n = c["x"].shape[0]
+
+    def prepared(flow, fresh=False):
+        dev, dt = flow.device, flow.dtype
+        copy = (lambda t: t.clone()) if fresh else (lambda t: t)
+        return Prepared(copy(c["cond"]).to(dev, dt), None, torch.full((n,), 3.5, device=dev),
+                        image_context=copy(c["clip"]).to(dev, dt),
+                        extras={"pose_latents": copy(c["pose"]).to(dev, dt), "context_pose": copy(c["context_pose"])
+                                .to(dev, dt), "pose_strength": torch.full((n,), 0.8, dtype=torch.float64)})
+    cpu = FlowModel(load_model(path, dtype="fp32", device=torch.device("cpu")))
+    want = cpu.output(c["x"], c["t"], prepared(cpu)).float()
+    gpu = FlowModel(load_model(path, dtype=dtype, device=torch.device("cuda")))
+    held = prepared(gpu)
+    first = gpu.output(c["x"], c["t"], held).float().cpu()
+    second = gpu.output(c["x"], c["t"], held).float().cpu()   # the pose branch from the cache
+    from engine.families.wan_animate2 import POSE_CACHE
+    assert gpu.model.__dict__[JOB_STATE][POSE_CACHE].filled   # made: room for it on the GPU
+    fresh = gpu.output(c["x"], c["t"], prepared(gpu, fresh=True)).float().cpu()
+    end_of_job(gpu.model)
+    tol = 1e-4 if dtype == "fp32" else 5e-2
+    for name, got in (("first call", first), ("from the pose cache", second)):
+        rel = float((got - want).norm() / want.norm())
+        print(f"Wan-Animate 2 CUDA {dtype} {name} vs CPU fp32: relative L2 {rel:.3g}")
+        assert rel < tol
+    cached = float((second - fresh).norm() / fresh.norm())
+    print(f"Wan-Animate 2 CUDA {dtype}: cached call vs the pose branch run again: relative L2 {cached:.3g}")
+    assert cached < tol / 5
