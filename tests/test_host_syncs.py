@@ -417,7 +417,7 @@ def test_audio_video_model_calls_sync_only_for_each_calls_upload_and_download(av
         assert c["per_step"][1:calls] == [dict(read=download, upload=1, wait=0, deferred=0)] * (calls - 1), c["where"]
 
 
-@pytest.mark.parametrize("plan", [dict(ulysses=2), dict(ring=2)], ids=["ulysses2", "ring2"])
+@pytest.mark.parametrize("plan", [dict(ulysses=2)], ids=["ulysses2"])
 def test_wan_animate2_model_calls_sync_only_for_each_calls_upload_and_download(tmp_path, counting, plan):
     """Wan-Animate 2 on the per-call route: its strengths (Family.host_extras) are read in host memory, the pose
     branch's layout from shapes alone; after the first call a call makes one upload on every rank and rank 0 one read,

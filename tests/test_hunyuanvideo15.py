@@ -295,7 +295,7 @@ def run(engines, r):
     return engines(2).submit("generate", *r.to_job()).outputs["samples"]   # one group: one-rank plans run on rank 0
 
 
-@pytest.mark.parametrize("plan", [ParallelPlan(), ParallelPlan(cfg=2)], ids=["single", "cfg2"])
+@pytest.mark.parametrize("plan", [ParallelPlan(cfg=2)], ids=["cfg2"])
 def test_the_engines_own_loop_takes_a_quoted_prompts_byt5_rows(tiny, sd, engines, plan):
     """The xDiT Sampler's route: the positive's byT5 rows (conditioning_byt5small, a prompt quoting text), a negative
     without any (its own forward, as ComfyUI runs them apart), sampled at cfg 6 equal the reference KSampler."""

@@ -36,7 +36,7 @@ MODELS = (("Wan 2.1 1.3B", "wan2.1-1.3b", "auto"), ("Wan 2.1 14B", "wan2.1-14b",
           ("Wan 2.2 A14B, both experts resident", "wan2.2-a14b", RESIDENT),
           ("Wan 2.2 A14B, idle expert in host memory", "wan2.2-a14b", HOST),
           ("Wan 2.2 TI2V-5B", "wan2.2-ti2v-5b", "auto"), ("HunyuanVideo 1.5", "hunyuanvideo-1.5", "auto"),
-          ("Wan-Animate 2 (cfg 1, pose branch)", "wan-animate-2", "auto", {"negative_pass": False}))
+          ("Wan-Animate 2 (cfg 1)", "wan-animate-2", "auto", {"negative_pass": False}))
 STEPS = 20
 
 
@@ -101,7 +101,7 @@ SHARD_MODELS = (("Wan 2.1 14B", "wan2.1-14b", (1280, 720, 81), {}),
                 ("Qwen-Image (cfg 2.5)", "qwen-image", (1328, 1328, 1), {}),
                 ("Krea 2 Turbo (cfg 1)", "krea-2", (1024, 1024, 1), {"negative_pass": False}),
                 ("HunyuanVideo 1.5 (cfg 6)", "hunyuanvideo-1.5", (1280, 720, 121), {}),
-                ("Wan-Animate 2 (cfg 1, pose branch)", "wan-animate-2", (482, 854, 81), {"negative_pass": False}))
+                ("Wan-Animate 2 (cfg 1)", "wan-animate-2", (482, 854, 81), {"negative_pass": False}))
 
 
 def shard_header() -> list[str]:
