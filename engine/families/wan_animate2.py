@@ -46,6 +46,10 @@ MASK_CHANNELS = 4                # the pose input's mask channels, all ones: eve
 EXTRAS = ("pose_latents", "clip_fea_pose", "context_pose", "pose_strength", "reference_strength")
 HOST_EXTRAS = ("pose_strength", "reference_strength")
 POSE_CACHE = "wan_animate2_pose"   # the job state's entry (families/base.py job_state)
+# a forward's peak of live activations per token, in hidden widths (bf16): the Wan I2V file's measured 11.3
+# (parallel/memory.py), assumed for this forward (its attention's float32 merge buffers, about 8 widths beside q, k, v,
+# stay below the FFN's peak); the planner reads it from here
+ACT_WIDTHS = 11.3
 CACHE_SHARE = 0.8   # the pose cache and the first call's peak take at most this share of the memory free then
 
 
@@ -208,13 +212,12 @@ def pose_cache_for(flow, processors, prepared, extras, n: int, frames: int, hw: 
     if entry is not None and entry.key == key and entry.filled:
         return entry, None
     state.pop(POSE_CACHE, None)   # other pose inputs: the old entry goes before the new is made
-    from ..parallel.memory import MEASURED_ACT_WIDTHS
     config = flow.model.config
     ulysses = attention[0].ulysses.size if attention else 1
     width = config.num_attention_heads * config.attention_head_dim
     need = 2 * n * (frames - 1) * hw * (width // ulysses) * flow.dtype.itemsize * len(flow.model.blocks)
     # the first call's own peak (both branches' tokens, this rank's share) is live beside the cache as it fills
-    peak = MEASURED_ACT_WIDTHS[ANIMATE2] * n * (2 * frames - 1) * hw / ulysses * width * flow.dtype.itemsize
+    peak = ACT_WIDTHS * n * (2 * frames - 1) * hw / ulysses * width * flow.dtype.itemsize
     if need + peak > CACHE_SHARE * free_bytes(flow.device):
         return None, None
     entry = state[POSE_CACHE] = PoseCache(key, [b for _, b in idents], len(flow.model.blocks))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 
+from ..families import wan_animate2 as animate2
 from ..models.synthetic import synthetic_info
 from .pipefusion.layout import balanced_split, block_lists, meta_model, reference_costs
 from .devices import host_link_gbs
@@ -23,9 +24,9 @@ ACT_WIDTHS = 24          # live activations per token at a block's peak, in hidd
 # with the residual stream's float32 copies. `tests/test_planner.py` measures the 14B figure again.
 MEASURED_ACT_WIDTHS = {"wan2.1-14b": 11.3, "wan2.1-i2v-14b": 11.3, "wan2.1-flf2v-14b": 11.3, "wan2.2-a14b": 11.3,
                        "wan2.2-i2v-a14b": 11.3, "wan2.1-1.3b": 15.9, "wan2.2-ti2v-5b": 32.6,
-                       # not measured: the I2V file's figure (its attention's float32 merge buffers, about 8 widths
-                       # beside q, k, v, stay below the FFN's peak); its tokens count both branches
-                       "wan-animate-2": 11.3}
+                       # not measured: assumed as the I2V file's (families/wan_animate2.py); its tokens count both
+                       # branches
+                       animate2.ANIMATE2: animate2.ACT_WIDTHS}
 # What a GPU gives less than its total (devices.GPU.memory_gib, as torch reports it): the rank's CUDA context (the
 # kernels it loads, cuBLAS and cuDNN handles), which torch's allocator does not count, and what the caching allocator
 # holds reserved but unallocated at the job's peak (blocks freed between the weights' and the activations' sizes).
