@@ -532,16 +532,7 @@ def test_hunyuanvideo15_graphs_with_the_engines_model_equal_comfyui_own(setup):
     for name in ("hv15 quoted text: byT5 rows, KSampler cfg 6",   # the byT5 rows and the image move ComfyUI's own
                  "hv15 i2v: HunyuanVideo15ImageToVideo's keys, KSampler cfg 6"):   # result far beyond rounding
         assert graphs[name]["native_vs_t2v_ksampler_rel_l2"] > 1e-2, (name, graphs[name])
-    plans = set()
-    for name, entry in graphs.items():
-        # fp32 through different code paths: rounding only (ComfyUI attends by sub-quadratic chunks on the CPU), which
-        # CFG amplifies up to 2 cfg - 1 times over the steps
-        bound = 1e-5 * max(1.0, 2 * entry["cfg"] - 1)
-        for key, run in entry.items():
-            if isinstance(run, dict):
-                assert run["rel_l2"] < bound, (name, key, run)
-                plans.add(run["plan"])
-    assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
+    assert_runs_equal_comfyuis(graphs)
 
 
 @pytest.mark.timeout(300)
@@ -746,15 +737,7 @@ def test_wan_animate2_graphs_with_the_engines_model_equal_comfyui_own(setup):
     window = graphs["animate2 pose window 0.0-0.5, KSampler cfg 4"]   # ComfyUI ran some calls without the branch
     assert window["native_calls_with_pose"] > 0 and window["native_calls_without_pose"] > 0, window
     assert report["native_vs_no_pose_rel_l2"] > 1e-2, report   # the pose inputs matter
-    plans = set()
-    for name, entry in graphs.items():
-        # fp32 through different code paths: rounding only, which CFG amplifies up to 2 cfg - 1 times over the steps
-        bound = 1e-5 * max(1.0, 2 * entry["cfg"] - 1)
-        for key, run in entry.items():
-            if isinstance(run, dict):
-                assert run["rel_l2"] < bound, (name, key, run)
-                plans.add(run["plan"])
-    assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
+    assert_runs_equal_comfyuis(graphs)
     cache = report["cache"]   # ComfyUI's cache in the model's dtype changes nothing; the engine ignores the node
     assert cache["native_default_vs_no_cache_rel_l2"] < 1e-5, cache
     assert cache["engine_with_cache_vs_native_cache_default_rel_l2"] < 1e-5, cache
@@ -766,3 +749,17 @@ def test_wan_animate2_graphs_with_the_engines_model_equal_comfyui_own(setup):
             assert "\n" not in run.get("refused", "\n") and "pose window" in run["refused"], (name, run)
             continue
         assert "refused" not in run and run["rel_l2"] < 1e-5 * max(1.0, 2 * graphs[name]["cfg"] - 1), (name, run)
+
+
+def assert_runs_equal_comfyuis(graphs: dict) -> None:
+    """Every engine run of a check's graphs within fp32 rounding of ComfyUI's own latent (ComfyUI attends by
+    sub-quadratic chunks on the CPU), which CFG amplifies up to 2 cfg - 1 times over the steps, and the plans of two
+    ranks among them."""
+    plans = set()
+    for name, entry in graphs.items():
+        bound = 1e-5 * max(1.0, 2 * entry["cfg"] - 1)
+        for key, run in entry.items():
+            if isinstance(run, dict):
+                assert run["rel_l2"] < bound, (name, key, run)
+                plans.add(run["plan"])
+    assert {"single rank", "ulysses2", "ring2", "cfg2", "ulysses2 x shard2", "cfg2 x shard2"} <= plans, plans
