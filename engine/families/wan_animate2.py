@@ -147,8 +147,9 @@ class AnimateLayout:
         i = 0
         while i < len(pieces):
             run = i
-            while run < len(pieces) and pieces[run][2] - pieces[run][1] == hw and pieces[run][4] - pieces[run][3] == hw \
-                    and (run == i or (pieces[run][0] == pieces[run - 1][0] + 1)):
+            while run < len(pieces) and pieces[run][2] - pieces[run][1] == hw \
+                    and pieces[run][4] - pieces[run][3] == hw \
+                    and (run == i or pieces[run][0] == pieces[run - 1][0] + 1):
                 run += 1
             if run > i:   # whole frames: one batched call
                 n = run - i

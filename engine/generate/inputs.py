@@ -275,9 +275,9 @@ def check_pose_inputs(request, info: CheckpointInfo) -> None:
     pose = request.pose_latent
     if pose is not None and (not isinstance(pose, torch.Tensor) or not pose.is_floating_point() or pose.ndim != 5
                              or tuple(pose.shape[1:]) != want or pose.shape[0] not in (1, batch)):
-        raise ValueError(f"pose_latent of shape {_shape(pose)} is invalid: for this latent (the reference image's frame "
-                         f"and {grid[0] - 1} more) {info.variant} takes [{rows}, {', '.join(map(str, want))}] floats "
-                         f"(WanAnimate2ToVideo's pose video latent, one frame fewer than the latent)")
+        raise ValueError(f"pose_latent of shape {_shape(pose)} is invalid: for this latent (the reference image's "
+                         f"frame and {grid[0] - 1} more) {info.variant} takes [{rows}, {', '.join(map(str, want))}] "
+                         f"floats (WanAnimate2ToVideo's pose video latent, one frame fewer than the latent)")
     if pose is not None and request.cache_threshold:
         raise ValueError(f"cache_threshold={request.cache_threshold}: the step cache does not combine with Wan-Animate "
                          f"2's pose branch (the engine keeps the pose branch's keys and values across the steps "

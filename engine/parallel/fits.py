@@ -58,9 +58,9 @@ def cell(work: Workload, m: Machine) -> str:
 def header() -> list[str]:
     """What the table assumes, in words."""
     return [f"Each cell: the plan auto picks (it may leave GPUs idle), GiB per GPU, est. seconds a clip ({STEPS} "
-            f"steps, cfg > 1 but Wan-Animate 2's 1, eager, bf16 compute; transformer only), and for the idle expert in host memory the host "
-            f"GiB per machine; \"no (X)\": no plan fits, the least needs X GiB per GPU. 24 GB: RTX 4090 (PCIe, no "
-            f"peer access), 48 GB: L40S (PCIe across sockets), 80 GB: H100 SXM (NVLink).", ""]
+            f"steps, cfg > 1 but Wan-Animate 2's 1, eager, bf16 compute; transformer only), and for the idle expert "
+            f"in host memory the host GiB per machine; \"no (X)\": no plan fits, the least needs X GiB per GPU. 24 "
+            f"GB: RTX 4090 (PCIe, no peer access), 48 GB: L40S (PCIe across sockets), 80 GB: H100 SXM (NVLink).", ""]
 
 
 def markdown(header: tuple, rows: list[tuple]) -> list[str]:
@@ -106,9 +106,10 @@ SHARD_MODELS = (("Wan 2.1 14B", "wan2.1-14b", (1280, 720, 81), {}),
 
 def shard_header() -> list[str]:
     return [f"Each cell: the plan auto picks (\"shardN\": each GPU holds 1/N of the weights), GiB per GPU, est. seconds "
-            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's, Krea 2 Turbo's and Wan-Animate 2's 1, eager, bf16 compute; transformer only), the "
-            f"idle expert's host GiB per machine where auto keeps it there; \"no (X)\": no plan fits, the least needs "
-            f"X GiB per GPU. 16 GB: RTX 4080, 24 GB: RTX 4090 (PCIe, no peer access), 48 GB: RTX 6000 Ada (PCIe).", ""]
+            f"an image or clip ({STEPS} steps, cfg > 1 but FLUX.2's, Krea 2 Turbo's and Wan-Animate 2's 1, eager, "
+            f"bf16 compute; transformer only), the idle expert's host GiB per machine where auto keeps it there; "
+            f"\"no (X)\": no plan fits, the least needs X GiB per GPU. 16 GB: RTX 4080, 24 GB: RTX 4090 (PCIe, no "
+            f"peer access), 48 GB: RTX 6000 Ada (PCIe).", ""]
 
 
 def shard_rows() -> tuple[tuple, list[tuple]]:
