@@ -542,3 +542,20 @@ def test_a_comfy_org_fp8_scaled_file_and_bf16_compute_keep_the_header_and_the_po
     moved = float((got - want).norm() / want.norm())
     print(f"Wan-Animate 2 {fmt} vs the fp32 model: relative L2 {moved:.3g}")
     assert torch.isfinite(got).all() and moved < 5e-2
+
+
+def test_wan_animate2_cache_at_a_rounding_dtype_is_refused_in_one_line_and_at_default_taken():
+    """WanAnimate2Cache at int8 / int4 rounds ComfyUI's pose activations (live: 1.4e-4 from no cache), which the
+    engine does not reproduce: refused naming the node; at its default dtype it changes no number (live: 0.0) and
+    the engine's MODEL takes it."""
+    import importlib
+    import types
+    from conftest import PACK_NAME, load_pack
+    load_pack()
+    model = importlib.import_module(PACK_NAME + ".xdit_nodes.model")
+    model.check_transformer_options({"animate2_cache": types.SimpleNamespace(dtype="default")})
+    for dtype in ("int8", "int4"):
+        with pytest.raises(model.ModelPatchError, match=f"WanAnimate2Cache with dtype {dtype}.*set the node's dtype "
+                                                        f"to default") as e:
+            model.check_transformer_options({"animate2_cache": types.SimpleNamespace(dtype=dtype)})
+        assert "\n" not in str(e.value)

@@ -145,6 +145,13 @@ def check_transformer_options(transformer: dict) -> None:
         raise ModelPatchError(
             f"the MODEL carries a diffusion-model wrapper ({', '.join(sorted(wrappers))}) from a node that wraps "
             f"ComfyUI's diffusion model, which the xDiT engine replaces; remove that node")
+    cache = transformer.get("animate2_cache")   # WanAnimate2Cache (comfy_extras/nodes_wan.py): its PoseBranchCache
+    dtype = getattr(cache, "dtype", "default")
+    if cache is not None and dtype != "default":
+        raise ModelPatchError(
+            f"the MODEL went through WanAnimate2Cache with dtype {dtype}, whose rounded pose activations the xDiT engine "
+            f"does not reproduce (its ranks keep the pose branch exactly, with the same numbers as dtype default): set "
+            f"the node's dtype to default, or remove the node")
 
 
 _DIGESTS: dict[int, tuple[weakref.ref, str]] = {}
